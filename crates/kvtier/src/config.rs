@@ -1,0 +1,219 @@
+//! Store configuration. Every setter documents its default.
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub const KIB: u64 = 1024;
+pub const MIB: u64 = 1024 * KIB;
+pub const GIB: u64 = 1024 * MIB;
+
+/// The alignment of everything on disk and in the memory pool.
+pub const PAGE_SIZE: u64 = 4096;
+
+/// Largest value size the format can describe (value lengths are u32 on disk).
+pub const MAX_VALUE_SIZE_LIMIT: u64 = u32::MAX as u64 - PAGE_SIZE + 1;
+
+/// Which io engine the disk tier uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoEngineKind {
+    /// `pread`/`pwrite`; batches of reads are spread over `io_threads` threads.
+    Psync,
+}
+
+/// How the memory pool picks entries to drop when it is full. Only entries
+/// already durable on disk (or put as memory-only) are ever dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictionPolicy {
+    /// S3-FIFO: new entries enter a small FIFO (10% of the pool); those hit
+    /// while there move to the main FIFO, the rest leave early. Resists scans,
+    /// and hits never take a lock.
+    S3Fifo,
+    /// Least recently used, approximated CLOCK-style: a hit only marks the
+    /// entry, and the marked entries at the old end get another round.
+    Lru,
+}
+
+impl EvictionPolicy {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "s3fifo" | "s3-fifo" => Ok(EvictionPolicy::S3Fifo),
+            "lru" => Ok(EvictionPolicy::Lru),
+            other => Err(Error::invalid(format!(
+                "unknown eviction policy {other:?}: expected s3fifo or lru"
+            ))),
+        }
+    }
+}
+
+/// When the background flusher writes pool entries to disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlushPolicy {
+    /// Write as soon as anything is pending; batches form from whatever
+    /// accumulates while the previous write runs.
+    WriteThrough,
+    /// Write only on `flush()`, a durable put, pool pressure or close.
+    OnDemand,
+}
+
+/// Configuration for [`crate::Store::open`].
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(crate) data_dir: PathBuf,
+    pub(crate) memory_capacity: u64,
+    pub(crate) disk_capacity: u64,
+    pub(crate) region_size: u64,
+    pub(crate) max_value_size: u64,
+    pub(crate) io_engine: IoEngineKind,
+    pub(crate) io_threads: usize,
+    pub(crate) direct_io: bool,
+    pub(crate) eviction: EvictionPolicy,
+    pub(crate) flush: FlushPolicy,
+    pub(crate) flush_batch_bytes: u64,
+    pub(crate) put_wait: Duration,
+}
+
+impl Config {
+    /// A configuration with every default, storing its files in `data_dir`
+    /// (created if missing).
+    pub fn new(data_dir: impl AsRef<Path>) -> Self {
+        Config {
+            data_dir: data_dir.as_ref().to_path_buf(),
+            memory_capacity: GIB,
+            disk_capacity: 16 * GIB,
+            region_size: 256 * MIB,
+            max_value_size: 128 * MIB,
+            io_engine: IoEngineKind::Psync,
+            io_threads: 8,
+            direct_io: true,
+            eviction: EvictionPolicy::S3Fifo,
+            flush: FlushPolicy::WriteThrough,
+            flush_batch_bytes: 64 * MIB,
+            put_wait: Duration::from_secs(5),
+        }
+    }
+
+    /// Bytes of the memory pool, allocated and pre-faulted at open (rounded
+    /// up to 4 KiB). Every put stages its value here. Default: 1 GiB.
+    pub fn memory_capacity(mut self, bytes: u64) -> Self {
+        self.memory_capacity = bytes;
+        self
+    }
+
+    /// Most bytes the disk tier's region files may occupy; 0 disables the
+    /// disk tier (a memory-only cache). Whole regions are reclaimed,
+    /// oldest first, to stay under it. Default: 16 GiB.
+    pub fn disk_capacity(mut self, bytes: u64) -> Self {
+        self.disk_capacity = bytes;
+        self
+    }
+
+    /// Size at which a region file is sealed and a new one started; also the
+    /// unit of reclaim. A multiple of 4 KiB, at least 64 KiB, at most half
+    /// the disk capacity. Default: 256 MiB.
+    pub fn region_size(mut self, bytes: u64) -> Self {
+        self.region_size = bytes;
+        self
+    }
+
+    /// Largest value accepted (at most 4 GiB - 4 KiB). Default: 128 MiB.
+    pub fn max_value_size(mut self, bytes: u64) -> Self {
+        self.max_value_size = bytes;
+        self
+    }
+
+    /// The disk tier's io engine. Default: `IoEngineKind::Psync`.
+    pub fn io_engine(mut self, engine: IoEngineKind) -> Self {
+        self.io_engine = engine;
+        self
+    }
+
+    /// Threads a batch of disk reads is spread over (the psync engine's
+    /// queue depth). Default: 8.
+    pub fn io_threads(mut self, threads: usize) -> Self {
+        self.io_threads = threads;
+        self
+    }
+
+    /// Open region files with `O_DIRECT`; where the file system refuses it
+    /// (tmpfs), buffered I/O is used with a warning. Default: true.
+    pub fn direct_io(mut self, enabled: bool) -> Self {
+        self.direct_io = enabled;
+        self
+    }
+
+    /// The memory pool's eviction policy. Default: `EvictionPolicy::S3Fifo`.
+    pub fn eviction(mut self, policy: EvictionPolicy) -> Self {
+        self.eviction = policy;
+        self
+    }
+
+    /// When entries are written to disk. Default: `FlushPolicy::WriteThrough`.
+    pub fn flush_policy(mut self, policy: FlushPolicy) -> Self {
+        self.flush = policy;
+        self
+    }
+
+    /// Most value bytes gathered into one disk write (one batch record).
+    /// A single larger value is written alone. Default: 64 MiB.
+    pub fn flush_batch_bytes(mut self, bytes: u64) -> Self {
+        self.flush_batch_bytes = bytes;
+        self
+    }
+
+    /// How long a put waits for the flusher to make pool space before it
+    /// fails with `NoSpace`. Default: 5 s.
+    pub fn put_wait(mut self, wait: Duration) -> Self {
+        self.put_wait = wait;
+        self
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub(crate) fn disk_enabled(&self) -> bool {
+        self.disk_capacity > 0
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.memory_capacity < PAGE_SIZE {
+            return Err(Error::invalid(format!(
+                "memory capacity {} is below the 4096-byte minimum",
+                self.memory_capacity
+            )));
+        }
+        if self.max_value_size == 0 || self.max_value_size > MAX_VALUE_SIZE_LIMIT {
+            return Err(Error::invalid(format!(
+                "max value size {} must be 1 to {MAX_VALUE_SIZE_LIMIT} bytes",
+                self.max_value_size
+            )));
+        }
+        if self.io_threads == 0 {
+            return Err(Error::invalid("io_threads must be at least 1"));
+        }
+        if self.flush_batch_bytes < PAGE_SIZE {
+            return Err(Error::invalid("flush_batch_bytes must be at least 4096"));
+        }
+        if self.disk_enabled() {
+            if self.region_size < 64 * KIB || self.region_size % PAGE_SIZE != 0 {
+                return Err(Error::invalid(format!(
+                    "region size {} must be a multiple of 4096 and at least 64 KiB",
+                    self.region_size
+                )));
+            }
+            if self.disk_capacity < 2 * self.region_size {
+                return Err(Error::invalid(format!(
+                    "disk capacity {} must be at least two regions ({} bytes each)",
+                    self.disk_capacity, self.region_size
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rounds `n` up to a multiple of [`PAGE_SIZE`].
+pub(crate) fn page_round_up(n: u64) -> u64 {
+    n.div_ceil(PAGE_SIZE) * PAGE_SIZE
+}

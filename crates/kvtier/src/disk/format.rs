@@ -1,0 +1,329 @@
+//! Byte-level codecs for region headers and batch records. The layout is
+//! specified in docs/design.md; every integer is little endian.
+
+use crate::config::{page_round_up, PAGE_SIZE};
+use crate::key::KeyDigest;
+use xxhash_rust::xxh3::xxh3_64;
+
+pub const FORMAT_VERSION: u32 = 1;
+pub const REGION_MAGIC: &[u8; 8] = b"KVTREGN1";
+pub const BATCH_MAGIC: &[u8; 8] = b"KVTBATCH";
+
+/// Bytes before the first batch of a region file.
+pub const REGION_HEADER_LEN: u64 = PAGE_SIZE;
+const REGION_HEADER_CHECKED: usize = 24;
+
+pub const BATCH_HEADER_LEN: usize = 32;
+pub const ENTRY_FIXED_LEN: usize = 48;
+const TRAILER_LEN: usize = 8;
+/// Upper bound on a record, so a corrupt length cannot make recovery
+/// allocate without limit.
+pub const MAX_RECORD_LEN: u64 = 256 * 1024 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionHeader {
+    pub region: u32,
+    /// The store's next sequence number when the region was created; keeps
+    /// sequence numbers increasing across restarts even if every entry has
+    /// been reclaimed.
+    pub first_seq: u64,
+}
+
+impl RegionHeader {
+    pub fn encode(&self, page: &mut [u8]) {
+        page[..REGION_HEADER_LEN as usize].fill(0);
+        page[0..8].copy_from_slice(REGION_MAGIC);
+        page[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        page[12..16].copy_from_slice(&self.region.to_le_bytes());
+        page[16..24].copy_from_slice(&self.first_seq.to_le_bytes());
+        let sum = xxh3_64(&page[..REGION_HEADER_CHECKED]);
+        page[24..32].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    pub fn decode(page: &[u8]) -> Result<Self, String> {
+        if page.len() < 32 {
+            return Err("region header is truncated".into());
+        }
+        if &page[0..8] != REGION_MAGIC {
+            return Err("bad region magic".into());
+        }
+        let sum = u64_at(page, 24);
+        if sum != xxh3_64(&page[..REGION_HEADER_CHECKED]) {
+            return Err("region header checksum mismatch".into());
+        }
+        let version = u32_at(page, 8);
+        if version != FORMAT_VERSION {
+            return Err(format!("unsupported region format version {version}"));
+        }
+        Ok(RegionHeader {
+            region: u32_at(page, 12),
+            first_seq: u64_at(page, 16),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordKind {
+    Put = 1,
+    Tombstone = 2,
+}
+
+/// One entry of a batch record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordEntry {
+    pub kind: RecordKind,
+    pub seq: u64,
+    pub digest: KeyDigest,
+    /// Offset of the value from the start of the batch (page multiple).
+    pub value_offset: u64,
+    pub value_len: u32,
+    pub checksum: u64,
+    pub key: Vec<u8>,
+}
+
+/// The fixed part of a batch record, enough to learn its lengths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchHeader {
+    pub region: u32,
+    pub entries: u32,
+    /// Bytes of the record, trailer included (before page padding).
+    pub record_len: u32,
+    /// Bytes from the start of this batch to the start of the next.
+    pub batch_len: u64,
+}
+
+impl BatchHeader {
+    pub fn padded_record_len(&self) -> u64 {
+        page_round_up(u64::from(self.record_len))
+    }
+
+    pub fn decode(bytes: &[u8], region: u32) -> Result<Self, String> {
+        if bytes.len() < BATCH_HEADER_LEN {
+            return Err("batch header is truncated".into());
+        }
+        if &bytes[0..8] != BATCH_MAGIC {
+            return Err("bad batch magic".into());
+        }
+        let version = u32_at(bytes, 8);
+        if version != FORMAT_VERSION {
+            return Err(format!("unsupported batch format version {version}"));
+        }
+        let header = BatchHeader {
+            region: u32_at(bytes, 12),
+            entries: u32_at(bytes, 16),
+            record_len: u32_at(bytes, 20),
+            batch_len: u64_at(bytes, 24),
+        };
+        if header.region != region {
+            return Err(format!(
+                "batch names region {} inside region {region}",
+                header.region
+            ));
+        }
+        let record_len = u64::from(header.record_len);
+        if record_len < (BATCH_HEADER_LEN + TRAILER_LEN) as u64 || record_len > MAX_RECORD_LEN {
+            return Err(format!("implausible record length {record_len}"));
+        }
+        if header.batch_len % PAGE_SIZE != 0 || header.batch_len < header.padded_record_len() {
+            return Err(format!("implausible batch length {}", header.batch_len));
+        }
+        Ok(header)
+    }
+}
+
+/// Encoded size of a record holding entries with these key lengths.
+pub fn record_len(key_lens: impl IntoIterator<Item = usize>) -> usize {
+    BATCH_HEADER_LEN
+        + key_lens
+            .into_iter()
+            .map(|k| ENTRY_FIXED_LEN + k)
+            .sum::<usize>()
+        + TRAILER_LEN
+}
+
+/// Writes a record into `out` (at least `record_len` bytes; the page padding
+/// after it must already be zero).
+pub fn encode_record(out: &mut [u8], region: u32, batch_len: u64, entries: &[RecordEntry]) -> usize {
+    let len = record_len(entries.iter().map(|e| e.key.len()));
+    out[0..8].copy_from_slice(BATCH_MAGIC);
+    out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out[12..16].copy_from_slice(&region.to_le_bytes());
+    out[16..20].copy_from_slice(&(entries.len() as u32).to_le_bytes());
+    out[20..24].copy_from_slice(&(len as u32).to_le_bytes());
+    out[24..32].copy_from_slice(&batch_len.to_le_bytes());
+    let mut at = BATCH_HEADER_LEN;
+    for entry in entries {
+        out[at..at + 8].copy_from_slice(&entry.seq.to_le_bytes());
+        out[at + 8..at + 24].copy_from_slice(&entry.digest.0.to_le_bytes());
+        out[at + 24..at + 32].copy_from_slice(&entry.value_offset.to_le_bytes());
+        out[at + 32..at + 36].copy_from_slice(&entry.value_len.to_le_bytes());
+        out[at + 36..at + 44].copy_from_slice(&entry.checksum.to_le_bytes());
+        out[at + 44] = entry.kind as u8;
+        out[at + 45] = 0;
+        out[at + 46..at + 48].copy_from_slice(&(entry.key.len() as u16).to_le_bytes());
+        at += ENTRY_FIXED_LEN;
+        out[at..at + entry.key.len()].copy_from_slice(&entry.key);
+        at += entry.key.len();
+    }
+    let sum = xxh3_64(&out[..at]);
+    out[at..at + TRAILER_LEN].copy_from_slice(&sum.to_le_bytes());
+    at + TRAILER_LEN
+}
+
+/// Decodes and verifies a whole record (`bytes` holds at least
+/// `header.record_len` bytes). Any inconsistency rejects the whole batch.
+pub fn decode_record(bytes: &[u8], header: &BatchHeader) -> Result<Vec<RecordEntry>, String> {
+    let len = header.record_len as usize;
+    if bytes.len() < len {
+        return Err("record is truncated".into());
+    }
+    let body = &bytes[..len - TRAILER_LEN];
+    if u64_at(bytes, len - TRAILER_LEN) != xxh3_64(body) {
+        return Err("batch record checksum mismatch".into());
+    }
+    let mut entries = Vec::with_capacity((header.entries as usize).min(1 << 16));
+    let mut at = BATCH_HEADER_LEN;
+    for _ in 0..header.entries {
+        if at + ENTRY_FIXED_LEN > body.len() {
+            return Err("record entry runs past the record".into());
+        }
+        let kind = match body[at + 44] {
+            1 => RecordKind::Put,
+            2 => RecordKind::Tombstone,
+            other => return Err(format!("unknown record entry kind {other}")),
+        };
+        let key_len = usize::from(u16::from_le_bytes([body[at + 46], body[at + 47]]));
+        let entry = RecordEntry {
+            kind,
+            seq: u64_at(body, at),
+            digest: KeyDigest(u128::from_le_bytes(body[at + 8..at + 24].try_into().unwrap())),
+            value_offset: u64_at(body, at + 24),
+            value_len: u32_at(body, at + 32),
+            checksum: u64_at(body, at + 36),
+            key: Vec::new(),
+        };
+        at += ENTRY_FIXED_LEN;
+        if key_len == 0 || key_len > crate::key::MAX_KEY_LEN || at + key_len > body.len() {
+            return Err(format!("bad key length {key_len} in record"));
+        }
+        let key = body[at..at + key_len].to_vec();
+        at += key_len;
+        if KeyDigest::of(&key) != entry.digest {
+            return Err("record key does not match its digest".into());
+        }
+        if kind == RecordKind::Put {
+            let end = entry.value_offset + u64::from(entry.value_len);
+            if entry.value_len == 0
+                || entry.value_offset % PAGE_SIZE != 0
+                || entry.value_offset < header.padded_record_len()
+                || end > header.batch_len
+            {
+                return Err("record entry points outside its batch".into());
+            }
+        }
+        entries.push(RecordEntry { key, ..entry });
+    }
+    if at != body.len() {
+        return Err("record has trailing bytes".into());
+    }
+    Ok(entries)
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn entry_strategy() -> impl Strategy<Value = RecordEntry> {
+        (
+            proptest::collection::vec(any::<u8>(), 1..=256),
+            any::<u64>(),
+            any::<bool>(),
+            1u32..100_000,
+            any::<u64>(),
+            0u64..16,
+        )
+            .prop_map(|(key, seq, tombstone, len, checksum, page)| {
+                let digest = KeyDigest::of(&key);
+                if tombstone {
+                    RecordEntry {
+                        kind: RecordKind::Tombstone,
+                        seq,
+                        digest,
+                        value_offset: 0,
+                        value_len: 0,
+                        checksum: 0,
+                        key,
+                    }
+                } else {
+                    RecordEntry {
+                        kind: RecordKind::Put,
+                        seq,
+                        digest,
+                        value_offset: (page + 200) * PAGE_SIZE,
+                        value_len: len,
+                        checksum,
+                        key,
+                    }
+                }
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn record_round_trips(entries in proptest::collection::vec(entry_strategy(), 0..40)) {
+            let batch_len = 300 * PAGE_SIZE;
+            let len = record_len(entries.iter().map(|e| e.key.len()));
+            let mut buf = vec![0u8; page_round_up(len as u64) as usize];
+            prop_assert_eq!(encode_record(&mut buf, 7, batch_len, &entries), len);
+            let header = BatchHeader::decode(&buf, 7).unwrap();
+            prop_assert_eq!(header.batch_len, batch_len);
+            prop_assert_eq!(decode_record(&buf, &header).unwrap(), entries);
+        }
+
+        /// Any single flipped byte in the record is caught.
+        #[test]
+        fn flipped_byte_is_rejected(entries in proptest::collection::vec(entry_strategy(), 1..8), at in any::<usize>(), bit in 0u8..8) {
+            let len = record_len(entries.iter().map(|e| e.key.len()));
+            let mut buf = vec![0u8; page_round_up(len as u64) as usize];
+            encode_record(&mut buf, 3, 300 * PAGE_SIZE, &entries);
+            buf[at % len] ^= 1 << bit;
+            let ok = BatchHeader::decode(&buf, 3).and_then(|h| decode_record(&buf, &h));
+            prop_assert!(ok.is_err());
+        }
+
+        /// Decoding arbitrary bytes never panics.
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..600), valid_prefix in any::<bool>()) {
+            let mut bytes = bytes;
+            if valid_prefix && bytes.len() >= 32 {
+                bytes[0..8].copy_from_slice(BATCH_MAGIC);
+                bytes[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+                bytes[12..16].copy_from_slice(&0u32.to_le_bytes());
+            }
+            if let Ok(header) = BatchHeader::decode(&bytes, 0) {
+                let _ = decode_record(&bytes, &header);
+            }
+            let _ = RegionHeader::decode(&bytes);
+        }
+    }
+
+    #[test]
+    fn region_header_round_trips_and_detects_damage() {
+        let mut page = vec![0u8; REGION_HEADER_LEN as usize];
+        let header = RegionHeader { region: 42, first_seq: 9_000 };
+        header.encode(&mut page);
+        assert_eq!(RegionHeader::decode(&page).unwrap(), header);
+        page[13] ^= 1;
+        assert!(RegionHeader::decode(&page).is_err());
+    }
+}

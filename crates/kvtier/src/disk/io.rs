@@ -1,0 +1,235 @@
+//! The io-engine seam: owned aligned buffers, batched reads, vectored
+//! writes. The disk tier speaks only this trait, so an io_uring engine can
+//! replace `psync` without touching the tier.
+
+use crate::config::PAGE_SIZE;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::fmt;
+use std::fs::File;
+use std::io::{self, IoSlice};
+use std::os::unix::io::AsRawFd;
+
+/// A heap buffer aligned to 4 KiB, as O_DIRECT requires.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is uniquely owned heap memory.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access is read-only through `&self`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes rounded up to a page.
+    pub fn zeroed(len: usize) -> Self {
+        let len = len.div_ceil(PAGE_SIZE as usize).max(1) * PAGE_SIZE as usize;
+        let layout = Layout::from_size_align(len, PAGE_SIZE as usize).expect("valid layout");
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        AlignedBuf { ptr, len, layout }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` initialised bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { dealloc(self.ptr, self.layout) }
+    }
+}
+
+impl fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AlignedBuf").field("len", &self.len).finish()
+    }
+}
+
+/// Whether a buffer may be handed to an O_DIRECT transfer as it is.
+pub fn is_direct_io_aligned(buf: &[u8]) -> bool {
+    (buf.as_ptr() as usize) % PAGE_SIZE as usize == 0 && buf.len() % PAGE_SIZE as usize == 0
+}
+
+/// One read of a batch: fill all of `buf` from `file` at `offset`.
+#[derive(Debug)]
+pub struct ReadOp<'a> {
+    pub file: &'a File,
+    pub offset: u64,
+    pub buf: &'a mut [u8],
+    /// Set by the engine: `Ok` only when every byte of `buf` was read.
+    pub result: io::Result<()>,
+}
+
+impl<'a> ReadOp<'a> {
+    pub fn new(file: &'a File, offset: u64, buf: &'a mut [u8]) -> Self {
+        ReadOp {
+            file,
+            offset,
+            buf,
+            result: Ok(()),
+        }
+    }
+}
+
+/// How the disk tier moves bytes. Implementations complete every operation
+/// in full or report an error: short transfers are retried internally.
+pub trait IoEngine: Send + Sync + fmt::Debug {
+    fn name(&self) -> &'static str;
+
+    /// Runs every read of the batch; returns when all have completed. The
+    /// engine may run them concurrently and in any order.
+    fn read_batch(&self, reads: &mut [ReadOp<'_>]);
+
+    /// Writes `bufs` back to back starting at `offset`.
+    fn write_vectored_at(&self, file: &File, offset: u64, bufs: &[IoSlice<'_>]) -> io::Result<()>;
+
+    /// Makes every completed write to `file` durable (`fdatasync`).
+    fn sync_data(&self, file: &File) -> io::Result<()>;
+}
+
+/// `pread`/`pwritev` engine; a batch of reads is spread over up to
+/// `threads` scoped threads.
+#[derive(Debug)]
+pub struct PsyncEngine {
+    threads: usize,
+}
+
+impl PsyncEngine {
+    pub fn new(threads: usize) -> Self {
+        PsyncEngine {
+            threads: threads.max(1),
+        }
+    }
+}
+
+pub(crate) fn pread_full(file: &File, mut offset: u64, mut buf: &mut [u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                offset as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("read past the end of the file at offset {offset}"),
+            ));
+        }
+        let n = n as usize;
+        offset += n as u64;
+        buf = &mut buf[n..];
+    }
+    Ok(())
+}
+
+impl IoEngine for PsyncEngine {
+    fn name(&self) -> &'static str {
+        "psync"
+    }
+
+    fn read_batch(&self, reads: &mut [ReadOp<'_>]) {
+        let workers = self.threads.min(reads.len());
+        if workers <= 1 {
+            for op in reads.iter_mut() {
+                op.result = pread_full(op.file, op.offset, op.buf);
+            }
+            return;
+        }
+        let per_worker = reads.len().div_ceil(workers);
+        std::thread::scope(|scope| {
+            for chunk in reads.chunks_mut(per_worker) {
+                scope.spawn(move || {
+                    for op in chunk {
+                        op.result = pread_full(op.file, op.offset, op.buf);
+                    }
+                });
+            }
+        });
+    }
+
+    fn write_vectored_at(&self, file: &File, offset: u64, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        let mut offset = offset;
+        // Skip-and-trim state for resuming after a short write.
+        let mut index = 0;
+        let mut skip = 0usize;
+        while index < bufs.len() {
+            let mut iov: Vec<libc::iovec> = Vec::with_capacity((bufs.len() - index).min(1024));
+            for (i, buf) in bufs[index..].iter().take(1024).enumerate() {
+                let start = if i == 0 { skip } else { 0 };
+                iov.push(libc::iovec {
+                    iov_base: buf[start..].as_ptr() as *mut libc::c_void,
+                    iov_len: buf.len() - start,
+                });
+            }
+            // SAFETY: every iovec points into a live borrowed slice.
+            let n = unsafe {
+                libc::pwritev(
+                    file.as_raw_fd(),
+                    iov.as_ptr(),
+                    iov.len() as libc::c_int,
+                    offset as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err);
+            }
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing"));
+            }
+            let mut written = n as usize;
+            offset += written as u64;
+            while written > 0 && index < bufs.len() {
+                let left = bufs[index].len() - skip;
+                if written >= left {
+                    written -= left;
+                    index += 1;
+                    skip = 0;
+                } else {
+                    skip += written;
+                    written = 0;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn sync_data(&self, file: &File) -> io::Result<()> {
+        file.sync_data()
+    }
+}

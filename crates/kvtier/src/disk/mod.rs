@@ -1,0 +1,501 @@
+//! The disk tier: a log of region files written in whole batches.
+//!
+//! Each batch is one vectored write: a checksummed batch record (the commit
+//! record, naming every value's key, digest, length, checksum and
+//! sequence), then the values, each page-aligned so reads can be O_DIRECT
+//! straight into the caller's buffer. A write is followed by `fdatasync`
+//! before anything in it is reported durable. Recovery reads only the
+//! records. See docs/design.md for the bytes and the crash protocol.
+
+pub mod format;
+pub mod io;
+
+use crate::config::{page_round_up, Config, IoEngineKind, PAGE_SIZE};
+use crate::error::{Error, Result};
+use crate::index::DiskLoc;
+use format::{BatchHeader, RecordEntry, RegionHeader, REGION_HEADER_LEN};
+use io::{pread_full, AlignedBuf, IoEngine, PsyncEngine};
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::IoSlice;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+const REGION_DIR: &str = "regions";
+const REGION_SUFFIX: &str = ".kvr";
+
+#[derive(Debug)]
+pub struct Region {
+    pub id: u32,
+    pub file: File,
+    path: PathBuf,
+    /// Bytes of the file in use (header plus every batch written).
+    len: AtomicU64,
+}
+
+impl Region {
+    pub fn len(&self) -> u64 {
+        self.len.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() <= REGION_HEADER_LEN
+    }
+}
+
+/// A put that recovery found in a valid batch record.
+#[derive(Debug)]
+pub struct RecoveredEntry {
+    pub entry: RecordEntry,
+    pub loc: DiskLoc,
+}
+
+/// What recovery saw, for logs and tests.
+#[derive(Debug, Default, Clone)]
+pub struct RecoveryReport {
+    pub regions: u64,
+    pub batches: u64,
+    pub records: u64,
+    /// Batches dropped at a region's tail (torn or corrupt).
+    pub dropped_tails: u64,
+    /// Region files removed because their header was unreadable.
+    pub dropped_regions: u64,
+    /// Highest sequence number seen in any header or record.
+    pub max_seq: u64,
+}
+
+/// A batch ready to write: its record entries (value offsets are filled in
+/// by [`DiskTier::write_batch`]) and each put's padded, aligned bytes.
+#[derive(Debug, Default)]
+pub struct PendingBatch<'a> {
+    pub entries: Vec<RecordEntry>,
+    pub values: Vec<&'a [u8]>,
+}
+
+impl PendingBatch<'_> {
+    /// Bytes the batch will take on disk.
+    pub fn disk_len(&self) -> u64 {
+        let record = format::record_len(self.entries.iter().map(|e| e.key.len())) as u64;
+        page_round_up(record) + self.values.iter().map(|v| v.len() as u64).sum::<u64>()
+    }
+}
+
+#[derive(Debug)]
+struct WriterState {
+    active: Option<Arc<Region>>,
+    next_region: u32,
+}
+
+#[derive(Debug)]
+pub struct DiskTier {
+    dir: PathBuf,
+    engine: Box<dyn IoEngine>,
+    direct_io: AtomicBool,
+    capacity: u64,
+    region_size: u64,
+    regions: RwLock<BTreeMap<u32, Arc<Region>>>,
+    used: AtomicU64,
+    writer: Mutex<WriterState>,
+}
+
+impl DiskTier {
+    /// Opens (or creates) the region log under `config.data_dir` and hands
+    /// every record entry of every valid batch, in log order, to `apply`.
+    pub fn open(
+        config: &Config,
+        mut apply: impl FnMut(RecoveredEntry),
+    ) -> Result<(DiskTier, RecoveryReport)> {
+        let dir = config.data_dir.join(REGION_DIR);
+        fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        let engine: Box<dyn IoEngine> = match config.io_engine {
+            IoEngineKind::Psync => Box::new(PsyncEngine::new(config.io_threads)),
+        };
+        let tier = DiskTier {
+            dir,
+            engine,
+            direct_io: AtomicBool::new(config.direct_io),
+            capacity: config.disk_capacity,
+            region_size: config.region_size,
+            regions: RwLock::new(BTreeMap::new()),
+            used: AtomicU64::new(0),
+            writer: Mutex::new(WriterState {
+                active: None,
+                next_region: 0,
+            }),
+        };
+        let report = tier.recover(&mut apply)?;
+        Ok((tier, report))
+    }
+
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    pub fn engine(&self) -> &dyn IoEngine {
+        &*self.engine
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes of region files on disk.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    pub fn region_count(&self) -> usize {
+        self.regions.read().unwrap().len()
+    }
+
+    pub fn region(&self, id: u32) -> Option<Arc<Region>> {
+        self.regions.read().unwrap().get(&id).cloned()
+    }
+
+    /// The largest batch (record plus values) that can ever be written:
+    /// what is left of the capacity after one region header.
+    pub fn max_batch_len(&self) -> u64 {
+        self.capacity - REGION_HEADER_LEN
+    }
+
+    /// Whether writing `batch_len` more bytes would pass the capacity; the
+    /// flusher reclaims regions until it would not.
+    pub fn needs_reclaim(&self, batch_len: u64) -> bool {
+        self.used() + batch_len + REGION_HEADER_LEN > self.capacity
+    }
+
+    fn recover(&self, apply: &mut impl FnMut(RecoveredEntry)) -> Result<RecoveryReport> {
+        let mut report = RecoveryReport::default();
+        let mut ids = Vec::new();
+        let listing = fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;
+        for item in listing {
+            let item = item.map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;
+            let name = item.file_name();
+            let name = name.to_string_lossy();
+            match parse_region_name(&name) {
+                Some(id) => ids.push(id),
+                None => tracing::warn!(file = %name, "ignoring unknown file in the region directory"),
+            }
+        }
+        ids.sort_unstable();
+        let mut next_region = 0u32;
+        for id in ids {
+            next_region = next_region.max(id.saturating_add(1));
+            let path = self.region_path(id);
+            let file = self.open_file(&path, false)?;
+            let file_len = file
+                .metadata()
+                .map_err(|e| Error::io(format!("reading size of {}", path.display()), e))?
+                .len();
+            let mut page = AlignedBuf::zeroed(PAGE_SIZE as usize);
+            let header = if file_len < REGION_HEADER_LEN {
+                Err("region file shorter than its header".to_string())
+            } else {
+                pread_full(&file, 0, page.as_mut_slice())
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| RegionHeader::decode(page.as_slice()))
+                    .and_then(|h| {
+                        if h.region == id {
+                            Ok(h)
+                        } else {
+                            Err(format!("header names region {}", h.region))
+                        }
+                    })
+            };
+            let header = match header {
+                Ok(header) => header,
+                Err(reason) => {
+                    // Nothing in it can be trusted; a region that never got
+                    // its header written holds nothing acknowledged.
+                    tracing::warn!(path = %path.display(), %reason, "dropping unreadable region file");
+                    report.dropped_regions += 1;
+                    drop(file);
+                    self.unlink(&path)?;
+                    continue;
+                }
+            };
+            report.regions += 1;
+            report.max_seq = report.max_seq.max(header.first_seq.saturating_sub(1));
+            let region = Region {
+                id,
+                file,
+                path,
+                len: AtomicU64::new(file_len),
+            };
+            let scan = self.scan_region(&region, file_len, |batch_start, entries| {
+                report.batches += 1;
+                for entry in entries {
+                    report.records += 1;
+                    report.max_seq = report.max_seq.max(entry.seq);
+                    let page = (batch_start + entry.value_offset) / PAGE_SIZE;
+                    let loc = DiskLoc {
+                        region: id,
+                        page: page as u32,
+                    };
+                    apply(RecoveredEntry { entry, loc });
+                }
+            })?;
+            if let Some(reason) = scan.stopped {
+                report.dropped_tails += 1;
+                tracing::warn!(region = id, offset = scan.end, file_len, %reason, "dropping the region's tail after the last valid batch");
+            }
+            self.used.fetch_add(file_len, Ordering::AcqRel);
+            self.regions.write().unwrap().insert(id, Arc::new(region));
+        }
+        self.writer.lock().unwrap().next_region = next_region;
+        Ok(report)
+    }
+
+    /// Visits each valid batch of `region` in order, stopping at the first
+    /// batch that is torn, corrupt or past `file_len`.
+    fn scan_region(
+        &self,
+        region: &Region,
+        file_len: u64,
+        mut visit: impl FnMut(u64, Vec<RecordEntry>),
+    ) -> Result<ScanEnd> {
+        let mut offset = REGION_HEADER_LEN;
+        let mut buf = AlignedBuf::zeroed(PAGE_SIZE as usize);
+        while offset < file_len {
+            if offset + PAGE_SIZE > file_len {
+                return Ok(ScanEnd::stopped(offset, "partial page at the end of the file"));
+            }
+            if let Err(e) = pread_full(&region.file, offset, &mut buf.as_mut_slice()[..PAGE_SIZE as usize]) {
+                return Ok(ScanEnd::stopped(offset, format!("read failed: {e}")));
+            }
+            let header = match BatchHeader::decode(buf.as_slice(), region.id) {
+                Ok(header) => header,
+                Err(reason) => return Ok(ScanEnd::stopped(offset, reason)),
+            };
+            if offset + header.batch_len > file_len {
+                return Ok(ScanEnd::stopped(offset, "batch extends past the end of the file"));
+            }
+            let padded = header.padded_record_len() as usize;
+            if padded > buf.len() {
+                let mut bigger = AlignedBuf::zeroed(padded);
+                bigger.as_mut_slice()[..PAGE_SIZE as usize]
+                    .copy_from_slice(&buf.as_slice()[..PAGE_SIZE as usize]);
+                buf = bigger;
+            }
+            if padded > PAGE_SIZE as usize {
+                let rest = &mut buf.as_mut_slice()[PAGE_SIZE as usize..padded];
+                if let Err(e) = pread_full(&region.file, offset + PAGE_SIZE, rest) {
+                    return Ok(ScanEnd::stopped(offset, format!("read failed: {e}")));
+                }
+            }
+            match format::decode_record(buf.as_slice(), &header) {
+                Ok(entries) => visit(offset, entries),
+                Err(reason) => return Ok(ScanEnd::stopped(offset, reason)),
+            }
+            offset += header.batch_len;
+        }
+        Ok(ScanEnd {
+            end: offset,
+            stopped: None,
+        })
+    }
+
+    /// Every record entry of a region with its value's location, for the
+    /// reclaimer.
+    pub fn region_entries(&self, region: &Region) -> Result<Vec<RecoveredEntry>> {
+        let mut out = Vec::new();
+        self.scan_region(region, region.len(), |batch_start, entries| {
+            for entry in entries {
+                let page = ((batch_start + entry.value_offset) / PAGE_SIZE) as u32;
+                out.push(RecoveredEntry {
+                    entry,
+                    loc: DiskLoc {
+                        region: region.id,
+                        page,
+                    },
+                });
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Writes one batch and makes it durable. On return, each put entry's
+    /// value is at the returned location (in `entries` order, puts only).
+    pub fn write_batch(&self, batch: &mut PendingBatch<'_>, first_seq: u64) -> Result<Vec<DiskLoc>> {
+        let record_len = format::record_len(batch.entries.iter().map(|e| e.key.len()));
+        let record_pages = page_round_up(record_len as u64);
+        let batch_len = batch.disk_len();
+        let mut writer = self.writer.lock().unwrap();
+        let region = match &writer.active {
+            Some(region) if region.is_empty() || region.len() + batch_len <= self.region_size => {
+                Arc::clone(region)
+            }
+            _ => {
+                writer.active = None;
+                let region = self.create_region(&mut writer, first_seq)?;
+                writer.active = Some(Arc::clone(&region));
+                region
+            }
+        };
+        let start = region.len();
+        // Assign value offsets in order.
+        let mut offset = record_pages;
+        let mut values = batch.values.iter();
+        let mut locs = Vec::with_capacity(batch.values.len());
+        for entry in batch.entries.iter_mut() {
+            if entry.kind == format::RecordKind::Put {
+                let value = values.next().expect("one value per put entry");
+                entry.value_offset = offset;
+                locs.push(DiskLoc {
+                    region: region.id,
+                    page: ((start + offset) / PAGE_SIZE) as u32,
+                });
+                offset += value.len() as u64;
+            }
+        }
+        debug_assert_eq!(offset, batch_len);
+        let mut record = AlignedBuf::zeroed(record_pages as usize);
+        format::encode_record(record.as_mut_slice(), region.id, batch_len, &batch.entries);
+        let mut iov = Vec::with_capacity(1 + batch.values.len());
+        iov.push(IoSlice::new(record.as_slice()));
+        iov.extend(batch.values.iter().map(|v| IoSlice::new(v)));
+        let written = self
+            .engine
+            .write_vectored_at(&region.file, start, &iov)
+            .and_then(|()| self.engine.sync_data(&region.file));
+        // Whatever happened, those bytes may be on disk now.
+        region.len.store(start + batch_len, Ordering::Release);
+        self.used.fetch_add(batch_len, Ordering::AcqRel);
+        if let Err(e) = written {
+            // Never append after a batch that may be half written: a later
+            // scan stops there and would miss everything behind it.
+            writer.active = None;
+            return Err(Error::io(
+                format!("writing a {batch_len}-byte batch to {}", region.path.display()),
+                e,
+            ));
+        }
+        Ok(locs)
+    }
+
+    fn create_region(&self, writer: &mut WriterState, first_seq: u64) -> Result<Arc<Region>> {
+        let id = writer.next_region;
+        writer.next_region = id
+            .checked_add(1)
+            .ok_or_else(|| Error::new(crate::ErrorKind::Corruption, "region ids exhausted"))?;
+        let path = self.region_path(id);
+        let file = self.open_file(&path, true)?;
+        let mut page = AlignedBuf::zeroed(REGION_HEADER_LEN as usize);
+        RegionHeader { region: id, first_seq }.encode(page.as_mut_slice());
+        let region = Arc::new(Region {
+            id,
+            file,
+            path: path.clone(),
+            len: AtomicU64::new(REGION_HEADER_LEN),
+        });
+        self.regions.write().unwrap().insert(id, Arc::clone(&region));
+        self.used.fetch_add(REGION_HEADER_LEN, Ordering::AcqRel);
+        let written = self
+            .engine
+            .write_vectored_at(&region.file, 0, &[IoSlice::new(page.as_slice())])
+            .and_then(|()| self.engine.sync_data(&region.file))
+            .and_then(|()| sync_dir(&self.dir));
+        written.map_err(|e| Error::io(format!("creating region file {}", path.display()), e))?;
+        Ok(region)
+    }
+
+    /// The oldest region, for the reclaimer. The active region is sealed
+    /// first if it is the only one left.
+    pub fn oldest_region(&self) -> Option<Arc<Region>> {
+        let oldest = self.regions.read().unwrap().values().next().cloned()?;
+        let mut writer = self.writer.lock().unwrap();
+        if writer.active.as_ref().is_some_and(|a| a.id == oldest.id) {
+            writer.active = None;
+        }
+        Some(oldest)
+    }
+
+    /// Deletes a region file. The directory is synced so that a removed
+    /// region (perhaps holding tombstones' older values) cannot come back
+    /// after a crash while a newer one stays removed.
+    pub fn remove_region(&self, id: u32) -> Result<()> {
+        let Some(region) = self.regions.write().unwrap().remove(&id) else {
+            return Ok(());
+        };
+        {
+            let mut writer = self.writer.lock().unwrap();
+            if writer.active.as_ref().is_some_and(|a| a.id == id) {
+                writer.active = None;
+            }
+        }
+        self.used.fetch_sub(region.len(), Ordering::AcqRel);
+        self.unlink(&region.path)?;
+        sync_dir(&self.dir).map_err(|e| Error::io(format!("syncing {}", self.dir.display()), e))
+    }
+
+    fn unlink(&self, path: &Path) -> Result<()> {
+        fs::remove_file(path).map_err(|e| Error::io(format!("removing {}", path.display()), e))
+    }
+
+    fn region_path(&self, id: u32) -> PathBuf {
+        self.dir.join(format!("{id:08x}{REGION_SUFFIX}"))
+    }
+
+    /// Opens a region file, with O_DIRECT unless the file system refuses it.
+    fn open_file(&self, path: &Path, create: bool) -> Result<File> {
+        let mut options = OpenOptions::new();
+        options.read(true).write(true);
+        if create {
+            options.create_new(true);
+        }
+        if self.direct_io.load(Ordering::Relaxed) {
+            let mut direct = options.clone();
+            direct.custom_flags(libc::O_DIRECT);
+            match direct.open(path) {
+                Ok(file) => return Ok(file),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::warn!(dir = %self.dir.display(), "the file system refuses O_DIRECT; using buffered I/O");
+                    self.direct_io.store(false, Ordering::Relaxed);
+                    if create {
+                        // The failed attempt may have created the file.
+                        let _ = fs::remove_file(path);
+                    }
+                }
+                Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+            }
+        }
+        options
+            .open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))
+    }
+
+    pub fn direct_io(&self) -> bool {
+        self.direct_io.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug)]
+struct ScanEnd {
+    end: u64,
+    stopped: Option<String>,
+}
+
+impl ScanEnd {
+    fn stopped(end: u64, reason: impl Into<String>) -> Self {
+        ScanEnd {
+            end,
+            stopped: Some(reason.into()),
+        }
+    }
+}
+
+fn parse_region_name(name: &str) -> Option<u32> {
+    let hex = name.strip_suffix(REGION_SUFFIX)?;
+    if hex.len() != 8 {
+        return None;
+    }
+    u32::from_str_radix(hex, 16).ok()
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}

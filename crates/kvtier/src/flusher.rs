@@ -1,0 +1,311 @@
+//! The background flusher: drains the write queue into large batches,
+//! writes each with one vectored write plus `fdatasync`, and reclaims
+//! whole regions, oldest first, to keep the disk tier under capacity.
+//!
+//! One thread does all disk writes, so batches land in sequence order and
+//! "durable up to sequence N" is a single number.
+
+use crate::config::page_round_up;
+use crate::disk::format::{self, RecordEntry, RecordKind};
+use crate::disk::io::{AlignedBuf, ReadOp};
+use crate::disk::{DiskTier, PendingBatch, RecoveredEntry};
+use crate::error::Error;
+use crate::key::{value_checksum, KeyDigest};
+use crate::stats::Counters;
+use crate::store::{Inner, QueuedWrite};
+use crate::FlushPolicy;
+
+/// Most record entries in one batch, which bounds a record to ~2.4 MiB.
+const MAX_BATCH_ENTRIES: usize = 8192;
+
+impl Inner {
+    pub(crate) fn run_flusher(&self) {
+        let disk = self.disk.as_ref().expect("the flusher runs with a disk tier");
+        // A smaller configured capacity than the files on disk: shrink now.
+        while disk.used() > disk.capacity() && self.reclaim_oldest(disk) {}
+        while self.wait_for_work() {
+            self.flush_one_batch(disk);
+        }
+    }
+
+    /// Blocks until there is a batch to write; false once shut down and
+    /// drained. Publishes progress whenever the queue is empty.
+    fn wait_for_work(&self) -> bool {
+        let mut state = self.flush.lock().unwrap();
+        loop {
+            let (pending, next_seq) = {
+                let queue = self.queue.lock().unwrap();
+                (!queue.items.is_empty(), queue.next_seq)
+            };
+            if !pending {
+                state.durable_seq = next_seq - 1;
+                state.requested = false;
+                self.progress_cv.notify_all();
+                if state.shutdown {
+                    return false;
+                }
+            } else if self.config.flush == FlushPolicy::WriteThrough
+                || state.requested
+                || state.shutdown
+            {
+                return true;
+            }
+            state = self.work_cv.wait(state).unwrap();
+        }
+    }
+
+    fn flush_one_batch(&self, disk: &DiskTier) {
+        let limit = self.config.flush_batch_bytes.min(disk.max_batch_len());
+        let mut taken = Vec::new();
+        {
+            let mut queue = self.queue.lock().unwrap();
+            let mut key_bytes = 0usize;
+            let mut value_bytes = 0u64;
+            while let Some(item) = queue.items.front() {
+                let (key_len, padded) = match item {
+                    QueuedWrite::Put { key, slot, .. } => (key.len(), slot.padded_bytes().len() as u64),
+                    QueuedWrite::Tombstone { key, .. } => (key.len(), 0),
+                };
+                let record = page_round_up(
+                    (format::record_len([]) + key_bytes + taken.len() * format::ENTRY_FIXED_LEN
+                        + format::ENTRY_FIXED_LEN
+                        + key_len) as u64,
+                );
+                if !taken.is_empty()
+                    && (record + value_bytes + padded > limit || taken.len() >= MAX_BATCH_ENTRIES)
+                {
+                    break;
+                }
+                key_bytes += key_len;
+                value_bytes += padded;
+                taken.push(queue.items.pop_front().expect("front exists"));
+            }
+        }
+        let (Some(first), Some(last)) = (taken.first(), taken.last()) else {
+            return;
+        };
+        let (low, high) = (first.seq(), last.seq());
+
+        // Skip puts already replaced or removed: their newer write follows.
+        let mut batch = PendingBatch::default();
+        let mut written_puts = Vec::new();
+        for item in &taken {
+            match item {
+                QueuedWrite::Put { digest, key, seq, slot } => {
+                    let current = self
+                        .index
+                        .lock(*digest)
+                        .get(*digest)
+                        .is_some_and(|e| e.seq == *seq);
+                    if !current {
+                        continue;
+                    }
+                    let checksum = value_checksum(*digest, slot.bytes());
+                    batch.entries.push(RecordEntry {
+                        kind: RecordKind::Put,
+                        seq: *seq,
+                        digest: *digest,
+                        value_offset: 0,
+                        value_len: slot.len() as u32,
+                        checksum,
+                        key: key.to_vec(),
+                    });
+                    batch.values.push(slot.padded_bytes());
+                    written_puts.push((*digest, *seq, checksum, slot));
+                }
+                QueuedWrite::Tombstone { digest, key, seq } => batch.entries.push(RecordEntry {
+                    kind: RecordKind::Tombstone,
+                    seq: *seq,
+                    digest: *digest,
+                    value_offset: 0,
+                    value_len: 0,
+                    checksum: 0,
+                    key: key.to_vec(),
+                }),
+            }
+        }
+
+        let mut failure = None;
+        if !batch.entries.is_empty() {
+            let batch_len = batch.disk_len();
+            while disk.needs_reclaim(batch_len) && self.reclaim_oldest(disk) {}
+            let first_seq = self.queue.lock().unwrap().next_seq;
+            match disk.write_batch(&mut batch, first_seq) {
+                Ok(locs) => {
+                    for ((digest, seq, checksum, slot), loc) in written_puts.iter().zip(locs) {
+                        self.index.lock(*digest).set_disk(*digest, *seq, loc, *checksum);
+                        slot.set_evictable();
+                    }
+                    Counters::add(&self.counters.flushed_batches, 1);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, entries = batch.entries.len(), "batch write failed; its values stay in memory only");
+                    Counters::add(&self.counters.flush_errors, 1);
+                    // Not durable, but still correct cache entries: let the
+                    // pool drop them rather than jam.
+                    for (_, _, _, slot) in &written_puts {
+                        slot.set_evictable();
+                    }
+                    failure = Some(e);
+                }
+            }
+        }
+        drop(written_puts);
+        drop(taken);
+        self.publish_progress(low, high, failure);
+    }
+
+    fn publish_progress(&self, low: u64, high: u64, failure: Option<Error>) {
+        let mut state = self.flush.lock().unwrap();
+        if let Some(error) = failure {
+            state.failure_count += 1;
+            state.failures.push_back((low, high, error));
+            while state.failures.len() > 64 {
+                state.failures.pop_front();
+            }
+        }
+        let queue = self.queue.lock().unwrap();
+        state.durable_seq = queue
+            .items
+            .front()
+            .map_or(queue.next_seq - 1, |item| item.seq() - 1);
+        drop(queue);
+        self.progress_cv.notify_all();
+    }
+
+    /// Reclaims the oldest region: entries read since they were written get
+    /// a second chance (rewritten at the log head, up to half the region's
+    /// bytes); the rest leave the disk tier. Returns false if there was no
+    /// region to reclaim.
+    fn reclaim_oldest(&self, disk: &DiskTier) -> bool {
+        let Some(region) = disk.oldest_region() else {
+            return false;
+        };
+        let entries = match disk.region_entries(&region) {
+            Ok(entries) => entries,
+            Err(e) => {
+                tracing::warn!(region = region.id, error = %e, "could not read region records; dropping its entries");
+                Vec::new()
+            }
+        };
+        let budget = region.len() / 2;
+        let mut carried_bytes = 0u64;
+        let mut carry: Vec<RecoveredEntry> = Vec::new();
+        let mut dropped = 0u64;
+        for recovered in entries {
+            let entry = &recovered.entry;
+            if entry.kind != RecordKind::Put {
+                continue;
+            }
+            let mut shard = self.index.lock(entry.digest);
+            let Some(current) = shard.get(entry.digest) else {
+                continue;
+            };
+            if current.seq != entry.seq || current.disk != Some(recovered.loc) {
+                continue;
+            }
+            let padded = page_round_up(u64::from(entry.value_len));
+            if current.accessed && current.mem.is_none() && carried_bytes + padded <= budget {
+                carried_bytes += padded;
+                drop(shard);
+                carry.push(recovered);
+            } else {
+                shard.clear_disk(entry.digest, entry.seq, recovered.loc);
+                dropped += 1;
+            }
+        }
+        let carried = self.carry_forward(disk, region.id, carry);
+        if let Err(e) = disk.remove_region(region.id) {
+            tracing::error!(region = region.id, error = %e, "removing a reclaimed region");
+        }
+        // Anything that still points at the removed region is gone.
+        Counters::add(&self.counters.reclaimed_regions, 1);
+        Counters::add(&self.counters.reclaimed_entries, dropped);
+        Counters::add(&self.counters.carried_entries, carried);
+        true
+    }
+
+    /// Reads, verifies and rewrites second-chance entries at the log head.
+    /// Returns how many made it.
+    fn carry_forward(&self, disk: &DiskTier, from_region: u32, carry: Vec<RecoveredEntry>) -> u64 {
+        if carry.is_empty() {
+            return 0;
+        }
+        let Some(region) = disk.region(from_region) else {
+            return 0;
+        };
+        let mut bufs: Vec<AlignedBuf> = carry
+            .iter()
+            .map(|c| AlignedBuf::zeroed(c.entry.value_len as usize))
+            .collect();
+        let outcomes: Vec<std::io::Result<()>> = {
+            let mut ops: Vec<ReadOp<'_>> = carry
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(c, buf)| {
+                    let offset = u64::from(c.loc.page) * crate::config::PAGE_SIZE;
+                    ReadOp::new(&region.file, offset, buf.as_mut_slice())
+                })
+                .collect();
+            disk.engine().read_batch(&mut ops);
+            ops.into_iter().map(|op| op.result).collect()
+        };
+        let mut batch = PendingBatch::default();
+        let mut renumbered: Vec<(KeyDigest, u64, u64)> = Vec::new();
+        {
+            // New sequence numbers keep log order equal to sequence order,
+            // so a later remove's tombstone always outranks the copy.
+            let mut queue = self.queue.lock().unwrap();
+            for ((c, buf), outcome) in carry.iter().zip(&bufs).zip(outcomes) {
+                let e = &c.entry;
+                let valid = outcome.is_ok()
+                    && value_checksum(e.digest, &buf.as_slice()[..e.value_len as usize]) == e.checksum;
+                let mut shard = self.index.lock(e.digest);
+                if !valid {
+                    Counters::add(&self.counters.checksum_failures, 1);
+                    tracing::warn!(region = from_region, page = c.loc.page, "second-chance read failed verification; dropping the entry");
+                    shard.clear_disk(e.digest, e.seq, c.loc);
+                    continue;
+                }
+                let new_seq = queue.next_seq;
+                if !shard.renumber(e.digest, e.seq, c.loc, new_seq) {
+                    continue;
+                }
+                queue.next_seq += 1;
+                batch.entries.push(RecordEntry {
+                    seq: new_seq,
+                    ..e.clone()
+                });
+                batch.values.push(buf.as_slice());
+                renumbered.push((e.digest, new_seq, e.checksum));
+            }
+        }
+        if batch.entries.is_empty() {
+            return 0;
+        }
+        let first_seq = self.queue.lock().unwrap().next_seq;
+        let locs = if disk.needs_reclaim(batch.disk_len()) {
+            Err(Error::no_space("no room to carry entries forward"))
+        } else {
+            disk.write_batch(&mut batch, first_seq)
+        };
+        let mut carried = 0;
+        match locs {
+            Ok(locs) => {
+                for ((digest, seq, _), loc) in renumbered.iter().zip(locs) {
+                    if self.index.lock(*digest).move_disk(*digest, *seq, loc) {
+                        carried += 1;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "second-chance write failed; dropping those entries");
+                for (digest, seq, _) in &renumbered {
+                    self.index.lock(*digest).forget_disk(*digest, *seq);
+                }
+            }
+        }
+        carried
+    }
+}
+

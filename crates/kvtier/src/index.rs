@@ -1,0 +1,263 @@
+//! The in-memory index: key digest → where the value lives.
+//!
+//! Sharded so that lookups on different keys rarely meet on a lock; each
+//! shard keeps its own tier counters so `stats()` needs no global atomics on
+//! the data path. Every change to an entry's tiers goes through `Shard`
+//! methods, which keep those counters true.
+
+use crate::key::KeyDigest;
+use crate::pool::PoolSlot;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+const SHARDS: usize = 64;
+
+/// Where a value lives in the disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskLoc {
+    pub region: u32,
+    /// Offset of the value in the region file, in 4 KiB pages.
+    pub page: u32,
+}
+
+#[derive(Debug)]
+pub struct Entry {
+    /// Sequence number of the put that wrote this value; higher wins.
+    pub seq: u64,
+    /// `value_checksum` of the value; meaningful once `disk` is set.
+    pub checksum: u64,
+    pub mem: Option<Arc<PoolSlot>>,
+    pub disk: Option<DiskLoc>,
+    pub len: u32,
+    /// Read since written or last carried: earns a second chance when its
+    /// region is reclaimed.
+    pub accessed: bool,
+}
+
+/// The digest is already uniformly random; its low 64 bits are the hash.
+#[derive(Debug, Default)]
+pub struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.0 = value as u64;
+    }
+}
+
+type DigestMap = HashMap<u128, Entry, BuildHasherDefault<DigestHasher>>;
+
+#[derive(Debug, Default)]
+pub struct Shard {
+    map: DigestMap,
+    disk_entries: u64,
+    disk_bytes: u64,
+}
+
+impl Shard {
+    pub fn get(&self, digest: KeyDigest) -> Option<&Entry> {
+        self.map.get(&digest.0)
+    }
+
+    pub fn mark_accessed(&mut self, digest: KeyDigest) {
+        if let Some(entry) = self.map.get_mut(&digest.0) {
+            entry.accessed = true;
+        }
+    }
+
+    pub fn insert(&mut self, digest: KeyDigest, entry: Entry) -> Option<Entry> {
+        self.count_in(&entry);
+        let old = self.map.insert(digest.0, entry);
+        if let Some(old) = &old {
+            self.count_out(old);
+        }
+        old
+    }
+
+    pub fn remove(&mut self, digest: KeyDigest) -> Option<Entry> {
+        let old = self.map.remove(&digest.0);
+        if let Some(old) = &old {
+            self.count_out(old);
+        }
+        old
+    }
+
+    /// Records that the put `seq` is now durable at `loc`, unless a newer
+    /// put or a remove replaced it meanwhile. Returns whether it applied.
+    pub fn set_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc, checksum: u64) -> bool {
+        let Some(entry) = self.map.get_mut(&digest.0) else {
+            return false;
+        };
+        if entry.seq != seq {
+            return false;
+        }
+        if entry.disk.is_none() {
+            self.disk_entries += 1;
+            self.disk_bytes += u64::from(entry.len);
+        }
+        entry.disk = Some(loc);
+        entry.checksum = checksum;
+        true
+    }
+
+    /// Forgets the disk copy of put `seq` if it is still at `loc`; an entry
+    /// left in no tier is removed. Returns whether it applied.
+    pub fn clear_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
+        let Some(entry) = self.map.get_mut(&digest.0) else {
+            return false;
+        };
+        if entry.seq != seq || entry.disk != Some(loc) {
+            return false;
+        }
+        entry.disk = None;
+        self.disk_entries -= 1;
+        self.disk_bytes -= u64::from(entry.len);
+        if entry.mem.is_none() {
+            self.map.remove(&digest.0);
+        } else if let Some(slot) = &entry.mem {
+            // Its only durable copy is gone: from now on the memory copy
+            // is a droppable cache entry.
+            slot.set_evictable();
+        }
+        true
+    }
+
+    /// Points put `seq` at a new disk location (a carried value).
+    pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
+        match self.map.get_mut(&digest.0) {
+            Some(entry) if entry.seq == seq && entry.disk.is_some() => {
+                entry.disk = Some(loc);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Forgets put `seq`'s disk copy wherever it is.
+    pub fn forget_disk(&mut self, digest: KeyDigest, seq: u64) -> bool {
+        let loc = match self.map.get(&digest.0) {
+            Some(entry) if entry.seq == seq => entry.disk,
+            _ => None,
+        };
+        loc.is_some_and(|loc| self.clear_disk(digest, seq, loc))
+    }
+
+    /// Gives a carried value a new sequence number, if it is still the
+    /// put `old_seq` at `loc`. Returns whether it applied.
+    pub fn renumber(&mut self, digest: KeyDigest, old_seq: u64, loc: DiskLoc, new_seq: u64) -> bool {
+        match self.map.get_mut(&digest.0) {
+            Some(entry) if entry.seq == old_seq && entry.disk == Some(loc) => {
+                entry.seq = new_seq;
+                entry.accessed = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Drops the memory copy if the entry still holds `slot`; an entry left
+    /// in no tier is removed. Returns whether it applied.
+    pub fn drop_mem(&mut self, digest: KeyDigest, slot: &Arc<PoolSlot>) -> bool {
+        let Some(entry) = self.map.get_mut(&digest.0) else {
+            return false;
+        };
+        if !entry.mem.as_ref().is_some_and(|m| Arc::ptr_eq(m, slot)) {
+            return false;
+        }
+        entry.mem = None;
+        if entry.disk.is_none() {
+            self.map.remove(&digest.0);
+        }
+        true
+    }
+
+    fn count_in(&mut self, entry: &Entry) {
+        if entry.disk.is_some() {
+            self.disk_entries += 1;
+            self.disk_bytes += u64::from(entry.len);
+        }
+    }
+
+    fn count_out(&mut self, entry: &Entry) {
+        if entry.disk.is_some() {
+            self.disk_entries -= 1;
+            self.disk_bytes -= u64::from(entry.len);
+        }
+    }
+}
+
+/// Totals over all shards.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IndexCounts {
+    pub entries: u64,
+    pub disk_entries: u64,
+    pub disk_bytes: u64,
+    /// Bytes the hash tables hold (slots and control bytes), for the
+    /// per-entry memory figure.
+    pub table_bytes: u64,
+}
+
+#[derive(Debug)]
+pub struct Index {
+    shards: Box<[Mutex<Shard>]>,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Index {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+        }
+    }
+}
+
+impl Index {
+    pub fn shard_of(&self, digest: KeyDigest) -> usize {
+        (digest.shard_bits() % SHARDS as u64) as usize
+    }
+
+    pub fn lock(&self, digest: KeyDigest) -> MutexGuard<'_, Shard> {
+        self.lock_shard(self.shard_of(digest))
+    }
+
+    pub fn lock_shard(&self, shard: usize) -> MutexGuard<'_, Shard> {
+        self.shards[shard].lock().unwrap()
+    }
+
+    /// Drops every entry (and with them the pool leases they hold).
+    pub fn clear(&self) {
+        for shard in self.shards.iter() {
+            *shard.lock().unwrap() = Shard::default();
+        }
+    }
+
+    pub fn counts(&self) -> IndexCounts {
+        let slot = std::mem::size_of::<(u128, Entry)>() as u64 + 1;
+        let mut counts = IndexCounts::default();
+        for shard in self.shards.iter() {
+            let shard = shard.lock().unwrap();
+            counts.entries += shard.map.len() as u64;
+            counts.disk_entries += shard.disk_entries;
+            counts.disk_bytes += shard.disk_bytes;
+            // The table holds capacity * 8 / 7 buckets (its load factor),
+            // rounded to a power of two.
+            let capacity = shard.map.capacity() as u64;
+            let buckets = if capacity == 0 {
+                0
+            } else {
+                (capacity * 8).div_ceil(7).next_power_of_two()
+            };
+            counts.table_bytes += buckets * slot;
+        }
+        counts
+    }
+}

@@ -1,0 +1,48 @@
+//! kvtier: a tiered KV-cache store for LLM inference.
+//!
+//! Values (KV-cache blocks, typically 64 KiB to 64 MiB) live in a
+//! pre-allocated memory pool and, written through in the background, in a
+//! log of region files on disk. A restart rebuilds the index from the
+//! log's checksummed batch records; every disk read is verified against a
+//! checksum bound to the key, so a read returns the right bytes or a miss.
+//!
+//! ```
+//! use kvtier::{Config, Store};
+//! # let dir = tempfile::tempdir().unwrap();
+//! let store = Store::open(
+//!     Config::new(dir.path()).memory_capacity(8 << 20).disk_capacity(64 << 20).region_size(8 << 20),
+//! )?;
+//! let keys = kvtier::prefix::block_keys(&[7; 512], 256, b"model-a");
+//! store.batch_put(&keys, &[vec![1u8; 65536], vec![2u8; 65536]]);
+//! store.flush()?;
+//! assert_eq!(store.prefix_len(&keys), 2);
+//! let mut a = vec![0u8; 65536];
+//! let mut b = vec![0u8; 65536];
+//! let got = store.batch_get_into(&keys, &mut [&mut a[..], &mut b[..]]);
+//! assert_eq!(got[1].as_ref().unwrap(), &Some(65536));
+//! # Ok::<(), kvtier::Error>(())
+//! ```
+
+pub mod config;
+pub mod disk;
+mod error;
+mod flusher;
+mod index;
+mod key;
+mod lock;
+pub mod pool;
+pub mod prefix;
+mod stats;
+mod store;
+
+pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
+pub use disk::RecoveryReport;
+pub use error::{Error, ErrorKind, Result};
+pub use key::{validate_key, value_checksum, KeyDigest, MAX_KEY_LEN};
+pub use prefix::{block_keys, BlockKey};
+pub use stats::Stats;
+pub use store::{PutOptions, PutTier, Store};
+
+/// Bytes one index entry occupies, for capacity planning: the hash table
+/// slot (digest and entry) plus its control byte, before load-factor slack.
+pub const INDEX_SLOT_BYTES: usize = std::mem::size_of::<(u128, index::Entry)>() + 1;

@@ -1,0 +1,160 @@
+//! Eviction order for the memory pool: S3-FIFO or CLOCK-approximated LRU.
+//!
+//! Queues hold `Weak` references, so a value removed or overwritten
+//! elsewhere frees its extent at once; its stale queue item is skipped when
+//! it reaches the head. Hits only bump a counter in the slot, so the read
+//! path never takes this structure's lock.
+
+use super::PoolSlot;
+use crate::config::EvictionPolicy;
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Weak};
+
+#[derive(Debug)]
+struct QueueItem {
+    slot: Weak<PoolSlot>,
+    pages: u64,
+}
+
+#[derive(Debug)]
+pub struct EvictionQueues {
+    policy: EvictionPolicy,
+    capacity_pages: u64,
+    /// S3-FIFO's probation queue; unused by LRU.
+    small: VecDeque<QueueItem>,
+    small_pages: u64,
+    /// S3-FIFO's main queue, or LRU's clock.
+    main: VecDeque<QueueItem>,
+    /// Digests recently evicted from `small` (S3-FIFO): re-inserted keys go
+    /// straight to `main`.
+    ghost: HashSet<u128>,
+    ghost_order: VecDeque<u128>,
+    ghost_capacity: usize,
+}
+
+impl EvictionQueues {
+    pub fn new(policy: EvictionPolicy, capacity_pages: u64) -> Self {
+        EvictionQueues {
+            policy,
+            capacity_pages,
+            small: VecDeque::new(),
+            small_pages: 0,
+            main: VecDeque::new(),
+            ghost: HashSet::new(),
+            ghost_order: VecDeque::new(),
+            // One ghost per 16 pages (64 KiB, the smallest typical value).
+            ghost_capacity: (capacity_pages / 16).max(64) as usize,
+        }
+    }
+
+    pub fn policy(&self) -> EvictionPolicy {
+        self.policy
+    }
+
+    pub fn insert(&mut self, slot: &Arc<PoolSlot>) {
+        let item = QueueItem {
+            slot: Arc::downgrade(slot),
+            pages: slot.pages(),
+        };
+        match self.policy {
+            EvictionPolicy::Lru => self.main.push_back(item),
+            EvictionPolicy::S3Fifo => {
+                if self.ghost.remove(&slot.digest().0) {
+                    self.main.push_back(item);
+                } else {
+                    self.small_pages += item.pages;
+                    self.small.push_back(item);
+                }
+            }
+        }
+        self.compact_if_stale();
+    }
+
+    /// The next slot the policy would drop that may be dropped (durable or
+    /// memory-only). `None` when nothing in the pool may be dropped now.
+    pub fn next_victim(&mut self) -> Option<Arc<PoolSlot>> {
+        let mut budget = 2 * (self.small.len() + self.main.len()) + 2;
+        while budget > 0 {
+            budget -= 1;
+            let from_small = self.policy == EvictionPolicy::S3Fifo
+                && !self.small.is_empty()
+                && (self.main.is_empty() || self.small_pages * 10 >= self.capacity_pages);
+            let item = if from_small {
+                let item = self.small.pop_front()?;
+                self.small_pages -= item.pages;
+                item
+            } else {
+                self.main.pop_front()?
+            };
+            let Some(slot) = item.slot.upgrade() else {
+                continue;
+            };
+            if !slot.is_evictable() {
+                self.requeue(from_small, item);
+                continue;
+            }
+            let hits = slot.hits();
+            if from_small {
+                if hits > 0 {
+                    slot.set_hits(0);
+                    self.main.push_back(item);
+                    continue;
+                }
+                self.remember_ghost(slot.digest().0);
+                return Some(slot);
+            }
+            if hits > 0 {
+                // LRU (CLOCK) clears the mark; S3-FIFO ages it by one.
+                let next = match self.policy {
+                    EvictionPolicy::Lru => 0,
+                    EvictionPolicy::S3Fifo => hits - 1,
+                };
+                slot.set_hits(next);
+                self.main.push_back(item);
+                continue;
+            }
+            return Some(slot);
+        }
+        None
+    }
+
+    /// Puts back a victim the caller could not drop after all.
+    pub fn reinsert(&mut self, slot: &Arc<PoolSlot>) {
+        self.main.push_back(QueueItem {
+            slot: Arc::downgrade(slot),
+            pages: slot.pages(),
+        });
+    }
+
+    fn requeue(&mut self, small: bool, item: QueueItem) {
+        if small {
+            self.small_pages += item.pages;
+            self.small.push_back(item);
+        } else {
+            self.main.push_back(item);
+        }
+    }
+
+    fn remember_ghost(&mut self, digest: u128) {
+        if self.ghost.insert(digest) {
+            self.ghost_order.push_back(digest);
+        }
+        while self.ghost_order.len() > self.ghost_capacity {
+            if let Some(old) = self.ghost_order.pop_front() {
+                self.ghost.remove(&old);
+            }
+        }
+    }
+
+    /// Drops queue items whose slots are gone once they outnumber live ones,
+    /// so churn without eviction cannot grow the queues without bound.
+    fn compact_if_stale(&mut self) {
+        let len = self.small.len() + self.main.len();
+        if len < 1024 || len < 4 * self.capacity_pages as usize {
+            return;
+        }
+        self.small.retain(|item| item.slot.strong_count() > 0);
+        self.small_pages = self.small.iter().map(|item| item.pages).sum();
+        self.main.retain(|item| item.slot.strong_count() > 0);
+    }
+}

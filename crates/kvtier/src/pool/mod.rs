@@ -1,0 +1,218 @@
+//! The memory tier: one pre-allocated, pre-faulted, page-aligned region cut
+//! into extents, one extent per value.
+//!
+//! A [`PoolSlot`] owns an extent; the extent returns to the allocator when
+//! the last `Arc<PoolSlot>` drops. The index, the flusher's queue and every
+//! in-flight reader each hold an `Arc`, so a reader's bytes can never be
+//! freed under it: that clone is the read lease, and it always ends when
+//! the read does.
+
+mod allocator;
+mod eviction;
+
+pub use allocator::ExtentAllocator;
+pub use eviction::EvictionQueues;
+
+use crate::config::PAGE_SIZE;
+use crate::error::{Error, Result};
+use crate::key::KeyDigest;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// The mapped region and its allocator, shared by every slot.
+#[derive(Debug)]
+pub struct PoolCore {
+    base: *mut u8,
+    len: usize,
+    allocator: Mutex<ExtentAllocator>,
+    live_entries: AtomicU64,
+    live_bytes: AtomicU64,
+}
+
+// SAFETY: `base` points to a private mapping owned by this struct for its
+// whole life; disjoint extents are handed out under the allocator mutex, and
+// each extent is only written by its unique `PoolSlot` owner before the slot
+// is shared.
+unsafe impl Send for PoolCore {}
+// SAFETY: as above; shared access only reads bytes of published slots.
+unsafe impl Sync for PoolCore {}
+
+impl PoolCore {
+    /// Maps `capacity` bytes (rounded up to a page), pre-faulted so the data
+    /// path takes no page faults.
+    pub fn new(capacity: u64) -> Result<Arc<Self>> {
+        let len = capacity.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let len_usize = usize::try_from(len)
+            .map_err(|_| Error::invalid(format!("memory capacity {capacity} is too large")))?;
+        // SAFETY: an anonymous private mapping with no address hint; the
+        // result is checked before use.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::io(
+                format!("mapping a memory pool of {len} bytes"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Arc::new(PoolCore {
+            base: base.cast(),
+            len: len_usize,
+            allocator: Mutex::new(ExtentAllocator::new(len / PAGE_SIZE)),
+            live_entries: AtomicU64::new(0),
+            live_bytes: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn capacity_pages(&self) -> u64 {
+        self.len as u64 / PAGE_SIZE
+    }
+
+    pub fn live_entries(&self) -> u64 {
+        self.live_entries.load(Ordering::Relaxed)
+    }
+
+    pub fn live_bytes(&self) -> u64 {
+        self.live_bytes.load(Ordering::Relaxed)
+    }
+
+    pub fn free_bytes(&self) -> u64 {
+        self.allocator.lock().unwrap().free_pages() * PAGE_SIZE
+    }
+
+    /// Takes an extent for a value of `len` bytes, or `None` if no free run
+    /// is long enough right now.
+    pub fn try_allocate(self: &Arc<Self>, len: usize, digest: KeyDigest) -> Option<PoolSlot> {
+        let pages = (len as u64).div_ceil(PAGE_SIZE).max(1);
+        let page = self.allocator.lock().unwrap().allocate(pages)?;
+        self.live_entries.fetch_add(1, Ordering::Relaxed);
+        self.live_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Some(PoolSlot {
+            core: Arc::clone(self),
+            page,
+            pages,
+            len,
+            digest,
+            hits: AtomicU8::new(0),
+            evictable: AtomicBool::new(false),
+        })
+    }
+}
+
+impl Drop for PoolCore {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was created in `new` with this length, and no
+        // slot outlives the core (each holds an Arc to it).
+        unsafe {
+            libc::munmap(self.base.cast(), self.len);
+        }
+    }
+}
+
+/// One value's extent in the pool.
+#[derive(Debug)]
+pub struct PoolSlot {
+    core: Arc<PoolCore>,
+    page: u64,
+    pages: u64,
+    len: usize,
+    digest: KeyDigest,
+    /// Hits since the eviction policy last looked (capped at 3).
+    hits: AtomicU8,
+    /// Set once the value is durable on disk, or from the start for
+    /// memory-only entries: only such slots may be evicted.
+    evictable: AtomicBool,
+}
+
+impl PoolSlot {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn digest(&self) -> KeyDigest {
+        self.digest
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// The value bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the extent lies inside the mapping, belongs to this slot
+        // alone, and is only written through `bytes_mut`, which needs
+        // exclusive access before the slot is shared.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+
+    /// The whole extent, value plus padding to the page boundary: what the
+    /// flusher hands to an O_DIRECT write.
+    pub fn padded_bytes(&self) -> &[u8] {
+        // SAFETY: as in `bytes`; the extent is `pages` pages long.
+        unsafe { std::slice::from_raw_parts(self.ptr(), (self.pages * PAGE_SIZE) as usize) }
+    }
+
+    /// Mutable access while the slot is still uniquely owned.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `&mut self` proves no other reference to this extent.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        debug_assert!(((self.page + self.pages) * PAGE_SIZE) as usize <= self.core.len);
+        // SAFETY: in bounds of the mapping, as asserted.
+        unsafe { self.core.base.add((self.page * PAGE_SIZE) as usize) }
+    }
+
+    pub fn record_hit(&self) {
+        let hits = self.hits.load(Ordering::Relaxed);
+        if hits < 3 {
+            self.hits.store(hits + 1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn set_evictable(&self) {
+        self.evictable.store(true, Ordering::Release);
+    }
+
+    pub fn is_evictable(&self) -> bool {
+        self.evictable.load(Ordering::Acquire)
+    }
+
+    fn hits(&self) -> u8 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    fn set_hits(&self, hits: u8) {
+        self.hits.store(hits, Ordering::Relaxed);
+    }
+}
+
+impl Drop for PoolSlot {
+    fn drop(&mut self) {
+        self.core
+            .allocator
+            .lock()
+            .unwrap()
+            .free(self.page, self.pages);
+        self.core.live_entries.fetch_sub(1, Ordering::Relaxed);
+        self.core
+            .live_bytes
+            .fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}

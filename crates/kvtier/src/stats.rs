@@ -1,0 +1,68 @@
+//! Counters the store keeps and the snapshot `Store::stats` returns.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A point-in-time view of the store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Keys in the index (in any tier).
+    pub entries: u64,
+    /// Values held in the memory pool (including ones pinned by readers or
+    /// waiting for the flusher after being replaced).
+    pub memory_entries: u64,
+    pub memory_bytes: u64,
+    pub memory_capacity: u64,
+    /// Keys with a durable copy on disk, and those values' bytes.
+    pub disk_entries: u64,
+    pub disk_value_bytes: u64,
+    /// Bytes of region files (values, records, padding, dead space).
+    pub disk_used_bytes: u64,
+    pub disk_capacity: u64,
+    pub disk_regions: u64,
+    pub memory_hits: u64,
+    pub disk_hits: u64,
+    pub misses: u64,
+    /// Values dropped from the memory pool to make room.
+    pub evictions: u64,
+    /// Regions reclaimed, and the entries dropped or carried with them.
+    pub reclaimed_regions: u64,
+    pub reclaimed_entries: u64,
+    pub carried_entries: u64,
+    /// Disk reads whose checksum or key digest did not match: each was
+    /// reported as a miss and its entry dropped.
+    pub checksum_failures: u64,
+    pub puts: u64,
+    pub removes: u64,
+    /// Batches written by the flusher, and those that failed.
+    pub flushed_batches: u64,
+    pub flush_errors: u64,
+    /// Bytes the index's hash tables occupy.
+    pub index_bytes: u64,
+    pub io_engine: &'static str,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub memory_hits: AtomicU64,
+    pub disk_hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub evictions: AtomicU64,
+    pub reclaimed_regions: AtomicU64,
+    pub reclaimed_entries: AtomicU64,
+    pub carried_entries: AtomicU64,
+    pub checksum_failures: AtomicU64,
+    pub puts: AtomicU64,
+    pub removes: AtomicU64,
+    pub flushed_batches: AtomicU64,
+    pub flush_errors: AtomicU64,
+}
+
+impl Counters {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,907 @@
+//! The `Store` facade: the one place that decides tiering.
+//!
+//! Put: the value is copied once into a pool extent, indexed, and queued
+//! for the flusher; the call returns. Get: every key of a batch is looked up
+//! first; memory hits are copied out under a lease (an `Arc` on the slot),
+//! disk hits are read together as one batch, straight into the caller's
+//! buffer when it is aligned, and verified before they count as hits.
+
+use crate::config::{page_round_up, Config, FlushPolicy, PAGE_SIZE};
+use crate::disk::format::{self, RecordKind};
+use crate::disk::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
+use crate::disk::{DiskTier, RecoveryReport, Region};
+use crate::error::{Error, ErrorKind, Result};
+use crate::index::{DiskLoc, Entry, Index};
+use crate::key::{validate_key, value_checksum, KeyDigest};
+use crate::lock::DirLock;
+use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
+use crate::stats::{Counters, Stats};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Where a put may keep its value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PutTier {
+    /// The memory pool now and disk in the background (write-through).
+    #[default]
+    MemoryAndDisk,
+    /// The memory pool only: never written to disk, dropped first under
+    /// pressure, gone after a restart.
+    MemoryOnly,
+}
+
+/// Per-call put options. Default: write-through, overwrite, don't wait.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PutOptions {
+    /// Leave keys that are already present untouched (and report success).
+    pub skip_existing: bool,
+    pub tier: PutTier,
+    /// Return only once the values are durable on disk.
+    pub durable: bool,
+}
+
+#[derive(Debug)]
+pub(crate) enum QueuedWrite {
+    Put {
+        digest: KeyDigest,
+        key: Box<[u8]>,
+        seq: u64,
+        slot: Arc<PoolSlot>,
+    },
+    Tombstone {
+        digest: KeyDigest,
+        key: Box<[u8]>,
+        seq: u64,
+    },
+}
+
+impl QueuedWrite {
+    pub(crate) fn seq(&self) -> u64 {
+        match self {
+            QueuedWrite::Put { seq, .. } | QueuedWrite::Tombstone { seq, .. } => *seq,
+        }
+    }
+}
+
+/// Sequence numbers and the flusher's queue, under one lock so that queue
+/// order is sequence order.
+#[derive(Debug)]
+pub(crate) struct WriteQueue {
+    pub next_seq: u64,
+    pub items: VecDeque<QueuedWrite>,
+}
+
+#[derive(Debug)]
+pub(crate) struct FlushState {
+    /// Every queued write with a sequence number up to this one has been
+    /// written (durably) or has failed.
+    pub durable_seq: u64,
+    pub requested: bool,
+    pub shutdown: bool,
+    /// Failed batches, as (lowest seq, highest seq, error); the most recent
+    /// 64 are kept for durable puts to check against.
+    pub failures: VecDeque<(u64, u64, Error)>,
+    pub failure_count: u64,
+    pub reported_failures: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub config: Config,
+    pub index: Index,
+    pub pool: Arc<PoolCore>,
+    pub eviction: Mutex<EvictionQueues>,
+    pub disk: Option<DiskTier>,
+    pub queue: Mutex<WriteQueue>,
+    pub flush: Mutex<FlushState>,
+    /// The flusher waits on this for work.
+    pub work_cv: Condvar,
+    /// Callers wait on this for the flusher's progress.
+    pub progress_cv: Condvar,
+    pub counters: Counters,
+    pub closed: AtomicBool,
+    lock: Mutex<Option<DirLock>>,
+    pub recovery: RecoveryReport,
+    pub max_put_len: AtomicU64,
+}
+
+/// The embedded tiered KV-cache store. `Send + Sync`: share it with an
+/// `Arc` and call it from any number of threads.
+#[derive(Debug)]
+pub struct Store {
+    inner: Arc<Inner>,
+    flusher: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A value located by a lookup, pinned if in memory.
+enum Found {
+    Memory(Arc<PoolSlot>),
+    Disk {
+        region: Arc<Region>,
+        loc: DiskLoc,
+        len: usize,
+        checksum: u64,
+        seq: u64,
+    },
+    Miss,
+}
+
+impl Store {
+    /// Opens the store in `config.data_dir`, creating it if needed and
+    /// recovering the index from the region log if it exists.
+    pub fn open(config: Config) -> Result<Store> {
+        config.validate()?;
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+            Error::io(format!("creating data directory {}", config.data_dir.display()), e)
+        })?;
+        let lock = DirLock::acquire(&config.data_dir)?;
+        let index = Index::default();
+        let (disk, recovery) = if config.disk_enabled() {
+            let mut tombstones: HashMap<u128, u64> = HashMap::new();
+            let (disk, report) = DiskTier::open(&config, |recovered| {
+                apply_recovered(&index, &mut tombstones, recovered)
+            })?;
+            (Some(disk), report)
+        } else {
+            (None, RecoveryReport::default())
+        };
+        let pool = PoolCore::new(config.memory_capacity)?;
+        let eviction = EvictionQueues::new(config.eviction, pool.capacity_pages());
+        let next_seq = recovery.max_seq + 1;
+        if let Some(disk) = &disk {
+            tracing::info!(
+                dir = %config.data_dir.display(),
+                regions = recovery.regions,
+                batches = recovery.batches,
+                records = recovery.records,
+                entries = index.counts().entries,
+                dropped_tails = recovery.dropped_tails,
+                io_engine = disk.engine_name(),
+                direct_io = disk.direct_io(),
+                "opened kvtier store"
+            );
+        }
+        let inner = Arc::new(Inner {
+            max_put_len: AtomicU64::new(max_put_len(&config, disk.as_ref())),
+            config,
+            index,
+            pool,
+            eviction: Mutex::new(eviction),
+            disk,
+            queue: Mutex::new(WriteQueue {
+                next_seq,
+                items: VecDeque::new(),
+            }),
+            flush: Mutex::new(FlushState {
+                durable_seq: next_seq - 1,
+                requested: false,
+                shutdown: false,
+                failures: VecDeque::new(),
+                failure_count: 0,
+                reported_failures: 0,
+            }),
+            work_cv: Condvar::new(),
+            progress_cv: Condvar::new(),
+            counters: Counters::default(),
+            closed: AtomicBool::new(false),
+            lock: Mutex::new(Some(lock)),
+            recovery,
+        });
+        let flusher = if inner.disk.is_some() {
+            let worker = Arc::clone(&inner);
+            Some(
+                std::thread::Builder::new()
+                    .name("kvtier-flusher".into())
+                    .spawn(move || worker.run_flusher())
+                    .map_err(|e| Error::io("starting the flusher thread", e))?,
+            )
+        } else {
+            None
+        };
+        Ok(Store {
+            inner,
+            flusher: Mutex::new(flusher),
+        })
+    }
+
+    /// What recovery found when this store was opened.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.inner.recovery
+    }
+
+    /// Stores `value` under `key` (write-through).
+    pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
+        self.put_with(key, value, &PutOptions::default())
+    }
+
+    pub fn put_with(
+        &self,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+        options: &PutOptions,
+    ) -> Result<()> {
+        self.batch_put_with(&[key], &[value], options)
+            .pop()
+            .expect("one result per key")
+    }
+
+    /// Stores each value under its key; one result per key.
+    pub fn batch_put<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Vec<Result<()>> {
+        self.batch_put_with(keys, values, &PutOptions::default())
+    }
+
+    pub fn batch_put_with<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
+        if keys.len() != values.len() {
+            return mismatched(keys.len(), "values", values.len());
+        }
+        let mut results: Vec<Result<()>> = Vec::with_capacity(keys.len());
+        let mut seqs = (u64::MAX, 0u64);
+        for (key, value) in keys.iter().zip(values) {
+            let result = self.inner.put_one(key.as_ref(), value.as_ref(), options);
+            if let Ok(Some(seq)) = &result {
+                seqs = (seqs.0.min(*seq), seqs.1.max(*seq));
+            }
+            results.push(result.map(|_| ()));
+        }
+        if options.durable && seqs.1 > 0 {
+            if let Err(e) = self.inner.wait_durable(seqs.0, seqs.1) {
+                for result in results.iter_mut().filter(|r| r.is_ok()) {
+                    *result = Err(e.duplicate());
+                }
+            }
+        }
+        results
+    }
+
+    /// The value under `key`, or `None`.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let key = key.as_ref();
+        loop {
+            let Some(len) = self.value_len(key)? else {
+                return Ok(None);
+            };
+            let mut value = vec![0u8; len];
+            match self.inner.get_into(&[key], &mut [&mut value[..]]).pop().unwrap() {
+                Ok(Some(n)) => {
+                    value.truncate(n);
+                    return Ok(Some(value));
+                }
+                Ok(None) => return Ok(None),
+                // Replaced by a longer value between the two lookups.
+                Err(e) if e.kind() == ErrorKind::BufferTooSmall => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Length of the value under `key`, without reading it.
+    pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
+        self.inner.check_open()?;
+        let key = key.as_ref();
+        validate_key(key)?;
+        let digest = KeyDigest::of(key);
+        Ok(self
+            .inner
+            .index
+            .lock(digest)
+            .get(digest)
+            .map(|e| e.len as usize))
+    }
+
+    /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
+    /// the bytes written, `Ok(None)` for a miss (the buffer's contents are
+    /// then unspecified), or an error such as `BufferTooSmall`.
+    pub fn batch_get_into<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Vec<Result<Option<usize>>> {
+        self.inner.get_into(keys, bufs)
+    }
+
+    pub fn exists(&self, key: impl AsRef<[u8]>) -> bool {
+        self.batch_exists(&[key])[0]
+    }
+
+    /// Whether each key is present (invalid keys are simply absent).
+    pub fn batch_exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        if self.inner.check_open().is_err() {
+            return vec![false; keys.len()];
+        }
+        keys.iter().map(|k| self.inner.contains(k.as_ref())).collect()
+    }
+
+    /// How many leading keys are present: the cached prefix of a prompt.
+    pub fn prefix_len<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        if self.inner.check_open().is_err() {
+            return 0;
+        }
+        keys.iter()
+            .take_while(|k| self.inner.contains(k.as_ref()))
+            .count()
+    }
+
+    /// Removes `key` from every tier; durable on return (a tombstone is
+    /// written so the value cannot come back after a restart). Returns
+    /// whether the key was present.
+    pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
+        self.inner.remove(key.as_ref())
+    }
+
+    /// Returns once everything put so far is durable on disk. Fails if any
+    /// write failed since the previous `flush` (those values remain readable
+    /// from memory but are not durable).
+    pub fn flush(&self) -> Result<()> {
+        self.inner.check_open()?;
+        self.inner.flush_all()
+    }
+
+    /// Flushes, stops the flusher and releases the data directory. Later
+    /// calls fail with `Closed`. Dropping the store closes it too.
+    pub fn close(&self) -> Result<()> {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        {
+            let mut state = self.inner.flush.lock().unwrap();
+            state.shutdown = true;
+            self.inner.work_cv.notify_all();
+        }
+        if let Some(handle) = self.flusher.lock().unwrap().take() {
+            let _ = handle.join();
+        }
+        let result = self.inner.take_unreported_failure();
+        self.inner.index.clear();
+        self.inner.lock.lock().unwrap().take();
+        result
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Largest value a put can accept with this configuration: the smallest
+    /// of the max value size, the memory pool and (for disk puts) one batch.
+    pub fn max_put_len(&self) -> u64 {
+        self.inner.max_put_len.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::warn!(error = %e, "closing the store on drop");
+        }
+    }
+}
+
+fn mismatched<T>(n: usize, what: &str, m: usize) -> Vec<Result<T>> {
+    (0..n.max(m))
+        .map(|_| {
+            Err(Error::invalid(format!(
+                "batch has {n} keys but {m} {what}: one per key is required"
+            )))
+        })
+        .collect()
+}
+
+fn max_put_len(config: &Config, disk: Option<&DiskTier>) -> u64 {
+    let mut limit = config.max_value_size.min(config.memory_capacity / PAGE_SIZE * PAGE_SIZE);
+    if let Some(disk) = disk {
+        // One value alone in a batch: a record page plus the value's pages.
+        let record = page_round_up(format::record_len([crate::key::MAX_KEY_LEN]) as u64);
+        limit = limit.min(disk.max_batch_len() - record);
+    }
+    limit
+}
+
+/// Applies one recovered record entry: per key, the highest sequence
+/// number wins, whether put or tombstone, whatever order regions are read.
+fn apply_recovered(
+    index: &Index,
+    tombstones: &mut HashMap<u128, u64>,
+    recovered: crate::disk::RecoveredEntry,
+) {
+    let entry = recovered.entry;
+    let digest = entry.digest;
+    let mut shard = index.lock(digest);
+    let current = shard.get(digest).map(|e| e.seq);
+    let newest_removal = tombstones.get(&digest.0).copied();
+    if current.is_some_and(|s| s >= entry.seq) || newest_removal.is_some_and(|s| s >= entry.seq) {
+        return;
+    }
+    match entry.kind {
+        RecordKind::Tombstone => {
+            tombstones.insert(digest.0, entry.seq);
+            shard.remove(digest);
+        }
+        RecordKind::Put => {
+            shard.insert(
+                digest,
+                Entry {
+                    seq: entry.seq,
+                    checksum: entry.checksum,
+                    mem: None,
+                    disk: Some(recovered.loc),
+                    len: entry.value_len,
+                    accessed: false,
+                },
+            );
+        }
+    }
+}
+
+impl Inner {
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::closed())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn contains(&self, key: &[u8]) -> bool {
+        if validate_key(key).is_err() {
+            return false;
+        }
+        let digest = KeyDigest::of(key);
+        self.index.lock(digest).get(digest).is_some()
+    }
+
+    /// Returns the put's sequence number, or `None` if it was skipped.
+    fn put_one(&self, key: &[u8], value: &[u8], options: &PutOptions) -> Result<Option<u64>> {
+        self.check_open()?;
+        validate_key(key)?;
+        let len = value.len() as u64;
+        if value.is_empty() {
+            return Err(Error::invalid(format!(
+                "value is empty: values are 1 to {} bytes",
+                self.config.max_value_size
+            )));
+        }
+        if len > self.config.max_value_size {
+            return Err(Error::invalid(format!(
+                "value is {len} bytes: the max value size is {} bytes",
+                self.config.max_value_size
+            )));
+        }
+        let to_disk = options.tier == PutTier::MemoryAndDisk && self.disk.is_some();
+        let limit = self.max_put_len.load(Ordering::Relaxed);
+        if len > limit {
+            return Err(Error::no_space(format!(
+                "value is {len} bytes but at most {limit} fit (memory capacity {}, disk capacity {})",
+                self.config.memory_capacity, self.config.disk_capacity
+            )));
+        }
+        let digest = KeyDigest::of(key);
+        if options.skip_existing && self.index.lock(digest).get(digest).is_some() {
+            return Ok(None);
+        }
+        let mut slot = self.allocate_slot(value.len(), digest)?;
+        slot.bytes_mut().copy_from_slice(value);
+        let slot = Arc::new(slot);
+        if !to_disk {
+            slot.set_evictable();
+        }
+        let seq;
+        let replaced;
+        {
+            let mut queue = self.queue.lock().unwrap();
+            seq = queue.next_seq;
+            queue.next_seq += 1;
+            replaced = self.index.lock(digest).insert(
+                digest,
+                Entry {
+                    seq,
+                    checksum: 0,
+                    mem: Some(Arc::clone(&slot)),
+                    disk: None,
+                    len: value.len() as u32,
+                    accessed: false,
+                },
+            );
+            if to_disk {
+                queue.items.push_back(QueuedWrite::Put {
+                    digest,
+                    key: key.into(),
+                    seq,
+                    slot: Arc::clone(&slot),
+                });
+            }
+        }
+        // Freed outside the queue lock.
+        drop(replaced);
+        self.eviction.lock().unwrap().insert(&slot);
+        Counters::add(&self.counters.puts, 1);
+        if to_disk && self.config.flush == FlushPolicy::WriteThrough {
+            self.wake_flusher(false);
+        }
+        Ok(Some(seq))
+    }
+
+    /// An extent for `len` bytes: evicts what may be evicted, then waits
+    /// (up to `put_wait`) for the flusher to make more evictable.
+    fn allocate_slot(&self, len: usize, digest: KeyDigest) -> Result<PoolSlot> {
+        let deadline = Instant::now() + self.config.put_wait;
+        loop {
+            if let Some(slot) = self.pool.try_allocate(len, digest) {
+                return Ok(slot);
+            }
+            if self.evict_one() {
+                continue;
+            }
+            let now = Instant::now();
+            if self.disk.is_none() || now >= deadline {
+                return Err(Error::no_space(format!(
+                    "memory pool has no room for {len} bytes: {} of {} bytes in use, none of it \
+                     evictable{}",
+                    self.pool.capacity() - self.pool.free_bytes(),
+                    self.pool.capacity(),
+                    if self.disk.is_some() {
+                        format!(" after waiting {:?} for the flusher", self.config.put_wait)
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
+            self.wake_flusher(true);
+            let state = self.flush.lock().unwrap();
+            let wait = (deadline - now).min(Duration::from_millis(10));
+            let _unused = self.progress_cv.wait_timeout(state, wait).unwrap();
+        }
+    }
+
+    /// Drops one memory value the policy picks. Returns false when nothing
+    /// in the pool may be dropped right now.
+    fn evict_one(&self) -> bool {
+        let mut queues = self.eviction.lock().unwrap();
+        let Some(slot) = queues.next_victim() else {
+            return false;
+        };
+        let digest = slot.digest();
+        if self.index.lock(digest).drop_mem(digest, &slot) {
+            Counters::add(&self.counters.evictions, 1);
+        }
+        drop(queues);
+        drop(slot);
+        true
+    }
+
+    fn lookup(&self, digest: KeyDigest) -> Found {
+        let mut shard = self.index.lock(digest);
+        let Some(entry) = shard.get(digest) else {
+            return Found::Miss;
+        };
+        let found = if let Some(slot) = &entry.mem {
+            slot.record_hit();
+            Found::Memory(Arc::clone(slot))
+        } else if let Some(loc) = entry.disk {
+            match self.disk.as_ref().and_then(|d| d.region(loc.region)) {
+                Some(region) => Found::Disk {
+                    region,
+                    loc,
+                    len: entry.len as usize,
+                    checksum: entry.checksum,
+                    seq: entry.seq,
+                },
+                None => Found::Miss,
+            }
+        } else {
+            Found::Miss
+        };
+        if !matches!(found, Found::Miss) {
+            shard.mark_accessed(digest);
+        }
+        found
+    }
+
+    pub(crate) fn get_into<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Vec<Result<Option<usize>>> {
+        if keys.len() != bufs.len() {
+            return mismatched(keys.len(), "buffers", bufs.len());
+        }
+        if let Err(e) = self.check_open() {
+            return keys.iter().map(|_| Err(e.duplicate())).collect();
+        }
+        let mut results: Vec<Result<Option<usize>>> = Vec::with_capacity(keys.len());
+        let mut disk_reads: Vec<Option<DiskRead>> = Vec::with_capacity(keys.len());
+        let direct = self.disk.as_ref().is_some_and(|d| d.direct_io());
+        for (key, buf) in keys.iter().zip(bufs.iter_mut()) {
+            let key = key.as_ref();
+            let mut disk_read = None;
+            let result = validate_key(key).and_then(|()| {
+                let digest = KeyDigest::of(key);
+                match self.lookup(digest) {
+                    Found::Miss => {
+                        Counters::add(&self.counters.misses, 1);
+                        Ok(None)
+                    }
+                    Found::Memory(slot) => {
+                        check_buffer(slot.len(), buf.len())?;
+                        buf[..slot.len()].copy_from_slice(slot.bytes());
+                        Counters::add(&self.counters.memory_hits, 1);
+                        Ok(Some(slot.len()))
+                    }
+                    Found::Disk {
+                        region,
+                        loc,
+                        len,
+                        checksum,
+                        seq,
+                    } => {
+                        check_buffer(len, buf.len())?;
+                        let padded = page_round_up(len as u64) as usize;
+                        // Straight into the caller's buffer when O_DIRECT
+                        // allows it; through a bounce buffer otherwise.
+                        let fits_direct = buf.len() >= padded
+                            && is_direct_io_aligned(&buf[..padded]);
+                        let bounce = if !direct || fits_direct {
+                            None
+                        } else {
+                            Some(AlignedBuf::zeroed(padded))
+                        };
+                        disk_read = Some(DiskRead {
+                            digest,
+                            region,
+                            loc,
+                            len,
+                            read_len: if direct { padded } else { len },
+                            checksum,
+                            seq,
+                            bounce,
+                            outcome: Ok(()),
+                        });
+                        Ok(Some(len))
+                    }
+                }
+            });
+            results.push(result);
+            disk_reads.push(disk_read);
+        }
+        if disk_reads.iter().any(Option::is_some) {
+            self.read_from_disk(bufs, &mut disk_reads, &mut results);
+        }
+        results
+    }
+
+    /// Submits every disk read of a batch at once, then verifies each.
+    fn read_from_disk(
+        &self,
+        bufs: &mut [&mut [u8]],
+        reads: &mut [Option<DiskRead>],
+        results: &mut [Result<Option<usize>>],
+    ) {
+        let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
+        {
+            let mut ops: Vec<ReadOp<'_>> = Vec::new();
+            let mut owners: Vec<usize> = Vec::new();
+            for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
+                let Some(read) = read else { continue };
+                let offset = u64::from(read.loc.page) * PAGE_SIZE;
+                let target: &mut [u8] = match &mut read.bounce {
+                    Some(bounce) => &mut bounce.as_mut_slice()[..read.read_len],
+                    None => &mut buf[..read.read_len],
+                };
+                ops.push(ReadOp::new(&read.region.file, offset, target));
+                owners.push(i);
+            }
+            disk.engine().read_batch(&mut ops);
+            let outcomes: Vec<_> = ops.into_iter().map(|op| op.result).collect();
+            for (i, outcome) in owners.into_iter().zip(outcomes) {
+                if let Some(read) = &mut reads[i] {
+                    read.outcome = outcome;
+                }
+            }
+        }
+        for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
+            let Some(read) = read else { continue };
+            let verdict = match &read.outcome {
+                Ok(()) => {
+                    let bytes = match &read.bounce {
+                        Some(bounce) => &bounce.as_slice()[..read.len],
+                        None => &buf[..read.len],
+                    };
+                    if value_checksum(read.digest, bytes) == read.checksum {
+                        Ok(())
+                    } else {
+                        Err("checksum or key digest mismatch".to_string())
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    Err(format!("value lies past the end of its region file: {e}"))
+                }
+                Err(e) => {
+                    results[i] = Err(Error::io(
+                        format!("reading region {} page {}", read.loc.region, read.loc.page),
+                        std::io::Error::new(e.kind(), e.to_string()),
+                    ));
+                    continue;
+                }
+            };
+            match verdict {
+                Ok(()) => {
+                    if let Some(bounce) = &read.bounce {
+                        buf[..read.len].copy_from_slice(&bounce.as_slice()[..read.len]);
+                    }
+                    Counters::add(&self.counters.disk_hits, 1);
+                }
+                Err(reason) => {
+                    tracing::warn!(
+                        region = read.loc.region,
+                        page = read.loc.page,
+                        len = read.len,
+                        %reason,
+                        "disk read failed verification; dropping the entry and reporting a miss"
+                    );
+                    Counters::add(&self.counters.checksum_failures, 1);
+                    Counters::add(&self.counters.misses, 1);
+                    self.index
+                        .lock(read.digest)
+                        .clear_disk(read.digest, read.seq, read.loc);
+                    results[i] = Ok(None);
+                }
+            }
+        }
+    }
+
+    fn remove(&self, key: &[u8]) -> Result<bool> {
+        self.check_open()?;
+        validate_key(key)?;
+        let digest = KeyDigest::of(key);
+        let seq;
+        let removed;
+        {
+            let mut queue = self.queue.lock().unwrap();
+            removed = self.index.lock(digest).remove(digest);
+            if removed.is_none() {
+                return Ok(false);
+            }
+            seq = queue.next_seq;
+            queue.next_seq += 1;
+            if self.disk.is_some() {
+                // Always logged: an older durable value may exist on disk
+                // even if the index only knew a memory copy.
+                queue.items.push_back(QueuedWrite::Tombstone {
+                    digest,
+                    key: key.into(),
+                    seq,
+                });
+            }
+        }
+        drop(removed);
+        Counters::add(&self.counters.removes, 1);
+        if self.disk.is_some() {
+            self.wake_flusher(true);
+            self.wait_durable(seq, seq)?;
+        }
+        Ok(true)
+    }
+
+    pub(crate) fn wake_flusher(&self, request: bool) {
+        let mut state = self.flush.lock().unwrap();
+        if request {
+            state.requested = true;
+        }
+        self.work_cv.notify_one();
+    }
+
+    fn flush_all(&self) -> Result<()> {
+        if self.disk.is_none() {
+            return Ok(());
+        }
+        let target = self.queue.lock().unwrap().next_seq - 1;
+        self.wake_flusher(true);
+        self.wait_for(target);
+        self.take_unreported_failure()
+    }
+
+    /// Waits until writes `low..=high` are processed; fails if any of them
+    /// was in a failed batch.
+    fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
+        self.wake_flusher(true);
+        self.wait_for(high);
+        let state = self.flush.lock().unwrap();
+        for (lo, hi, error) in &state.failures {
+            if *lo <= high && low <= *hi {
+                return Err(error.duplicate());
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_for(&self, target: u64) {
+        let mut state = self.flush.lock().unwrap();
+        while state.durable_seq < target {
+            state = self.progress_cv.wait(state).unwrap();
+        }
+    }
+
+    fn take_unreported_failure(&self) -> Result<()> {
+        let mut state = self.flush.lock().unwrap();
+        if state.failure_count > state.reported_failures {
+            let missed = state.failure_count - state.reported_failures;
+            state.reported_failures = state.failure_count;
+            let last = state
+                .failures
+                .back()
+                .map(|(_, _, e)| e.to_string())
+                .unwrap_or_default();
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("{missed} batch write(s) failed since the last flush; last: {last}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> Stats {
+        let counts = self.index.counts();
+        let c = &self.counters;
+        Stats {
+            entries: counts.entries,
+            memory_entries: self.pool.live_entries(),
+            memory_bytes: self.pool.live_bytes(),
+            memory_capacity: self.pool.capacity(),
+            disk_entries: counts.disk_entries,
+            disk_value_bytes: counts.disk_bytes,
+            disk_used_bytes: self.disk.as_ref().map_or(0, |d| d.used()),
+            disk_capacity: self.config.disk_capacity,
+            disk_regions: self.disk.as_ref().map_or(0, |d| d.region_count() as u64),
+            memory_hits: Counters::get(&c.memory_hits),
+            disk_hits: Counters::get(&c.disk_hits),
+            misses: Counters::get(&c.misses),
+            evictions: Counters::get(&c.evictions),
+            reclaimed_regions: Counters::get(&c.reclaimed_regions),
+            reclaimed_entries: Counters::get(&c.reclaimed_entries),
+            carried_entries: Counters::get(&c.carried_entries),
+            checksum_failures: Counters::get(&c.checksum_failures),
+            puts: Counters::get(&c.puts),
+            removes: Counters::get(&c.removes),
+            flushed_batches: Counters::get(&c.flushed_batches),
+            flush_errors: Counters::get(&c.flush_errors),
+            index_bytes: counts.table_bytes,
+            io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
+        }
+    }
+}
+
+struct DiskRead {
+    digest: KeyDigest,
+    region: Arc<Region>,
+    loc: DiskLoc,
+    len: usize,
+    read_len: usize,
+    checksum: u64,
+    seq: u64,
+    bounce: Option<AlignedBuf>,
+    outcome: std::io::Result<()>,
+}
+
+fn check_buffer(len: usize, buf_len: usize) -> Result<()> {
+    if buf_len < len {
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("value is {len} bytes but the buffer is {buf_len} bytes"),
+        ));
+    }
+    Ok(())
+}
