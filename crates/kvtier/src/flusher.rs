@@ -86,20 +86,15 @@ impl Inner {
         };
         let (low, high) = (first.seq(), last.seq());
 
-        // Skip puts already replaced or removed: their newer write follows.
+        // Every queued put is written, even one replaced since: the newer
+        // value may be memory-only (or already evicted), and a restart must
+        // then bring back the newest write-through value. Recovery keeps the
+        // highest sequence number, so replaced values lose there.
         let mut batch = PendingBatch::default();
         let mut written_puts = Vec::new();
         for item in &taken {
             match item {
                 QueuedWrite::Put { digest, key, seq, slot } => {
-                    let current = self
-                        .index
-                        .lock(*digest)
-                        .get(*digest)
-                        .is_some_and(|e| e.seq == *seq);
-                    if !current {
-                        continue;
-                    }
                     let checksum = value_checksum(*digest, slot.bytes());
                     batch.entries.push(RecordEntry {
                         kind: RecordKind::Put,

@@ -334,8 +334,8 @@ impl Store {
     }
 
     /// Removes `key` from every tier; durable on return (a tombstone is
-    /// written so the value cannot come back after a restart). Returns
-    /// whether the key was present.
+    /// always written, so no older value can come back after a restart).
+    /// Returns whether the key was present.
     pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
         self.inner.remove(key.as_ref())
     }
@@ -772,14 +772,13 @@ impl Inner {
         {
             let mut queue = self.queue.lock().unwrap();
             removed = self.index.lock(digest).remove(digest);
-            if removed.is_none() {
-                return Ok(false);
-            }
             seq = queue.next_seq;
             queue.next_seq += 1;
             if self.disk.is_some() {
-                // Always logged: an older durable value may exist on disk
-                // even if the index only knew a memory copy.
+                // Logged even for a key the index does not know: an older
+                // durable value may still lie on disk (replaced by a
+                // memory-only put that was then evicted) and must not come
+                // back after a restart.
                 queue.items.push_back(QueuedWrite::Tombstone {
                     digest,
                     key: key.into(),
@@ -787,13 +786,15 @@ impl Inner {
                 });
             }
         }
+        let was_present = removed.is_some();
         drop(removed);
-        Counters::add(&self.counters.removes, 1);
+        if was_present {
+            Counters::add(&self.counters.removes, 1);
+        }
         if self.disk.is_some() {
-            self.wake_flusher(true);
             self.wait_durable(seq, seq)?;
         }
-        Ok(true)
+        Ok(was_present)
     }
 
     pub(crate) fn wake_flusher(&self, request: bool) {
