@@ -8,7 +8,7 @@
 use crate::config::page_round_up;
 use crate::disk::format::{self, RecordEntry, RecordKind};
 use crate::disk::io::{AlignedBuf, ReadOp};
-use crate::disk::{DiskTier, PendingBatch, RecoveredEntry};
+use crate::disk::{DiskTier, PendingBatch, RecoveredEntry, Region};
 use crate::error::Error;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;
@@ -169,8 +169,10 @@ impl Inner {
     }
 
     /// Reclaims the oldest region: entries read since they were written get
-    /// a second chance (rewritten at the log head, up to half the region's
-    /// bytes); the rest leave the disk tier. Returns false if there was no
+    /// a second chance (rewritten at the log head, up to three quarters of
+    /// the region's bytes, and always the first such entry); the rest leave
+    /// the disk tier. Carrying clears the read mark, so an entry is carried
+    /// again only if it is read again. Returns false if there was no
     /// region to reclaim.
     fn reclaim_oldest(&self, disk: &DiskTier) -> bool {
         let Some(region) = disk.oldest_region() else {
@@ -183,7 +185,7 @@ impl Inner {
                 Vec::new()
             }
         };
-        let budget = region.len() / 2;
+        let budget = region.len() / 4 * 3;
         let mut carried_bytes = 0u64;
         let mut carry: Vec<RecoveredEntry> = Vec::new();
         let mut dropped = 0u64;
@@ -200,7 +202,7 @@ impl Inner {
                 continue;
             }
             let padded = page_round_up(u64::from(entry.value_len));
-            if current.accessed && current.mem.is_none() && carried_bytes + padded <= budget {
+            if current.accessed && (carried_bytes == 0 || carried_bytes + padded <= budget) {
                 carried_bytes += padded;
                 drop(shard);
                 carry.push(recovered);
@@ -209,11 +211,13 @@ impl Inner {
                 dropped += 1;
             }
         }
-        let carried = self.carry_forward(disk, region.id, carry);
+        // Remove first so the carried batch has room; the open file handle
+        // still reads the unlinked region. A crash in between loses only
+        // entries that reclaim was entitled to drop.
         if let Err(e) = disk.remove_region(region.id) {
             tracing::error!(region = region.id, error = %e, "removing a reclaimed region");
         }
-        // Anything that still points at the removed region is gone.
+        let carried = self.carry_forward(disk, &region, carry);
         Counters::add(&self.counters.reclaimed_regions, 1);
         Counters::add(&self.counters.reclaimed_entries, dropped);
         Counters::add(&self.counters.carried_entries, carried);
@@ -222,13 +226,11 @@ impl Inner {
 
     /// Reads, verifies and rewrites second-chance entries at the log head.
     /// Returns how many made it.
-    fn carry_forward(&self, disk: &DiskTier, from_region: u32, carry: Vec<RecoveredEntry>) -> u64 {
+    fn carry_forward(&self, disk: &DiskTier, region: &Region, carry: Vec<RecoveredEntry>) -> u64 {
         if carry.is_empty() {
             return 0;
         }
-        let Some(region) = disk.region(from_region) else {
-            return 0;
-        };
+        let from_region = region.id;
         let mut bufs: Vec<AlignedBuf> = carry
             .iter()
             .map(|c| AlignedBuf::zeroed(c.entry.value_len as usize))

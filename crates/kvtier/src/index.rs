@@ -261,3 +261,45 @@ impl Index {
         counts
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Measures the index's memory per entry across a range of sizes (the
+    /// hash table doubles, so bytes per entry swing with the load factor).
+    #[test]
+    fn memory_per_entry() {
+        let index = Index::default();
+        let mut samples = Vec::new();
+        let mut inserted = 0u64;
+        for target in [250_000u64, 500_000, 1_000_000, 1_500_000, 2_000_000] {
+            while inserted < target {
+                let digest = KeyDigest::of(&inserted.to_le_bytes());
+                index.lock(digest).insert(
+                    digest,
+                    Entry {
+                        seq: inserted,
+                        checksum: 0,
+                        mem: None,
+                        disk: Some(DiskLoc { region: 1, page: 1 }),
+                        len: 65536,
+                        accessed: false,
+                    },
+                );
+                inserted += 1;
+            }
+            let counts = index.counts();
+            assert_eq!(counts.entries, target);
+            assert_eq!(counts.disk_entries, target);
+            let per_entry = counts.table_bytes as f64 / target as f64;
+            samples.push((target, per_entry));
+        }
+        for (n, per_entry) in &samples {
+            println!("index: {n} entries, {per_entry:.1} bytes per entry");
+        }
+        let mean = samples.iter().map(|s| s.1).sum::<f64>() / samples.len() as f64;
+        println!("index: mean {mean:.1} bytes per entry, slot {} bytes", std::mem::size_of::<(u128, Entry)>() + 1);
+        assert!(samples.iter().all(|s| s.1 < 160.0), "{samples:?}");
+    }
+}

@@ -1,0 +1,164 @@
+//! Damaged region files: reads return misses, never wrong bytes, and the
+//! store keeps serving.
+
+mod common;
+
+use common::*;
+use kvtier::disk::format::{BatchHeader, REGION_HEADER_LEN};
+use kvtier::Store;
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+const VALUE: usize = 64 * 1024;
+
+fn fill(dir: &Path, n: u64) {
+    let store = open(small_config(dir));
+    for i in 0..n {
+        store.put(key(i), value_for(&key(i), 7, VALUE)).unwrap();
+        if i % 5 == 4 {
+            store.flush().unwrap(); // several batches per region
+        }
+    }
+    store.flush().unwrap();
+}
+
+fn region_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir.join("regions"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    files
+}
+
+/// Offsets of every batch record in a region file.
+fn batch_offsets(path: &Path) -> Vec<u64> {
+    let bytes = fs::read(path).unwrap();
+    let id = u32::from_str_radix(path.file_stem().unwrap().to_str().unwrap(), 16).unwrap();
+    let mut offsets = Vec::new();
+    let mut at = REGION_HEADER_LEN;
+    while let Ok(header) = BatchHeader::decode(&bytes[at as usize..], id) {
+        offsets.push(at);
+        at += header.batch_len;
+        if at as usize >= bytes.len() {
+            break;
+        }
+    }
+    offsets
+}
+
+fn flip(path: &Path, offset: u64) {
+    let file = OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, offset).unwrap();
+    byte[0] ^= 0x5A;
+    file.write_all_at(&byte, offset).unwrap();
+    file.sync_all().unwrap();
+}
+
+/// Every key is either its exact value or a miss; returns the hit count.
+fn check_all(store: &Store, n: u64) -> u64 {
+    let mut hits = 0;
+    for i in 0..n {
+        if let Some(v) = store.get(key(i)).unwrap() {
+            assert_eq!(v, value_for(&key(i), 7, VALUE), "key {i} returned wrong bytes");
+            hits += 1;
+        }
+    }
+    hits
+}
+
+fn still_serves(store: &Store) {
+    store.put(b"after", value_for(b"after", 1, VALUE)).unwrap();
+    store.flush().unwrap();
+    assert_eq!(store.get(b"after").unwrap().unwrap(), value_for(b"after", 1, VALUE));
+}
+
+#[test]
+fn flipped_value_bytes_become_misses() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 40;
+    fill(dir.path(), n);
+    let mut flipped = 0;
+    for path in region_files(dir.path()) {
+        for offset in batch_offsets(&path) {
+            // Damage the first value of every batch (it follows the record page).
+            flip(&path, offset + 4096 + 1234);
+            flipped += 1;
+        }
+    }
+    assert!(flipped >= 8, "{flipped}");
+    let store = open(small_config(dir.path()));
+    let hits = check_all(&store, n);
+    let stats = store.stats();
+    assert_eq!(stats.checksum_failures, flipped);
+    assert_eq!(hits, n - flipped);
+    // The damaged entries were dropped: asking again is a plain miss.
+    assert_eq!(check_all(&store, n), hits);
+    assert_eq!(store.stats().checksum_failures, flipped);
+    still_serves(&store);
+}
+
+#[test]
+fn damage_while_open_is_caught_on_read() {
+    let dir = tempfile::tempdir().unwrap();
+    fill(dir.path(), 10);
+    let store = open(small_config(dir.path()));
+    let path = &region_files(dir.path())[0];
+    let first_batch = batch_offsets(path)[0];
+    flip(path, first_batch + 4096 + 10);
+    assert_eq!(check_all(&store, 10), 9);
+    assert_eq!(store.stats().checksum_failures, 1);
+    still_serves(&store);
+}
+
+#[test]
+fn flipped_record_bytes_drop_batches_not_correctness() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 40;
+    fill(dir.path(), n);
+    let files = region_files(dir.path());
+    // Damage the second batch record of the first region, in the entries.
+    let offsets = batch_offsets(&files[0]);
+    assert!(offsets.len() >= 3, "{offsets:?}");
+    flip(&files[0], offsets[1] + 100);
+    let store = open(small_config(dir.path()));
+    let report = store.recovery_report().clone();
+    assert_eq!(report.dropped_tails, 1, "{report:?}");
+    let hits = check_all(&store, n);
+    // The first batch (5 keys) survives; the damaged batch and those after
+    // it in that region are gone; other regions are intact.
+    assert!(hits >= 5 && hits < n, "{hits}");
+    assert_eq!(store.stats().checksum_failures, 0);
+    still_serves(&store);
+}
+
+#[test]
+fn torn_tail_and_garbage_files_are_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 40;
+    fill(dir.path(), n);
+    let files = region_files(dir.path());
+    let last = files.last().unwrap();
+    let len = fs::metadata(last).unwrap().len();
+    // Tear the last batch in half.
+    let file = OpenOptions::new().write(true).open(last).unwrap();
+    file.set_len(len - 4096 * 7).unwrap();
+    drop(file);
+    // A region file whose header is garbage, and one cut short.
+    fs::write(dir.path().join("regions/000000ff.kvr"), vec![0xAB; 8192]).unwrap();
+    fs::write(dir.path().join("regions/000000fe.kvr"), vec![0; 100]).unwrap();
+    let store = open(small_config(dir.path()));
+    let report = store.recovery_report().clone();
+    assert_eq!(report.dropped_regions, 2, "{report:?}");
+    assert!(report.dropped_tails >= 1, "{report:?}");
+    let hits = check_all(&store, n);
+    assert!(hits >= n - 5 && hits < n, "{hits}");
+    still_serves(&store);
+    drop(store);
+    // And it reopens cleanly afterwards.
+    let store = open(small_config(dir.path()));
+    assert_eq!(check_all(&store, n), hits);
+    assert!(store.get(b"after").unwrap().is_some());
+}

@@ -1,0 +1,195 @@
+//! Crash test: a child process puts, removes and flushes in a loop and is
+//! SIGKILLed at a random moment; the parent reopens the directory and checks
+//! every key. Repeated for many cycles on the same directory.
+//!
+//! The child announces each operation on stdout *before* doing it, and
+//! prints `F` after each `flush()` returns. So the parent knows, per key,
+//! the state made durable by the last completed flush and every state an
+//! operation started after it could have left. After reopen each key must
+//! be in one of those states: nothing acknowledged lost, nothing removed
+//! back, no wrong bytes.
+
+mod common;
+
+use common::*;
+use kvtier::{Config, Store};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const KEYS: u64 = 120;
+
+fn config(dir: &Path) -> Config {
+    Config::new(dir)
+        .memory_capacity(2 * MIB)
+        .disk_capacity(8 * 1024 * MIB)
+        .region_size(4 * MIB)
+        .put_wait(Duration::from_secs(30))
+}
+
+/// (version, len) of a value, or `None` for absent.
+type State = Option<(u64, usize)>;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The child's body; a no-op unless the parent set the environment.
+#[test]
+fn crash_child() {
+    let Ok(dir) = std::env::var("KVTIER_CRASH_CHILD_DIR") else {
+        return;
+    };
+    let seed: u64 = std::env::var("KVTIER_CRASH_SEED").unwrap().parse().unwrap();
+    let mut rng = Rng(seed | 1);
+    let store = Store::open(config(Path::new(&dir))).unwrap();
+    println!("OPEN");
+    for i in 0..3000u64 {
+        let choice = rng.below(100);
+        if choice < 65 {
+            let k = rng.below(KEYS);
+            let len = match rng.below(4) {
+                0 => 1 + rng.below(4096) as usize,
+                1 | 2 => 4096 * (1 + rng.below(16) as usize),
+                _ => 100_000 + rng.below(30_000) as usize,
+            };
+            let version = seed * 1_000 + i;
+            println!("P {k} {version} {len}");
+            store.put(key(k), value_for(&key(k), version, len)).unwrap();
+        } else if choice < 75 {
+            let k = rng.below(KEYS);
+            println!("R {k}");
+            store.remove(key(k)).unwrap();
+        } else if choice < 85 {
+            // A batch put of consecutive keys, as an engine writes a prompt.
+            let first = rng.below(KEYS - 8);
+            let version = seed * 1_000 + i;
+            let keys: Vec<Vec<u8>> = (first..first + 8).map(key).collect();
+            let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, version, 8192)).collect();
+            for k in first..first + 8 {
+                println!("P {k} {version} 8192");
+            }
+            for result in store.batch_put(&keys, &values) {
+                result.unwrap();
+            }
+        } else {
+            store.flush().unwrap();
+            println!("F");
+        }
+    }
+    store.flush().unwrap();
+    println!("F");
+    println!("DONE");
+    // Wait to be killed.
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn crash_cycles_lose_nothing_acknowledged() {
+    let cycles: u64 = std::env::var("KVTIER_CRASH_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    // What the store held after the previous verification.
+    let mut model: HashMap<u64, State> = HashMap::new();
+    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    let mut totals = (0u64, 0u64, 0u64); // keys checked, present, ops seen
+    let mut killed_mid_run = 0u64;
+    for cycle in 1..=cycles {
+        let mut child = Command::new(&exe)
+            .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+            .env("KVTIER_CRASH_CHILD_DIR", dir.path())
+            .env("KVTIER_CRASH_SEED", cycle.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let kill_after = Duration::from_millis(10 + rng.below(250));
+        let reader = std::thread::spawn(move || {
+            BufReader::new(stdout).lines().map_while(Result::ok).collect::<Vec<String>>()
+        });
+        // Kill at a random moment after the child has opened the store.
+        let started = Instant::now();
+        while started.elapsed() < kill_after {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let lines = reader.join().unwrap();
+        if !lines.iter().any(|l| l == "DONE") {
+            killed_mid_run += 1;
+        }
+
+        // Per key: durable state, then every state possible after it.
+        let mut durable: HashMap<u64, State> = model.clone();
+        let mut since_flush: HashMap<u64, Vec<State>> = HashMap::new();
+        for line in &lines {
+            let parts: Vec<&str> = line.split_whitespace().collect();
+            match parts.as_slice() {
+                ["P", k, version, len] => {
+                    let k: u64 = k.parse().unwrap();
+                    since_flush.entry(k).or_default().push(Some((version.parse().unwrap(), len.parse().unwrap())));
+                    totals.2 += 1;
+                }
+                ["R", k] => {
+                    since_flush.entry(k.parse().unwrap()).or_default().push(None);
+                    totals.2 += 1;
+                }
+                ["F"] => {
+                    for (k, states) in since_flush.drain() {
+                        durable.insert(k, *states.last().unwrap());
+                    }
+                }
+                _ => {}
+            }
+        }
+
+        let store = Store::open(config(dir.path())).unwrap();
+        for k in 0..KEYS {
+            let got = store.get(key(k)).unwrap();
+            let observed: State = got.as_ref().map(|bytes| {
+                // Identify the version by matching the candidates' bytes.
+                let candidates = std::iter::once(durable.get(&k).copied().flatten())
+                    .chain(since_flush.get(&k).into_iter().flatten().copied())
+                    .flatten();
+                let matched = candidates
+                    .filter(|&(v, len)| len == bytes.len() && value_for(&key(k), v, len) == *bytes)
+                    .last();
+                matched.unwrap_or_else(|| {
+                    panic!("cycle {cycle}: key {k} returned {} bytes matching no version it could hold", bytes.len())
+                })
+            });
+            let allowed: Vec<State> = std::iter::once(durable.get(&k).copied().flatten())
+                .chain(since_flush.get(&k).into_iter().flatten().copied())
+                .collect();
+            assert!(
+                allowed.contains(&observed),
+                "cycle {cycle}: key {k} is {observed:?}, allowed {allowed:?} (lost or resurrected)"
+            );
+            totals.0 += 1;
+            totals.1 += u64::from(observed.is_some());
+            model.insert(k, observed);
+        }
+        let stats = store.stats();
+        assert_eq!(stats.checksum_failures, 0, "cycle {cycle}");
+        assert_eq!(stats.reclaimed_regions, 0, "cycle {cycle}: the disk is sized so nothing is reclaimed");
+        drop(store);
+    }
+    println!(
+        "crash test: {cycles} cycles ({killed_mid_run} killed mid-run), {} ops announced, {} key checks, {} present",
+        totals.2, totals.0, totals.1
+    );
+    assert!(killed_mid_run * 2 >= cycles, "most kills must land while the child is working");
+}
