@@ -1,1 +1,53 @@
-fn main(){}
+//! The `kvtier` command-line tool.
+
+mod demo;
+mod size;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvtier",
+    version,
+    about = "A tiered KV-cache store for LLM inference"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write, read back and verify a synthetic prompt's KV blocks in an
+    /// embedded store (memory pool plus disk tier).
+    Demo(demo::DemoArgs),
+}
+
+/// Log level from RUST_LOG (one of error, warn, info, debug, trace).
+/// Default: warn.
+fn init_logging() {
+    let level = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|v| v.parse::<tracing::Level>().ok())
+        .unwrap_or(tracing::Level::WARN);
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Demo(args) => demo::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvtier: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -20,7 +20,10 @@ const MAX_BATCH_ENTRIES: usize = 8192;
 
 impl Inner {
     pub(crate) fn run_flusher(&self) {
-        let disk = self.disk.as_ref().expect("the flusher runs with a disk tier");
+        let disk = self
+            .disk
+            .as_ref()
+            .expect("the flusher runs with a disk tier");
         // A smaller configured capacity than the files on disk: shrink now.
         while disk.used() > disk.capacity() && self.reclaim_oldest(disk) {}
         while self.wait_for_work() {
@@ -63,11 +66,15 @@ impl Inner {
             let mut value_bytes = 0u64;
             while let Some(item) = queue.items.front() {
                 let (key_len, padded) = match item {
-                    QueuedWrite::Put { key, slot, .. } => (key.len(), slot.padded_bytes().len() as u64),
+                    QueuedWrite::Put { key, slot, .. } => {
+                        (key.len(), slot.padded_bytes().len() as u64)
+                    }
                     QueuedWrite::Tombstone { key, .. } => (key.len(), 0),
                 };
                 let record = page_round_up(
-                    (format::record_len([]) + key_bytes + taken.len() * format::ENTRY_FIXED_LEN
+                    (format::record_len([])
+                        + key_bytes
+                        + taken.len() * format::ENTRY_FIXED_LEN
                         + format::ENTRY_FIXED_LEN
                         + key_len) as u64,
                 );
@@ -94,7 +101,12 @@ impl Inner {
         let mut written_puts = Vec::new();
         for item in &taken {
             match item {
-                QueuedWrite::Put { digest, key, seq, slot } => {
+                QueuedWrite::Put {
+                    digest,
+                    key,
+                    seq,
+                    slot,
+                } => {
                     let checksum = value_checksum(*digest, slot.bytes());
                     batch.entries.push(RecordEntry {
                         kind: RecordKind::Put,
@@ -128,7 +140,9 @@ impl Inner {
             match disk.write_batch(&mut batch, first_seq) {
                 Ok(locs) => {
                     for ((digest, seq, checksum, slot), loc) in written_puts.iter().zip(locs) {
-                        self.index.lock(*digest).set_disk(*digest, *seq, loc, *checksum);
+                        self.index
+                            .lock(*digest)
+                            .set_disk(*digest, *seq, loc, *checksum);
                         slot.set_evictable();
                     }
                     Counters::add(&self.counters.flushed_batches, 1);
@@ -256,11 +270,16 @@ impl Inner {
             for ((c, buf), outcome) in carry.iter().zip(&bufs).zip(outcomes) {
                 let e = &c.entry;
                 let valid = outcome.is_ok()
-                    && value_checksum(e.digest, &buf.as_slice()[..e.value_len as usize]) == e.checksum;
+                    && value_checksum(e.digest, &buf.as_slice()[..e.value_len as usize])
+                        == e.checksum;
                 let mut shard = self.index.lock(e.digest);
                 if !valid {
                     Counters::add(&self.counters.checksum_failures, 1);
-                    tracing::warn!(region = from_region, page = c.loc.page, "second-chance read failed verification; dropping the entry");
+                    tracing::warn!(
+                        region = from_region,
+                        page = c.loc.page,
+                        "second-chance read failed verification; dropping the entry"
+                    );
                     shard.clear_disk(e.digest, e.seq, c.loc);
                     continue;
                 }
@@ -305,4 +324,3 @@ impl Inner {
         carried
     }
 }
-

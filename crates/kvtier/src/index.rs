@@ -154,7 +154,13 @@ impl Shard {
 
     /// Gives a carried value a new sequence number, if it is still the
     /// put `old_seq` at `loc`. Returns whether it applied.
-    pub fn renumber(&mut self, digest: KeyDigest, old_seq: u64, loc: DiskLoc, new_seq: u64) -> bool {
+    pub fn renumber(
+        &mut self,
+        digest: KeyDigest,
+        old_seq: u64,
+        loc: DiskLoc,
+        new_seq: u64,
+    ) -> bool {
         match self.map.get_mut(&digest.0) {
             Some(entry) if entry.seq == old_seq && entry.disk == Some(loc) => {
                 entry.seq = new_seq;
@@ -299,7 +305,10 @@ mod tests {
             println!("index: {n} entries, {per_entry:.1} bytes per entry");
         }
         let mean = samples.iter().map(|s| s.1).sum::<f64>() / samples.len() as f64;
-        println!("index: mean {mean:.1} bytes per entry, slot {} bytes", std::mem::size_of::<(u128, Entry)>() + 1);
+        println!(
+            "index: mean {mean:.1} bytes per entry, slot {} bytes",
+            std::mem::size_of::<(u128, Entry)>() + 1
+        );
         assert!(samples.iter().all(|s| s.1 < 160.0), "{samples:?}");
     }
 }

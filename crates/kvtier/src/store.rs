@@ -135,7 +135,10 @@ impl Store {
     pub fn open(config: Config) -> Result<Store> {
         config.validate()?;
         std::fs::create_dir_all(&config.data_dir).map_err(|e| {
-            Error::io(format!("creating data directory {}", config.data_dir.display()), e)
+            Error::io(
+                format!("creating data directory {}", config.data_dir.display()),
+                e,
+            )
         })?;
         let lock = DirLock::acquire(&config.data_dir)?;
         let index = Index::default();
@@ -273,7 +276,12 @@ impl Store {
                 return Ok(None);
             };
             let mut value = vec![0u8; len];
-            match self.inner.get_into(&[key], &mut [&mut value[..]]).pop().unwrap() {
+            match self
+                .inner
+                .get_into(&[key], &mut [&mut value[..]])
+                .pop()
+                .unwrap()
+            {
                 Ok(Some(n)) => {
                     value.truncate(n);
                     return Ok(Some(value));
@@ -320,7 +328,9 @@ impl Store {
         if self.inner.check_open().is_err() {
             return vec![false; keys.len()];
         }
-        keys.iter().map(|k| self.inner.contains(k.as_ref())).collect()
+        keys.iter()
+            .map(|k| self.inner.contains(k.as_ref()))
+            .collect()
     }
 
     /// How many leading keys are present: the cached prefix of a prompt.
@@ -402,7 +412,9 @@ fn mismatched<T>(n: usize, what: &str, m: usize) -> Vec<Result<T>> {
 }
 
 fn max_put_len(config: &Config, disk: Option<&DiskTier>) -> u64 {
-    let mut limit = config.max_value_size.min(config.memory_capacity / PAGE_SIZE * PAGE_SIZE);
+    let mut limit = config
+        .max_value_size
+        .min(config.memory_capacity / PAGE_SIZE * PAGE_SIZE);
     if let Some(disk) = disk {
         // One value alone in a batch: a record page plus the value's pages.
         let record = page_round_up(format::record_len([crate::key::MAX_KEY_LEN]) as u64);
@@ -652,12 +664,12 @@ impl Inner {
                         let padded = page_round_up(len as u64) as usize;
                         // Straight into the caller's buffer when O_DIRECT
                         // allows it; through a bounce buffer otherwise.
-                        let fits_direct = buf.len() >= padded
-                            && is_direct_io_aligned(&buf[..padded]);
+                        let fits_direct =
+                            buf.len() >= padded && is_direct_io_aligned(&buf[..padded]);
                         let bounce = if !direct || fits_direct {
                             None
                         } else {
-                            Some(AlignedBuf::zeroed(padded))
+                            self.disk.as_ref().map(|d| d.bounce_buffers().take(padded))
                         };
                         disk_read = Some(DiskRead {
                             digest,
@@ -759,6 +771,11 @@ impl Inner {
                         .clear_disk(read.digest, read.seq, read.loc);
                     results[i] = Ok(None);
                 }
+            }
+        }
+        for read in reads.iter_mut().flatten() {
+            if let Some(bounce) = read.bounce.take() {
+                disk.bounce_buffers().give_back(bounce);
             }
         }
     }

@@ -10,10 +10,15 @@ fn put_get_round_trip_in_memory_and_after_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(small_config(dir.path()));
     for i in 0..20 {
-        store.put(key(i), value_for(&key(i), 0, 70_000 + i as usize)).unwrap();
+        store
+            .put(key(i), value_for(&key(i), 0, 70_000 + i as usize))
+            .unwrap();
     }
     for i in 0..20 {
-        assert_eq!(store.get(key(i)).unwrap().unwrap(), value_for(&key(i), 0, 70_000 + i as usize));
+        assert_eq!(
+            store.get(key(i)).unwrap().unwrap(),
+            value_for(&key(i), 0, 70_000 + i as usize)
+        );
     }
     store.flush().unwrap();
     let stats = store.stats();
@@ -25,7 +30,10 @@ fn put_get_round_trip_in_memory_and_after_reopen() {
     let store = open(small_config(dir.path()));
     assert_eq!(store.recovery_report().records, 20);
     for i in 0..20 {
-        assert_eq!(store.get(key(i)).unwrap().unwrap(), value_for(&key(i), 0, 70_000 + i as usize));
+        assert_eq!(
+            store.get(key(i)).unwrap().unwrap(),
+            value_for(&key(i), 0, 70_000 + i as usize)
+        );
     }
     assert_eq!(store.stats().disk_hits, 20);
     assert_eq!(store.get(b"absent").unwrap(), None);
@@ -39,7 +47,10 @@ fn batch_operations_report_per_key() {
     let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 65536)).collect();
     let results = store.batch_put(&keys[..4], &values[..4]);
     assert!(results.iter().all(Result::is_ok));
-    assert_eq!(store.batch_exists(&keys), vec![true, true, true, true, false, false]);
+    assert_eq!(
+        store.batch_exists(&keys),
+        vec![true, true, true, true, false, false]
+    );
     assert_eq!(store.prefix_len(&keys), 4);
     assert_eq!(store.prefix_len(&[&keys[1], &keys[5], &keys[2]]), 1);
 
@@ -47,7 +58,10 @@ fn batch_operations_report_per_key() {
     let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
     let got = store.batch_get_into(&[&keys[0], &keys[1], &keys[5], &keys[3]], &mut slices);
     assert_eq!(got[0].as_ref().unwrap(), &Some(65536));
-    assert_eq!(got[1].as_ref().unwrap_err().kind(), ErrorKind::BufferTooSmall);
+    assert_eq!(
+        got[1].as_ref().unwrap_err().kind(),
+        ErrorKind::BufferTooSmall
+    );
     assert_eq!(got[2].as_ref().unwrap(), &None);
     assert_eq!(got[3].as_ref().unwrap(), &Some(65536));
     assert_eq!(bufs[0], values[0]);
@@ -56,7 +70,9 @@ fn batch_operations_report_per_key() {
     // Mismatched lengths fail every key, clearly.
     let results = store.batch_put(&keys[..2], &values[..1]);
     assert_eq!(results.len(), 2);
-    assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind() == ErrorKind::InvalidArgument));
+    assert!(results
+        .iter()
+        .all(|r| r.as_ref().unwrap_err().kind() == ErrorKind::InvalidArgument));
 }
 
 #[test]
@@ -64,7 +80,10 @@ fn skip_existing_keeps_the_first_value() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(small_config(dir.path()));
     store.put(b"k", b"first").unwrap();
-    let options = PutOptions { skip_existing: true, ..Default::default() };
+    let options = PutOptions {
+        skip_existing: true,
+        ..Default::default()
+    };
     store.put_with(b"k", b"second", &options).unwrap();
     store.put_with(b"other", b"new", &options).unwrap();
     assert_eq!(store.get(b"k").unwrap().unwrap(), b"first");
@@ -82,7 +101,10 @@ fn bad_keys_and_values_get_clear_errors() {
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert!(err.to_string().contains("257 bytes"), "{err}");
     assert!(store.put(vec![b'k'; MAX_KEY_LEN], b"v").is_ok());
-    assert_eq!(store.put(b"", b"v").unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        store.put(b"", b"v").unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
     let err = store.put(b"k", b"").unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert!(err.to_string().contains("empty"), "{err}");
@@ -90,7 +112,10 @@ fn bad_keys_and_values_get_clear_errors() {
     assert_eq!(err.kind(), ErrorKind::InvalidArgument);
     assert!(err.to_string().contains("max value size"), "{err}");
     assert!(store.get(&long_key).is_err());
-    assert_eq!(store.batch_exists(&[&long_key[..], b""]), vec![false, false]);
+    assert_eq!(
+        store.batch_exists(&[&long_key[..], b""]),
+        vec![false, false]
+    );
     // Nothing else was disturbed.
     assert_eq!(store.stats().entries, 1);
     let mut small = [0u8; 4];
@@ -125,8 +150,14 @@ fn a_locked_directory_cannot_be_opened_twice() {
     let store = open(small_config(dir.path()));
     let err = Store::open(small_config(dir.path())).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Locked);
-    assert!(err.to_string().contains("in use by another process"), "{err}");
-    assert!(err.to_string().contains(&std::process::id().to_string()), "{err}");
+    assert!(
+        err.to_string().contains("in use by another process"),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(&std::process::id().to_string()),
+        "{err}"
+    );
     store.close().unwrap();
     // Closing releases the directory even while the handle lives.
     let again = open(small_config(dir.path()));
@@ -147,7 +178,14 @@ fn remove_is_durable_and_reports_presence() {
     // A memory-only overwrite of a durable key, then removed: the old
     // durable value must not come back either.
     store
-        .put_with(b"b", b"mem", &PutOptions { tier: PutTier::MemoryOnly, ..Default::default() })
+        .put_with(
+            b"b",
+            b"mem",
+            &PutOptions {
+                tier: PutTier::MemoryOnly,
+                ..Default::default()
+            },
+        )
         .unwrap();
     assert!(store.remove(b"b").unwrap());
     drop(store);
@@ -159,7 +197,11 @@ fn remove_is_durable_and_reports_presence() {
 #[test]
 fn memory_only_store_without_disk_tier() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open(Config::new(dir.path()).memory_capacity(MIB).disk_capacity(0));
+    let store = open(
+        Config::new(dir.path())
+            .memory_capacity(MIB)
+            .disk_capacity(0),
+    );
     for i in 0..64 {
         store.put(key(i), value_for(&key(i), 0, 64 * 1024)).unwrap();
     }
@@ -183,7 +225,10 @@ fn durable_put_waits_for_disk() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(small_config(dir.path()).flush_policy(kvtier::FlushPolicy::OnDemand));
     store.put(b"lazy", b"x").unwrap();
-    let options = PutOptions { durable: true, ..Default::default() };
+    let options = PutOptions {
+        durable: true,
+        ..Default::default()
+    };
     store.put_with(b"now", b"y", &options).unwrap();
     assert!(store.stats().disk_entries >= 1);
     drop(store);
@@ -203,7 +248,10 @@ fn block_keys_fixed_vectors() {
     let hex: Vec<String> = keys.iter().map(|k| k.to_hex()).collect();
     assert_eq!(
         hex,
-        ["2e21bdf5ead5cb7af9f3dc327c32f742", "9a1cc9c2ed1d5a3001211f109e7ca526"]
+        [
+            "2e21bdf5ead5cb7af9f3dc327c32f742",
+            "9a1cc9c2ed1d5a3001211f109e7ca526"
+        ]
     );
     let salted = block_keys(&tokens, 4, b"model-a");
     assert_eq!(salted[0].to_hex(), "303918610178dde0ee6df0af11cf8777");

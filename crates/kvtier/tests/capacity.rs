@@ -48,7 +48,10 @@ fn filling_past_both_capacities_stays_within_limits() {
     let survivors = present.iter().filter(|&&p| p).count();
     // Roughly the disk's worth of the newest entries survive.
     assert!(survivors > 60 && survivors < 140, "{survivors}");
-    assert!(present[(n - 1) as usize] && present[(n - 20) as usize], "the newest entries must survive");
+    assert!(
+        present[(n - 1) as usize] && present[(n - 20) as usize],
+        "the newest entries must survive"
+    );
     assert!(!present[0], "the oldest entries were reclaimed");
     drop(store);
 
@@ -82,8 +85,13 @@ fn recently_read_entries_get_a_second_chance() {
     assert!(stats.carried_entries > 0, "{stats:?}");
     let present = check(&store, 240);
     let hot_alive = hot.iter().filter(|&&i| present[i as usize]).count();
-    eprintln!("hot present: {:?}", hot.iter().map(|&i| present[i as usize]).collect::<Vec<_>>());
-    let cold_alive = (0..40).filter(|i| !hot.contains(i) && present[*i as usize]).count();
+    eprintln!(
+        "hot present: {:?}",
+        hot.iter().map(|&i| present[i as usize]).collect::<Vec<_>>()
+    );
+    let cold_alive = (0..40)
+        .filter(|i| !hot.contains(i) && present[*i as usize])
+        .count();
     assert_eq!(hot_alive, hot.len(), "hot survivors {hot_alive}, {stats:?}");
     assert_eq!(cold_alive, 0, "cold early entries are reclaimed");
 }
@@ -91,11 +99,17 @@ fn recently_read_entries_get_a_second_chance() {
 #[test]
 fn a_put_that_cannot_fit_fails_and_disturbs_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open(config(dir.path()).max_value_size(64 * MIB).put_wait(Duration::from_millis(50)));
+    let store = open(
+        config(dir.path())
+            .max_value_size(64 * MIB)
+            .put_wait(Duration::from_millis(50)),
+    );
     for i in 0..10 {
         store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
     }
-    let err = store.put(b"too-big", vec![1u8; 3 * MIB as usize]).unwrap_err();
+    let err = store
+        .put(b"too-big", vec![1u8; 3 * MIB as usize])
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace);
     assert_eq!(check(&store, 10), vec![true; 10]);
     // Values that fit the pool but not one batch on disk, in a store
@@ -107,7 +121,9 @@ fn a_put_that_cannot_fit_fails_and_disturbs_nothing() {
             .disk_capacity(2 * MIB)
             .region_size(MIB),
     );
-    let err = store.put(b"too-big", vec![1u8; 3 * MIB as usize]).unwrap_err();
+    let err = store
+        .put(b"too-big", vec![1u8; 3 * MIB as usize])
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace);
     assert!(store.max_put_len() < 2 * MIB);
     store.put(b"fits", vec![1u8; MIB as usize]).unwrap();

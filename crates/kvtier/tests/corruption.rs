@@ -49,7 +49,11 @@ fn batch_offsets(path: &Path) -> Vec<u64> {
 }
 
 fn flip(path: &Path, offset: u64) {
-    let file = OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
     let mut byte = [0u8];
     file.read_exact_at(&mut byte, offset).unwrap();
     byte[0] ^= 0x5A;
@@ -62,7 +66,11 @@ fn check_all(store: &Store, n: u64) -> u64 {
     let mut hits = 0;
     for i in 0..n {
         if let Some(v) = store.get(key(i)).unwrap() {
-            assert_eq!(v, value_for(&key(i), 7, VALUE), "key {i} returned wrong bytes");
+            assert_eq!(
+                v,
+                value_for(&key(i), 7, VALUE),
+                "key {i} returned wrong bytes"
+            );
             hits += 1;
         }
     }
@@ -72,7 +80,10 @@ fn check_all(store: &Store, n: u64) -> u64 {
 fn still_serves(store: &Store) {
     store.put(b"after", value_for(b"after", 1, VALUE)).unwrap();
     store.flush().unwrap();
-    assert_eq!(store.get(b"after").unwrap().unwrap(), value_for(b"after", 1, VALUE));
+    assert_eq!(
+        store.get(b"after").unwrap().unwrap(),
+        value_for(b"after", 1, VALUE)
+    );
 }
 
 #[test]

@@ -98,7 +98,10 @@ fn crash_child() {
 
 #[test]
 fn crash_cycles_lose_nothing_acknowledged() {
-    let cycles: u64 = std::env::var("KVTIER_CRASH_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
+    let cycles: u64 = std::env::var("KVTIER_CRASH_CYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
     let dir = tempfile::tempdir().unwrap();
     let exe = std::env::current_exe().unwrap();
     // What the store held after the previous verification.
@@ -118,7 +121,10 @@ fn crash_cycles_lose_nothing_acknowledged() {
         let stdout = child.stdout.take().unwrap();
         let kill_after = Duration::from_millis(10 + rng.below(250));
         let reader = std::thread::spawn(move || {
-            BufReader::new(stdout).lines().map_while(Result::ok).collect::<Vec<String>>()
+            BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+                .collect::<Vec<String>>()
         });
         // Kill at a random moment after the child has opened the store.
         let started = Instant::now();
@@ -140,11 +146,17 @@ fn crash_cycles_lose_nothing_acknowledged() {
             match parts.as_slice() {
                 ["P", k, version, len] => {
                     let k: u64 = k.parse().unwrap();
-                    since_flush.entry(k).or_default().push(Some((version.parse().unwrap(), len.parse().unwrap())));
+                    since_flush
+                        .entry(k)
+                        .or_default()
+                        .push(Some((version.parse().unwrap(), len.parse().unwrap())));
                     totals.2 += 1;
                 }
                 ["R", k] => {
-                    since_flush.entry(k.parse().unwrap()).or_default().push(None);
+                    since_flush
+                        .entry(k.parse().unwrap())
+                        .or_default()
+                        .push(None);
                     totals.2 += 1;
                 }
                 ["F"] => {
@@ -161,12 +173,11 @@ fn crash_cycles_lose_nothing_acknowledged() {
             let got = store.get(key(k)).unwrap();
             let observed: State = got.as_ref().map(|bytes| {
                 // Identify the version by matching the candidates' bytes.
-                let candidates = std::iter::once(durable.get(&k).copied().flatten())
+                let mut candidates = std::iter::once(durable.get(&k).copied().flatten())
                     .chain(since_flush.get(&k).into_iter().flatten().copied())
                     .flatten();
                 let matched = candidates
-                    .filter(|&(v, len)| len == bytes.len() && value_for(&key(k), v, len) == *bytes)
-                    .last();
+                    .rfind(|&(v, len)| len == bytes.len() && value_for(&key(k), v, len) == *bytes);
                 matched.unwrap_or_else(|| {
                     panic!("cycle {cycle}: key {k} returned {} bytes matching no version it could hold", bytes.len())
                 })
@@ -184,12 +195,18 @@ fn crash_cycles_lose_nothing_acknowledged() {
         }
         let stats = store.stats();
         assert_eq!(stats.checksum_failures, 0, "cycle {cycle}");
-        assert_eq!(stats.reclaimed_regions, 0, "cycle {cycle}: the disk is sized so nothing is reclaimed");
+        assert_eq!(
+            stats.reclaimed_regions, 0,
+            "cycle {cycle}: the disk is sized so nothing is reclaimed"
+        );
         drop(store);
     }
     println!(
         "crash test: {cycles} cycles ({killed_mid_run} killed mid-run), {} ops announced, {} key checks, {} present",
         totals.2, totals.0, totals.1
     );
-    assert!(killed_mid_run * 2 >= cycles, "most kills must land while the child is working");
+    assert!(
+        killed_mid_run * 2 >= cycles,
+        "most kills must land while the child is working"
+    );
 }

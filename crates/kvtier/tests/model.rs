@@ -12,10 +12,22 @@ use std::path::Path;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Put { key: u8, len: usize, memory_only: bool },
-    BatchPut { first: u8, count: u8, len: usize },
-    Get { key: u8 },
-    Remove { key: u8 },
+    Put {
+        key: u8,
+        len: usize,
+        memory_only: bool,
+    },
+    BatchPut {
+        first: u8,
+        count: u8,
+        len: usize,
+    },
+    Get {
+        key: u8,
+    },
+    Remove {
+        key: u8,
+    },
     Flush,
     Reopen,
 }
@@ -52,17 +64,30 @@ fn config(dir: &Path, policy: EvictionPolicy) -> Config {
         .eviction(policy)
 }
 
-fn check_key(store: &Store, k: &[u8], expected: &Expected, after_reopen: bool) -> Result<(), TestCaseError> {
+fn check_key(
+    store: &Store,
+    k: &[u8],
+    expected: &Expected,
+    after_reopen: bool,
+) -> Result<(), TestCaseError> {
     let got = store.get(k).unwrap();
     match (&expected.latest, after_reopen) {
-        (Some((value, false)), _) => prop_assert_eq!(got.as_ref(), Some(value), "write-through value"),
+        (Some((value, false)), _) => {
+            prop_assert_eq!(got.as_ref(), Some(value), "write-through value")
+        }
         (Some((value, true)), false) => {
             // Memory-only: present, or evicted (a miss).
-            prop_assert!(got.is_none() || got.as_ref() == Some(value), "memory-only value wrong");
+            prop_assert!(
+                got.is_none() || got.as_ref() == Some(value),
+                "memory-only value wrong"
+            );
         }
         (Some((_, true)), true) => {
             // After a restart only the last durable value may come back.
-            prop_assert!(got.is_none() || got == expected.durable, "stale or wrong after reopen");
+            prop_assert!(
+                got.is_none() || got == expected.durable,
+                "stale or wrong after reopen"
+            );
         }
         (None, _) => prop_assert_eq!(got, None, "removed or never written key returned a value"),
     }
@@ -77,11 +102,28 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
     for op in ops {
         version += 1;
         match op {
-            Op::Put { key: k, len, memory_only } => {
+            Op::Put {
+                key: k,
+                len,
+                memory_only,
+            } => {
                 let k = key(u64::from(k));
                 let value = value_for(&k, version, len);
-                let tier = if memory_only { PutTier::MemoryOnly } else { PutTier::MemoryAndDisk };
-                store.put_with(&k, &value, &PutOptions { tier, ..Default::default() }).unwrap();
+                let tier = if memory_only {
+                    PutTier::MemoryOnly
+                } else {
+                    PutTier::MemoryAndDisk
+                };
+                store
+                    .put_with(
+                        &k,
+                        &value,
+                        &PutOptions {
+                            tier,
+                            ..Default::default()
+                        },
+                    )
+                    .unwrap();
                 let expected = model.entry(k).or_default();
                 if !memory_only {
                     expected.durable = Some(value.clone());
@@ -89,8 +131,11 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
                 expected.latest = Some((value, memory_only));
             }
             Op::BatchPut { first, count, len } => {
-                let keys: Vec<Vec<u8>> = (first..first.saturating_add(count)).map(|k| key(u64::from(k % 24))).collect();
-                let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, version, len)).collect();
+                let keys: Vec<Vec<u8>> = (first..first.saturating_add(count))
+                    .map(|k| key(u64::from(k % 24)))
+                    .collect();
+                let values: Vec<Vec<u8>> =
+                    keys.iter().map(|k| value_for(k, version, len)).collect();
                 for result in store.batch_put(&keys, &values) {
                     result.unwrap();
                 }
@@ -138,7 +183,10 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
 }
 
 fn cases() -> u32 {
-    std::env::var("KVTIER_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(128)
+    std::env::var("KVTIER_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128)
 }
 
 proptest! {

@@ -143,7 +143,12 @@ pub fn record_len(key_lens: impl IntoIterator<Item = usize>) -> usize {
 
 /// Writes a record into `out` (at least `record_len` bytes; the page padding
 /// after it must already be zero).
-pub fn encode_record(out: &mut [u8], region: u32, batch_len: u64, entries: &[RecordEntry]) -> usize {
+pub fn encode_record(
+    out: &mut [u8],
+    region: u32,
+    batch_len: u64,
+    entries: &[RecordEntry],
+) -> usize {
     let len = record_len(entries.iter().map(|e| e.key.len()));
     out[0..8].copy_from_slice(BATCH_MAGIC);
     out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -196,7 +201,9 @@ pub fn decode_record(bytes: &[u8], header: &BatchHeader) -> Result<Vec<RecordEnt
         let entry = RecordEntry {
             kind,
             seq: u64_at(body, at),
-            digest: KeyDigest(u128::from_le_bytes(body[at + 8..at + 24].try_into().unwrap())),
+            digest: KeyDigest(u128::from_le_bytes(
+                body[at + 8..at + 24].try_into().unwrap(),
+            )),
             value_offset: u64_at(body, at + 24),
             value_len: u32_at(body, at + 32),
             checksum: u64_at(body, at + 36),
@@ -320,7 +327,10 @@ mod tests {
     #[test]
     fn region_header_round_trips_and_detects_damage() {
         let mut page = vec![0u8; REGION_HEADER_LEN as usize];
-        let header = RegionHeader { region: 42, first_seq: 9_000 };
+        let header = RegionHeader {
+            region: 42,
+            first_seq: 9_000,
+        };
         header.encode(&mut page);
         assert_eq!(RegionHeader::decode(&page).unwrap(), header);
         page[13] ^= 1;

@@ -62,7 +62,9 @@ impl Drop for AlignedBuf {
 
 impl fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AlignedBuf").field("len", &self.len).finish()
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -210,7 +212,10 @@ impl IoEngine for PsyncEngine {
                 return Err(err);
             }
             if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::WriteZero, "pwritev wrote nothing"));
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "pwritev wrote nothing",
+                ));
             }
             let mut written = n as usize;
             offset += written as u64;
@@ -231,5 +236,48 @@ impl IoEngine for PsyncEngine {
 
     fn sync_data(&self, file: &File) -> io::Result<()> {
         file.sync_data()
+    }
+}
+
+/// Reusable aligned buffers for bounce reads, so the read path does not
+/// pay for fresh (page-faulting) allocations on every unaligned get.
+#[derive(Debug)]
+pub struct BufferPool {
+    free: std::sync::Mutex<Vec<AlignedBuf>>,
+    max_cached_bytes: usize,
+}
+
+impl BufferPool {
+    pub fn new(max_cached_bytes: usize) -> Self {
+        BufferPool {
+            free: std::sync::Mutex::new(Vec::new()),
+            max_cached_bytes,
+        }
+    }
+
+    /// A buffer of at least `len` bytes (contents unspecified).
+    pub fn take(&self, len: usize) -> AlignedBuf {
+        let mut free = self.free.lock().unwrap();
+        let best = free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() >= len)
+            .min_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => free.swap_remove(i),
+            None => {
+                drop(free);
+                AlignedBuf::zeroed(len)
+            }
+        }
+    }
+
+    pub fn give_back(&self, buf: AlignedBuf) {
+        let mut free = self.free.lock().unwrap();
+        let cached: usize = free.iter().map(AlignedBuf::len).sum();
+        if cached + buf.len() <= self.max_cached_bytes {
+            free.push(buf);
+        }
     }
 }

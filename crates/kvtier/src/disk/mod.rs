@@ -14,7 +14,7 @@ use crate::config::{page_round_up, Config, IoEngineKind, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::index::DiskLoc;
 use format::{BatchHeader, RecordEntry, RegionHeader, REGION_HEADER_LEN};
-use io::{pread_full, AlignedBuf, IoEngine, PsyncEngine};
+use io::{pread_full, AlignedBuf, BufferPool, IoEngine, PsyncEngine};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::IoSlice;
@@ -98,7 +98,11 @@ pub struct DiskTier {
     regions: RwLock<BTreeMap<u32, Arc<Region>>>,
     used: AtomicU64,
     writer: Mutex<WriterState>,
+    bounce: BufferPool,
 }
+
+/// Bytes of bounce buffers kept for reuse between reads.
+const BOUNCE_CACHE_BYTES: usize = 256 << 20;
 
 impl DiskTier {
     /// Opens (or creates) the region log under `config.data_dir` and hands
@@ -125,6 +129,7 @@ impl DiskTier {
                 active: None,
                 next_region: 0,
             }),
+            bounce: BufferPool::new(BOUNCE_CACHE_BYTES),
         };
         let report = tier.recover(&mut apply)?;
         Ok((tier, report))
@@ -140,6 +145,11 @@ impl DiskTier {
 
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// Buffers for reads whose destination O_DIRECT cannot use as is.
+    pub fn bounce_buffers(&self) -> &BufferPool {
+        &self.bounce
     }
 
     /// Bytes of region files on disk.
@@ -178,7 +188,9 @@ impl DiskTier {
             let name = name.to_string_lossy();
             match parse_region_name(&name) {
                 Some(id) => ids.push(id),
-                None => tracing::warn!(file = %name, "ignoring unknown file in the region directory"),
+                None => {
+                    tracing::warn!(file = %name, "ignoring unknown file in the region directory")
+                }
             }
         }
         ids.sort_unstable();
@@ -262,9 +274,16 @@ impl DiskTier {
         let mut buf = AlignedBuf::zeroed(PAGE_SIZE as usize);
         while offset < file_len {
             if offset + PAGE_SIZE > file_len {
-                return Ok(ScanEnd::stopped(offset, "partial page at the end of the file"));
+                return Ok(ScanEnd::stopped(
+                    offset,
+                    "partial page at the end of the file",
+                ));
             }
-            if let Err(e) = pread_full(&region.file, offset, &mut buf.as_mut_slice()[..PAGE_SIZE as usize]) {
+            if let Err(e) = pread_full(
+                &region.file,
+                offset,
+                &mut buf.as_mut_slice()[..PAGE_SIZE as usize],
+            ) {
                 return Ok(ScanEnd::stopped(offset, format!("read failed: {e}")));
             }
             let header = match BatchHeader::decode(buf.as_slice(), region.id) {
@@ -272,7 +291,10 @@ impl DiskTier {
                 Err(reason) => return Ok(ScanEnd::stopped(offset, reason)),
             };
             if offset + header.batch_len > file_len {
-                return Ok(ScanEnd::stopped(offset, "batch extends past the end of the file"));
+                return Ok(ScanEnd::stopped(
+                    offset,
+                    "batch extends past the end of the file",
+                ));
             }
             let padded = header.padded_record_len() as usize;
             if padded > buf.len() {
@@ -320,7 +342,11 @@ impl DiskTier {
 
     /// Writes one batch and makes it durable. On return, each put entry's
     /// value is at the returned location (in `entries` order, puts only).
-    pub fn write_batch(&self, batch: &mut PendingBatch<'_>, first_seq: u64) -> Result<Vec<DiskLoc>> {
+    pub fn write_batch(
+        &self,
+        batch: &mut PendingBatch<'_>,
+        first_seq: u64,
+    ) -> Result<Vec<DiskLoc>> {
         let record_len = format::record_len(batch.entries.iter().map(|e| e.key.len()));
         let record_pages = page_round_up(record_len as u64);
         let batch_len = batch.disk_len();
@@ -370,7 +396,10 @@ impl DiskTier {
             // scan stops there and would miss everything behind it.
             writer.active = None;
             return Err(Error::io(
-                format!("writing a {batch_len}-byte batch to {}", region.path.display()),
+                format!(
+                    "writing a {batch_len}-byte batch to {}",
+                    region.path.display()
+                ),
                 e,
             ));
         }
@@ -385,14 +414,21 @@ impl DiskTier {
         let path = self.region_path(id);
         let file = self.open_file(&path, true)?;
         let mut page = AlignedBuf::zeroed(REGION_HEADER_LEN as usize);
-        RegionHeader { region: id, first_seq }.encode(page.as_mut_slice());
+        RegionHeader {
+            region: id,
+            first_seq,
+        }
+        .encode(page.as_mut_slice());
         let region = Arc::new(Region {
             id,
             file,
             path: path.clone(),
             len: AtomicU64::new(REGION_HEADER_LEN),
         });
-        self.regions.write().unwrap().insert(id, Arc::clone(&region));
+        self.regions
+            .write()
+            .unwrap()
+            .insert(id, Arc::clone(&region));
         self.used.fetch_add(REGION_HEADER_LEN, Ordering::AcqRel);
         let written = self
             .engine
