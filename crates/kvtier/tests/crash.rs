@@ -101,7 +101,7 @@ fn crash_cycles_lose_nothing_acknowledged() {
     let cycles: u64 = std::env::var("KVTIER_CRASH_CYCLES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(40);
+        .unwrap_or(100);
     let dir = tempfile::tempdir().unwrap();
     let exe = std::env::current_exe().unwrap();
     // What the store held after the previous verification.
@@ -126,8 +126,27 @@ fn crash_cycles_lose_nothing_acknowledged() {
                 .map_while(Result::ok)
                 .collect::<Vec<String>>()
         });
-        // Kill at a random moment after the child has opened the store.
         let started = Instant::now();
+        if cycle == 1 {
+            // While the child holds the directory, another process cannot
+            // open it. Wait for the child's lock file to name it.
+            let lock_path = dir.path().join("LOCK");
+            let child_pid = child.id().to_string();
+            while std::fs::read_to_string(&lock_path)
+                .map(|s| s.trim() != child_pid)
+                .unwrap_or(true)
+            {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "child never opened the store"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let err = Store::open(config(dir.path())).unwrap_err();
+            assert_eq!(err.kind(), kvtier::ErrorKind::Locked, "{err}");
+            assert!(err.to_string().contains(&child_pid), "{err}");
+        }
+        // Kill at a random moment.
         while started.elapsed() < kill_after {
             std::thread::sleep(Duration::from_millis(5));
         }

@@ -186,7 +186,7 @@ fn cases() -> u32 {
     std::env::var("KVTIER_PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(128)
+        .unwrap_or(256)
 }
 
 proptest! {
