@@ -17,8 +17,33 @@ pub const MAX_VALUE_SIZE_LIMIT: u64 = u32::MAX as u64 - PAGE_SIZE + 1;
 /// Which io engine the disk tier uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoEngineKind {
-    /// `pread`/`pwrite`; batches of reads are spread over `io_threads` threads.
+    /// io_uring: a batch's reads are queued on a ring and submitted at once,
+    /// up to `io_depth` in flight; `io_threads` rings serve concurrent
+    /// callers. Falls back to `Psync`, with a warning, where the kernel or
+    /// sandbox refuses io_uring.
+    Uring,
+    /// `pread`/`pwritev`; a batch's reads are spread over `io_threads`
+    /// threads.
     Psync,
+}
+
+impl IoEngineKind {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "uring" | "io_uring" | "io-uring" => Ok(IoEngineKind::Uring),
+            "psync" => Ok(IoEngineKind::Psync),
+            other => Err(Error::invalid(format!(
+                "unknown io engine {other:?}: expected uring or psync"
+            ))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IoEngineKind::Uring => "uring",
+            IoEngineKind::Psync => "psync",
+        }
+    }
 }
 
 /// How the memory pool picks entries to drop when it is full. Only entries
@@ -66,6 +91,7 @@ pub struct Config {
     pub(crate) max_value_size: u64,
     pub(crate) io_engine: IoEngineKind,
     pub(crate) io_threads: usize,
+    pub(crate) io_depth: u32,
     pub(crate) direct_io: bool,
     pub(crate) eviction: EvictionPolicy,
     pub(crate) flush: FlushPolicy,
@@ -83,8 +109,9 @@ impl Config {
             disk_capacity: 16 * GIB,
             region_size: 256 * MIB,
             max_value_size: 128 * MIB,
-            io_engine: IoEngineKind::Psync,
-            io_threads: 8,
+            io_engine: IoEngineKind::Uring,
+            io_threads: 4,
+            io_depth: 64,
             direct_io: true,
             eviction: EvictionPolicy::S3Fifo,
             flush: FlushPolicy::WriteThrough,
@@ -122,16 +149,25 @@ impl Config {
         self
     }
 
-    /// The disk tier's io engine. Default: `IoEngineKind::Psync`.
+    /// The disk tier's io engine. Default: `IoEngineKind::Uring` (which
+    /// falls back to `Psync` where io_uring is refused).
     pub fn io_engine(mut self, engine: IoEngineKind) -> Self {
         self.io_engine = engine;
         self
     }
 
-    /// Threads a batch of disk reads is spread over (the psync engine's
-    /// queue depth). Default: 8.
+    /// Callers that can drive disk I/O at once: io_uring rings for the
+    /// uring engine, threads a batch of reads is spread over for psync.
+    /// Default: 4.
     pub fn io_threads(mut self, threads: usize) -> Self {
         self.io_threads = threads;
+        self
+    }
+
+    /// Most operations in flight on one io_uring ring (its queue depth).
+    /// Default: 64.
+    pub fn io_depth(mut self, depth: u32) -> Self {
+        self.io_depth = depth;
         self
     }
 
@@ -189,8 +225,11 @@ impl Config {
                 self.max_value_size
             )));
         }
-        if self.io_threads == 0 {
-            return Err(Error::invalid("io_threads must be at least 1"));
+        if self.io_threads == 0 || self.io_threads > 256 {
+            return Err(Error::invalid("io_threads must be 1 to 256"));
+        }
+        if self.io_depth == 0 || self.io_depth > 4096 {
+            return Err(Error::invalid("io_depth must be 1 to 4096"));
         }
         if self.flush_batch_bytes < PAGE_SIZE {
             return Err(Error::invalid("flush_batch_bytes must be at least 4096"));

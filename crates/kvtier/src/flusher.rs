@@ -254,7 +254,7 @@ impl Inner {
                 .iter()
                 .zip(bufs.iter_mut())
                 .map(|(c, buf)| {
-                    let offset = u64::from(c.loc.page) * crate::config::PAGE_SIZE;
+                    let offset = u64::from(c.loc.page()) * crate::config::PAGE_SIZE;
                     ReadOp::new(&region.file, offset, buf.as_mut_slice())
                 })
                 .collect();
@@ -277,7 +277,7 @@ impl Inner {
                     Counters::add(&self.counters.checksum_failures, 1);
                     tracing::warn!(
                         region = from_region,
-                        page = c.loc.page,
+                        page = c.loc.page(),
                         "second-chance read failed verification; dropping the entry"
                     );
                     shard.clear_disk(e.digest, e.seq, c.loc);

@@ -8,17 +8,41 @@
 use crate::key::KeyDigest;
 use crate::pool::PoolSlot;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 const SHARDS: usize = 64;
 
-/// Where a value lives in the disk tier.
+/// Bytes of one hash-table slot: key, entry and the control byte.
+pub const SLOT_BYTES: usize = std::mem::size_of::<(DigestKey, Entry)>() + 1;
+
+/// Where a value lives in the disk tier: a region and the value's offset
+/// in it, in 4 KiB pages. Stored as region + 1 so that `Option<DiskLoc>`
+/// costs no extra bytes in every index entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DiskLoc {
-    pub region: u32,
-    /// Offset of the value in the region file, in 4 KiB pages.
-    pub page: u32,
+    region_plus_one: NonZeroU32,
+    page: u32,
+}
+
+impl DiskLoc {
+    /// Region ids stop below `u32::MAX` (the region allocator refuses it).
+    pub fn new(region: u32, page: u32) -> Self {
+        DiskLoc {
+            region_plus_one: NonZeroU32::new(region.wrapping_add(1))
+                .expect("region id below u32::MAX"),
+            page,
+        }
+    }
+
+    pub fn region(self) -> u32 {
+        self.region_plus_one.get() - 1
+    }
+
+    pub fn page(self) -> u32 {
+        self.page
+    }
 }
 
 #[derive(Debug)]
@@ -33,6 +57,29 @@ pub struct Entry {
     /// Read since written or last carried: earns a second chance when its
     /// region is reclaimed.
     pub accessed: bool,
+}
+
+/// The map key: the digest as two u64 halves, so a slot is 8-aligned
+/// (a u128 would pad every slot to 16 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DigestKey {
+    low: u64,
+    high: u64,
+}
+
+impl From<KeyDigest> for DigestKey {
+    fn from(digest: KeyDigest) -> Self {
+        DigestKey {
+            low: digest.0 as u64,
+            high: (digest.0 >> 64) as u64,
+        }
+    }
+}
+
+impl Hash for DigestKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.low);
+    }
 }
 
 /// The digest is already uniformly random; its low 64 bits are the hash.
@@ -50,12 +97,12 @@ impl Hasher for DigestHasher {
         }
     }
 
-    fn write_u128(&mut self, value: u128) {
-        self.0 = value as u64;
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
     }
 }
 
-type DigestMap = HashMap<u128, Entry, BuildHasherDefault<DigestHasher>>;
+type DigestMap = HashMap<DigestKey, Entry, BuildHasherDefault<DigestHasher>>;
 
 #[derive(Debug, Default)]
 pub struct Shard {
@@ -66,18 +113,18 @@ pub struct Shard {
 
 impl Shard {
     pub fn get(&self, digest: KeyDigest) -> Option<&Entry> {
-        self.map.get(&digest.0)
+        self.map.get(&DigestKey::from(digest))
     }
 
     pub fn mark_accessed(&mut self, digest: KeyDigest) {
-        if let Some(entry) = self.map.get_mut(&digest.0) {
+        if let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) {
             entry.accessed = true;
         }
     }
 
     pub fn insert(&mut self, digest: KeyDigest, entry: Entry) -> Option<Entry> {
         self.count_in(&entry);
-        let old = self.map.insert(digest.0, entry);
+        let old = self.map.insert(DigestKey::from(digest), entry);
         if let Some(old) = &old {
             self.count_out(old);
         }
@@ -85,7 +132,7 @@ impl Shard {
     }
 
     pub fn remove(&mut self, digest: KeyDigest) -> Option<Entry> {
-        let old = self.map.remove(&digest.0);
+        let old = self.map.remove(&DigestKey::from(digest));
         if let Some(old) = &old {
             self.count_out(old);
         }
@@ -95,7 +142,7 @@ impl Shard {
     /// Records that the put `seq` is now durable at `loc`, unless a newer
     /// put or a remove replaced it meanwhile. Returns whether it applied.
     pub fn set_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc, checksum: u64) -> bool {
-        let Some(entry) = self.map.get_mut(&digest.0) else {
+        let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
             return false;
         };
         if entry.seq != seq {
@@ -113,7 +160,7 @@ impl Shard {
     /// Forgets the disk copy of put `seq` if it is still at `loc`; an entry
     /// left in no tier is removed. Returns whether it applied.
     pub fn clear_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
-        let Some(entry) = self.map.get_mut(&digest.0) else {
+        let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
             return false;
         };
         if entry.seq != seq || entry.disk != Some(loc) {
@@ -123,7 +170,7 @@ impl Shard {
         self.disk_entries -= 1;
         self.disk_bytes -= u64::from(entry.len);
         if entry.mem.is_none() {
-            self.map.remove(&digest.0);
+            self.map.remove(&DigestKey::from(digest));
         } else if let Some(slot) = &entry.mem {
             // Its only durable copy is gone: from now on the memory copy
             // is a droppable cache entry.
@@ -134,7 +181,7 @@ impl Shard {
 
     /// Points put `seq` at a new disk location (a carried value).
     pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
-        match self.map.get_mut(&digest.0) {
+        match self.map.get_mut(&DigestKey::from(digest)) {
             Some(entry) if entry.seq == seq && entry.disk.is_some() => {
                 entry.disk = Some(loc);
                 true
@@ -145,7 +192,7 @@ impl Shard {
 
     /// Forgets put `seq`'s disk copy wherever it is.
     pub fn forget_disk(&mut self, digest: KeyDigest, seq: u64) -> bool {
-        let loc = match self.map.get(&digest.0) {
+        let loc = match self.map.get(&DigestKey::from(digest)) {
             Some(entry) if entry.seq == seq => entry.disk,
             _ => None,
         };
@@ -161,7 +208,7 @@ impl Shard {
         loc: DiskLoc,
         new_seq: u64,
     ) -> bool {
-        match self.map.get_mut(&digest.0) {
+        match self.map.get_mut(&DigestKey::from(digest)) {
             Some(entry) if entry.seq == old_seq && entry.disk == Some(loc) => {
                 entry.seq = new_seq;
                 entry.accessed = false;
@@ -174,7 +221,7 @@ impl Shard {
     /// Drops the memory copy if the entry still holds `slot`; an entry left
     /// in no tier is removed. Returns whether it applied.
     pub fn drop_mem(&mut self, digest: KeyDigest, slot: &Arc<PoolSlot>) -> bool {
-        let Some(entry) = self.map.get_mut(&digest.0) else {
+        let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
             return false;
         };
         if !entry.mem.as_ref().is_some_and(|m| Arc::ptr_eq(m, slot)) {
@@ -182,7 +229,7 @@ impl Shard {
         }
         entry.mem = None;
         if entry.disk.is_none() {
-            self.map.remove(&digest.0);
+            self.map.remove(&DigestKey::from(digest));
         }
         true
     }
@@ -239,6 +286,25 @@ impl Index {
         self.shards[shard].lock().unwrap()
     }
 
+    /// Whether each digest is present, taking each shard's lock once for
+    /// the whole batch.
+    pub fn contains_many(&self, digests: &[KeyDigest]) -> Vec<bool> {
+        let mut found = vec![false; digests.len()];
+        let mut order: Vec<(usize, usize)> = digests
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| (self.shard_of(d), i))
+            .collect();
+        order.sort_unstable();
+        for group in order.chunk_by(|a, b| a.0 == b.0) {
+            let shard = self.lock_shard(group[0].0);
+            for &(_, i) in group {
+                found[i] = shard.get(digests[i]).is_some();
+            }
+        }
+        found
+    }
+
     /// Drops every entry (and with them the pool leases they hold).
     pub fn clear(&self) {
         for shard in self.shards.iter() {
@@ -247,7 +313,7 @@ impl Index {
     }
 
     pub fn counts(&self) -> IndexCounts {
-        let slot = std::mem::size_of::<(u128, Entry)>() as u64 + 1;
+        let slot = std::mem::size_of::<(DigestKey, Entry)>() as u64 + 1;
         let mut counts = IndexCounts::default();
         for shard in self.shards.iter() {
             let shard = shard.lock().unwrap();
@@ -288,7 +354,7 @@ mod tests {
                         seq: inserted,
                         checksum: 0,
                         mem: None,
-                        disk: Some(DiskLoc { region: 1, page: 1 }),
+                        disk: Some(DiskLoc::new(1, 1)),
                         len: 65536,
                         accessed: false,
                     },
@@ -307,7 +373,7 @@ mod tests {
         let mean = samples.iter().map(|s| s.1).sum::<f64>() / samples.len() as f64;
         println!(
             "index: mean {mean:.1} bytes per entry, slot {} bytes",
-            std::mem::size_of::<(u128, Entry)>() + 1
+            std::mem::size_of::<(DigestKey, Entry)>() + 1
         );
         assert!(samples.iter().all(|s| s.1 < 160.0), "{samples:?}");
     }

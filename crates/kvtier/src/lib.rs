@@ -45,7 +45,7 @@ pub use store::{PutOptions, PutTier, Store};
 
 /// Bytes one index entry occupies, for capacity planning: the hash table
 /// slot (digest and entry) plus its control byte, before load-factor slack.
-pub const INDEX_SLOT_BYTES: usize = std::mem::size_of::<(u128, index::Entry)>() + 1;
+pub const INDEX_SLOT_BYTES: usize = index::SLOT_BYTES;
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../../../README.md")]

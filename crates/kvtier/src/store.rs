@@ -328,9 +328,7 @@ impl Store {
         if self.inner.check_open().is_err() {
             return vec![false; keys.len()];
         }
-        keys.iter()
-            .map(|k| self.inner.contains(k.as_ref()))
-            .collect()
+        self.inner.contains_many(keys)
     }
 
     /// How many leading keys are present: the cached prefix of a prompt.
@@ -338,8 +336,10 @@ impl Store {
         if self.inner.check_open().is_err() {
             return 0;
         }
-        keys.iter()
-            .take_while(|k| self.inner.contains(k.as_ref()))
+        self.inner
+            .contains_many(keys)
+            .into_iter()
+            .take_while(|&present| present)
             .count()
     }
 
@@ -468,12 +468,15 @@ impl Inner {
         }
     }
 
-    fn contains(&self, key: &[u8]) -> bool {
-        if validate_key(key).is_err() {
-            return false;
+    /// Presence of each key; invalid keys are absent.
+    fn contains_many<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        let valid: Vec<bool> = keys.iter().map(|k| validate_key(k.as_ref()).is_ok()).collect();
+        let digests: Vec<KeyDigest> = keys.iter().map(|k| KeyDigest::of(k.as_ref())).collect();
+        let mut found = self.index.contains_many(&digests);
+        for (present, valid) in found.iter_mut().zip(valid) {
+            *present &= valid;
         }
-        let digest = KeyDigest::of(key);
-        self.index.lock(digest).get(digest).is_some()
+        found
     }
 
     /// Returns the put's sequence number, or `None` if it was skipped.
@@ -604,7 +607,7 @@ impl Inner {
             slot.record_hit();
             Found::Memory(Arc::clone(slot))
         } else if let Some(loc) = entry.disk {
-            match self.disk.as_ref().and_then(|d| d.region(loc.region)) {
+            match self.disk.as_ref().and_then(|d| d.region(loc.region())) {
                 Some(region) => Found::Disk {
                     region,
                     loc,
@@ -708,7 +711,7 @@ impl Inner {
             let mut owners: Vec<usize> = Vec::new();
             for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
                 let Some(read) = read else { continue };
-                let offset = u64::from(read.loc.page) * PAGE_SIZE;
+                let offset = u64::from(read.loc.page()) * PAGE_SIZE;
                 let target: &mut [u8] = match &mut read.bounce {
                     Some(bounce) => &mut bounce.as_mut_slice()[..read.read_len],
                     None => &mut buf[..read.read_len],
@@ -743,7 +746,11 @@ impl Inner {
                 }
                 Err(e) => {
                     results[i] = Err(Error::io(
-                        format!("reading region {} page {}", read.loc.region, read.loc.page),
+                        format!(
+                            "reading region {} page {}",
+                            read.loc.region(),
+                            read.loc.page()
+                        ),
                         std::io::Error::new(e.kind(), e.to_string()),
                     ));
                     continue;
@@ -758,8 +765,8 @@ impl Inner {
                 }
                 Err(reason) => {
                     tracing::warn!(
-                        region = read.loc.region,
-                        page = read.loc.page,
+                        region = read.loc.region(),
+                        page = read.loc.page(),
                         len = read.len,
                         %reason,
                         "disk read failed verification; dropping the entry and reporting a miss"

@@ -7,233 +7,261 @@ use kvtier::{block_keys, Config, ErrorKind, PutOptions, PutTier, Store, MAX_KEY_
 
 #[test]
 fn put_get_round_trip_in_memory_and_after_reopen() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()));
-    for i in 0..20 {
-        store
-            .put(key(i), value_for(&key(i), 0, 70_000 + i as usize))
-            .unwrap();
-    }
-    for i in 0..20 {
-        assert_eq!(
-            store.get(key(i)).unwrap().unwrap(),
-            value_for(&key(i), 0, 70_000 + i as usize)
-        );
-    }
-    store.flush().unwrap();
-    let stats = store.stats();
-    assert_eq!(stats.entries, 20);
-    assert_eq!(stats.disk_entries, 20);
-    assert_eq!(stats.memory_hits, 20);
-    drop(store);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        for i in 0..20 {
+            store
+                .put(key(i), value_for(&key(i), 0, 70_000 + i as usize))
+                .unwrap();
+        }
+        for i in 0..20 {
+            assert_eq!(
+                store.get(key(i)).unwrap().unwrap(),
+                value_for(&key(i), 0, 70_000 + i as usize)
+            );
+        }
+        store.flush().unwrap();
+        let stats = store.stats();
+        assert_eq!(stats.entries, 20);
+        assert_eq!(stats.disk_entries, 20);
+        assert_eq!(stats.memory_hits, 20);
+        drop(store);
 
-    let store = open(small_config(dir.path()));
-    assert_eq!(store.recovery_report().records, 20);
-    for i in 0..20 {
-        assert_eq!(
-            store.get(key(i)).unwrap().unwrap(),
-            value_for(&key(i), 0, 70_000 + i as usize)
-        );
-    }
-    assert_eq!(store.stats().disk_hits, 20);
-    assert_eq!(store.get(b"absent").unwrap(), None);
+        let store = open(small_config(dir.path()));
+        assert_eq!(store.recovery_report().records, 20);
+        for i in 0..20 {
+            assert_eq!(
+                store.get(key(i)).unwrap().unwrap(),
+                value_for(&key(i), 0, 70_000 + i as usize)
+            );
+        }
+        assert_eq!(store.stats().disk_hits, 20);
+        assert_eq!(store.get(b"absent").unwrap(), None);
+    });
 }
 
 #[test]
 fn batch_operations_report_per_key() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()));
-    let keys: Vec<Vec<u8>> = (0..6).map(key).collect();
-    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 65536)).collect();
-    let results = store.batch_put(&keys[..4], &values[..4]);
-    assert!(results.iter().all(Result::is_ok));
-    assert_eq!(
-        store.batch_exists(&keys),
-        vec![true, true, true, true, false, false]
-    );
-    assert_eq!(store.prefix_len(&keys), 4);
-    assert_eq!(store.prefix_len(&[&keys[1], &keys[5], &keys[2]]), 1);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        let keys: Vec<Vec<u8>> = (0..6).map(key).collect();
+        let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 65536)).collect();
+        let results = store.batch_put(&keys[..4], &values[..4]);
+        assert!(results.iter().all(Result::is_ok));
+        assert_eq!(
+            store.batch_exists(&keys),
+            vec![true, true, true, true, false, false]
+        );
+        assert_eq!(store.prefix_len(&keys), 4);
+        assert_eq!(store.prefix_len(&[&keys[1], &keys[5], &keys[2]]), 1);
 
-    let mut bufs: Vec<Vec<u8>> = vec![vec![0; 65536], vec![0; 100], vec![0; 65536], vec![0; 65536]];
-    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-    let got = store.batch_get_into(&[&keys[0], &keys[1], &keys[5], &keys[3]], &mut slices);
-    assert_eq!(got[0].as_ref().unwrap(), &Some(65536));
-    assert_eq!(
-        got[1].as_ref().unwrap_err().kind(),
-        ErrorKind::BufferTooSmall
-    );
-    assert_eq!(got[2].as_ref().unwrap(), &None);
-    assert_eq!(got[3].as_ref().unwrap(), &Some(65536));
-    assert_eq!(bufs[0], values[0]);
-    assert_eq!(bufs[3], values[3]);
+        let mut bufs: Vec<Vec<u8>> =
+            vec![vec![0; 65536], vec![0; 100], vec![0; 65536], vec![0; 65536]];
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let got = store.batch_get_into(&[&keys[0], &keys[1], &keys[5], &keys[3]], &mut slices);
+        assert_eq!(got[0].as_ref().unwrap(), &Some(65536));
+        assert_eq!(
+            got[1].as_ref().unwrap_err().kind(),
+            ErrorKind::BufferTooSmall
+        );
+        assert_eq!(got[2].as_ref().unwrap(), &None);
+        assert_eq!(got[3].as_ref().unwrap(), &Some(65536));
+        assert_eq!(bufs[0], values[0]);
+        assert_eq!(bufs[3], values[3]);
 
-    // Mismatched lengths fail every key, clearly.
-    let results = store.batch_put(&keys[..2], &values[..1]);
-    assert_eq!(results.len(), 2);
-    assert!(results
-        .iter()
-        .all(|r| r.as_ref().unwrap_err().kind() == ErrorKind::InvalidArgument));
+        // Mismatched lengths fail every key, clearly.
+        let results = store.batch_put(&keys[..2], &values[..1]);
+        assert_eq!(results.len(), 2);
+        assert!(results
+            .iter()
+            .all(|r| r.as_ref().unwrap_err().kind() == ErrorKind::InvalidArgument));
+    });
 }
 
 #[test]
 fn skip_existing_keeps_the_first_value() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()));
-    store.put(b"k", b"first").unwrap();
-    let options = PutOptions {
-        skip_existing: true,
-        ..Default::default()
-    };
-    store.put_with(b"k", b"second", &options).unwrap();
-    store.put_with(b"other", b"new", &options).unwrap();
-    assert_eq!(store.get(b"k").unwrap().unwrap(), b"first");
-    assert_eq!(store.get(b"other").unwrap().unwrap(), b"new");
-    store.put(b"k", b"third").unwrap();
-    assert_eq!(store.get(b"k").unwrap().unwrap(), b"third");
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        store.put(b"k", b"first").unwrap();
+        let options = PutOptions {
+            skip_existing: true,
+            ..Default::default()
+        };
+        store.put_with(b"k", b"second", &options).unwrap();
+        store.put_with(b"other", b"new", &options).unwrap();
+        assert_eq!(store.get(b"k").unwrap().unwrap(), b"first");
+        assert_eq!(store.get(b"other").unwrap().unwrap(), b"new");
+        store.put(b"k", b"third").unwrap();
+        assert_eq!(store.get(b"k").unwrap().unwrap(), b"third");
+    });
 }
 
 #[test]
 fn bad_keys_and_values_get_clear_errors() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()).max_value_size(MIB));
-    let long_key = vec![b'k'; MAX_KEY_LEN + 1];
-    let err = store.put(&long_key, b"v").unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    assert!(err.to_string().contains("257 bytes"), "{err}");
-    assert!(store.put(vec![b'k'; MAX_KEY_LEN], b"v").is_ok());
-    assert_eq!(
-        store.put(b"", b"v").unwrap_err().kind(),
-        ErrorKind::InvalidArgument
-    );
-    let err = store.put(b"k", b"").unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    assert!(err.to_string().contains("empty"), "{err}");
-    let err = store.put(b"k", vec![1u8; MIB as usize + 1]).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    assert!(err.to_string().contains("max value size"), "{err}");
-    assert!(store.get(&long_key).is_err());
-    assert_eq!(
-        store.batch_exists(&[&long_key[..], b""]),
-        vec![false, false]
-    );
-    // Nothing else was disturbed.
-    assert_eq!(store.stats().entries, 1);
-    let mut small = [0u8; 4];
-    store.put(b"big", vec![9u8; 5000]).unwrap();
-    let got = store.batch_get_into(&[b"big"], &mut [&mut small[..]]);
-    let err = got[0].as_ref().unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::BufferTooSmall);
-    assert!(err.to_string().contains("5000"), "{err}");
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()).max_value_size(MIB));
+        let long_key = vec![b'k'; MAX_KEY_LEN + 1];
+        let err = store.put(&long_key, b"v").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        assert!(err.to_string().contains("257 bytes"), "{err}");
+        assert!(store.put(vec![b'k'; MAX_KEY_LEN], b"v").is_ok());
+        assert_eq!(
+            store.put(b"", b"v").unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+        let err = store.put(b"k", b"").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        assert!(err.to_string().contains("empty"), "{err}");
+        let err = store.put(b"k", vec![1u8; MIB as usize + 1]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        assert!(err.to_string().contains("max value size"), "{err}");
+        assert!(store.get(&long_key).is_err());
+        assert_eq!(
+            store.batch_exists(&[&long_key[..], b""]),
+            vec![false, false]
+        );
+        // Nothing else was disturbed.
+        assert_eq!(store.stats().entries, 1);
+        let mut small = [0u8; 4];
+        store.put(b"big", vec![9u8; 5000]).unwrap();
+        let got = store.batch_get_into(&[b"big"], &mut [&mut small[..]]);
+        let err = got[0].as_ref().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::BufferTooSmall);
+        assert!(err.to_string().contains("5000"), "{err}");
+    });
 }
 
 #[test]
 fn a_value_larger_than_the_pool_is_no_space() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()));
-    let err = store.put(b"huge", vec![1u8; 5 * MIB as usize]).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::NoSpace);
-    assert!(err.to_string().contains("at most"), "{err}");
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        let err = store.put(b"huge", vec![1u8; 5 * MIB as usize]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NoSpace);
+        assert!(err.to_string().contains("at most"), "{err}");
+    });
 }
 
 #[test]
 fn invalid_configuration_is_rejected() {
-    let dir = tempfile::tempdir().unwrap();
-    let err = Store::open(Config::new(dir.path()).disk_capacity(MIB).region_size(MIB)).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-    let err = Store::open(small_config(dir.path()).region_size(1000)).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Store::open(
+            Config::new(dir.path())
+                .io_engine(engine())
+                .disk_capacity(MIB)
+                .region_size(MIB),
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        let err = Store::open(small_config(dir.path()).region_size(1000)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+    });
 }
 
 #[test]
 fn a_locked_directory_cannot_be_opened_twice() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()));
-    let err = Store::open(small_config(dir.path())).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Locked);
-    assert!(
-        err.to_string().contains("in use by another process"),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains(&std::process::id().to_string()),
-        "{err}"
-    );
-    store.close().unwrap();
-    // Closing releases the directory even while the handle lives.
-    let again = open(small_config(dir.path()));
-    assert_eq!(store.put(b"k", b"v").unwrap_err().kind(), ErrorKind::Closed);
-    drop(again);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        let err = Store::open(small_config(dir.path())).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Locked);
+        assert!(
+            err.to_string().contains("in use by another process"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains(&std::process::id().to_string()),
+            "{err}"
+        );
+        store.close().unwrap();
+        // Closing releases the directory even while the handle lives.
+        let again = open(small_config(dir.path()));
+        assert_eq!(store.put(b"k", b"v").unwrap_err().kind(), ErrorKind::Closed);
+        drop(again);
+    });
 }
 
 #[test]
 fn remove_is_durable_and_reports_presence() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()));
-    store.put(b"a", value_for(b"a", 0, 10_000)).unwrap();
-    store.put(b"b", value_for(b"b", 0, 10_000)).unwrap();
-    store.flush().unwrap();
-    assert!(store.remove(b"a").unwrap());
-    assert!(!store.remove(b"a").unwrap());
-    assert!(!store.exists(b"a"));
-    // A memory-only overwrite of a durable key, then removed: the old
-    // durable value must not come back either.
-    store
-        .put_with(
-            b"b",
-            b"mem",
-            &PutOptions {
-                tier: PutTier::MemoryOnly,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    assert!(store.remove(b"b").unwrap());
-    drop(store);
-    let store = open(small_config(dir.path()));
-    assert_eq!(store.get(b"a").unwrap(), None);
-    assert_eq!(store.get(b"b").unwrap(), None);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        store.put(b"a", value_for(b"a", 0, 10_000)).unwrap();
+        store.put(b"b", value_for(b"b", 0, 10_000)).unwrap();
+        store.flush().unwrap();
+        assert!(store.remove(b"a").unwrap());
+        assert!(!store.remove(b"a").unwrap());
+        assert!(!store.exists(b"a"));
+        // A memory-only overwrite of a durable key, then removed: the old
+        // durable value must not come back either.
+        store
+            .put_with(
+                b"b",
+                b"mem",
+                &PutOptions {
+                    tier: PutTier::MemoryOnly,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert!(store.remove(b"b").unwrap());
+        drop(store);
+        let store = open(small_config(dir.path()));
+        assert_eq!(store.get(b"a").unwrap(), None);
+        assert_eq!(store.get(b"b").unwrap(), None);
+    });
 }
 
 #[test]
 fn memory_only_store_without_disk_tier() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(
-        Config::new(dir.path())
-            .memory_capacity(MIB)
-            .disk_capacity(0),
-    );
-    for i in 0..64 {
-        store.put(key(i), value_for(&key(i), 0, 64 * 1024)).unwrap();
-    }
-    store.flush().unwrap();
-    let stats = store.stats();
-    assert!(stats.memory_bytes <= MIB);
-    assert!(stats.evictions >= 48, "{stats:?}");
-    // Survivors read back correctly; evicted keys are misses.
-    let mut hits = 0;
-    for i in 0..64 {
-        if let Some(v) = store.get(key(i)).unwrap() {
-            assert_eq!(v, value_for(&key(i), 0, 64 * 1024));
-            hits += 1;
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(
+            Config::new(dir.path())
+                .io_engine(engine())
+                .memory_capacity(MIB)
+                .disk_capacity(0),
+        );
+        for i in 0..64 {
+            store.put(key(i), value_for(&key(i), 0, 64 * 1024)).unwrap();
         }
-    }
-    assert!(hits > 0 && hits <= 16, "{hits}");
+        store.flush().unwrap();
+        let stats = store.stats();
+        assert!(stats.memory_bytes <= MIB);
+        assert!(stats.evictions >= 48, "{stats:?}");
+        // Survivors read back correctly; evicted keys are misses.
+        let mut hits = 0;
+        for i in 0..64 {
+            if let Some(v) = store.get(key(i)).unwrap() {
+                assert_eq!(v, value_for(&key(i), 0, 64 * 1024));
+                hits += 1;
+            }
+        }
+        assert!(hits > 0 && hits <= 16, "{hits}");
+    });
 }
 
 #[test]
 fn durable_put_waits_for_disk() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(small_config(dir.path()).flush_policy(kvtier::FlushPolicy::OnDemand));
-    store.put(b"lazy", b"x").unwrap();
-    let options = PutOptions {
-        durable: true,
-        ..Default::default()
-    };
-    store.put_with(b"now", b"y", &options).unwrap();
-    assert!(store.stats().disk_entries >= 1);
-    drop(store);
-    let store = open(small_config(dir.path()));
-    assert_eq!(store.get(b"now").unwrap().unwrap(), b"y");
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()).flush_policy(kvtier::FlushPolicy::OnDemand));
+        store.put(b"lazy", b"x").unwrap();
+        let options = PutOptions {
+            durable: true,
+            ..Default::default()
+        };
+        store.put_with(b"now", b"y", &options).unwrap();
+        assert!(store.stats().disk_entries >= 1);
+        drop(store);
+        let store = open(small_config(dir.path()));
+        assert_eq!(store.get(b"now").unwrap().unwrap(), b"y");
+    });
 }
 
 /// Fixed vectors pin the chained-key algorithm: changing it would orphan
@@ -242,54 +270,58 @@ fn durable_put_waits_for_disk() {
 /// the algorithm documented in `kvtier::prefix`.
 #[test]
 fn block_keys_fixed_vectors() {
-    let tokens: Vec<u32> = (0..10).collect();
-    let keys = block_keys(&tokens, 4, b"");
-    assert_eq!(keys.len(), 2, "the trailing partial block gets no key");
-    let hex: Vec<String> = keys.iter().map(|k| k.to_hex()).collect();
-    assert_eq!(
-        hex,
-        [
-            "2e21bdf5ead5cb7af9f3dc327c32f742",
-            "9a1cc9c2ed1d5a3001211f109e7ca526"
-        ]
-    );
-    let salted = block_keys(&tokens, 4, b"model-a");
-    assert_eq!(salted[0].to_hex(), "303918610178dde0ee6df0af11cf8777");
-    assert_eq!(salted[1].to_hex(), "da12349c948f7f4cd81ab194229e2468");
-    // Chaining: block 1's key depends on block 0's tokens.
-    let mut other = tokens.clone();
-    other[0] = 99;
-    let changed = block_keys(&other, 4, b"");
-    assert_ne!(changed[1], keys[1]);
-    assert_eq!(block_keys(&tokens[4..8], 4, b"").len(), 1);
-    assert_ne!(block_keys(&tokens[4..8], 4, b"")[0], keys[1]);
-    assert!(block_keys(&tokens[..3], 4, b"").is_empty());
+    for_each_engine(|_engine| {
+        let tokens: Vec<u32> = (0..10).collect();
+        let keys = block_keys(&tokens, 4, b"");
+        assert_eq!(keys.len(), 2, "the trailing partial block gets no key");
+        let hex: Vec<String> = keys.iter().map(|k| k.to_hex()).collect();
+        assert_eq!(
+            hex,
+            [
+                "2e21bdf5ead5cb7af9f3dc327c32f742",
+                "9a1cc9c2ed1d5a3001211f109e7ca526"
+            ]
+        );
+        let salted = block_keys(&tokens, 4, b"model-a");
+        assert_eq!(salted[0].to_hex(), "303918610178dde0ee6df0af11cf8777");
+        assert_eq!(salted[1].to_hex(), "da12349c948f7f4cd81ab194229e2468");
+        // Chaining: block 1's key depends on block 0's tokens.
+        let mut other = tokens.clone();
+        other[0] = 99;
+        let changed = block_keys(&other, 4, b"");
+        assert_ne!(changed[1], keys[1]);
+        assert_eq!(block_keys(&tokens[4..8], 4, b"").len(), 1);
+        assert_ne!(block_keys(&tokens[4..8], 4, b"")[0], keys[1]);
+        assert!(block_keys(&tokens[..3], 4, b"").is_empty());
+    });
 }
 
 #[test]
 fn many_threads_share_one_store() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = std::sync::Arc::new(open(small_config(dir.path())));
-    let threads: Vec<_> = (0..4u64)
-        .map(|t| {
-            let store = store.clone();
-            std::thread::spawn(move || {
-                for i in 0..100 {
-                    let k = key(t * 1000 + i);
-                    store.put(&k, value_for(&k, t, 20_000)).unwrap();
-                    let got = store.get(&k).unwrap();
-                    // Another thread never writes this key, so a hit must
-                    // be exact (it may have been evicted and reclaimed).
-                    if let Some(v) = got {
-                        assert_eq!(v, value_for(&k, t, 20_000));
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(open(small_config(dir.path())));
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    for i in 0..100 {
+                        let k = key(t * 1000 + i);
+                        store.put(&k, value_for(&k, t, 20_000)).unwrap();
+                        let got = store.get(&k).unwrap();
+                        // Another thread never writes this key, so a hit must
+                        // be exact (it may have been evicted and reclaimed).
+                        if let Some(v) = got {
+                            assert_eq!(v, value_for(&k, t, 20_000));
+                        }
                     }
-                }
+                })
             })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    store.flush().unwrap();
-    assert_eq!(store.stats().puts, 400);
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        store.flush().unwrap();
+        assert_eq!(store.stats().puts, 400);
+    });
 }

@@ -11,6 +11,7 @@ const VALUE: usize = 64 * 1024;
 
 fn config(dir: &std::path::Path) -> Config {
     Config::new(dir)
+        .io_engine(engine())
         .memory_capacity(2 * MIB)
         .disk_capacity(8 * MIB)
         .region_size(MIB)
@@ -30,118 +31,127 @@ fn check(store: &Store, n: u64) -> Vec<bool> {
 
 #[test]
 fn filling_past_both_capacities_stays_within_limits() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(config(dir.path()));
-    let n = 400; // 25 MiB of values into 2 MiB of memory and 8 MiB of disk
-    for i in 0..n {
-        store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(config(dir.path()));
+        let n = 400; // 25 MiB of values into 2 MiB of memory and 8 MiB of disk
+        for i in 0..n {
+            store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
+            let stats = store.stats();
+            assert!(stats.memory_bytes <= stats.memory_capacity, "{stats:?}");
+            assert!(stats.disk_used_bytes <= stats.disk_capacity, "{stats:?}");
+        }
+        store.flush().unwrap();
         let stats = store.stats();
-        assert!(stats.memory_bytes <= stats.memory_capacity, "{stats:?}");
-        assert!(stats.disk_used_bytes <= stats.disk_capacity, "{stats:?}");
-    }
-    store.flush().unwrap();
-    let stats = store.stats();
-    assert!(stats.evictions > 300, "{stats:?}");
-    assert!(stats.reclaimed_regions > 10, "{stats:?}");
-    assert!(stats.disk_used_bytes <= 8 * MIB, "{stats:?}");
-    let present = check(&store, n);
-    let survivors = present.iter().filter(|&&p| p).count();
-    // Roughly the disk's worth of the newest entries survive.
-    assert!(survivors > 60 && survivors < 140, "{survivors}");
-    assert!(
-        present[(n - 1) as usize] && present[(n - 20) as usize],
-        "the newest entries must survive"
-    );
-    assert!(!present[0], "the oldest entries were reclaimed");
-    drop(store);
+        assert!(stats.evictions > 300, "{stats:?}");
+        assert!(stats.reclaimed_regions > 10, "{stats:?}");
+        assert!(stats.disk_used_bytes <= 8 * MIB, "{stats:?}");
+        let present = check(&store, n);
+        let survivors = present.iter().filter(|&&p| p).count();
+        // Roughly the disk's worth of the newest entries survive.
+        assert!(survivors > 60 && survivors < 140, "{survivors}");
+        assert!(
+            present[(n - 1) as usize] && present[(n - 20) as usize],
+            "the newest entries must survive"
+        );
+        assert!(!present[0], "the oldest entries were reclaimed");
+        drop(store);
 
-    let store = open(config(dir.path()));
-    let after = check(&store, n);
-    assert_eq!(after, present, "reopen sees exactly what was there");
-    assert!(store.stats().disk_used_bytes <= 8 * MIB);
+        let store = open(config(dir.path()));
+        let after = check(&store, n);
+        assert_eq!(after, present, "reopen sees exactly what was there");
+        assert!(store.stats().disk_used_bytes <= 8 * MIB);
+    });
 }
 
 #[test]
 fn recently_read_entries_get_a_second_chance() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(config(dir.path()));
-    // A few hot keys spread over the first regions (second chance carries
-    // at most half a region's bytes).
-    let hot: Vec<u64> = (0..40).step_by(5).collect();
-    for i in 0..40 {
-        store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
-    }
-    store.flush().unwrap();
-    let mut buf = vec![0u8; VALUE];
-    for round in 0..200u64 {
-        let i = 40 + round;
-        store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
-        // The hot keys are read all along, as a shared system prompt is.
-        let k = key(hot[(round % hot.len() as u64) as usize]);
-        store.batch_get_into(&[&k], &mut [&mut buf[..]]);
-    }
-    store.flush().unwrap();
-    let stats = store.stats();
-    assert!(stats.carried_entries > 0, "{stats:?}");
-    let present = check(&store, 240);
-    let hot_alive = hot.iter().filter(|&&i| present[i as usize]).count();
-    eprintln!(
-        "hot present: {:?}",
-        hot.iter().map(|&i| present[i as usize]).collect::<Vec<_>>()
-    );
-    let cold_alive = (0..40)
-        .filter(|i| !hot.contains(i) && present[*i as usize])
-        .count();
-    assert_eq!(hot_alive, hot.len(), "hot survivors {hot_alive}, {stats:?}");
-    assert_eq!(cold_alive, 0, "cold early entries are reclaimed");
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(config(dir.path()));
+        // A few hot keys spread over the first regions (second chance carries
+        // at most half a region's bytes).
+        let hot: Vec<u64> = (0..40).step_by(5).collect();
+        for i in 0..40 {
+            store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
+        }
+        store.flush().unwrap();
+        let mut buf = vec![0u8; VALUE];
+        for round in 0..200u64 {
+            let i = 40 + round;
+            store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
+            // The hot keys are read all along, as a shared system prompt is.
+            let k = key(hot[(round % hot.len() as u64) as usize]);
+            store.batch_get_into(&[&k], &mut [&mut buf[..]]);
+        }
+        store.flush().unwrap();
+        let stats = store.stats();
+        assert!(stats.carried_entries > 0, "{stats:?}");
+        let present = check(&store, 240);
+        let hot_alive = hot.iter().filter(|&&i| present[i as usize]).count();
+        eprintln!(
+            "hot present: {:?}",
+            hot.iter().map(|&i| present[i as usize]).collect::<Vec<_>>()
+        );
+        let cold_alive = (0..40)
+            .filter(|i| !hot.contains(i) && present[*i as usize])
+            .count();
+        assert_eq!(hot_alive, hot.len(), "hot survivors {hot_alive}, {stats:?}");
+        assert_eq!(cold_alive, 0, "cold early entries are reclaimed");
+    });
 }
 
 #[test]
 fn a_put_that_cannot_fit_fails_and_disturbs_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(
-        config(dir.path())
-            .max_value_size(64 * MIB)
-            .put_wait(Duration::from_millis(50)),
-    );
-    for i in 0..10 {
-        store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
-    }
-    let err = store
-        .put(b"too-big", vec![1u8; 3 * MIB as usize])
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::NoSpace);
-    assert_eq!(check(&store, 10), vec![true; 10]);
-    // Values that fit the pool but not one batch on disk, in a store
-    // whose disk is smaller than its memory, fail the same way.
-    drop(store);
-    let store = open(
-        Config::new(dir.path())
-            .memory_capacity(4 * MIB)
-            .disk_capacity(2 * MIB)
-            .region_size(MIB),
-    );
-    let err = store
-        .put(b"too-big", vec![1u8; 3 * MIB as usize])
-        .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::NoSpace);
-    assert!(store.max_put_len() < 2 * MIB);
-    store.put(b"fits", vec![1u8; MIB as usize]).unwrap();
-    store.flush().unwrap();
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(
+            config(dir.path())
+                .max_value_size(64 * MIB)
+                .put_wait(Duration::from_millis(50)),
+        );
+        for i in 0..10 {
+            store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
+        }
+        let err = store
+            .put(b"too-big", vec![1u8; 3 * MIB as usize])
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NoSpace);
+        assert_eq!(check(&store, 10), vec![true; 10]);
+        // Values that fit the pool but not one batch on disk, in a store
+        // whose disk is smaller than its memory, fail the same way.
+        drop(store);
+        let store = open(
+            Config::new(dir.path())
+                .io_engine(engine())
+                .memory_capacity(4 * MIB)
+                .disk_capacity(2 * MIB)
+                .region_size(MIB),
+        );
+        let err = store
+            .put(b"too-big", vec![1u8; 3 * MIB as usize])
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NoSpace);
+        assert!(store.max_put_len() < 2 * MIB);
+        store.put(b"fits", vec![1u8; MIB as usize]).unwrap();
+        store.flush().unwrap();
+    });
 }
 
 #[test]
 fn memory_eviction_leaves_entries_readable_from_disk() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(config(dir.path()).disk_capacity(64 * MIB));
-    for i in 0..100 {
-        store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
-    }
-    store.flush().unwrap();
-    let stats = store.stats();
-    assert!(stats.evictions >= 60, "{stats:?}");
-    assert_eq!(stats.reclaimed_regions, 0);
-    assert_eq!(check(&store, 100), vec![true; 100]);
-    let stats = store.stats();
-    assert!(stats.disk_hits >= 60 && stats.memory_hits > 0, "{stats:?}");
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(config(dir.path()).disk_capacity(64 * MIB));
+        for i in 0..100 {
+            store.put(key(i), value_for(&key(i), 0, VALUE)).unwrap();
+        }
+        store.flush().unwrap();
+        let stats = store.stats();
+        assert!(stats.evictions >= 60, "{stats:?}");
+        assert_eq!(stats.reclaimed_regions, 0);
+        assert_eq!(check(&store, 100), vec![true; 100]);
+        let stats = store.stats();
+        assert!(stats.disk_hits >= 60 && stats.memory_hits > 0, "{stats:?}");
+    });
 }

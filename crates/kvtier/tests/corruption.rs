@@ -88,88 +88,96 @@ fn still_serves(store: &Store) {
 
 #[test]
 fn flipped_value_bytes_become_misses() {
-    let dir = tempfile::tempdir().unwrap();
-    let n = 40;
-    fill(dir.path(), n);
-    let mut flipped = 0;
-    for path in region_files(dir.path()) {
-        for offset in batch_offsets(&path) {
-            // Damage the first value of every batch (it follows the record page).
-            flip(&path, offset + 4096 + 1234);
-            flipped += 1;
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 40;
+        fill(dir.path(), n);
+        let mut flipped = 0;
+        for path in region_files(dir.path()) {
+            for offset in batch_offsets(&path) {
+                // Damage the first value of every batch (it follows the record page).
+                flip(&path, offset + 4096 + 1234);
+                flipped += 1;
+            }
         }
-    }
-    assert!(flipped >= 8, "{flipped}");
-    let store = open(small_config(dir.path()));
-    let hits = check_all(&store, n);
-    let stats = store.stats();
-    assert_eq!(stats.checksum_failures, flipped);
-    assert_eq!(hits, n - flipped);
-    // The damaged entries were dropped: asking again is a plain miss.
-    assert_eq!(check_all(&store, n), hits);
-    assert_eq!(store.stats().checksum_failures, flipped);
-    still_serves(&store);
+        assert!(flipped >= 8, "{flipped}");
+        let store = open(small_config(dir.path()));
+        let hits = check_all(&store, n);
+        let stats = store.stats();
+        assert_eq!(stats.checksum_failures, flipped);
+        assert_eq!(hits, n - flipped);
+        // The damaged entries were dropped: asking again is a plain miss.
+        assert_eq!(check_all(&store, n), hits);
+        assert_eq!(store.stats().checksum_failures, flipped);
+        still_serves(&store);
+    });
 }
 
 #[test]
 fn damage_while_open_is_caught_on_read() {
-    let dir = tempfile::tempdir().unwrap();
-    fill(dir.path(), 10);
-    let store = open(small_config(dir.path()));
-    let path = &region_files(dir.path())[0];
-    let first_batch = batch_offsets(path)[0];
-    flip(path, first_batch + 4096 + 10);
-    assert_eq!(check_all(&store, 10), 9);
-    assert_eq!(store.stats().checksum_failures, 1);
-    still_serves(&store);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        fill(dir.path(), 10);
+        let store = open(small_config(dir.path()));
+        let path = &region_files(dir.path())[0];
+        let first_batch = batch_offsets(path)[0];
+        flip(path, first_batch + 4096 + 10);
+        assert_eq!(check_all(&store, 10), 9);
+        assert_eq!(store.stats().checksum_failures, 1);
+        still_serves(&store);
+    });
 }
 
 #[test]
 fn flipped_record_bytes_drop_batches_not_correctness() {
-    let dir = tempfile::tempdir().unwrap();
-    let n = 40;
-    fill(dir.path(), n);
-    let files = region_files(dir.path());
-    // Damage the second batch record of the first region, in the entries.
-    let offsets = batch_offsets(&files[0]);
-    assert!(offsets.len() >= 3, "{offsets:?}");
-    flip(&files[0], offsets[1] + 100);
-    let store = open(small_config(dir.path()));
-    let report = store.recovery_report().clone();
-    assert_eq!(report.dropped_tails, 1, "{report:?}");
-    let hits = check_all(&store, n);
-    // The first batch (5 keys) survives; the damaged batch and those after
-    // it in that region are gone; other regions are intact.
-    assert!(hits >= 5 && hits < n, "{hits}");
-    assert_eq!(store.stats().checksum_failures, 0);
-    still_serves(&store);
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 40;
+        fill(dir.path(), n);
+        let files = region_files(dir.path());
+        // Damage the second batch record of the first region, in the entries.
+        let offsets = batch_offsets(&files[0]);
+        assert!(offsets.len() >= 3, "{offsets:?}");
+        flip(&files[0], offsets[1] + 40); // the first entry: every record has one
+        let store = open(small_config(dir.path()));
+        let report = store.recovery_report().clone();
+        assert_eq!(report.dropped_tails, 1, "{report:?}");
+        let hits = check_all(&store, n);
+        // The first batch (5 keys) survives; the damaged batch and those after
+        // it in that region are gone; other regions are intact.
+        assert!(hits >= 5 && hits < n, "{hits}");
+        assert_eq!(store.stats().checksum_failures, 0);
+        still_serves(&store);
+    });
 }
 
 #[test]
 fn torn_tail_and_garbage_files_are_dropped() {
-    let dir = tempfile::tempdir().unwrap();
-    let n = 40;
-    fill(dir.path(), n);
-    let files = region_files(dir.path());
-    let last = files.last().unwrap();
-    let len = fs::metadata(last).unwrap().len();
-    // Tear the last batch in half.
-    let file = OpenOptions::new().write(true).open(last).unwrap();
-    file.set_len(len - 4096 * 7).unwrap();
-    drop(file);
-    // A region file whose header is garbage, and one cut short.
-    fs::write(dir.path().join("regions/000000ff.kvr"), vec![0xAB; 8192]).unwrap();
-    fs::write(dir.path().join("regions/000000fe.kvr"), vec![0; 100]).unwrap();
-    let store = open(small_config(dir.path()));
-    let report = store.recovery_report().clone();
-    assert_eq!(report.dropped_regions, 2, "{report:?}");
-    assert!(report.dropped_tails >= 1, "{report:?}");
-    let hits = check_all(&store, n);
-    assert!(hits >= n - 5 && hits < n, "{hits}");
-    still_serves(&store);
-    drop(store);
-    // And it reopens cleanly afterwards.
-    let store = open(small_config(dir.path()));
-    assert_eq!(check_all(&store, n), hits);
-    assert!(store.get(b"after").unwrap().is_some());
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 40;
+        fill(dir.path(), n);
+        let files = region_files(dir.path());
+        let last = files.last().unwrap();
+        let len = fs::metadata(last).unwrap().len();
+        // Tear the last batch in half.
+        let file = OpenOptions::new().write(true).open(last).unwrap();
+        file.set_len(len - 4096 * 7).unwrap();
+        drop(file);
+        // A region file whose header is garbage, and one cut short.
+        fs::write(dir.path().join("regions/000000ff.kvr"), vec![0xAB; 8192]).unwrap();
+        fs::write(dir.path().join("regions/000000fe.kvr"), vec![0; 100]).unwrap();
+        let store = open(small_config(dir.path()));
+        let report = store.recovery_report().clone();
+        assert_eq!(report.dropped_regions, 2, "{report:?}");
+        assert!(report.dropped_tails >= 1, "{report:?}");
+        let hits = check_all(&store, n);
+        assert!(hits >= n - 5 && hits < n, "{hits}");
+        still_serves(&store);
+        drop(store);
+        // And it reopens cleanly afterwards.
+        let store = open(small_config(dir.path()));
+        assert_eq!(check_all(&store, n), hits);
+        assert!(store.get(b"after").unwrap().is_some());
+    });
 }

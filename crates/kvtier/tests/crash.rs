@@ -12,7 +12,7 @@
 mod common;
 
 use common::*;
-use kvtier::{Config, Store};
+use kvtier::{Config, IoEngineKind, Store};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -21,8 +21,19 @@ use std::time::{Duration, Instant};
 
 const KEYS: u64 = 120;
 
-fn config(dir: &Path) -> Config {
+/// Cycles alternate io engines (odd: uring, even: psync), so each engine
+/// reopens what the other wrote.
+fn engine_for(cycle: u64) -> IoEngineKind {
+    if cycle % 2 == 1 {
+        IoEngineKind::Uring
+    } else {
+        IoEngineKind::Psync
+    }
+}
+
+fn config(dir: &Path, engine: IoEngineKind) -> Config {
     Config::new(dir)
+        .io_engine(engine)
         .memory_capacity(2 * MIB)
         .disk_capacity(8 * 1024 * MIB)
         .region_size(4 * MIB)
@@ -54,7 +65,7 @@ fn crash_child() {
     };
     let seed: u64 = std::env::var("KVTIER_CRASH_SEED").unwrap().parse().unwrap();
     let mut rng = Rng(seed | 1);
-    let store = Store::open(config(Path::new(&dir))).unwrap();
+    let store = Store::open(config(Path::new(&dir), engine_for(seed))).unwrap();
     println!("OPEN");
     for i in 0..3000u64 {
         let choice = rng.below(100);
@@ -142,7 +153,7 @@ fn crash_cycles_lose_nothing_acknowledged() {
                 );
                 std::thread::sleep(Duration::from_millis(2));
             }
-            let err = Store::open(config(dir.path())).unwrap_err();
+            let err = Store::open(config(dir.path(), engine_for(cycle))).unwrap_err();
             assert_eq!(err.kind(), kvtier::ErrorKind::Locked, "{err}");
             assert!(err.to_string().contains(&child_pid), "{err}");
         }
@@ -187,7 +198,8 @@ fn crash_cycles_lose_nothing_acknowledged() {
             }
         }
 
-        let store = Store::open(config(dir.path())).unwrap();
+        // Verify with the other engine than the child used.
+        let store = Store::open(config(dir.path(), engine_for(cycle + 1))).unwrap();
         for k in 0..KEYS {
             let got = store.get(key(k)).unwrap();
             let observed: State = got.as_ref().map(|bytes| {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvtier::{Config, EvictionPolicy, PutOptions, PutTier, Store};
+use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
@@ -54,7 +54,7 @@ struct Expected {
     durable: Option<Vec<u8>>,
 }
 
-fn config(dir: &Path, policy: EvictionPolicy) -> Config {
+fn config(dir: &Path, policy: EvictionPolicy, engine: IoEngineKind) -> Config {
     // A small pool forces eviction; the disk is large enough that no
     // region is ever reclaimed, so every acknowledged write must survive.
     Config::new(dir)
@@ -62,6 +62,7 @@ fn config(dir: &Path, policy: EvictionPolicy) -> Config {
         .disk_capacity(256 * MIB)
         .region_size(MIB)
         .eviction(policy)
+        .io_engine(engine)
 }
 
 fn check_key(
@@ -94,9 +95,9 @@ fn check_key(
     Ok(())
 }
 
-fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
+fn run(ops: Vec<Op>, policy: EvictionPolicy, engine: IoEngineKind) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
-    let mut store = Store::open(config(dir.path(), policy)).unwrap();
+    let mut store = Store::open(config(dir.path(), policy, engine)).unwrap();
     let mut model: HashMap<Vec<u8>, Expected> = HashMap::new();
     let mut version = 0u64;
     for op in ops {
@@ -159,7 +160,7 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
             Op::Flush => store.flush().unwrap(),
             Op::Reopen => {
                 drop(store);
-                store = Store::open(config(dir.path(), policy)).unwrap();
+                store = Store::open(config(dir.path(), policy, engine)).unwrap();
                 for (k, expected) in model.iter_mut() {
                     check_key(&store, k, expected, true)?;
                     // What came back is what the model holds from now on.
@@ -193,12 +194,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
-    fn store_matches_model_s3fifo(ops in prop::collection::vec(op(), 1..80)) {
-        run(ops, EvictionPolicy::S3Fifo)?;
+    fn store_matches_model_s3fifo(ops in prop::collection::vec(op(), 1..80), uring in any::<bool>()) {
+        run(ops, EvictionPolicy::S3Fifo, if uring { IoEngineKind::Uring } else { IoEngineKind::Psync })?;
     }
 
     #[test]
-    fn store_matches_model_lru(ops in prop::collection::vec(op(), 1..80)) {
-        run(ops, EvictionPolicy::Lru)?;
+    fn store_matches_model_lru(ops in prop::collection::vec(op(), 1..80), uring in any::<bool>()) {
+        run(ops, EvictionPolicy::Lru, if uring { IoEngineKind::Uring } else { IoEngineKind::Psync })?;
     }
 }

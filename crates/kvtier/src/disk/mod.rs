@@ -9,6 +9,7 @@
 
 pub mod format;
 pub mod io;
+pub mod uring;
 
 use crate::config::{page_round_up, Config, IoEngineKind, PAGE_SIZE};
 use crate::error::{Error, Result};
@@ -116,6 +117,15 @@ impl DiskTier {
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let engine: Box<dyn IoEngine> = match config.io_engine {
             IoEngineKind::Psync => Box::new(PsyncEngine::new(config.io_threads)),
+            IoEngineKind::Uring => {
+                match uring::UringEngine::new(config.io_depth, config.io_threads) {
+                    Ok(engine) => Box::new(engine),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "io_uring is unavailable here; falling back to the psync io engine");
+                        Box::new(PsyncEngine::new(config.io_threads))
+                    }
+                }
+            }
         };
         let tier = DiskTier {
             dir,
@@ -244,10 +254,7 @@ impl DiskTier {
                     report.records += 1;
                     report.max_seq = report.max_seq.max(entry.seq);
                     let page = (batch_start + entry.value_offset) / PAGE_SIZE;
-                    let loc = DiskLoc {
-                        region: id,
-                        page: page as u32,
-                    };
+                    let loc = DiskLoc::new(id, page as u32);
                     apply(RecoveredEntry { entry, loc });
                 }
             })?;
@@ -330,10 +337,7 @@ impl DiskTier {
                 let page = ((batch_start + entry.value_offset) / PAGE_SIZE) as u32;
                 out.push(RecoveredEntry {
                     entry,
-                    loc: DiskLoc {
-                        region: region.id,
-                        page,
-                    },
+                    loc: DiskLoc::new(region.id, page),
                 });
             }
         })?;
@@ -371,10 +375,10 @@ impl DiskTier {
             if entry.kind == format::RecordKind::Put {
                 let value = values.next().expect("one value per put entry");
                 entry.value_offset = offset;
-                locs.push(DiskLoc {
-                    region: region.id,
-                    page: ((start + offset) / PAGE_SIZE) as u32,
-                });
+                locs.push(DiskLoc::new(
+                    region.id,
+                    ((start + offset) / PAGE_SIZE) as u32,
+                ));
                 offset += value.len() as u64;
             }
         }
@@ -410,6 +414,7 @@ impl DiskTier {
         let id = writer.next_region;
         writer.next_region = id
             .checked_add(1)
+            .filter(|&next| next < u32::MAX)
             .ok_or_else(|| Error::new(crate::ErrorKind::Corruption, "region ids exhausted"))?;
         let path = self.region_path(id);
         let file = self.open_file(&path, true)?;

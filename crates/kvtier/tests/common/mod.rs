@@ -1,7 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
-use kvtier::{Config, Store};
+use kvtier::{Config, IoEngineKind, Store};
+use std::cell::Cell;
 use std::path::Path;
 
 pub const KIB: u64 = 1024;
@@ -36,6 +37,7 @@ pub fn small_config(dir: &Path) -> Config {
         .memory_capacity(4 * MIB)
         .disk_capacity(32 * MIB)
         .region_size(MIB)
+        .io_engine(engine())
 }
 
 pub fn open(config: Config) -> Store {
@@ -44,4 +46,22 @@ pub fn open(config: Config) -> Store {
 
 pub fn key(i: u64) -> Vec<u8> {
     format!("key-{i}").into_bytes()
+}
+
+thread_local! {
+    static ENGINE: Cell<IoEngineKind> = const { Cell::new(IoEngineKind::Uring) };
+}
+
+/// Runs `body` once per io engine; `engine()` and the config helpers pick
+/// up the current one. Every store suite runs on both engines this way.
+pub fn for_each_engine(mut body: impl FnMut(IoEngineKind)) {
+    for engine in [IoEngineKind::Uring, IoEngineKind::Psync] {
+        ENGINE.with(|e| e.set(engine));
+        body(engine);
+    }
+}
+
+/// The io engine of the current `for_each_engine` pass (uring otherwise).
+pub fn engine() -> IoEngineKind {
+    ENGINE.with(Cell::get)
 }
