@@ -470,7 +470,10 @@ impl Inner {
 
     /// Presence of each key; invalid keys are absent.
     fn contains_many<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
-        let valid: Vec<bool> = keys.iter().map(|k| validate_key(k.as_ref()).is_ok()).collect();
+        let valid: Vec<bool> = keys
+            .iter()
+            .map(|k| validate_key(k.as_ref()).is_ok())
+            .collect();
         let digests: Vec<KeyDigest> = keys.iter().map(|k| KeyDigest::of(k.as_ref())).collect();
         let mut found = self.index.contains_many(&digests);
         for (present, valid) in found.iter_mut().zip(valid) {

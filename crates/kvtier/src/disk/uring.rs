@@ -83,15 +83,12 @@ impl UringEngine {
         len: impl Fn(usize) -> usize,
         prepare: impl Fn(usize, usize) -> io_uring::squeue::Entry,
     ) -> Vec<io::Result<()>> {
-        let mut outcomes: Vec<Option<io::Result<()>>> = (0..count).map(|_| None).collect();
+        let mut outcomes: Vec<Option<io::Result<()>>> = (0..count)
+            .map(|i| (len(i) == 0).then_some(Ok(())))
+            .collect();
         let mut done = vec![0usize; count];
         let mut queue: std::collections::VecDeque<usize> =
             (0..count).filter(|&i| len(i) > 0).collect();
-        for i in 0..count {
-            if len(i) == 0 {
-                outcomes[i] = Some(Ok(()));
-            }
-        }
         let mut ring = self.ring();
         // Handed to the kernel (or queued on the ring for it): their
         // buffers are in use until they complete.
@@ -182,7 +179,7 @@ impl IoEngine for UringEngine {
             |i, done| {
                 let (fd, offset, ptr, len) = targets[i];
                 let chunk = (len - done).min(MAX_TRANSFER);
-                // SAFETY (pointer arithmetic): `done < len`, within the buffer.
+                // SAFETY: `done < len`, so the pointer stays inside the buffer.
                 let buf = unsafe { ptr.add(done) };
                 opcode::Read::new(types::Fd(fd), buf, chunk as u32)
                     .offset(offset + done as u64)
@@ -269,11 +266,16 @@ mod tests {
     fn engines() -> Vec<Box<dyn IoEngine>> {
         // A depth far below the batch sizes below exercises the full
         // submission queue path.
-        vec![Box::new(UringEngine::new(2, 1).expect("io_uring")), Box::new(PsyncEngine::new(3))]
+        vec![
+            Box::new(UringEngine::new(2, 1).expect("io_uring")),
+            Box::new(PsyncEngine::new(3)),
+        ]
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect()
     }
 
     #[test]
@@ -330,7 +332,12 @@ mod tests {
             engine.read_batch(&mut ops);
             assert!(ops[0].result.is_ok());
             let err = ops[1].result.as_ref().unwrap_err();
-            assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof, "{}", engine.name());
+            assert_eq!(
+                err.kind(),
+                io::ErrorKind::UnexpectedEof,
+                "{}",
+                engine.name()
+            );
             assert!(ops[2].result.is_ok());
             drop(ops);
             assert_eq!(a, pattern(10_000, 1)[..5000]);
@@ -345,7 +352,11 @@ mod tests {
         std::fs::write(&path, pattern(1 << 20, 3)).unwrap();
         let file = {
             use std::os::unix::fs::OpenOptionsExt;
-            match std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path) {
+            match std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+            {
                 Ok(file) => file,
                 Err(_) => return, // a file system without O_DIRECT
             }
