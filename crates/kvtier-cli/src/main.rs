@@ -1,5 +1,6 @@
 //! The `kvtier` command-line tool.
 
+mod bench;
 mod demo;
 mod size;
 
@@ -22,6 +23,9 @@ enum Command {
     /// Write, read back and verify a synthetic prompt's KV blocks in an
     /// embedded store (memory pool plus disk tier).
     Demo(demo::DemoArgs),
+    /// Measure throughput and latency against raw-device and memcpy
+    /// baselines run in the same process.
+    Bench(bench::BenchArgs),
 }
 
 /// Log level from RUST_LOG (one of error, warn, info, debug, trace).
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,4 +1,5 @@
-//! The in-memory index: key digest → where the value lives.
+//! The in-memory index: key digest → where the value lives. Public for
+//! benchmarks and tools; applications use [`crate::Store`].
 //!
 //! Sharded so that lookups on different keys rarely meet on a lock; each
 //! shard keeps its own tier counters so `stats()` needs no global atomics on

@@ -27,7 +27,7 @@ pub mod config;
 pub mod disk;
 mod error;
 mod flusher;
-mod index;
+pub mod index;
 mod key;
 mod lock;
 pub mod pool;

@@ -1,0 +1,641 @@
+//! `kvtier bench`: the store's throughput and latency against what the
+//! machine does without it, measured in the same run.
+//!
+//! For each value size and batch count: put to disk (puts, then `flush`,
+//! timed together), get from disk (after a reopen, so the memory pool is
+//! empty and every read comes from disk), put to memory (memory-only puts)
+//! and get from memory. Each row carries its baseline: raw O_DIRECT
+//! io_uring writes or reads of the same sizes at the same depth for disk
+//! rows, memcpy for memory rows. Every byte read back is verified.
+//!
+//! Shared machines drift (other tenants, host caches), so each case runs
+//! in rounds that alternate store and baseline: both see the same
+//! conditions, and their ratio is what the rows report.
+
+mod baseline;
+mod data;
+mod index;
+mod report;
+
+use crate::size::{format_size, parse_size};
+use hdrhistogram::Histogram;
+use kvtier::disk::io::AlignedBuf;
+use kvtier::{Config, IoEngineKind, PutOptions, PutTier, Store};
+use report::Row;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
+    text.split(',').map(parse_size).collect()
+}
+
+fn parse_list(text: &str) -> Result<Vec<usize>, String> {
+    text.split(',')
+        .map(|t| t.trim().parse::<usize>().map_err(|e| format!("{t:?}: {e}")))
+        .collect()
+}
+
+fn parse_count(text: &str) -> Result<u64, String> {
+    let t = text.trim().to_ascii_lowercase();
+    let (number, multiplier) = if let Some(n) = t.strip_suffix('m') {
+        (n, 1_000_000)
+    } else if let Some(n) = t.strip_suffix('k') {
+        (n, 1_000)
+    } else {
+        (t.as_str(), 1)
+    };
+    number
+        .parse::<u64>()
+        .map(|n| n * multiplier)
+        .map_err(|e| format!("{text:?}: {e}"))
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Directory for the store and the baseline's scratch file; created if
+    /// missing and removed afterwards if the bench created it.
+    #[arg(long, default_value = "./kvtier-bench-data")]
+    pub data_dir: PathBuf,
+    /// Value sizes, comma separated.
+    #[arg(long, default_value = "16MiB,64MiB", value_parser = parse_sizes)]
+    pub value_sizes: std::vec::Vec<u64>,
+    /// Keys per batch call, comma separated.
+    #[arg(long, default_value = "1,4,8,16", value_parser = parse_list)]
+    pub batches: std::vec::Vec<usize>,
+    /// Operations: put, get.
+    #[arg(long, default_value = "put,get", value_delimiter = ',')]
+    pub ops: Vec<String>,
+    /// Tiers: memory, disk.
+    #[arg(long, default_value = "memory,disk", value_delimiter = ',')]
+    pub tiers: Vec<String>,
+    /// io engine: uring or psync.
+    #[arg(long, default_value = "uring")]
+    pub io_engine: String,
+    /// Memory pool capacity.
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    pub memory: u64,
+    /// Disk tier capacity.
+    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
+    pub disk: u64,
+    /// Bytes each case moves (rounded to whole batches, at least one).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub bytes_per_case: u64,
+    /// Caller threads issuing batches concurrently in store cases.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Also measure batch_exists of 1,024 keys on an index of this many
+    /// entries (e.g. 10M); 0 skips it.
+    #[arg(long, default_value = "0", value_parser = parse_count)]
+    pub index_entries: u64,
+    /// Also measure reopening a store holding this many entries (e.g. 1M,
+    /// 4 KiB each); 0 skips it.
+    #[arg(long, default_value = "0", value_parser = parse_count)]
+    pub reopen_entries: u64,
+    /// Write the rows as a JSON array to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw throughput against batch count to this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// Timing of one case: per-call latency and throughput over timed spans.
+#[derive(Debug)]
+pub struct Measurement {
+    pub latency_us: Histogram<u64>,
+    pub seconds: f64,
+    pub bytes: u64,
+    pub calls: u64,
+}
+
+impl Measurement {
+    fn new() -> Self {
+        Measurement {
+            latency_us: Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds"),
+            seconds: 0.0,
+            bytes: 0,
+            calls: 0,
+        }
+    }
+
+    fn record_call(&mut self, elapsed: Duration) {
+        self.latency_us
+            .saturating_record((elapsed.as_micros() as u64).max(1));
+        self.calls += 1;
+    }
+
+    /// Adds a timed span that moved `bytes`.
+    fn add_span(&mut self, elapsed: Duration, bytes: u64) {
+        self.seconds += elapsed.as_secs_f64();
+        self.bytes += bytes;
+    }
+
+    fn merge_calls(&mut self, other: &Measurement) {
+        self.latency_us.add(&other.latency_us).expect("same bounds");
+        self.calls += other.calls;
+    }
+
+    pub fn mb_per_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e6
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Progress on a terminal, one line per case otherwise.
+struct Progress {
+    terminal: bool,
+    total: usize,
+    done: usize,
+}
+
+impl Progress {
+    fn case(&mut self, label: &str) {
+        self.done += 1;
+        if self.terminal {
+            eprint!("\r\x1b[2K[{}/{}] {label}", self.done, self.total);
+        }
+    }
+
+    fn row(&self, row: &Row) {
+        if self.terminal {
+            eprint!("\r\x1b[2K");
+        }
+        println!("{}", row.line());
+    }
+}
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+pub fn run(args: &BenchArgs) -> BenchResult<()> {
+    for op in &args.ops {
+        if op != "put" && op != "get" {
+            return Err(format!("unknown op {op:?}: expected put or get").into());
+        }
+    }
+    for tier in &args.tiers {
+        if tier != "memory" && tier != "disk" {
+            return Err(format!("unknown tier {tier:?}: expected memory or disk").into());
+        }
+    }
+    if args.threads == 0 || args.batches.contains(&0) || args.value_sizes.contains(&0) {
+        return Err("threads, batch counts and value sizes must be at least 1".into());
+    }
+    let engine = IoEngineKind::parse(&args.io_engine)?;
+    let created = !args.data_dir.exists();
+    std::fs::create_dir_all(&args.data_dir)?;
+    let result = run_cases(args, engine);
+    // Clean up whatever happened.
+    if created {
+        let _ = std::fs::remove_dir_all(&args.data_dir);
+    } else {
+        let _ = std::fs::remove_dir_all(args.data_dir.join("store"));
+        if let Ok(listing) = std::fs::read_dir(&args.data_dir) {
+            for item in listing.flatten() {
+                if item.file_name().to_string_lossy().ends_with(".scratch") {
+                    let _ = std::fs::remove_file(item.path());
+                }
+            }
+        }
+    }
+    let rows = result?;
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, report::svg(&rows))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn wants(args: &BenchArgs, op: &str, tier: &str) -> bool {
+    args.ops.iter().any(|o| o == op) && args.tiers.iter().any(|t| t == tier)
+}
+
+/// Splits `0..batches` into up to 8 rounds.
+fn rounds(batches: u64) -> Vec<std::ops::Range<u64>> {
+    let n = batches.min(8);
+    (0..n)
+        .map(|r| (batches * r / n)..(batches * (r + 1) / n))
+        .collect()
+}
+
+/// Splits a round's batches among `threads`.
+fn shares(range: std::ops::Range<u64>, threads: usize) -> Vec<std::ops::Range<u64>> {
+    let len = range.end - range.start;
+    let threads = threads as u64;
+    (0..threads)
+        .map(|t| (range.start + len * t / threads)..(range.start + len * (t + 1) / threads))
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+fn batches_for(bytes: u64, value_size: u64, batch: usize) -> u64 {
+    (bytes / (value_size * batch as u64)).max(1)
+}
+
+struct Case<'a> {
+    args: &'a BenchArgs,
+    value_size: u64,
+    batch: usize,
+    batches: u64,
+}
+
+impl Case<'_> {
+    fn keys(&self, tier: &str, b: u64, modulo: u64) -> Vec<Vec<u8>> {
+        (0..self.batch as u64)
+            .map(|i| {
+                data::key(
+                    tier,
+                    self.value_size,
+                    self.batch,
+                    (b * self.batch as u64 + i) % modulo,
+                )
+            })
+            .collect()
+    }
+
+    fn bytes(&self, range: &std::ops::Range<u64>) -> u64 {
+        (range.end - range.start) * self.batch as u64 * self.value_size
+    }
+}
+
+fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
+    let mut rows = Vec::new();
+    let cases_per_size = [
+        ("put", "disk"),
+        ("get", "disk"),
+        ("put", "memory"),
+        ("get", "memory"),
+    ]
+    .iter()
+    .filter(|(op, tier)| wants(args, op, tier))
+    .count();
+    let mut progress = Progress {
+        terminal: std::io::stderr().is_terminal(),
+        total: args.value_sizes.len() * args.batches.len() * cases_per_size,
+        done: 0,
+    };
+    println!("{}", Row::header());
+    let store_dir = args.data_dir.join("store");
+    for &value_size in &args.value_sizes {
+        let scratch = |batch: usize| {
+            args.data_dir
+                .join(format!("baseline-{value_size}-{batch}.scratch"))
+        };
+        let _ = std::fs::remove_dir_all(&store_dir);
+        let config = Config::new(&store_dir)
+            .memory_capacity(args.memory)
+            .disk_capacity(args.disk)
+            .max_value_size(value_size)
+            .io_engine(engine);
+        if wants(args, "put", "disk") || wants(args, "get", "disk") {
+            let store = Store::open(config.clone())?;
+            let engine_name = store.stats().io_engine;
+            let mut raw_files = Vec::new();
+            for &batch in &args.batches {
+                let case = Case {
+                    args,
+                    value_size,
+                    batch,
+                    batches: batches_for(args.bytes_per_case, value_size, batch),
+                };
+                progress.case(&format!("put disk {} x{batch}", format_size(value_size)));
+                // The baseline writes the same bytes to its own fresh file,
+                // kept for the matching read baseline, so both sides later
+                // read data of the same age.
+                let mut raw =
+                    baseline::RawFile::create(&scratch(batch), value_size as usize, batch)?;
+                let (mut put, mut base) = (Measurement::new(), Measurement::new());
+                for round in rounds(case.batches) {
+                    put_disk(&store, &case, round.clone(), &mut put)?;
+                    raw.write(round, &mut base)?;
+                }
+                raw_files.push(raw);
+                if wants(args, "put", "disk") {
+                    let row = Row::new(
+                        "put",
+                        "disk",
+                        value_size,
+                        batch,
+                        &put,
+                        &base,
+                        "raw O_DIRECT io_uring write",
+                        engine_name,
+                        0,
+                    );
+                    progress.row(&row);
+                    rows.push(row);
+                }
+            }
+            store.close()?;
+            drop(store);
+            if wants(args, "get", "disk") {
+                // Reopen: the pool starts empty, so every get reads the disk.
+                let store = Store::open(config.clone())?;
+                for (&batch, raw) in args.batches.iter().zip(raw_files.iter_mut()) {
+                    let case = Case {
+                        args,
+                        value_size,
+                        batch,
+                        batches: batches_for(args.bytes_per_case, value_size, batch),
+                    };
+                    progress.case(&format!("get disk {} x{batch}", format_size(value_size)));
+                    let (mut get, mut base) = (Measurement::new(), Measurement::new());
+                    let mut verified = 0;
+                    for round in rounds(case.batches) {
+                        verified +=
+                            get_round(&store, &case, "disk", round.clone(), u64::MAX, &mut get)?;
+                        raw.read(round, &mut base)?;
+                    }
+                    if store.stats().memory_hits > 0 {
+                        return Err("a disk get was served from memory: the case is invalid".into());
+                    }
+                    let row = Row::new(
+                        "get",
+                        "disk",
+                        value_size,
+                        batch,
+                        &get,
+                        &base,
+                        "raw O_DIRECT io_uring read",
+                        engine_name,
+                        verified,
+                    );
+                    progress.row(&row);
+                    rows.push(row);
+                }
+                store.close()?;
+            }
+            drop(raw_files);
+            for &batch in &args.batches {
+                let _ = std::fs::remove_file(scratch(batch));
+            }
+            let _ = std::fs::remove_dir_all(&store_dir);
+        }
+        if wants(args, "put", "memory") || wants(args, "get", "memory") {
+            // Memory cases need no disk tier; each case removes its keys
+            // afterwards so the next starts with an empty pool.
+            let store = Store::open(config.clone().disk_capacity(0))?;
+            let engine_name = store.stats().io_engine;
+            for &batch in &args.batches {
+                if value_size * batch as u64 > args.memory / 2 {
+                    eprintln!(
+                        "skipping memory cases for {} x{batch}: a batch needs more than half of the {} pool",
+                        format_size(value_size),
+                        format_size(args.memory)
+                    );
+                    continue;
+                }
+                let case = Case {
+                    args,
+                    value_size,
+                    batch,
+                    batches: batches_for(args.bytes_per_case, value_size, batch),
+                };
+                // A working set of at most half the pool, cycled: each put
+                // replaces an earlier value, so the pool never fills.
+                let keys_in_set =
+                    (args.memory / 2 / value_size / batch as u64).max(1) * batch as u64;
+                let mut memcpy = baseline::Memcpy::new(
+                    value_size as usize,
+                    batch,
+                    keys_in_set.min(case.batches * batch as u64) as usize,
+                );
+                progress.case(&format!("put memory {} x{batch}", format_size(value_size)));
+                let (mut put, mut base) = (Measurement::new(), Measurement::new());
+                for round in rounds(case.batches) {
+                    put_memory(&store, &case, round.clone(), keys_in_set, &mut put)?;
+                    memcpy.run(round, &mut base);
+                }
+                if wants(args, "put", "memory") {
+                    let row = Row::new(
+                        "put",
+                        "memory",
+                        value_size,
+                        batch,
+                        &put,
+                        &base,
+                        "memcpy",
+                        engine_name,
+                        0,
+                    );
+                    progress.row(&row);
+                    rows.push(row);
+                }
+                if wants(args, "get", "memory") {
+                    progress.case(&format!("get memory {} x{batch}", format_size(value_size)));
+                    let (mut get, mut base) = (Measurement::new(), Measurement::new());
+                    let mut verified = 0;
+                    let resident = keys_in_set.min(case.batches * batch as u64);
+                    for round in rounds(case.batches) {
+                        verified +=
+                            get_round(&store, &case, "memory", round.clone(), resident, &mut get)?;
+                        memcpy.run(round, &mut base);
+                    }
+                    if store.stats().disk_hits > 0 {
+                        return Err("a memory get was served from disk: the case is invalid".into());
+                    }
+                    let row = Row::new(
+                        "get",
+                        "memory",
+                        value_size,
+                        batch,
+                        &get,
+                        &base,
+                        "memcpy",
+                        engine_name,
+                        verified,
+                    );
+                    progress.row(&row);
+                    rows.push(row);
+                }
+                for i in 0..keys_in_set {
+                    store.remove(data::key("memory", value_size, batch, i))?;
+                }
+            }
+            store.close()?;
+            let _ = std::fs::remove_dir_all(&store_dir);
+        }
+    }
+    if progress.terminal {
+        eprint!("\r\x1b[2K");
+    }
+    if args.index_entries > 0 {
+        let row = index::exists_case(args.index_entries)?;
+        println!("{}", row.line());
+        rows.push(row);
+    }
+    if args.reopen_entries > 0 {
+        let row = index::reopen_case(&store_dir, args.reopen_entries, engine)?;
+        println!("{}", row.line());
+        rows.push(row);
+        let _ = std::fs::remove_dir_all(&store_dir);
+    }
+    Ok(rows)
+}
+
+/// A batch's keys and values, generated before the timing starts.
+type PreparedBatch = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+/// Write-through puts of the round's batches, then `flush`, timed together
+/// on the wall clock. Values are generated before the clock starts, so the
+/// flusher's background writes all fall inside the timing.
+fn put_disk(
+    store: &Store,
+    case: &Case<'_>,
+    round: std::ops::Range<u64>,
+    m: &mut Measurement,
+) -> BenchResult<()> {
+    let prepared: Vec<Vec<PreparedBatch>> = shares(round.clone(), case.args.threads)
+        .into_iter()
+        .map(|share| {
+            share
+                .map(|b| {
+                    let keys = case.keys("disk", b, u64::MAX);
+                    let values = keys
+                        .iter()
+                        .map(|k| {
+                            let mut v = vec![0u8; case.value_size as usize];
+                            data::fill(k, &mut v);
+                            v
+                        })
+                        .collect();
+                    (keys, values)
+                })
+                .collect()
+        })
+        .collect();
+    let started = Instant::now();
+    let parts: Vec<Result<Measurement, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prepared
+            .iter()
+            .map(|share| {
+                scope.spawn(move || {
+                    let mut calls = Measurement::new();
+                    for (keys, values) in share {
+                        let call = Instant::now();
+                        let results = store.batch_put(keys, values);
+                        calls.record_call(call.elapsed());
+                        if let Some(e) = results.into_iter().find_map(Result::err) {
+                            return Err(format!("put failed: {e}"));
+                        }
+                    }
+                    Ok(calls)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
+    store.flush()?;
+    m.add_span(started.elapsed(), case.bytes(&round));
+    for part in parts {
+        m.merge_calls(&part?);
+    }
+    Ok(())
+}
+
+/// Reads the round's keys, `batch` per call, into page-aligned host
+/// buffers; only the calls are timed (the busiest thread's total), the
+/// verification of every byte between them is not. Returns bytes verified.
+fn get_round(
+    store: &Store,
+    case: &Case<'_>,
+    tier: &str,
+    round: std::ops::Range<u64>,
+    modulo: u64,
+    m: &mut Measurement,
+) -> BenchResult<u64> {
+    let parts: Vec<Result<(Measurement, Duration, u64), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = shares(round.clone(), case.args.threads)
+            .into_iter()
+            .map(|share| {
+                scope.spawn(move || {
+                    let mut calls = Measurement::new();
+                    let mut busy = Duration::ZERO;
+                    let mut verified = 0u64;
+                    let slot = (case.value_size as usize).div_ceil(4096) * 4096;
+                    let mut host = AlignedBuf::zeroed(slot * case.batch);
+                    for b in share {
+                        let keys = case.keys(tier, b, modulo);
+                        let call = Instant::now();
+                        let results = {
+                            let mut slices: Vec<&mut [u8]> = host.as_mut_slice().chunks_mut(slot).collect();
+                            store.batch_get_into(&keys, &mut slices)
+                        };
+                        let elapsed = call.elapsed();
+                        busy += elapsed;
+                        calls.record_call(elapsed);
+                        for ((key, result), buffer) in keys.iter().zip(results).zip(host.as_slice().chunks(slot)) {
+                            let name = String::from_utf8_lossy(key);
+                            match result {
+                                Ok(Some(n)) if data::verify(key, &buffer[..n]) => verified += n as u64,
+                                Ok(Some(_)) => return Err(format!("wrong bytes for {name}")),
+                                Ok(None) => return Err(format!("miss for {name}: evicted or reclaimed? raise --memory or --disk")),
+                                Err(e) => return Err(format!("get of {name} failed: {e}")),
+                            }
+                        }
+                    }
+                    Ok((calls, busy, verified))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
+    let mut busiest = Duration::ZERO;
+    let mut verified = 0;
+    for part in parts {
+        let (calls, busy, v) = part?;
+        m.merge_calls(&calls);
+        busiest = busiest.max(busy);
+        verified += v;
+    }
+    m.add_span(busiest, case.bytes(&round));
+    Ok(verified)
+}
+
+/// Memory-only puts over a working set of `keys_in_set` keys; only the
+/// calls are timed.
+fn put_memory(
+    store: &Store,
+    case: &Case<'_>,
+    round: std::ops::Range<u64>,
+    keys_in_set: u64,
+    m: &mut Measurement,
+) -> BenchResult<()> {
+    let options = PutOptions {
+        tier: PutTier::MemoryOnly,
+        ..Default::default()
+    };
+    let mut values: Vec<Vec<u8>> = (0..case.batch)
+        .map(|_| vec![0u8; case.value_size as usize])
+        .collect();
+    let mut busy = Duration::ZERO;
+    for b in round.clone() {
+        let keys = case.keys("memory", b, keys_in_set);
+        for (k, v) in keys.iter().zip(values.iter_mut()) {
+            data::fill(k, v);
+        }
+        let call = Instant::now();
+        let results = store.batch_put_with(&keys, &values, &options);
+        let elapsed = call.elapsed();
+        busy += elapsed;
+        m.record_call(elapsed);
+        if let Some(e) = results.into_iter().find_map(Result::err) {
+            return Err(format!("memory put failed: {e}").into());
+        }
+    }
+    m.add_span(busy, case.bytes(&round));
+    Ok(())
+}

@@ -1,0 +1,265 @@
+//! Result rows: the printed table, the JSON objects and the SVG chart.
+
+use super::Measurement;
+use crate::size::format_size;
+use serde::Serialize;
+use std::fmt::Write as _;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub op: String,
+    pub tier: String,
+    pub value_size: u64,
+    pub batch: usize,
+    pub mb_per_s: f64,
+    pub baseline_mb_per_s: f64,
+    pub ratio: f64,
+    pub baseline: String,
+    pub batches_per_s: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub baseline_p50_us: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub verified_bytes: u64,
+    pub io_engine: String,
+    /// For index rows: entries in the index and its bytes per entry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index_entries: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index_bytes_per_entry: Option<f64>,
+}
+
+impl Row {
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one row's identity plus its two measurements"
+    )]
+    pub fn new(
+        op: &str,
+        tier: &str,
+        value_size: u64,
+        batch: usize,
+        store: &Measurement,
+        baseline: &Measurement,
+        baseline_kind: &str,
+        io_engine: &str,
+        verified_bytes: u64,
+    ) -> Row {
+        let mb_per_s = store.mb_per_s();
+        let baseline_mb_per_s = baseline.mb_per_s();
+        Row {
+            op: op.into(),
+            tier: tier.into(),
+            value_size,
+            batch,
+            mb_per_s,
+            baseline_mb_per_s,
+            ratio: if baseline_mb_per_s > 0.0 {
+                mb_per_s / baseline_mb_per_s
+            } else {
+                0.0
+            },
+            baseline: baseline_kind.into(),
+            batches_per_s: if store.seconds > 0.0 {
+                store.calls as f64 / store.seconds
+            } else {
+                0.0
+            },
+            p50_us: store.latency_us.value_at_quantile(0.50),
+            p90_us: store.latency_us.value_at_quantile(0.90),
+            p99_us: store.latency_us.value_at_quantile(0.99),
+            p999_us: store.latency_us.value_at_quantile(0.999),
+            baseline_p50_us: baseline.latency_us.value_at_quantile(0.50),
+            bytes: store.bytes,
+            seconds: store.seconds,
+            verified_bytes,
+            io_engine: io_engine.into(),
+            index_entries: None,
+            index_bytes_per_entry: None,
+        }
+    }
+
+    pub fn header() -> String {
+        format!(
+            "{:<4} {:<6} {:>9} {:>5} {:>10} {:>10} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10}",
+            "op",
+            "tier",
+            "value",
+            "batch",
+            "MB/s",
+            "base MB/s",
+            "ratio",
+            "batch/s",
+            "p50 us",
+            "p90 us",
+            "p99 us",
+            "p99.9 us",
+            "verified"
+        )
+    }
+
+    pub fn line(&self) -> String {
+        let value = if self.value_size > 0 {
+            format_size(self.value_size).replace(".00 ", "")
+        } else {
+            "-".into()
+        };
+        format!(
+            "{:<4} {:<6} {:>9} {:>5} {:>10.0} {:>10.0} {:>6.2} {:>9.1} {:>9} {:>9} {:>9} {:>9} {:>10}{}",
+            self.op,
+            self.tier,
+            value,
+            self.batch,
+            self.mb_per_s,
+            self.baseline_mb_per_s,
+            self.ratio,
+            self.batches_per_s,
+            self.p50_us,
+            self.p90_us,
+            self.p99_us,
+            self.p999_us,
+            format_size(self.verified_bytes).replace(".00 ", ""),
+            match (self.index_entries, self.index_bytes_per_entry) {
+                (Some(n), Some(b)) => format!("  ({n} entries, {b:.1} B/entry)"),
+                (Some(n), None) => format!("  ({n} entries)"),
+                _ => String::new(),
+            }
+        )
+    }
+}
+
+/// One panel per (op, tier): MB/s against batch count, a line per value
+/// size, the store solid and its baseline dashed.
+pub fn svg(rows: &[Row]) -> String {
+    let mut panels: Vec<(String, String)> = Vec::new();
+    for row in rows.iter().filter(|r| r.value_size > 0) {
+        let id = (row.op.clone(), row.tier.clone());
+        if !panels.contains(&id) {
+            panels.push(id);
+        }
+    }
+    let (pw, ph, margin) = (420.0, 300.0, 60.0);
+    let width = (panels.len().max(1) as f64) * (pw + margin) + margin;
+    let height = ph + 2.0 * margin + 40.0;
+    let colors = [
+        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    ];
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    for (p, (op, tier)) in panels.iter().enumerate() {
+        let x0 = margin + p as f64 * (pw + margin);
+        let y0 = margin;
+        let these: Vec<&Row> = rows
+            .iter()
+            .filter(|r| &r.op == op && &r.tier == tier && r.value_size > 0)
+            .collect();
+        let mut batches: Vec<usize> = these.iter().map(|r| r.batch).collect();
+        batches.sort_unstable();
+        batches.dedup();
+        let mut sizes: Vec<u64> = these.iter().map(|r| r.value_size).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let ymax = these
+            .iter()
+            .map(|r| r.mb_per_s.max(r.baseline_mb_per_s))
+            .fold(1.0f64, f64::max)
+            * 1.1;
+        let x_of = |batch: usize| {
+            let i = batches.iter().position(|&b| b == batch).unwrap_or(0) as f64;
+            x0 + if batches.len() > 1 {
+                i / (batches.len() - 1) as f64 * pw
+            } else {
+                pw / 2.0
+            }
+        };
+        let y_of = |v: f64| y0 + ph - v / ymax * ph;
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{}" font-size="14" font-weight="bold">{op} from/to {tier}</text>"#,
+            x0,
+            y0 - 20.0
+        );
+        let _ = writeln!(
+            out,
+            r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>"##
+        );
+        for t in 0..=4 {
+            let v = ymax * t as f64 / 4.0;
+            let y = y_of(v);
+            let _ = writeln!(
+                out,
+                r##"<line x1="{x0}" y1="{y}" x2="{}" y2="{y}" stroke="#eee"/><text x="{}" y="{}" text-anchor="end">{v:.0}</text>"##,
+                x0 + pw,
+                x0 - 5.0,
+                y + 4.0
+            );
+        }
+        for &b in &batches {
+            let _ = writeln!(
+                out,
+                r#"<text x="{}" y="{}" text-anchor="middle">{b}</text>"#,
+                x_of(b),
+                y0 + ph + 16.0
+            );
+        }
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{}" text-anchor="middle">keys per batch</text>"#,
+            x0 + pw / 2.0,
+            y0 + ph + 34.0
+        );
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{}" transform="rotate(-90 {} {})" text-anchor="middle">MB/s</text>"#,
+            x0 - 45.0,
+            y0 + ph / 2.0,
+            x0 - 45.0,
+            y0 + ph / 2.0
+        );
+        for (s, &size) in sizes.iter().enumerate() {
+            let color = colors[s % colors.len()];
+            let mut series: Vec<&&Row> = these.iter().filter(|r| r.value_size == size).collect();
+            series.sort_by_key(|r| r.batch);
+            let store: Vec<String> = series
+                .iter()
+                .map(|r| format!("{:.1},{:.1}", x_of(r.batch), y_of(r.mb_per_s)))
+                .collect();
+            let base: Vec<String> = series
+                .iter()
+                .map(|r| format!("{:.1},{:.1}", x_of(r.batch), y_of(r.baseline_mb_per_s)))
+                .collect();
+            let _ = writeln!(
+                out,
+                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+                store.join(" ")
+            );
+            let _ = writeln!(
+                out,
+                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="6,4"/>"#,
+                base.join(" ")
+            );
+            let ly = y0 + ph + 52.0 + 0.0 * s as f64;
+            let lx = x0 + s as f64 * 140.0;
+            let _ = writeln!(
+                out,
+                r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{} (dashed: {})</text>"#,
+                lx + 20.0,
+                lx + 24.0,
+                ly + 4.0,
+                format_size(size).replace(".00 ", ""),
+                series
+                    .first()
+                    .map_or("", |r| if r.tier == "memory" { "memcpy" } else { "raw" })
+            );
+        }
+    }
+    out.push_str("</svg>\n");
+    out
+}
