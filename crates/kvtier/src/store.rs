@@ -17,7 +17,7 @@ use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -701,7 +701,8 @@ impl Inner {
         results
     }
 
-    /// Submits every disk read of a batch at once, then verifies each.
+    /// Submits every disk read of a batch at once; each value is verified
+    /// as soon as its read completes, while the others are in flight.
     fn read_from_disk(
         &self,
         bufs: &mut [&mut [u8]],
@@ -709,6 +710,13 @@ impl Inner {
         results: &mut [Result<Option<usize>>],
     ) {
         let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
+        // Per read of the batch: 0 = not done, 1 = verified, 2 = mismatch.
+        let verdicts: Vec<AtomicU8> = reads.iter().map(|_| AtomicU8::new(0)).collect();
+        let expected: Vec<(KeyDigest, usize, u64)> = reads
+            .iter()
+            .flatten()
+            .map(|read| (read.digest, read.len, read.checksum))
+            .collect();
         {
             let mut ops: Vec<ReadOp<'_>> = Vec::new();
             let mut owners: Vec<usize> = Vec::new();
@@ -722,9 +730,14 @@ impl Inner {
                 ops.push(ReadOp::new(&read.region.file, offset, target));
                 owners.push(i);
             }
-            disk.engine().read_batch(&mut ops);
+            let verify = |op: usize, bytes: &[u8]| {
+                let (digest, len, checksum) = expected[op];
+                let ok = value_checksum(digest, &bytes[..len]) == checksum;
+                verdicts[owners[op]].store(if ok { 1 } else { 2 }, Ordering::Release);
+            };
+            disk.engine().read_batch_then(&mut ops, &verify);
             let outcomes: Vec<_> = ops.into_iter().map(|op| op.result).collect();
-            for (i, outcome) in owners.into_iter().zip(outcomes) {
+            for (i, outcome) in owners.iter().copied().zip(outcomes) {
                 if let Some(read) = &mut reads[i] {
                     read.outcome = outcome;
                 }
@@ -733,17 +746,8 @@ impl Inner {
         for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
             let Some(read) = read else { continue };
             let verdict = match &read.outcome {
-                Ok(()) => {
-                    let bytes = match &read.bounce {
-                        Some(bounce) => &bounce.as_slice()[..read.len],
-                        None => &buf[..read.len],
-                    };
-                    if value_checksum(read.digest, bytes) == read.checksum {
-                        Ok(())
-                    } else {
-                        Err("checksum or key digest mismatch".to_string())
-                    }
-                }
+                Ok(()) if verdicts[i].load(Ordering::Acquire) == 1 => Ok(()),
+                Ok(()) => Err("checksum or key digest mismatch".to_string()),
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                     Err(format!("value lies past the end of its region file: {e}"))
                 }

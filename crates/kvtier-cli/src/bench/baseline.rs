@@ -25,26 +25,41 @@ fn open_direct(path: &Path, create: bool) -> io::Result<File> {
     direct.open(path).or_else(|_| options.open(path))
 }
 
-/// Runs `n` transfers of `len` bytes at `offsets`, all submitted at once,
-/// and waits for all of them. `write` picks the direction.
-fn transfer(
+/// Keeps `depth` transfers of `len` bytes in flight (refilling as each
+/// completes, as fio does at `iodepth=depth`) until every offset is done.
+/// Transfer `n` uses buffer `buffer_of(n)`. Returns per-transfer latencies.
+fn stream(
     ring: &mut IoUring,
     file: &File,
     bufs: &mut [AlignedBuf],
+    buffer_of: impl Fn(usize) -> usize,
     offsets: &[u64],
     len: usize,
+    depth: usize,
     write: bool,
+    m: &mut Measurement,
 ) -> io::Result<()> {
     let fd = types::Fd(file.as_raw_fd());
     let mut done = vec![0usize; offsets.len()];
-    let mut pending: Vec<usize> = (0..offsets.len()).collect();
-    while !pending.is_empty() {
-        for &i in &pending {
-            let ptr = bufs[i].as_mut_slice().as_mut_ptr();
-            // SAFETY: `done[i] < len <= buffer length`.
-            let at = unsafe { ptr.add(done[i]) };
-            let remaining = (len - done[i]) as u32;
-            let offset = offsets[i] + done[i] as u64;
+    let mut started = vec![Instant::now(); offsets.len()];
+    let mut next = 0usize;
+    let mut retry: Vec<usize> = Vec::new();
+    let mut in_flight = 0usize;
+    let mut finished = 0usize;
+    while finished < offsets.len() {
+        while in_flight < depth && (next < offsets.len() || !retry.is_empty()) {
+            let n = retry.pop().unwrap_or_else(|| {
+                next += 1;
+                next - 1
+            });
+            if done[n] == 0 {
+                started[n] = Instant::now();
+            }
+            let buf = &mut bufs[buffer_of(n)];
+            // SAFETY: `done[n] < len <= buffer length`.
+            let at = unsafe { buf.as_mut_slice().as_mut_ptr().add(done[n]) };
+            let remaining = (len - done[n]) as u32;
+            let offset = offsets[n] + done[n] as u64;
             let entry = if write {
                 opcode::Write::new(fd, at, remaining).offset(offset).build()
             } else {
@@ -52,31 +67,32 @@ fn transfer(
             };
             // SAFETY: the buffers outlive this call, which waits for every
             // submitted operation before returning.
-            unsafe { ring.submission().push(&entry.user_data(i as u64)) }
+            unsafe { ring.submission().push(&entry.user_data(n as u64)) }
                 .map_err(|_| io::Error::other("baseline ring too small"))?;
+            in_flight += 1;
         }
-        let submitted = pending.len();
-        pending.clear();
-        let mut completed = 0;
-        while completed < submitted {
-            ring.submit_and_wait(submitted - completed)?;
-            for cqe in ring.completion() {
-                completed += 1;
-                let i = cqe.user_data() as usize;
-                let result = cqe.result();
-                if result < 0 {
-                    return Err(io::Error::from_raw_os_error(-result));
-                }
-                if result == 0 {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "baseline transfer made no progress",
-                    ));
-                }
-                done[i] += result as usize;
-                if done[i] < len {
-                    pending.push(i);
-                }
+        ring.submit_and_wait(1)?;
+        let completions: Vec<(usize, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result()))
+            .collect();
+        for (n, result) in completions {
+            in_flight -= 1;
+            if result < 0 {
+                return Err(io::Error::from_raw_os_error(-result));
+            }
+            if result == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "baseline transfer made no progress",
+                ));
+            }
+            done[n] += result as usize;
+            if done[n] < len {
+                retry.push(n);
+            } else {
+                finished += 1;
+                m.record_call(started[n].elapsed());
             }
         }
     }
@@ -84,12 +100,14 @@ fn transfer(
 }
 
 /// A scratch file moved with raw O_DIRECT io_uring transfers of
-/// `value_size` bytes, `batch` per submission: batch `b` covers values
-/// `b * batch ..`, laid out back to back as the store lays out a batch.
+/// `value_size` bytes, keeping `batch` in flight continuously: the device
+/// limit at that depth, what fio reports at `iodepth=batch`. Values are
+/// laid out back to back, as the store lays out a batch. Rows built from
+/// it report per-transfer latency for the baseline.
 pub struct RawFile {
     file: File,
     ring: IoUring,
-    bufs: Vec<AlignedBuf>,
+    read_bufs: Vec<AlignedBuf>,
     value_size: usize,
     padded: usize,
     batch: usize,
@@ -100,75 +118,75 @@ impl RawFile {
     /// are extended.
     pub fn create(path: &Path, value_size: usize, batch: usize) -> io::Result<RawFile> {
         let file = open_direct(path, true)?;
-        let bufs: Vec<AlignedBuf> = (0..batch)
-            .map(|i| {
-                let mut b = AlignedBuf::zeroed(value_size);
-                super::data::fill(
-                    format!("baseline/{i}").as_bytes(),
-                    &mut b.as_mut_slice()[..value_size],
-                );
-                b
-            })
-            .collect();
+        let read_bufs: Vec<AlignedBuf> =
+            (0..batch).map(|_| AlignedBuf::zeroed(value_size)).collect();
         Ok(RawFile {
             file,
             ring: IoUring::new(batch.next_power_of_two().max(2) as u32)?,
-            padded: bufs[0].len(),
-            bufs,
+            padded: read_bufs[0].len(),
+            read_bufs,
             value_size,
             batch,
         })
     }
 
-    fn offsets(&self, b: u64) -> Vec<u64> {
-        (0..self.batch as u64)
-            .map(|i| (b * self.batch as u64 + i) * self.padded as u64)
+    fn offsets(&self, range: &std::ops::Range<u64>) -> Vec<u64> {
+        (range.start * self.batch as u64..range.end * self.batch as u64)
+            .map(|v| v * self.padded as u64)
             .collect()
     }
 
-    /// Writes batches `range`, then `fdatasync`, all timed into `m`.
+    /// Writes batches `range` (data generated first, untimed), then
+    /// `fdatasync`, timed into `m`.
     pub fn write(&mut self, range: std::ops::Range<u64>, m: &mut Measurement) -> io::Result<()> {
+        let offsets = self.offsets(&range);
+        let mut prepared: Vec<AlignedBuf> = (0..offsets.len())
+            .map(|n| {
+                let mut buf = AlignedBuf::zeroed(self.value_size);
+                let key = format!("raw/{}/{}/{}", self.value_size, self.batch, offsets[n]);
+                super::data::fill(key.as_bytes(), &mut buf.as_mut_slice()[..self.value_size]);
+                buf
+            })
+            .collect();
         let started = Instant::now();
-        for b in range.clone() {
-            let offsets = self.offsets(b);
-            let call = Instant::now();
-            transfer(
-                &mut self.ring,
-                &self.file,
-                &mut self.bufs,
-                &offsets,
-                self.padded,
-                true,
-            )?;
-            m.record_call(call.elapsed());
-        }
+        stream(
+            &mut self.ring,
+            &self.file,
+            &mut prepared,
+            |n| n,
+            &offsets,
+            self.padded,
+            self.batch,
+            true,
+            m,
+        )?;
         self.file.sync_data()?;
         m.add_span(
             started.elapsed(),
-            (range.end - range.start) * (self.batch * self.value_size) as u64,
+            offsets.len() as u64 * self.value_size as u64,
         );
         Ok(())
     }
 
     /// Reads batches `range` (written before by `write`), timed into `m`.
     pub fn read(&mut self, range: std::ops::Range<u64>, m: &mut Measurement) -> io::Result<()> {
+        let offsets = self.offsets(&range);
+        let depth = self.batch;
         let started = Instant::now();
-        for b in range.clone() {
-            let offsets = self.offsets(b);
-            let call = Instant::now();
-            transfer(
-                &mut self.ring,
-                &self.file,
-                &mut self.bufs,
-                &offsets,
-                self.padded,
-                false,
-            )?;
-            m.record_call(call.elapsed());
-        }
+        stream(
+            &mut self.ring,
+            &self.file,
+            &mut self.read_bufs,
+            |n| n % depth,
+            &offsets,
+            self.padded,
+            depth,
+            false,
+            m,
+        )?;
         m.add_span(
             started.elapsed(),
-            (range.end - range.start) * (self.batch * self.value_size) as u64,
+            offsets.len() as u64 * self.value_size as u64,
         );
         Ok(())
     }

@@ -1,7 +1,6 @@
 //! Index-scale cases: batch_exists on a large index, and reopen time.
 
 use super::report::Row;
-use crate::size::format_size;
 use hdrhistogram::Histogram;
 use kvtier::index::{DiskLoc, Entry, Index};
 use kvtier::{Config, IoEngineKind, KeyDigest, PutOptions, Store};
@@ -136,12 +135,6 @@ pub fn reopen_case(
     row.p50_us = (seconds * 1e6) as u64;
     row.bytes = stats.disk_used_bytes;
     row.index_entries = Some(stats.entries);
-    println!(
-        "reopen: {} entries ({} on disk) recovered in {:.3} s",
-        stats.entries,
-        format_size(stats.disk_used_bytes),
-        seconds
-    );
     store.close()?;
     Ok(row)
 }

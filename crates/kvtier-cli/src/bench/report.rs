@@ -102,6 +102,16 @@ impl Row {
     }
 
     pub fn line(&self) -> String {
+        if self.op == "open" {
+            return format!(
+                "{:<4} {:<6} reopened {} entries ({} of region files) in {:.3} s",
+                self.op,
+                self.tier,
+                self.index_entries.unwrap_or(0),
+                format_size(self.bytes),
+                self.seconds
+            );
+        }
         let value = if self.value_size > 0 {
             format_size(self.value_size).replace(".00 ", "")
         } else {

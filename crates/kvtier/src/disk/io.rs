@@ -101,7 +101,14 @@ pub trait IoEngine: Send + Sync + fmt::Debug {
 
     /// Runs every read of the batch; returns when all have completed. The
     /// engine may run them concurrently and in any order.
-    fn read_batch(&self, reads: &mut [ReadOp<'_>]);
+    fn read_batch(&self, reads: &mut [ReadOp<'_>]) {
+        self.read_batch_then(reads, &|_, _| {});
+    }
+
+    /// As `read_batch`, calling `on_read(i, bytes)` for each read that
+    /// completes in full, as soon as it does (possibly on another thread),
+    /// so the caller can verify one value while others are still in flight.
+    fn read_batch_then(&self, reads: &mut [ReadOp<'_>], on_read: &(dyn Fn(usize, &[u8]) + Sync));
 
     /// Writes `bufs` back to back starting at `offset`.
     fn write_vectored_at(&self, file: &File, offset: u64, bufs: &[IoSlice<'_>]) -> io::Result<()>;
@@ -161,20 +168,27 @@ impl IoEngine for PsyncEngine {
         "psync"
     }
 
-    fn read_batch(&self, reads: &mut [ReadOp<'_>]) {
+    fn read_batch_then(&self, reads: &mut [ReadOp<'_>], on_read: &(dyn Fn(usize, &[u8]) + Sync)) {
+        let read_one = |i: usize, op: &mut ReadOp<'_>| {
+            op.result = pread_full(op.file, op.offset, op.buf);
+            if op.result.is_ok() {
+                on_read(i, op.buf);
+            }
+        };
         let workers = self.threads.min(reads.len());
         if workers <= 1 {
-            for op in reads.iter_mut() {
-                op.result = pread_full(op.file, op.offset, op.buf);
+            for (i, op) in reads.iter_mut().enumerate() {
+                read_one(i, op);
             }
             return;
         }
         let per_worker = reads.len().div_ceil(workers);
         std::thread::scope(|scope| {
-            for chunk in reads.chunks_mut(per_worker) {
+            for (c, chunk) in reads.chunks_mut(per_worker).enumerate() {
+                let read_one = &read_one;
                 scope.spawn(move || {
-                    for op in chunk {
-                        op.result = pread_full(op.file, op.offset, op.buf);
+                    for (j, op) in chunk.iter_mut().enumerate() {
+                        read_one(c * per_worker + j, op);
                     }
                 });
             }

@@ -82,6 +82,7 @@ impl UringEngine {
         count: usize,
         len: impl Fn(usize) -> usize,
         prepare: impl Fn(usize, usize) -> io_uring::squeue::Entry,
+        on_complete: impl Fn(usize),
     ) -> Vec<io::Result<()>> {
         let mut outcomes: Vec<Option<io::Result<()>>> = (0..count)
             .map(|i| (len(i) == 0).then_some(Ok(())))
@@ -145,6 +146,7 @@ impl UringEngine {
                         queue.push_back(i); // short transfer: the rest
                     } else {
                         outcomes[i] = Some(Ok(()));
+                        on_complete(i);
                     }
                 }
             }
@@ -161,7 +163,7 @@ impl IoEngine for UringEngine {
         "uring"
     }
 
-    fn read_batch(&self, reads: &mut [ReadOp<'_>]) {
+    fn read_batch_then(&self, reads: &mut [ReadOp<'_>], on_read: &(dyn Fn(usize, &[u8]) + Sync)) {
         let targets: Vec<(i32, u64, *mut u8, usize)> = reads
             .iter_mut()
             .map(|op| {
@@ -184,6 +186,13 @@ impl IoEngine for UringEngine {
                 opcode::Read::new(types::Fd(fd), buf, chunk as u32)
                     .offset(offset + done as u64)
                     .build()
+            },
+            |i| {
+                let (_, _, ptr, len) = targets[i];
+                // SAFETY: read `i` has completed, so the kernel no longer
+                // writes its buffer; the caller's borrow keeps it alive, and
+                // no one else touches it until this call returns.
+                on_read(i, unsafe { std::slice::from_raw_parts(ptr, len) });
             },
         );
         for (op, outcome) in reads.iter_mut().zip(outcomes) {
@@ -249,6 +258,7 @@ impl IoEngine for UringEngine {
                     .offset(chunk.offset + done as u64)
                     .build()
             },
+            |_| {},
         );
         outcomes.into_iter().collect()
     }
