@@ -99,6 +99,13 @@ pub struct BenchArgs {
     /// Draw throughput against batch count to this SVG file.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Write the rows as a Markdown table to this file.
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+    /// Run nothing: read rows saved earlier with --json and write the
+    /// --markdown and --plot outputs from them.
+    #[arg(long)]
+    pub from_json: Option<PathBuf>,
 }
 
 /// Timing of one case: per-call latency and throughput over timed spans.
@@ -172,6 +179,10 @@ impl Progress {
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 pub fn run(args: &BenchArgs) -> BenchResult<()> {
+    if let Some(path) = &args.from_json {
+        let rows: Vec<Row> = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        return write_outputs(args, &rows);
+    }
     for op in &args.ops {
         if op != "put" && op != "get" {
             return Err(format!("unknown op {op:?}: expected put or get").into());
@@ -203,12 +214,21 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
         }
     }
     let rows = result?;
+    write_outputs(args, &rows)
+}
+
+fn write_outputs(args: &BenchArgs, rows: &[Row]) -> BenchResult<()> {
+    let rows = rows.to_vec();
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
         println!("wrote {}", path.display());
     }
     if let Some(path) = &args.plot {
         std::fs::write(path, report::svg(&rows))?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, report::markdown(&rows))?;
         println!("wrote {}", path.display());
     }
     Ok(())

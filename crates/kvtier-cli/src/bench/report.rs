@@ -2,10 +2,10 @@
 
 use super::Measurement;
 use crate::size::format_size;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     pub op: String,
     pub tier: String,
@@ -26,9 +26,9 @@ pub struct Row {
     pub verified_bytes: u64,
     pub io_engine: String,
     /// For index rows: entries in the index and its bytes per entry.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index_entries: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index_bytes_per_entry: Option<f64>,
 }
 
@@ -141,6 +141,61 @@ impl Row {
     }
 }
 
+/// The rows as a Markdown table (store rows, then index and reopen rows).
+pub fn markdown(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | batches/s | p50 µs | p90 µs | p99 µs | p99.9 µs | verified |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows.iter().filter(|r| r.value_size > 0) {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {} |",
+            r.op,
+            r.tier,
+            format_size(r.value_size).replace(".00 ", " "),
+            r.batch,
+            r.mb_per_s,
+            r.baseline_mb_per_s,
+            r.ratio,
+            r.batches_per_s,
+            r.p50_us,
+            r.p90_us,
+            r.p99_us,
+            r.p999_us,
+            format_size(r.verified_bytes).replace(".00 ", " ")
+        );
+    }
+    for r in rows.iter().filter(|r| r.value_size == 0) {
+        match r.op.as_str() {
+            "exists" => {
+                let _ = writeln!(
+                    out,
+                    "\n`batch_exists` of {} keys on an index of {} entries: p50 {} µs, p90 {} µs, p99 {} µs, p99.9 {} µs; index memory {:.1} bytes per entry.",
+                    r.batch,
+                    r.index_entries.unwrap_or(0),
+                    r.p50_us,
+                    r.p90_us,
+                    r.p99_us,
+                    r.p999_us,
+                    r.index_bytes_per_entry.unwrap_or(0.0)
+                );
+            }
+            "open" => {
+                let _ = writeln!(
+                    out,
+                    "\nReopen after a clean close with {} entries ({} of region files): {:.3} s.",
+                    r.index_entries.unwrap_or(0),
+                    format_size(r.bytes),
+                    r.seconds
+                );
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 /// One panel per (op, tier): MB/s against batch count, a line per value
 /// size, the store solid and its baseline dashed.
 pub fn svg(rows: &[Row]) -> String {
@@ -151,7 +206,7 @@ pub fn svg(rows: &[Row]) -> String {
             panels.push(id);
         }
     }
-    let (pw, ph, margin) = (420.0, 300.0, 60.0);
+    let (pw, ph, margin) = (420.0, 300.0, 80.0);
     let width = (panels.len().max(1) as f64) * (pw + margin) + margin;
     let height = ph + 2.0 * margin + 40.0;
     let colors = [
@@ -255,8 +310,8 @@ pub fn svg(rows: &[Row]) -> String {
                 r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="1.5" stroke-dasharray="6,4"/>"#,
                 base.join(" ")
             );
-            let ly = y0 + ph + 52.0 + 0.0 * s as f64;
-            let lx = x0 + s as f64 * 140.0;
+            let ly = y0 + ph + 52.0;
+            let lx = x0 + s as f64 * 210.0;
             let _ = writeln!(
                 out,
                 r#"<line x1="{lx}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{} (dashed: {})</text>"#,
