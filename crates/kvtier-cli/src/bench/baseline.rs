@@ -28,7 +28,10 @@ fn open_direct(path: &Path, create: bool) -> io::Result<File> {
 /// Keeps `depth` transfers of `len` bytes in flight (refilling as each
 /// completes, as fio does at `iodepth=depth`) until every offset is done.
 /// Transfer `n` uses buffer `buffer_of(n)`. Returns per-transfer latencies.
-#[expect(clippy::too_many_arguments, reason = "the ring, file and buffers plus the transfer's shape")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the ring, file and buffers plus the transfer's shape"
+)]
 fn stream(
     ring: &mut IoUring,
     file: &File,
