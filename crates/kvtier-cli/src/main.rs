@@ -25,7 +25,7 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Measure throughput and latency against raw-device and memcpy
     /// baselines run in the same process.
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
 }
 
 /// Log level from RUST_LOG (one of error, warn, info, debug, trace).
