@@ -17,11 +17,12 @@ mod baseline;
 mod data;
 mod index;
 mod report;
+mod trace;
 
 use crate::size::{format_size, parse_size};
 use hdrhistogram::Histogram;
 use kvtier::disk::io::AlignedBuf;
-use kvtier::{Config, IoEngineKind, PutOptions, PutTier, Store};
+use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use report::Row;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -73,12 +74,42 @@ pub struct BenchArgs {
     /// io engine: uring or psync.
     #[arg(long, default_value = "uring")]
     pub io_engine: String,
-    /// Memory pool capacity.
-    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
-    pub memory: u64,
-    /// Disk tier capacity.
-    #[arg(long, default_value = "16GiB", value_parser = parse_size)]
-    pub disk: u64,
+    /// Memory pool capacity. Default: 2 GiB; with --trace, a list of
+    /// capacities to replay at (default: 3 million tokens' worth of blocks).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub memory: Vec<u64>,
+    /// Disk tier capacity. Default: 16 GiB; with --trace, a list where 0
+    /// means memory-only and `auto` means room for the whole trace
+    /// (default: 0,auto).
+    #[arg(long, value_delimiter = ',')]
+    pub disk: Vec<String>,
+    /// Memory eviction policies (lru, s3fifo). Default: s3fifo; with
+    /// --trace, each is replayed (default: lru,s3fifo).
+    #[arg(long, value_delimiter = ',')]
+    pub eviction: Vec<String>,
+    /// Replay a request trace (JSON lines with `hash_ids`, as Mooncake's
+    /// FAST'25 traces) instead of the synthetic cases.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// With --trace: memory capacities given in tokens (1M, 3M, ...),
+    /// each turned into whole blocks of the trace's value size.
+    #[arg(long, value_delimiter = ',', value_parser = parse_count)]
+    pub memory_tokens: Vec<u64>,
+    /// With --trace: KV bytes per token; a block of 512 tokens is a value
+    /// of 512 times this.
+    #[arg(long, default_value_t = 128)]
+    pub bytes_per_token: u64,
+    /// With --trace: replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// With --trace: replay arrival times N times faster (default: as fast
+    /// as possible).
+    #[arg(long, conflicts_with = "max_rate")]
+    pub speed: Option<f64>,
+    /// With --trace: ignore arrival times and replay as fast as possible
+    /// (the default).
+    #[arg(long)]
+    pub max_rate: bool,
     /// Bytes each case moves (rounded to whole batches, at least one).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub bytes_per_case: u64,
@@ -197,6 +228,13 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
         return Err("threads, batch counts and value sizes must be at least 1".into());
     }
     let engine = IoEngineKind::parse(&args.io_engine)?;
+    if let Some(path) = &args.trace {
+        let rows = trace::run(args, path, engine)?;
+        return trace::write_outputs(args, &rows);
+    }
+    if args.memory.len() > 1 || args.disk.len() > 1 || args.eviction.len() > 1 {
+        return Err("lists of --memory, --disk or --eviction are for --trace replays".into());
+    }
     let created = !args.data_dir.exists();
     std::fs::create_dir_all(&args.data_dir)?;
     let result = run_cases(args, engine);
@@ -287,6 +325,15 @@ impl Case<'_> {
 }
 
 fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
+    let memory = args.memory.first().copied().unwrap_or(2 << 30);
+    let disk = match args.disk.first() {
+        Some(text) => parse_size(text)?,
+        None => 16 << 30,
+    };
+    let eviction = match args.eviction.first() {
+        Some(name) => EvictionPolicy::parse(name)?,
+        None => EvictionPolicy::S3Fifo,
+    };
     let mut rows = Vec::new();
     let cases_per_size = [
         ("put", "disk"),
@@ -311,8 +358,9 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
         };
         let _ = std::fs::remove_dir_all(&store_dir);
         let config = Config::new(&store_dir)
-            .memory_capacity(args.memory)
-            .disk_capacity(args.disk)
+            .memory_capacity(memory)
+            .disk_capacity(disk)
+            .eviction(eviction)
             .max_value_size(value_size)
             .io_engine(engine);
         if wants(args, "put", "disk") || wants(args, "get", "disk") {
@@ -412,11 +460,11 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
             let store = Store::open(config.clone().disk_capacity(0))?;
             let engine_name = store.stats().io_engine;
             for &batch in &args.batches {
-                if value_size * batch as u64 > args.memory / 2 {
+                if value_size * batch as u64 > memory / 2 {
                     eprintln!(
                         "skipping memory cases for {} x{batch}: a batch needs more than half of the {} pool",
                         format_size(value_size),
-                        format_size(args.memory)
+                        format_size(memory)
                     );
                     continue;
                 }
@@ -428,8 +476,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 };
                 // A working set of at most half the pool, cycled: each put
                 // replaces an earlier value, so the pool never fills.
-                let keys_in_set =
-                    (args.memory / 2 / value_size / batch as u64).max(1) * batch as u64;
+                let keys_in_set = (memory / 2 / value_size / batch as u64).max(1) * batch as u64;
                 let mut memcpy = baseline::Memcpy::new(
                     value_size as usize,
                     batch,

@@ -1,0 +1,591 @@
+//! `kvtier bench --trace`: replay a request trace (Mooncake's FAST'25
+//! format: one JSON object per line with `timestamp` in ms, `input_length`,
+//! `output_length` and `hash_ids`, one id per 512-token block) against the
+//! store, the way an engine with a prefix cache would serve it.
+//!
+//! Per request: the block ids become chained keys (a key names the whole
+//! prefix up to its block); `prefix_len` finds the cached prefix; those
+//! blocks are loaded with `batch_get_into` and verified; the rest are
+//! "prefilled" and stored with `batch_put`. Hit rates count whole blocks.
+
+use super::baseline::RawFile;
+use super::{data, BenchArgs, BenchResult, Measurement};
+use crate::size::{format_size, parse_size};
+use hdrhistogram::Histogram;
+use kvtier::disk::io::AlignedBuf;
+use kvtier::{Config, EvictionPolicy, IoEngineKind, KeyDigest, Store};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::io::BufRead;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Tokens per block in Mooncake's traces.
+pub const BLOCK_TOKENS: u64 = 512;
+
+/// The fields a replay uses (`input_length` and `output_length` are
+/// implied by the blocks for hit rates counted in whole blocks).
+#[derive(Debug, Deserialize)]
+struct Request {
+    timestamp: u64,
+    hash_ids: Vec<u64>,
+}
+
+/// One replay: a memory capacity, a disk capacity and a policy.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TraceRow {
+    pub memory: u64,
+    pub memory_tokens: u64,
+    pub disk: u64,
+    pub eviction: String,
+    pub requests: u64,
+    pub blocks: u64,
+    pub token_hit_rate: f64,
+    pub max_token_hit_rate: f64,
+    pub fraction_of_max: f64,
+    pub memory_hits: u64,
+    pub disk_hits: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Bytes read per second of time spent loading hit blocks.
+    pub mb_per_s: f64,
+    /// Raw O_DIRECT reads of the same value size at the replay's mean hit
+    /// depth, measured right after a replay with a disk tier (0 otherwise).
+    pub baseline_mb_per_s: f64,
+    pub ratio: f64,
+    /// Per-request load latency (prefix_len plus batch_get_into).
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub verified_bytes: u64,
+    pub value_size: u64,
+    pub seconds: f64,
+    pub io_engine: String,
+}
+
+fn load(path: &Path, limit: Option<usize>) -> BenchResult<Vec<Request>> {
+    let file =
+        std::fs::File::open(path).map_err(|e| format!("opening trace {}: {e}", path.display()))?;
+    let mut requests = Vec::new();
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        if limit.is_some_and(|l| requests.len() >= l) {
+            break;
+        }
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let request: Request = serde_json::from_str(&line)
+            .map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
+        requests.push(request);
+    }
+    if requests.is_empty() {
+        return Err(format!("trace {} has no requests", path.display()).into());
+    }
+    Ok(requests)
+}
+
+/// Chained keys: key i = xxh3-128(key i-1 || block id i), so equal keys
+/// mean equal prefixes, as the engines' chained block hashes do.
+fn chain(ids: &[u64]) -> Vec<[u8; 16]> {
+    let mut previous = [0u8; 16];
+    ids.iter()
+        .map(|id| {
+            let mut input = [0u8; 24];
+            input[..16].copy_from_slice(&previous);
+            input[16..].copy_from_slice(&id.to_le_bytes());
+            previous = KeyDigest::of(&input).0.to_le_bytes();
+            previous
+        })
+        .collect()
+}
+
+/// Block hit rate with an infinite cache: the most any policy can reach.
+fn max_hit_rate(requests: &[Request]) -> (f64, u64) {
+    let mut seen: HashSet<[u8; 16]> = HashSet::new();
+    let (mut hits, mut blocks) = (0u64, 0u64);
+    for request in requests {
+        let keys = chain(&request.hash_ids);
+        hits += keys.iter().take_while(|k| seen.contains(*k)).count() as u64;
+        blocks += keys.len() as u64;
+        seen.extend(keys);
+    }
+    (hits as f64 / blocks.max(1) as f64, seen.len() as u64)
+}
+
+pub fn run(args: &BenchArgs, path: &Path, engine: IoEngineKind) -> BenchResult<Vec<TraceRow>> {
+    let requests = load(path, args.limit)?;
+    let value_size = args.bytes_per_token * BLOCK_TOKENS;
+    if value_size == 0 {
+        return Err("--bytes-per-token must be at least 1".into());
+    }
+    let padded = value_size.div_ceil(4096) * 4096;
+    let (max_rate, distinct) = max_hit_rate(&requests);
+    let mut memories: Vec<u64> = args.memory.clone();
+    memories.extend(
+        args.memory_tokens
+            .iter()
+            .map(|&t| t / BLOCK_TOKENS * padded),
+    );
+    if memories.is_empty() {
+        memories.push(3_000_000 / BLOCK_TOKENS * padded);
+    }
+    // Room for every distinct block, its record entry and region slack.
+    let region = 64u64 << 20;
+    let whole_trace = (distinct * (padded + 128) + 4 * region).max(2 * region);
+    let disks: Vec<u64> = if args.disk.is_empty() {
+        vec![0, whole_trace]
+    } else {
+        args.disk
+            .iter()
+            .map(|d| {
+                if d == "auto" {
+                    Ok(whole_trace)
+                } else {
+                    parse_size(d)
+                }
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let policies: Vec<EvictionPolicy> = if args.eviction.is_empty() {
+        vec![EvictionPolicy::Lru, EvictionPolicy::S3Fifo]
+    } else {
+        args.eviction
+            .iter()
+            .map(|p| EvictionPolicy::parse(p))
+            .collect::<Result<_, _>>()?
+    };
+    println!(
+        "trace {}: {} requests, {} blocks of {} tokens, {} distinct; value {} per block; max token hit rate {:.4}",
+        path.display(),
+        requests.len(),
+        requests.iter().map(|r| r.hash_ids.len()).sum::<usize>(),
+        BLOCK_TOKENS,
+        distinct,
+        format_size(value_size),
+        max_rate
+    );
+    println!("{}", TraceRow::header());
+    let created = !args.data_dir.exists();
+    std::fs::create_dir_all(&args.data_dir)?;
+    let mut rows = Vec::new();
+    let mut result = Ok(());
+    'replays: for &disk in &disks {
+        for &memory in &memories {
+            for &policy in &policies {
+                match replay(
+                    args, &requests, memory, disk, policy, engine, value_size, max_rate,
+                ) {
+                    Ok(row) => {
+                        println!("{}", row.line());
+                        rows.push(row);
+                    }
+                    Err(e) => {
+                        result = Err(e);
+                        break 'replays;
+                    }
+                }
+            }
+        }
+    }
+    if created {
+        let _ = std::fs::remove_dir_all(&args.data_dir);
+    } else {
+        let _ = std::fs::remove_dir_all(args.data_dir.join("trace-store"));
+        let _ = std::fs::remove_file(args.data_dir.join("trace-baseline.scratch"));
+    }
+    result?;
+    Ok(rows)
+}
+
+#[expect(clippy::too_many_arguments, reason = "one replay's full configuration")]
+fn replay(
+    args: &BenchArgs,
+    requests: &[Request],
+    memory: u64,
+    disk: u64,
+    policy: EvictionPolicy,
+    engine: IoEngineKind,
+    value_size: u64,
+    max_rate: f64,
+) -> BenchResult<TraceRow> {
+    let dir = args.data_dir.join("trace-store");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut config = Config::new(&dir)
+        .memory_capacity(memory)
+        .disk_capacity(disk)
+        .eviction(policy)
+        .io_engine(engine)
+        .max_value_size(value_size);
+    if disk > 0 {
+        config = config.region_size((64u64 << 20).min(disk / 2 / 4096 * 4096));
+    }
+    let store = Store::open(config)?;
+    let engine_name = store.stats().io_engine;
+    let slot = (value_size as usize).div_ceil(4096) * 4096;
+    let most_blocks = requests.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);
+    let mut host = AlignedBuf::zeroed(slot * most_blocks.max(1));
+    let mut latency = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
+    let (mut hit_blocks, mut blocks, mut verified, mut written) = (0u64, 0u64, 0u64, 0u64);
+    let mut load_busy = Duration::ZERO;
+    let mut hit_requests = 0u64;
+    let started = Instant::now();
+    for request in requests {
+        if let Some(speed) = args.speed.filter(|s| *s > 0.0) {
+            let due = Duration::from_secs_f64(request.timestamp as f64 / 1e3 / speed);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let keys = chain(&request.hash_ids);
+        let call = Instant::now();
+        let cached = store.prefix_len(&keys);
+        let mut loaded = 0;
+        if cached > 0 {
+            let results = {
+                let mut slices: Vec<&mut [u8]> =
+                    host.as_mut_slice().chunks_mut(slot).take(cached).collect();
+                store.batch_get_into(&keys[..cached], &mut slices)
+            };
+            // A block evicted between the lookup and the read ends the hit.
+            for result in &results {
+                match result {
+                    Ok(Some(_)) => loaded += 1,
+                    Ok(None) => break,
+                    Err(e) => return Err(format!("loading a hit block failed: {e}").into()),
+                }
+            }
+        }
+        let elapsed = call.elapsed();
+        latency.saturating_record((elapsed.as_micros() as u64).max(1));
+        if loaded > 0 {
+            load_busy += elapsed;
+            hit_requests += 1;
+        }
+        for (key, buffer) in keys[..loaded].iter().zip(host.as_slice().chunks(slot)) {
+            if !data::verify(key, &buffer[..value_size as usize]) {
+                return Err(format!("trace replay read wrong bytes for block {}", hex(key)).into());
+            }
+            verified += value_size;
+        }
+        hit_blocks += loaded as u64;
+        blocks += keys.len() as u64;
+        // "Prefill" the rest and store it.
+        let missing = &keys[loaded..];
+        if !missing.is_empty() {
+            let values: Vec<Vec<u8>> = missing
+                .iter()
+                .map(|k| {
+                    let mut v = vec![0u8; value_size as usize];
+                    data::fill(k, &mut v);
+                    v
+                })
+                .collect();
+            for result in store.batch_put(missing, &values) {
+                result.map_err(|e| format!("storing prefilled blocks failed: {e}"))?;
+            }
+            written += missing.len() as u64 * value_size;
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let stats = store.stats();
+    store.close()?;
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+    let bytes_read = hit_blocks * value_size;
+    let mb_per_s = if load_busy.is_zero() {
+        0.0
+    } else {
+        bytes_read as f64 / load_busy.as_secs_f64() / 1e6
+    };
+    // The device limit for this replay's reads: the same value size at its
+    // mean hit depth.
+    let baseline_mb_per_s = if disk > 0 && stats.disk_hits > 0 {
+        let depth = (hit_blocks as f64 / hit_requests.max(1) as f64)
+            .round()
+            .max(1.0) as usize;
+        raw_read_mb_per_s(
+            &args.data_dir.join("trace-baseline.scratch"),
+            value_size as usize,
+            depth,
+        )?
+    } else {
+        0.0
+    };
+    let token_hit_rate = hit_blocks as f64 / blocks.max(1) as f64;
+    Ok(TraceRow {
+        memory,
+        memory_tokens: memory / (value_size.div_ceil(4096) * 4096) * BLOCK_TOKENS,
+        disk,
+        eviction: match policy {
+            EvictionPolicy::Lru => "lru".into(),
+            EvictionPolicy::S3Fifo => "s3fifo".into(),
+        },
+        requests: requests.len() as u64,
+        blocks,
+        token_hit_rate,
+        max_token_hit_rate: max_rate,
+        fraction_of_max: if max_rate > 0.0 {
+            token_hit_rate / max_rate
+        } else {
+            0.0
+        },
+        memory_hits: stats.memory_hits,
+        disk_hits: stats.disk_hits,
+        bytes_read,
+        bytes_written: written,
+        mb_per_s,
+        baseline_mb_per_s,
+        ratio: if baseline_mb_per_s > 0.0 {
+            mb_per_s / baseline_mb_per_s
+        } else {
+            0.0
+        },
+        p50_us: latency.value_at_quantile(0.5),
+        p99_us: latency.value_at_quantile(0.99),
+        verified_bytes: verified,
+        value_size,
+        seconds,
+        io_engine: engine_name.into(),
+    })
+}
+
+/// Raw O_DIRECT io_uring reads of `value_size` at `depth`, over at most
+/// 512 MiB or 32,768 values.
+fn raw_read_mb_per_s(path: &Path, value_size: usize, depth: usize) -> BenchResult<f64> {
+    let by_bytes = (512u64 << 20) / (value_size * depth) as u64;
+    let by_count = 32_768 / depth as u64;
+    let batches = by_bytes.min(by_count).max(4);
+    let mut raw = RawFile::create(path, value_size, depth)?;
+    let mut ignored = Measurement::new();
+    raw.write(0..batches, &mut ignored)?;
+    let mut m = Measurement::new();
+    raw.read(0..batches, &mut m)?;
+    drop(raw);
+    let _ = std::fs::remove_file(path);
+    Ok(m.mb_per_s())
+}
+
+fn hex(key: &[u8]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl TraceRow {
+    pub fn header() -> String {
+        format!(
+            "{:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>8} {:>8} {:>9} {:>9} {:>6} {:>8} {:>8}",
+            "memory",
+            "tokens",
+            "disk",
+            "policy",
+            "hit",
+            "max",
+            "of max",
+            "mem hit",
+            "disk hit",
+            "MB/s",
+            "base MB/s",
+            "ratio",
+            "p50 us",
+            "p99 us"
+        )
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "{:>10} {:>10} {:>9} {:>7} {:>8.4} {:>8.4} {:>7.3} {:>8} {:>8} {:>9.0} {:>9.0} {:>6.2} {:>8} {:>8}",
+            format_size(self.memory).replace(".00 ", ""),
+            self.memory_tokens,
+            if self.disk == 0 { "none".to_string() } else { format_size(self.disk).replace(".00 ", "") },
+            self.eviction,
+            self.token_hit_rate,
+            self.max_token_hit_rate,
+            self.fraction_of_max,
+            self.memory_hits,
+            self.disk_hits,
+            self.mb_per_s,
+            self.baseline_mb_per_s,
+            self.ratio,
+            self.p50_us,
+            self.p99_us
+        )
+    }
+}
+
+pub fn write_outputs(args: &BenchArgs, rows: &[TraceRow]) -> BenchResult<()> {
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(rows)?)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        std::fs::write(path, svg(rows))?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, markdown(rows))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+pub fn markdown(rows: &[TraceRow]) -> String {
+    let mut out = String::from(
+        "| memory | tokens in memory | disk | eviction | token hit rate | max | fraction of max | memory hits | disk hits | load MB/s | raw read MB/s | ratio | p50 µs | p99 µs |\n\
+         |---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.4} | {:.4} | {:.3} | {} | {} | {:.0} | {} | {} | {} | {} |",
+            format_size(r.memory),
+            r.memory_tokens,
+            if r.disk == 0 {
+                "none".to_string()
+            } else {
+                format_size(r.disk)
+            },
+            r.eviction,
+            r.token_hit_rate,
+            r.max_token_hit_rate,
+            r.fraction_of_max,
+            r.memory_hits,
+            r.disk_hits,
+            r.mb_per_s,
+            if r.baseline_mb_per_s > 0.0 {
+                format!("{:.0}", r.baseline_mb_per_s)
+            } else {
+                "-".into()
+            },
+            if r.ratio > 0.0 {
+                format!("{:.2}", r.ratio)
+            } else {
+                "-".into()
+            },
+            r.p50_us,
+            r.p99_us
+        );
+    }
+    out
+}
+
+/// Hit rate against memory capacity (in tokens), a line per policy and
+/// disk setting, with the trace's maximum as a dashed line.
+pub fn svg(rows: &[TraceRow]) -> String {
+    let (w, h, m) = (640.0, 400.0, 70.0);
+    let mut caps: Vec<u64> = rows.iter().map(|r| r.memory_tokens).collect();
+    caps.sort_unstable();
+    caps.dedup();
+    let x_of = |tokens: u64| {
+        let i = caps.iter().position(|&c| c == tokens).unwrap_or(0) as f64;
+        m + if caps.len() > 1 {
+            i / (caps.len() - 1) as f64 * w
+        } else {
+            w / 2.0
+        }
+    };
+    let y_of = |rate: f64| m + h - rate * h;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" font-size="12">"#,
+        w + 2.0 * m + 160.0,
+        h + 2.0 * m
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        out,
+        r#"<text x="{m}" y="{}" font-size="14" font-weight="bold">token hit rate against memory capacity</text>"#,
+        m - 25.0
+    );
+    let _ = writeln!(
+        out,
+        r##"<rect x="{m}" y="{m}" width="{w}" height="{h}" fill="none" stroke="#999"/>"##
+    );
+    for t in 0..=5 {
+        let rate = t as f64 / 5.0;
+        let y = y_of(rate);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{m}" y1="{y}" x2="{}" y2="{y}" stroke="#eee"/><text x="{}" y="{}" text-anchor="end">{rate:.1}</text>"##,
+            m + w,
+            m - 5.0,
+            y + 4.0
+        );
+    }
+    for &c in &caps {
+        let _ = writeln!(
+            out,
+            r#"<text x="{}" y="{}" text-anchor="middle">{:.1}M</text>"#,
+            x_of(c),
+            m + h + 16.0,
+            c as f64 / 1e6
+        );
+    }
+    let _ = writeln!(
+        out,
+        r#"<text x="{}" y="{}" text-anchor="middle">tokens in the memory pool</text>"#,
+        m + w / 2.0,
+        m + h + 36.0
+    );
+    if let Some(max) = rows.first().map(|r| r.max_token_hit_rate) {
+        let y = y_of(max);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{m}" y1="{y}" x2="{}" y2="{y}" stroke="#000" stroke-dasharray="6,4"/><text x="{}" y="{}">max {max:.3}</text>"##,
+            m + w,
+            m + w + 8.0,
+            y + 4.0
+        );
+    }
+    let colors = [
+        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    ];
+    let mut series: Vec<(u64, String)> =
+        rows.iter().map(|r| (r.disk, r.eviction.clone())).collect();
+    series.sort();
+    series.dedup();
+    for (s, (disk, policy)) in series.iter().enumerate() {
+        let color = colors[s % colors.len()];
+        let mut points: Vec<&TraceRow> = rows
+            .iter()
+            .filter(|r| r.disk == *disk && &r.eviction == policy)
+            .collect();
+        points.sort_by_key(|r| r.memory_tokens);
+        let coords: Vec<String> = points
+            .iter()
+            .map(|r| format!("{:.1},{:.1}", x_of(r.memory_tokens), y_of(r.token_hit_rate)))
+            .collect();
+        let _ = writeln!(
+            out,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+            coords.join(" ")
+        );
+        for r in &points {
+            let _ = writeln!(
+                out,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
+                x_of(r.memory_tokens),
+                y_of(r.token_hit_rate)
+            );
+        }
+        let ly = m + 20.0 + s as f64 * 18.0;
+        let label = format!(
+            "{policy}, {}",
+            if *disk == 0 {
+                "memory only".to_string()
+            } else {
+                format!("+ {} disk", format_size(*disk))
+            }
+        );
+        let _ = writeln!(
+            out,
+            r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{label}</text>"#,
+            m + w + 8.0,
+            m + w + 28.0,
+            m + w + 32.0,
+            ly + 4.0
+        );
+    }
+    out.push_str("</svg>\n");
+    out
+}
