@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod serve;
 mod size;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,9 @@ enum Command {
     /// Write, read back and verify a synthetic prompt's KV blocks in an
     /// embedded store (memory pool plus disk tier).
     Demo(demo::DemoArgs),
+    /// Serve the store to engine processes over TCP and a Unix socket, with
+    /// admin HTTP.
+    Serve(serve::ServeArgs),
     /// Measure throughput and latency against raw-device and memcpy
     /// baselines run in the same process.
     Bench(Box<bench::BenchArgs>),
@@ -47,6 +51,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

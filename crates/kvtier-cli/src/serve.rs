@@ -1,0 +1,214 @@
+//! `kvtier serve`: the store as a service for many engine processes.
+//!
+//! Settings come from flags, then a TOML file (`--config`), then defaults;
+//! `kvtier serve --help` and docs/server.md list every key.
+
+use crate::size::parse_size;
+use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
+use kvtier_net::{Server, ServerConfig};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
+    /// region_size, io_engine, eviction, auth_token, max_frame, max_batch.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Data directory. Default: ./kvtier-data.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// TCP address, or `off`. Default: 127.0.0.1:7700. A non-loopback
+    /// address requires an auth token.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Unix socket path, or `off`. Default: kvtier.sock in the data
+    /// directory (mode 0600).
+    #[arg(long)]
+    pub socket: Option<String>,
+    /// Admin HTTP address (/metrics, /health, /stats), or `off`. Default:
+    /// 127.0.0.1:7701.
+    #[arg(long)]
+    pub admin: Option<String>,
+    /// Memory pool capacity. Default: 1 GiB.
+    #[arg(long, value_parser = parse_size)]
+    pub memory: Option<u64>,
+    /// Disk tier capacity (0: memory only). Default: 16 GiB.
+    #[arg(long, value_parser = parse_size)]
+    pub disk: Option<u64>,
+    /// Token clients must present; also read from KVTIER_AUTH_TOKEN.
+    #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
+    pub auth_token: Option<String>,
+    /// io engine: uring or psync. Default: uring.
+    #[arg(long)]
+    pub io_engine: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    data_dir: Option<PathBuf>,
+    listen: Option<String>,
+    socket: Option<String>,
+    admin: Option<String>,
+    memory: Option<String>,
+    disk: Option<String>,
+    region_size: Option<String>,
+    io_engine: Option<String>,
+    eviction: Option<String>,
+    auth_token: Option<String>,
+    max_frame: Option<String>,
+    max_batch: Option<u32>,
+}
+
+fn address(text: &str, what: &str) -> Result<Option<SocketAddr>, String> {
+    if text == "off" {
+        return Ok(None);
+    }
+    text.parse()
+        .map(Some)
+        .map_err(|e| format!("{what} {text:?}: {e}"))
+}
+
+fn size(text: &Option<String>, what: &str) -> Result<Option<u64>, String> {
+    text.as_deref()
+        .map(parse_size)
+        .transpose()
+        .map_err(|e| format!("{what}: {e}"))
+}
+
+/// Blocks SIGINT and SIGTERM in every thread and returns a thread that
+/// waits for either, so no worker is interrupted mid-request.
+fn signal_waiter(stop: Arc<std::sync::atomic::AtomicBool>) -> std::io::Result<()> {
+    // SAFETY: building and applying a signal mask for this process's
+    // threads; threads spawned later inherit it.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    std::thread::Builder::new()
+        .name("kvtier-signals".into())
+        .spawn(move || loop {
+            let mut signal = 0;
+            // SAFETY: waiting on the mask built above.
+            if unsafe { libc::sigwait(&set, &mut signal) } == 0 {
+                tracing::info!(
+                    signal,
+                    "stopping: finishing in-flight requests, flushing, closing"
+                );
+                eprintln!("kvtier: signal {signal} received, shutting down");
+                stop.store(true, Ordering::Release);
+            }
+        })?;
+    Ok(())
+}
+
+pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let file: FileConfig = match &args.config {
+        Some(path) => toml::from_str(
+            &std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?,
+        )
+        .map_err(|e| format!("{}: {e}", path.display()))?,
+        None => FileConfig::default(),
+    };
+    let data_dir = args
+        .data_dir
+        .clone()
+        .or(file.data_dir)
+        .unwrap_or_else(|| "./kvtier-data".into());
+    let listen = address(
+        args.listen
+            .as_deref()
+            .or(file.listen.as_deref())
+            .unwrap_or("127.0.0.1:7700"),
+        "listen address",
+    )?;
+    let admin = address(
+        args.admin
+            .as_deref()
+            .or(file.admin.as_deref())
+            .unwrap_or("127.0.0.1:7701"),
+        "admin address",
+    )?;
+    let socket = match args.socket.as_deref().or(file.socket.as_deref()) {
+        Some("off") => None,
+        Some(path) => Some(PathBuf::from(path)),
+        None => Some(data_dir.join("kvtier.sock")),
+    };
+    let auth_token = args
+        .auth_token
+        .clone()
+        .or(file.auth_token)
+        .filter(|t| !t.is_empty());
+    let mut config = Config::new(&data_dir);
+    if let Some(memory) = args.memory.or(size(&file.memory, "memory")?) {
+        config = config.memory_capacity(memory);
+    }
+    if let Some(disk) = args.disk.or(size(&file.disk, "disk")?) {
+        config = config.disk_capacity(disk);
+    }
+    if let Some(region) = size(&file.region_size, "region_size")? {
+        config = config.region_size(region);
+    }
+    if let Some(engine) = args.io_engine.as_deref().or(file.io_engine.as_deref()) {
+        config = config.io_engine(IoEngineKind::parse(engine)?);
+    }
+    if let Some(policy) = &file.eviction {
+        config = config.eviction(EvictionPolicy::parse(policy)?);
+    }
+    let mut server_config = ServerConfig {
+        listen,
+        socket,
+        admin,
+        auth_token,
+        ..ServerConfig::default()
+    };
+    if let Some(max_frame) = size(&file.max_frame, "max_frame")? {
+        server_config.max_frame = max_frame;
+    }
+    if let Some(max_batch) = file.max_batch {
+        server_config.max_batch = max_batch;
+    }
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    signal_waiter(Arc::clone(&stop))?;
+    let store = Arc::new(Store::open(config)?);
+    let server = Server::new(Arc::clone(&store), server_config)?;
+    let server_stop = server.stop_flag();
+    let watcher = std::thread::spawn(move || {
+        while !stop.load(Ordering::Acquire) {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        server_stop.store(true, Ordering::Release);
+    });
+    server.run(|bound| {
+        let mut parts = Vec::new();
+        if let Some(tcp) = bound.tcp {
+            parts.push(format!("tcp://{tcp}"));
+        }
+        if let Some(socket) = &bound.socket {
+            parts.push(format!("unix://{}", socket.display()));
+        }
+        if let Some(admin) = bound.admin {
+            parts.push(format!("admin http://{admin}"));
+        }
+        println!(
+            "kvtier serving {} from {}: {}",
+            data_dir.display(),
+            store.stats().io_engine,
+            parts.join(", ")
+        );
+    })?;
+    let _ = watcher.join();
+    store.close()?;
+    println!("kvtier stopped cleanly");
+    Ok(())
+}

@@ -1,0 +1,586 @@
+//! The real `kvtier serve` binary under load, abuse and crashes, driven by
+//! the Rust client over TCP and the Unix socket.
+
+use kvtier_net::protocol::{Header, Op, Writer};
+use kvtier_net::{Client, ClientOptions};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct ServerProcess {
+    child: Child,
+    tcp: String,
+    unix: String,
+    admin: String,
+}
+
+impl ServerProcess {
+    fn start(dir: &Path, extra: &[&str]) -> ServerProcess {
+        let mut args = vec![
+            "serve".to_string(),
+            "--data-dir".into(),
+            dir.display().to_string(),
+            "--memory".into(),
+            "64MiB".into(),
+            "--disk".into(),
+            "1GiB".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--admin".into(),
+            "127.0.0.1:0".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(&args)
+            .env_remove("KVTIER_AUTH_TOKEN")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvtier serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("kvtier serving"),
+            "unexpected first line: {line:?}"
+        );
+        let find = |prefix: &str| -> String {
+            line.split([' ', ','])
+                .find_map(|part| part.strip_prefix(prefix).map(|s| s.trim().to_string()))
+                .unwrap_or_default()
+        };
+        ServerProcess {
+            tcp: find("tcp://"),
+            unix: find("unix://"),
+            admin: find("http://"),
+            child,
+        }
+    }
+
+    fn tcp_url(&self) -> String {
+        format!("tcp://{}", self.tcp)
+    }
+
+    fn unix_url(&self) -> String {
+        format!("unix://{}", self.unix)
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    fn wait(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "server did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        let mut stream = TcpStream::connect(&self.admin).unwrap();
+        stream
+            .write_all(b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let body = response.split("\r\n\r\n").nth(1).unwrap();
+        serde_json::from_str(body).unwrap()
+    }
+
+    fn http(&self, path: &str) -> String {
+        let mut stream = TcpStream::connect(&self.admin).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn value_for(key: &[u8], len: usize) -> Vec<u8> {
+    let mut state = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    }) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn many_clients_mixed_verified_operations() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let threads: Vec<_> = (0..32)
+        .map(|t| {
+            let url = if t % 2 == 0 {
+                server.tcp_url()
+            } else {
+                server.unix_url()
+            };
+            std::thread::spawn(move || {
+                let options = ClientOptions {
+                    shm_size: 4 << 20,
+                    ..ClientOptions::default()
+                };
+                let mut client = Client::connect_with(&url, options).unwrap();
+                let keys: Vec<Vec<u8>> = (0..12)
+                    .map(|i| format!("client-{t}/block-{i}").into_bytes())
+                    .collect();
+                let values: Vec<Vec<u8>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| value_for(k, 4096 * (i + 1) + 17))
+                    .collect();
+                for result in client.batch_put(&keys, &values).unwrap() {
+                    result.unwrap();
+                }
+                assert_eq!(client.prefix_len(&keys).unwrap(), 12);
+                let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+                let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+                let got = client.batch_get_into(&keys, &mut slices).unwrap();
+                for ((result, buf), value) in got.iter().zip(&bufs).zip(&values) {
+                    assert_eq!(result.as_ref().unwrap(), &Some(value.len()));
+                    assert_eq!(buf, value);
+                }
+                if t % 2 == 1 {
+                    // Through the registered buffer: put from it, get into it.
+                    let shm = client.registered_buffer().unwrap();
+                    shm[..values[0].len()].copy_from_slice(&values[0]);
+                    let key = format!("client-{t}/shm").into_bytes();
+                    let put = client
+                        .batch_put_registered(
+                            &[&key],
+                            &[(0, values[0].len() as u64)],
+                            &Default::default(),
+                        )
+                        .unwrap();
+                    put[0].as_ref().unwrap();
+                    let got = client
+                        .batch_get_registered(
+                            &[&key, &keys[3]],
+                            &[(1 << 20, 1 << 20), (2 << 20, 1 << 20)],
+                        )
+                        .unwrap();
+                    assert_eq!(got[0].as_ref().unwrap(), &Some(values[0].len()));
+                    assert_eq!(got[1].as_ref().unwrap(), &Some(values[3].len()));
+                    let shm = client.registered_buffer().unwrap();
+                    assert_eq!(&shm[1 << 20..(1 << 20) + values[0].len()], &values[0][..]);
+                    assert_eq!(&shm[2 << 20..(2 << 20) + values[3].len()], &values[3][..]);
+                }
+                assert!(client.remove(&keys[5]).unwrap());
+                let exists = client.batch_exists(&keys).unwrap();
+                assert_eq!(exists.iter().filter(|&&e| e).count(), 11);
+                assert!(!exists[5]);
+                assert_eq!(client.prefix_len(&keys).unwrap(), 5);
+                let mut small = [0u8; 8];
+                let got = client
+                    .batch_get_into(
+                        &[&keys[0], &keys[5]],
+                        &mut [&mut small[..], &mut [0u8; 8][..]],
+                    )
+                    .unwrap();
+                assert_eq!(
+                    got[0].as_ref().unwrap_err().kind(),
+                    kvtier::ErrorKind::BufferTooSmall
+                );
+                assert_eq!(got[1].as_ref().unwrap(), &None);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    client.flush().unwrap();
+    let stats = client.stats().unwrap();
+    assert_eq!(stats["store"]["entries"], 32 * 11 + 16);
+    let metrics = server.http("/metrics");
+    assert!(
+        metrics.contains("kvtier_requests_total{op=\"batch_put\"}"),
+        "{metrics}"
+    );
+    assert!(server.http("/health").ends_with("ok\n"));
+    assert!(server.http("/nope").starts_with("HTTP/1.1 404"));
+    // The Unix socket is private to the user.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&server.unix)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[test]
+fn garbage_frames_close_only_their_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut good = Client::connect(&server.tcp_url()).unwrap();
+    good.batch_put(&[b"keep"], &[value_for(b"keep", 10_000)])
+        .unwrap()[0]
+        .as_ref()
+        .unwrap();
+
+    let mut rng = 0x1234_5678_9abc_def0u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let hello = {
+        let mut w = Writer::default();
+        w.u32(0);
+        let mut frame = Header {
+            op: Op::Hello as u16,
+            request_id: 1,
+            body_len: 4,
+            status: 0,
+        }
+        .encode()
+        .to_vec();
+        frame.extend_from_slice(&w.buf);
+        frame
+    };
+    for round in 0..60 {
+        let mut stream = TcpStream::connect(&server.tcp).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let payload: Vec<u8> = match round % 6 {
+            // Pure noise.
+            0 => (0..(next() % 4096)).map(|_| next() as u8).collect(),
+            // A valid magic with a random header.
+            1 => {
+                let mut p = b"KVTP".to_vec();
+                p.extend((0..20).map(|_| next() as u8));
+                p
+            }
+            // Hello, then a frame claiming a huge body.
+            2 => {
+                let mut p = hello.clone();
+                p.extend_from_slice(
+                    &Header {
+                        op: 2,
+                        request_id: 2,
+                        body_len: u32::MAX,
+                        status: 0,
+                    }
+                    .encode(),
+                );
+                p
+            }
+            // Hello, then a batch put whose counts lie.
+            3 => {
+                let mut p = hello.clone();
+                let mut w = Writer::default();
+                w.u8(0).u32(3).key(b"x").u64(1 << 40);
+                p.extend_from_slice(
+                    &Header {
+                        op: 2,
+                        request_id: 2,
+                        body_len: w.buf.len() as u32,
+                        status: 0,
+                    }
+                    .encode(),
+                );
+                p.extend_from_slice(&w.buf);
+                p
+            }
+            // A request before hello.
+            4 => Header {
+                op: Op::Flush as u16,
+                request_id: 9,
+                body_len: 0,
+                status: 0,
+            }
+            .encode()
+            .to_vec(),
+            // Hello, then a truncated frame and a hang-up.
+            _ => {
+                let mut p = hello.clone();
+                p.extend_from_slice(
+                    &Header {
+                        op: 4,
+                        request_id: 3,
+                        body_len: 1000,
+                        status: 0,
+                    }
+                    .encode(),
+                );
+                p.extend((0..100).map(|_| next() as u8));
+                p
+            }
+        };
+        let _ = stream.write_all(&payload);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        // The server answers with an error and closes, or just closes.
+        let mut sink = Vec::new();
+        let _ = stream.read_to_end(&mut sink);
+    }
+    // Everyone else is still served and nothing was lost.
+    let mut buf = vec![0u8; 10_000];
+    let got = good
+        .batch_get_into(&[b"keep"], &mut [&mut buf[..]])
+        .unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(10_000));
+    assert_eq!(buf, value_for(b"keep", 10_000));
+    let stats = server.stats();
+    assert!(
+        stats["server"]["protocol_errors"].as_u64().unwrap() >= 30,
+        "{stats}"
+    );
+    wait_until("garbage connections to close", || {
+        server.stats()["server"]["connections"] == 1
+    });
+}
+
+/// A client process that registers a shared buffer, sends half a batch and
+/// waits to be killed; the parent runs it. A no-op unless the environment
+/// says otherwise.
+#[test]
+fn half_batch_client_child() {
+    let Ok(url) = std::env::var("KVTIER_HALF_BATCH_URL") else {
+        return;
+    };
+    let mut client = Client::connect_with(
+        &url,
+        ClientOptions {
+            shm_size: 8 << 20,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    client
+        .batch_put(&[b"from-child"], &[vec![7u8; 1000]])
+        .unwrap()[0]
+        .as_ref()
+        .unwrap();
+    let tcp = std::env::var("KVTIER_HALF_BATCH_TCP").unwrap();
+    let mut raw = TcpStream::connect(tcp).unwrap();
+    let mut w = Writer::default();
+    w.u32(0);
+    raw.write_all(
+        &Header {
+            op: 1,
+            request_id: 1,
+            body_len: 4,
+            status: 0,
+        }
+        .encode(),
+    )
+    .unwrap();
+    raw.write_all(&w.buf).unwrap();
+    let mut reply = [0u8; 64];
+    let _ = raw.read(&mut reply).unwrap();
+    raw.write_all(
+        &Header {
+            op: 2,
+            request_id: 2,
+            body_len: 8 << 20,
+            status: 0,
+        }
+        .encode(),
+    )
+    .unwrap();
+    raw.write_all(&vec![1u8; 1 << 20]).unwrap();
+    println!("HALF-SENT");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn a_client_killed_mid_batch_leaks_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "half_batch_client_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVTIER_HALF_BATCH_URL", server.unix_url())
+        .env("KVTIER_HALF_BATCH_TCP", &server.tcp)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("HALF-SENT") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "child ended early");
+    }
+    let stats = server.stats();
+    assert_eq!(stats["server"]["connections"], 2, "{stats}");
+    assert_eq!(stats["server"]["registered_buffers"], 1, "{stats}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_until(
+        "the dead client's connections and buffer to be released",
+        || {
+            let s = server.stats();
+            s["server"]["connections"] == 0
+                && s["server"]["registered_buffers"] == 0
+                && s["server"]["registered_bytes"] == 0
+        },
+    );
+    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    let mut buf = vec![0u8; 1000];
+    assert_eq!(
+        client
+            .batch_get_into(&[b"from-child"], &mut [&mut buf[..]])
+            .unwrap()[0]
+            .as_ref()
+            .unwrap(),
+        &Some(1000)
+    );
+    assert_eq!(client.stats().unwrap()["store"]["entries"], 1);
+}
+
+#[test]
+fn sigkill_under_load_then_restart_keeps_flushed_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = ServerProcess::start(dir.path(), &[]);
+    let flushed: Vec<Vec<u8>> = (0..64)
+        .map(|i| format!("flushed-{i}").into_bytes())
+        .collect();
+    let mut client = Client::connect(&server.unix_url()).unwrap();
+    let values: Vec<Vec<u8>> = flushed.iter().map(|k| value_for(k, 50_000)).collect();
+    for r in client.batch_put(&flushed, &values).unwrap() {
+        r.unwrap();
+    }
+    client.flush().unwrap();
+    // Load from other clients while the server dies.
+    let url = server.tcp_url();
+    let loaders: Vec<_> = (0..4)
+        .map(|t| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let Ok(mut client) = Client::connect(&url) else {
+                    return;
+                };
+                for i in 0..10_000 {
+                    let key = format!("load-{t}-{i}").into_bytes();
+                    if client
+                        .batch_put(&[&key], &[value_for(&key, 30_000)])
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    server.signal(libc::SIGKILL);
+    server.wait();
+    for l in loaders {
+        l.join().unwrap();
+    }
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let got = client.batch_get_into(&flushed, &mut slices).unwrap();
+    for (i, result) in got.iter().enumerate() {
+        assert_eq!(
+            result.as_ref().unwrap(),
+            &Some(50_000),
+            "flushed key {i} lost"
+        );
+    }
+    assert_eq!(bufs, values);
+    let stats = client.stats().unwrap();
+    assert_eq!(stats["store"]["checksum_failures"], 0);
+}
+
+#[test]
+fn sigterm_finishes_flushes_and_exits_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = ServerProcess::start(dir.path(), &[]);
+    let keys: Vec<Vec<u8>> = (0..20)
+        .map(|i| format!("graceful-{i}").into_bytes())
+        .collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 70_000)).collect();
+    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    for r in client.batch_put(&keys, &values).unwrap() {
+        r.unwrap();
+    }
+    server.signal(libc::SIGTERM);
+    let status = server.wait();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        !Path::new(&server.unix).exists(),
+        "the socket file is removed on shutdown"
+    );
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut client = Client::connect(&server.unix_url()).unwrap();
+    assert_eq!(client.prefix_len(&keys).unwrap(), 20);
+}
+
+#[test]
+fn auth_is_required_off_loopback_and_checked_at_hello() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "serve",
+            "--data-dir",
+            &dir.path().display().to_string(),
+            "--memory",
+            "16MiB",
+            "--listen",
+            "0.0.0.0:0",
+            "--admin",
+            "off",
+        ])
+        .env_remove("KVTIER_AUTH_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("without an auth token"), "{stderr}");
+
+    let server = ServerProcess::start(dir.path(), &["--auth-token", "s3cret"]);
+    let err = Client::connect(&server.tcp_url()).unwrap_err();
+    assert!(err.to_string().contains("unauthorized"), "{err}");
+    let wrong = ClientOptions {
+        auth_token: Some("nope".into()),
+        ..Default::default()
+    };
+    assert!(Client::connect_with(&server.unix_url(), wrong).is_err());
+    let right = ClientOptions {
+        auth_token: Some("s3cret".into()),
+        ..Default::default()
+    };
+    let mut client = Client::connect_with(&server.tcp_url(), right).unwrap();
+    client.flush().unwrap();
+    assert!(server.stats()["server"]["auth_failures"].as_u64().unwrap() >= 2);
+}

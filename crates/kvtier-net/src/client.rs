@@ -1,0 +1,491 @@
+//! The Rust client: the store's batch operations over `tcp://host:port` or
+//! `unix:///path` (which adds a registered shared-memory buffer, so values
+//! move through shared memory instead of the socket).
+
+use crate::protocol::{self, code, put_flags, Header, Op, Reader, Writer};
+use crate::shm::{self, SharedRegion};
+use crate::transport::{FrameRead, ReadError, Transport};
+use kvtier::{Error, ErrorKind, PutOptions, PutTier, Result};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+/// Connection options. Defaults: no token, 60 s timeout, 256 MiB shared
+/// buffer on Unix sockets.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub auth_token: Option<String>,
+    pub timeout: Duration,
+    /// Bytes of shared memory to register on a Unix socket (0: none).
+    pub shm_size: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            auth_token: None,
+            timeout: Duration::from_secs(60),
+            shm_size: 256 << 20,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Endpoint {
+    Tcp(String),
+    Unix(std::path::PathBuf),
+}
+
+/// A connection to a kvtier server. Not shared between threads: open one
+/// per thread. A broken connection is re-established on the next call.
+#[derive(Debug)]
+pub struct Client {
+    endpoint: Endpoint,
+    options: ClientOptions,
+    transport: Option<Transport>,
+    next_id: u64,
+    max_frame: u64,
+    max_batch: u32,
+    max_value: u64,
+    shm: Option<(u32, SharedRegion)>,
+}
+
+fn protocol_error(message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Io, message)
+}
+
+fn code_error(c: i32, message: &str) -> Error {
+    let kind = match c {
+        code::INVALID_ARGUMENT | code::LIMIT | code::UNSUPPORTED => ErrorKind::InvalidArgument,
+        code::BUFFER_TOO_SMALL => ErrorKind::BufferTooSmall,
+        code::NO_SPACE => ErrorKind::NoSpace,
+        code::CLOSED => ErrorKind::Closed,
+        code::CORRUPTION => ErrorKind::Corruption,
+        code::LOCKED => ErrorKind::Locked,
+        _ => ErrorKind::Io,
+    };
+    let detail = if message.is_empty() {
+        String::new()
+    } else {
+        format!(": {message}")
+    };
+    Error::new(
+        kind,
+        format!("server answered {} ({c}){detail}", code::name(c)),
+    )
+}
+
+impl Client {
+    /// Connects to `tcp://host:port` or `unix:///path/to.sock`.
+    pub fn connect(url: &str) -> Result<Client> {
+        Client::connect_with(url, ClientOptions::default())
+    }
+
+    pub fn connect_with(url: &str, options: ClientOptions) -> Result<Client> {
+        let endpoint = if let Some(addr) = url.strip_prefix("tcp://") {
+            Endpoint::Tcp(addr.to_string())
+        } else if let Some(path) = url.strip_prefix("unix://") {
+            Endpoint::Unix(path.into())
+        } else {
+            return Err(Error::invalid(format!(
+                "unsupported URL {url:?}: use tcp://host:port or unix:///path"
+            )));
+        };
+        let mut client = Client {
+            endpoint,
+            options,
+            transport: None,
+            next_id: 1,
+            max_frame: protocol::DEFAULT_MAX_FRAME,
+            max_batch: protocol::DEFAULT_MAX_BATCH,
+            max_value: 0,
+            shm: None,
+        };
+        client.reconnect()?;
+        Ok(client)
+    }
+
+    fn reconnect(&mut self) -> Result<()> {
+        self.transport = None;
+        self.shm = None;
+        let transport = match &self.endpoint {
+            Endpoint::Tcp(addr) => {
+                let stream = TcpStream::connect(addr)
+                    .map_err(|e| Error::io(format!("connecting to tcp://{addr}"), e))?;
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| Error::io("configuring the socket", e))?;
+                Transport::Tcp(stream)
+            }
+            Endpoint::Unix(path) => {
+                Transport::Unix(UnixStream::connect(path).map_err(|e| {
+                    Error::io(format!("connecting to unix://{}", path.display()), e)
+                })?)
+            }
+        };
+        transport
+            .set_timeouts(Some(self.options.timeout), Some(self.options.timeout))
+            .map_err(|e| Error::io("configuring the socket", e))?;
+        self.transport = Some(transport);
+        let mut w = Writer::default();
+        let token = self.options.auth_token.clone().unwrap_or_default();
+        w.u32(token.len() as u32).bytes(token.as_bytes());
+        let body = self.call(Op::Hello, &w.buf, None)?;
+        let mut r = Reader::new(&body);
+        let parse = |r: &mut Reader<'_>| -> std::result::Result<(u32, u64, u32, u32, u64), protocol::ProtocolError> {
+            Ok((r.u32()?, r.u64()?, r.u32()?, r.u32()?, r.u64()?))
+        };
+        let (_, max_frame, max_batch, _, max_value) =
+            parse(&mut r).map_err(|e| protocol_error(e.0))?;
+        self.max_frame = max_frame;
+        self.max_batch = max_batch;
+        self.max_value = max_value;
+        if matches!(self.endpoint, Endpoint::Unix(_)) && self.options.shm_size > 0 {
+            let region = SharedRegion::create(self.options.shm_size)
+                .map_err(|e| Error::io("creating the shared buffer", e))?;
+            let mut w = Writer::default();
+            w.u64(region.len() as u64);
+            let body = self.call(Op::RegisterBuffer, &w.buf, Some(region.fd()))?;
+            let id = Reader::new(&body).u32().map_err(|e| protocol_error(e.0))?;
+            self.shm = Some((id, region));
+        }
+        Ok(())
+    }
+
+    /// Sends one request and returns the response body; a transport failure
+    /// drops the connection (the next call reconnects).
+    fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<Vec<u8>> {
+        if self.transport.is_none() {
+            self.reconnect()?;
+        }
+        let result = self.exchange(op, body, fd);
+        if let Err(e) = &result {
+            if e.kind() == ErrorKind::Io && e.message().starts_with("transport") {
+                self.transport = None;
+                self.shm = None;
+            }
+        }
+        result
+    }
+
+    fn exchange(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<Vec<u8>> {
+        if body.len() as u64 > self.max_frame {
+            return Err(Error::invalid(format!(
+                "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
+                body.len(),
+                self.max_frame
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let header = Header {
+            op: op as u16,
+            request_id: id,
+            body_len: body.len() as u32,
+            status: 0,
+        };
+        let transport = self.transport.as_mut().expect("connected");
+        let mut frame = Vec::with_capacity(protocol::HEADER_LEN + body.len());
+        frame.extend_from_slice(&header.encode());
+        frame.extend_from_slice(body);
+        let sent = match (transport as &mut Transport, fd) {
+            (Transport::Unix(stream), Some(fd)) => shm::send_with_fd(stream, &frame, fd),
+            (transport, _) => transport.write_all(&frame),
+        };
+        sent.map_err(|e| Error::io("transport: sending a request", e))?;
+        let read = transport.read_frame(self.max_frame + 64, None, self.options.timeout);
+        match read {
+            Ok(FrameRead::Frame { header, body, .. }) => {
+                if header.status != code::OK {
+                    return Err(code_error(header.status, &String::from_utf8_lossy(&body)));
+                }
+                if header.request_id != id || header.op != op as u16 {
+                    return Err(protocol_error(
+                        "transport: response does not match the request",
+                    ));
+                }
+                Ok(body)
+            }
+            Ok(_) => Err(protocol_error(
+                "transport: the server closed the connection",
+            )),
+            Err(ReadError::Io(e)) => Err(Error::io("transport: reading a response", e)),
+            Err(ReadError::Protocol(e)) => Err(protocol_error(format!("transport: {e}"))),
+        }
+    }
+
+    fn check_batch(&self, n: usize) -> Result<()> {
+        if n > self.max_batch as usize {
+            return Err(Error::invalid(format!(
+                "batch of {n} keys exceeds the server's {}-key limit",
+                self.max_batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// Largest value the server accepts.
+    pub fn max_value(&self) -> u64 {
+        self.max_value
+    }
+
+    pub fn batch_put<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<Vec<Result<()>>> {
+        self.batch_put_with(keys, values, &PutOptions::default())
+    }
+
+    /// Puts each value (sent inline in the frame). Per-key results.
+    pub fn batch_put_with<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[V],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        if keys.len() != values.len() {
+            return Err(Error::invalid(format!(
+                "batch has {} keys but {} values",
+                keys.len(),
+                values.len()
+            )));
+        }
+        self.check_batch(keys.len())?;
+        let mut w = Writer::with_capacity(
+            16 + values.iter().map(|v| v.as_ref().len() + 280).sum::<usize>(),
+        );
+        w.u8(flags(options)).u32(keys.len() as u32);
+        for (k, v) in keys.iter().zip(values) {
+            w.key(check_key(k.as_ref())?)
+                .u64(v.as_ref().len() as u64)
+                .bytes(v.as_ref());
+        }
+        let body = self.call(Op::BatchPut, &w.buf, None)?;
+        codes(&body, keys.len()).map(|codes| {
+            codes
+                .into_iter()
+                .map(|c| {
+                    if c == code::OK {
+                        Ok(())
+                    } else {
+                        Err(code_error(c, ""))
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// Gets each value into its buffer: `Some(n)` bytes, `None` for a miss.
+    pub fn batch_get_into<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        if keys.len() != bufs.len() {
+            return Err(Error::invalid(format!(
+                "batch has {} keys but {} buffers",
+                keys.len(),
+                bufs.len()
+            )));
+        }
+        self.check_batch(keys.len())?;
+        let mut w = Writer::default();
+        w.u32(keys.len() as u32);
+        for (k, b) in keys.iter().zip(bufs.iter()) {
+            w.key(check_key(k.as_ref())?).u64(b.len() as u64);
+        }
+        let body = self.call(Op::BatchGet, &w.buf, None)?;
+        let mut r = Reader::new(&body);
+        let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+        if n != keys.len() {
+            return Err(protocol_error("response has the wrong number of results"));
+        }
+        let table: Vec<(i32, u64)> = (0..n)
+            .map(|_| Ok((r.i32()?, r.u64()?)))
+            .collect::<std::result::Result<_, protocol::ProtocolError>>()
+            .map_err(|e| protocol_error(e.0))?;
+        let mut out = Vec::with_capacity(n);
+        for ((c, len), buf) in table.into_iter().zip(bufs.iter_mut()) {
+            out.push(match c {
+                code::OK => {
+                    let bytes = r.bytes(len as usize).map_err(|e| protocol_error(e.0))?;
+                    if bytes.len() > buf.len() {
+                        return Err(protocol_error(
+                            "server returned more bytes than the buffer holds",
+                        ));
+                    }
+                    buf[..bytes.len()].copy_from_slice(bytes);
+                    Ok(Some(bytes.len()))
+                }
+                code::NOT_FOUND => Ok(None),
+                c => Err(code_error(c, "")),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The registered shared buffer (Unix sockets only): place values here
+    /// and use the `_registered` calls to move them without socket copies.
+    pub fn registered_buffer(&mut self) -> Option<&mut [u8]> {
+        self.shm.as_mut().map(|(_, region)| region.as_mut_slice())
+    }
+
+    /// Puts values already in the registered buffer, given as
+    /// `(offset, len)` ranges.
+    pub fn batch_put_registered<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let id = self.shm_id()?;
+        if keys.len() != ranges.len() {
+            return Err(Error::invalid("one range per key is required"));
+        }
+        self.check_batch(keys.len())?;
+        let mut w = Writer::default();
+        w.u32(id).u8(flags(options)).u32(keys.len() as u32);
+        for (k, (offset, len)) in keys.iter().zip(ranges) {
+            w.key(check_key(k.as_ref())?).u64(*offset).u64(*len);
+        }
+        let body = self.call(Op::BatchPutShm, &w.buf, None)?;
+        codes(&body, keys.len()).map(|codes| {
+            codes
+                .into_iter()
+                .map(|c| {
+                    if c == code::OK {
+                        Ok(())
+                    } else {
+                        Err(code_error(c, ""))
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// Gets values into the registered buffer at `(offset, capacity)`
+    /// ranges; the server copies from its pool (or reads the disk) straight
+    /// into them.
+    pub fn batch_get_registered<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let id = self.shm_id()?;
+        if keys.len() != ranges.len() {
+            return Err(Error::invalid("one range per key is required"));
+        }
+        self.check_batch(keys.len())?;
+        let mut w = Writer::default();
+        w.u32(id).u32(keys.len() as u32);
+        for (k, (offset, cap)) in keys.iter().zip(ranges) {
+            w.key(check_key(k.as_ref())?).u64(*offset).u64(*cap);
+        }
+        let body = self.call(Op::BatchGetShm, &w.buf, None)?;
+        let mut r = Reader::new(&body);
+        let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+        if n != keys.len() {
+            return Err(protocol_error("response has the wrong number of results"));
+        }
+        (0..n)
+            .map(|_| {
+                let c = r.i32().map_err(|e| protocol_error(e.0))?;
+                let len = r.u64().map_err(|e| protocol_error(e.0))?;
+                Ok(match c {
+                    code::OK => Ok(Some(len as usize)),
+                    code::NOT_FOUND => Ok(None),
+                    c => Err(code_error(c, "")),
+                })
+            })
+            .collect()
+    }
+
+    fn shm_id(&mut self) -> Result<u32> {
+        if self.transport.is_none() {
+            self.reconnect()?;
+        }
+        self.shm.as_ref().map(|(id, _)| *id).ok_or_else(|| {
+            Error::invalid("no registered buffer: connect over unix:// with shm_size > 0")
+        })
+    }
+
+    pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        self.check_batch(keys.len())?;
+        let body = self.call(Op::BatchExists, &encode_keys(keys)?, None)?;
+        let mut r = Reader::new(&body);
+        let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+        if n != keys.len() {
+            return Err(protocol_error("response has the wrong number of results"));
+        }
+        (0..n)
+            .map(|_| r.u8().map(|b| b == 1).map_err(|e| protocol_error(e.0)))
+            .collect()
+    }
+
+    pub fn prefix_len<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
+        self.check_batch(keys.len())?;
+        let body = self.call(Op::PrefixLen, &encode_keys(keys)?, None)?;
+        Reader::new(&body)
+            .u64()
+            .map(|n| n as usize)
+            .map_err(|e| protocol_error(e.0))
+    }
+
+    pub fn remove(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
+        let mut w = Writer::default();
+        w.key(check_key(key.as_ref())?);
+        let body = self.call(Op::Remove, &w.buf, None)?;
+        Ok(body.first() == Some(&1))
+    }
+
+    pub fn flush(&mut self) -> Result<()> {
+        self.call(Op::Flush, &[], None).map(|_| ())
+    }
+
+    /// The server's `/stats` document.
+    pub fn stats(&mut self) -> Result<serde_json::Value> {
+        let body = self.call(Op::Stats, &[], None)?;
+        serde_json::from_slice(&body)
+            .map_err(|e| protocol_error(format!("stats are not JSON: {e}")))
+    }
+}
+
+fn flags(options: &PutOptions) -> u8 {
+    let mut f = 0;
+    if options.skip_existing {
+        f |= put_flags::SKIP_EXISTING;
+    }
+    if options.tier == PutTier::MemoryOnly {
+        f |= put_flags::MEMORY_ONLY;
+    }
+    if options.durable {
+        f |= put_flags::DURABLE;
+    }
+    f
+}
+
+fn check_key(key: &[u8]) -> Result<&[u8]> {
+    kvtier::validate_key(key)?;
+    Ok(key)
+}
+
+fn encode_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<u8>> {
+    let mut w = Writer::default();
+    w.u32(keys.len() as u32);
+    for k in keys {
+        w.key(check_key(k.as_ref())?);
+    }
+    Ok(w.buf)
+}
+
+fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {
+    let mut r = Reader::new(body);
+    let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+    if n != expected {
+        return Err(protocol_error("response has the wrong number of results"));
+    }
+    (0..n)
+        .map(|_| r.i32().map_err(|e| protocol_error(e.0)))
+        .collect()
+}

@@ -1,0 +1,476 @@
+//! The wire protocol: versioned, length-prefixed binary frames with request
+//! ids (specified in docs/protocol.md). Every integer is little endian.
+//! Decoders never trust a length: each is checked against the bytes left
+//! and the negotiated limits before anything is allocated.
+
+use std::fmt;
+
+pub const MAGIC: &[u8; 4] = b"KVTP";
+pub const VERSION: u16 = 1;
+pub const HEADER_LEN: usize = 24;
+
+/// Default limits, announced by the server at hello.
+pub const DEFAULT_MAX_FRAME: u64 = 1 << 30;
+pub const DEFAULT_MAX_BATCH: u32 = 4096;
+
+/// Operation codes (the same value in a request and its response).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Op {
+    Hello = 1,
+    BatchPut = 2,
+    BatchGet = 3,
+    BatchExists = 4,
+    PrefixLen = 5,
+    Remove = 6,
+    Flush = 7,
+    Stats = 8,
+    RegisterBuffer = 9,
+    BatchPutShm = 10,
+    BatchGetShm = 11,
+}
+
+impl Op {
+    pub fn from_u16(code: u16) -> Option<Op> {
+        Some(match code {
+            1 => Op::Hello,
+            2 => Op::BatchPut,
+            3 => Op::BatchGet,
+            4 => Op::BatchExists,
+            5 => Op::PrefixLen,
+            6 => Op::Remove,
+            7 => Op::Flush,
+            8 => Op::Stats,
+            9 => Op::RegisterBuffer,
+            10 => Op::BatchPutShm,
+            11 => Op::BatchGetShm,
+            _ => return None,
+        })
+    }
+}
+
+/// Per-key and per-frame result codes: 0 is success, negative values are
+/// errors (Mooncake's convention, so Python callers can share one table).
+pub mod code {
+    pub const OK: i32 = 0;
+    pub const INVALID_ARGUMENT: i32 = -1;
+    pub const BUFFER_TOO_SMALL: i32 = -2;
+    pub const NO_SPACE: i32 = -3;
+    pub const CLOSED: i32 = -4;
+    pub const IO: i32 = -5;
+    pub const NOT_FOUND: i32 = -6;
+    pub const UNAUTHORIZED: i32 = -7;
+    pub const UNSUPPORTED: i32 = -8;
+    pub const PROTOCOL: i32 = -9;
+    pub const LIMIT: i32 = -10;
+    pub const TIMEOUT: i32 = -11;
+    pub const CORRUPTION: i32 = -12;
+    pub const LOCKED: i32 = -13;
+
+    pub fn name(code: i32) -> &'static str {
+        match code {
+            OK => "ok",
+            INVALID_ARGUMENT => "invalid argument",
+            BUFFER_TOO_SMALL => "buffer too small",
+            NO_SPACE => "no space",
+            CLOSED => "closed",
+            IO => "i/o error",
+            NOT_FOUND => "not found",
+            UNAUTHORIZED => "unauthorized",
+            UNSUPPORTED => "unsupported",
+            PROTOCOL => "protocol error",
+            LIMIT => "over a limit",
+            TIMEOUT => "timed out",
+            CORRUPTION => "corruption",
+            LOCKED => "locked",
+            _ => "unknown error",
+        }
+    }
+
+    pub fn of(kind: kvtier::ErrorKind) -> i32 {
+        use kvtier::ErrorKind as K;
+        match kind {
+            K::InvalidArgument => INVALID_ARGUMENT,
+            K::BufferTooSmall => BUFFER_TOO_SMALL,
+            K::NoSpace => NO_SPACE,
+            K::Closed => CLOSED,
+            K::Io => IO,
+            K::Corruption => CORRUPTION,
+            K::Locked => LOCKED,
+            _ => IO,
+        }
+    }
+}
+
+/// Fixed frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub op: u16,
+    pub request_id: u64,
+    pub body_len: u32,
+    /// Requests: flags (none defined, must be 0). Responses: a frame-level
+    /// code (0, or an error from [`code`] with a message as the body).
+    pub status: i32,
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0..4].copy_from_slice(MAGIC);
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        out[6..8].copy_from_slice(&self.op.to_le_bytes());
+        out[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        out[16..20].copy_from_slice(&self.body_len.to_le_bytes());
+        out[20..24].copy_from_slice(&self.status.to_le_bytes());
+        out
+    }
+
+    pub fn decode(bytes: &[u8; HEADER_LEN], max_frame: u64) -> Result<Header, ProtocolError> {
+        if &bytes[0..4] != MAGIC {
+            return Err(ProtocolError::new("bad frame magic (not a kvtier peer?)"));
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != VERSION {
+            return Err(ProtocolError::new(format!(
+                "protocol version {version} is not supported (this side speaks {VERSION})"
+            )));
+        }
+        let header = Header {
+            op: u16::from_le_bytes([bytes[6], bytes[7]]),
+            request_id: u64::from_le_bytes(bytes[8..16].try_into().unwrap()),
+            body_len: u32::from_le_bytes(bytes[16..20].try_into().unwrap()),
+            status: i32::from_le_bytes(bytes[20..24].try_into().unwrap()),
+        };
+        if u64::from(header.body_len) > max_frame {
+            return Err(ProtocolError::new(format!(
+                "frame body of {} bytes exceeds the {max_frame}-byte limit",
+                header.body_len
+            )));
+        }
+        Ok(header)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProtocolError(pub String);
+
+impl ProtocolError {
+    pub fn new(message: impl Into<String>) -> Self {
+        ProtocolError(message.into())
+    }
+}
+
+impl fmt::Display for ProtocolError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ProtocolError {}
+
+/// Appends encoded fields to a body.
+#[derive(Debug, Default)]
+pub struct Writer {
+    pub buf: Vec<u8>,
+}
+
+impl Writer {
+    pub fn with_capacity(n: usize) -> Self {
+        Writer {
+            buf: Vec::with_capacity(n),
+        }
+    }
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
+        self
+    }
+    /// A key: u16 length then the bytes.
+    pub fn key(&mut self, key: &[u8]) -> &mut Self {
+        self.u16(key.len() as u16).bytes(key)
+    }
+}
+
+/// Reads fields from a body, failing cleanly on truncation.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, at: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+        if self.buf.len() - self.at < n {
+            return Err(ProtocolError::new(format!(
+                "frame body truncated: needed {n} more bytes at offset {}, {} left",
+                self.at,
+                self.buf.len() - self.at
+            )));
+        }
+        let out = &self.buf[self.at..self.at + n];
+        self.at += n;
+        Ok(out)
+    }
+    pub fn u8(&mut self) -> Result<u8, ProtocolError> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16, ProtocolError> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().unwrap()))
+    }
+    pub fn u32(&mut self) -> Result<u32, ProtocolError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    pub fn i32(&mut self) -> Result<i32, ProtocolError> {
+        Ok(i32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    pub fn u64(&mut self) -> Result<u64, ProtocolError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    pub fn bytes(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
+        self.take(n)
+    }
+    /// A key: u16 length (1..=256) then the bytes.
+    pub fn key(&mut self) -> Result<&'a [u8], ProtocolError> {
+        let len = self.u16()? as usize;
+        if len == 0 || len > kvtier::MAX_KEY_LEN {
+            return Err(ProtocolError::new(format!(
+                "key of {len} bytes: keys are 1 to {} bytes",
+                kvtier::MAX_KEY_LEN
+            )));
+        }
+        self.take(len)
+    }
+    /// A batch count, checked against the limit and against the bytes left
+    /// (each item takes at least `min_item` bytes).
+    pub fn count(&mut self, max_batch: u32, min_item: usize) -> Result<usize, ProtocolError> {
+        let n = self.u32()?;
+        if n > max_batch {
+            return Err(ProtocolError::new(format!(
+                "batch of {n} keys exceeds the {max_batch}-key limit"
+            )));
+        }
+        if (n as usize).saturating_mul(min_item) > self.remaining() {
+            return Err(ProtocolError::new(format!(
+                "batch of {n} keys does not fit the frame"
+            )));
+        }
+        Ok(n as usize)
+    }
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.at
+    }
+    pub fn finish(&self) -> Result<(), ProtocolError> {
+        if self.remaining() != 0 {
+            return Err(ProtocolError::new(format!(
+                "{} unexpected trailing bytes in the frame body",
+                self.remaining()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Put flags.
+pub mod put_flags {
+    pub const SKIP_EXISTING: u8 = 1;
+    pub const MEMORY_ONLY: u8 = 2;
+    pub const DURABLE: u8 = 4;
+}
+
+/// A decoded request body, borrowing from the frame.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Request<'a> {
+    Hello {
+        token: &'a [u8],
+    },
+    BatchPut {
+        flags: u8,
+        items: Vec<(&'a [u8], &'a [u8])>,
+    },
+    BatchGet {
+        items: Vec<(&'a [u8], u64)>,
+    },
+    BatchExists {
+        keys: Vec<&'a [u8]>,
+    },
+    PrefixLen {
+        keys: Vec<&'a [u8]>,
+    },
+    Remove {
+        key: &'a [u8],
+    },
+    Flush,
+    Stats,
+    RegisterBuffer {
+        size: u64,
+    },
+    BatchPutShm {
+        buffer: u32,
+        flags: u8,
+        items: Vec<(&'a [u8], u64, u64)>,
+    },
+    BatchGetShm {
+        buffer: u32,
+        items: Vec<(&'a [u8], u64, u64)>,
+    },
+}
+
+/// Decodes a request body for `op`.
+pub fn decode_request<'a>(
+    op: u16,
+    body: &'a [u8],
+    max_batch: u32,
+) -> Result<Request<'a>, ProtocolError> {
+    let op =
+        Op::from_u16(op).ok_or_else(|| ProtocolError::new(format!("unknown operation {op}")))?;
+    let mut r = Reader::new(body);
+    let keys = |r: &mut Reader<'a>| -> Result<Vec<&'a [u8]>, ProtocolError> {
+        let n = r.count(max_batch, 3)?;
+        (0..n).map(|_| r.key()).collect()
+    };
+    let request = match op {
+        Op::Hello => {
+            let len = r.u32()? as usize;
+            if len > 4096 {
+                return Err(ProtocolError::new("auth token longer than 4096 bytes"));
+            }
+            Request::Hello {
+                token: r.bytes(len)?,
+            }
+        }
+        Op::BatchPut => {
+            let flags = r.u8()?;
+            let n = r.count(max_batch, 11)?;
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                let key = r.key()?;
+                let len = r.u64()?;
+                if len > r.remaining() as u64 {
+                    return Err(ProtocolError::new(format!(
+                        "value of {len} bytes does not fit the frame"
+                    )));
+                }
+                items.push((key, r.bytes(len as usize)?));
+            }
+            Request::BatchPut { flags, items }
+        }
+        Op::BatchGet => {
+            let n = r.count(max_batch, 11)?;
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                let key = r.key()?;
+                items.push((key, r.u64()?));
+            }
+            Request::BatchGet { items }
+        }
+        Op::BatchExists => Request::BatchExists {
+            keys: keys(&mut r)?,
+        },
+        Op::PrefixLen => Request::PrefixLen {
+            keys: keys(&mut r)?,
+        },
+        Op::Remove => Request::Remove { key: r.key()? },
+        Op::Flush => Request::Flush,
+        Op::Stats => Request::Stats,
+        Op::RegisterBuffer => Request::RegisterBuffer { size: r.u64()? },
+        Op::BatchPutShm | Op::BatchGetShm => {
+            let buffer = r.u32()?;
+            let flags = if op == Op::BatchPutShm { r.u8()? } else { 0 };
+            let n = r.count(max_batch, 19)?;
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                let key = r.key()?;
+                items.push((key, r.u64()?, r.u64()?));
+            }
+            if op == Op::BatchPutShm {
+                Request::BatchPutShm {
+                    buffer,
+                    flags,
+                    items,
+                }
+            } else {
+                Request::BatchGetShm { buffer, items }
+            }
+        }
+    };
+    r.finish()?;
+    Ok(request)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+        /// Arbitrary bytes never panic the decoders, whatever the op.
+        #[test]
+        fn garbage_never_panics(op in 0u16..14, body in proptest::collection::vec(any::<u8>(), 0..512), header in proptest::collection::vec(any::<u8>(), 24)) {
+            let _ = decode_request(op, &body, 64);
+            let mut h = [0u8; HEADER_LEN];
+            h.copy_from_slice(&header);
+            let _ = Header::decode(&h, 1 << 20);
+        }
+
+        /// A batch put round-trips, and any truncation is an error.
+        #[test]
+        fn batch_put_round_trips(items in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 1..40), proptest::collection::vec(any::<u8>(), 0..100)), 0..10), cut in any::<usize>()) {
+            let mut w = Writer::default();
+            w.u8(put_flags::DURABLE).u32(items.len() as u32);
+            for (k, v) in &items {
+                w.key(k).u64(v.len() as u64).bytes(v);
+            }
+            let decoded = decode_request(Op::BatchPut as u16, &w.buf, 64).unwrap();
+            let expected: Vec<(&[u8], &[u8])> = items.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+            prop_assert_eq!(decoded, Request::BatchPut { flags: put_flags::DURABLE, items: expected });
+            let cut = cut % w.buf.len();
+            prop_assert!(decode_request(Op::BatchPut as u16, &w.buf[..cut], 64).is_err());
+        }
+    }
+
+    #[test]
+    fn limits_are_enforced() {
+        let mut w = Writer::default();
+        w.u32(100_000);
+        let err = decode_request(Op::BatchExists as u16, &w.buf, 4096).unwrap_err();
+        assert!(err.0.contains("4096-key limit"), "{err}");
+        let mut w = Writer::default();
+        w.u32(1).u16(300).bytes(&[1; 300]);
+        assert!(decode_request(Op::BatchExists as u16, &w.buf, 4096).is_err());
+        let header = Header {
+            op: 2,
+            request_id: 1,
+            body_len: 2000,
+            status: 0,
+        };
+        assert!(Header::decode(&header.encode(), 1000).is_err());
+        assert!(Header::decode(&header.encode(), 4000).is_ok());
+        let mut bad = header.encode();
+        bad[0] = b'X';
+        assert!(Header::decode(&bad, 4000).is_err());
+    }
+}
