@@ -48,6 +48,9 @@ pub struct Client {
     max_batch: u32,
     max_value: u64,
     shm: Option<(u32, SharedRegion)>,
+    /// Reused request and response buffers (they only grow).
+    request: Vec<u8>,
+    response: Vec<u8>,
 }
 
 fn protocol_error(message: impl Into<String>) -> Error {
@@ -100,6 +103,8 @@ impl Client {
             max_batch: protocol::DEFAULT_MAX_BATCH,
             max_value: 0,
             shm: None,
+            request: Vec::new(),
+            response: Vec::new(),
         };
         client.reconnect()?;
         Ok(client)
@@ -130,8 +135,9 @@ impl Client {
         let mut w = Writer::default();
         let token = self.options.auth_token.clone().unwrap_or_default();
         w.u32(token.len() as u32).bytes(token.as_bytes());
-        let body = self.call(Op::Hello, &w.buf, None)?;
-        let mut r = Reader::new(&body);
+        let len = self.call(Op::Hello, &w.buf, None)?;
+        let body = &self.response[..len];
+        let mut r = Reader::new(body);
         let parse = |r: &mut Reader<'_>| -> std::result::Result<(u32, u64, u32, u32, u64), protocol::ProtocolError> {
             Ok((r.u32()?, r.u64()?, r.u32()?, r.u32()?, r.u64()?))
         };
@@ -145,8 +151,9 @@ impl Client {
                 .map_err(|e| Error::io("creating the shared buffer", e))?;
             let mut w = Writer::default();
             w.u64(region.len() as u64);
-            let body = self.call(Op::RegisterBuffer, &w.buf, Some(region.fd()))?;
-            let id = Reader::new(&body).u32().map_err(|e| protocol_error(e.0))?;
+            let len = self.call(Op::RegisterBuffer, &w.buf, Some(region.fd()))?;
+            let body = &self.response[..len];
+            let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
             self.shm = Some((id, region));
         }
         Ok(())
@@ -154,7 +161,9 @@ impl Client {
 
     /// Sends one request and returns the response body; a transport failure
     /// drops the connection (the next call reconnects).
-    fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<Vec<u8>> {
+    /// Sends one request and returns the response body's length; the body
+    /// is `self.response[..len]`.
+    fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
         if self.transport.is_none() {
             self.reconnect()?;
         }
@@ -168,7 +177,7 @@ impl Client {
         result
     }
 
-    fn exchange(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<Vec<u8>> {
+    fn exchange(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
         if body.len() as u64 > self.max_frame {
             return Err(Error::invalid(format!(
                 "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
@@ -185,26 +194,38 @@ impl Client {
             status: 0,
         };
         let transport = self.transport.as_mut().expect("connected");
-        let mut frame = Vec::with_capacity(protocol::HEADER_LEN + body.len());
-        frame.extend_from_slice(&header.encode());
-        frame.extend_from_slice(body);
         let sent = match (transport as &mut Transport, fd) {
-            (Transport::Unix(stream), Some(fd)) => shm::send_with_fd(stream, &frame, fd),
-            (transport, _) => transport.write_all(&frame),
+            (Transport::Unix(stream), Some(fd)) => {
+                let mut frame = header.encode().to_vec();
+                frame.extend_from_slice(body);
+                shm::send_with_fd(stream, &frame, fd)
+            }
+            (transport, _) => transport
+                .write_all(&header.encode())
+                .and_then(|()| transport.write_all(body)),
         };
         sent.map_err(|e| Error::io("transport: sending a request", e))?;
-        let read = transport.read_frame(self.max_frame + 64, None, self.options.timeout);
+        let read = transport.read_frame(
+            &mut self.response,
+            self.max_frame + 64,
+            None,
+            self.options.timeout,
+        );
         match read {
-            Ok(FrameRead::Frame { header, body, .. }) => {
+            Ok(FrameRead::Frame { header, .. }) => {
+                let len = header.body_len as usize;
                 if header.status != code::OK {
-                    return Err(code_error(header.status, &String::from_utf8_lossy(&body)));
+                    return Err(code_error(
+                        header.status,
+                        &String::from_utf8_lossy(&self.response[..len]),
+                    ));
                 }
                 if header.request_id != id || header.op != op as u16 {
                     return Err(protocol_error(
                         "transport: response does not match the request",
                     ));
                 }
-                Ok(body)
+                Ok(len)
             }
             Ok(_) => Err(protocol_error(
                 "transport: the server closed the connection",
@@ -252,17 +273,22 @@ impl Client {
             )));
         }
         self.check_batch(keys.len())?;
-        let mut w = Writer::with_capacity(
-            16 + values.iter().map(|v| v.as_ref().len() + 280).sum::<usize>(),
-        );
+        // The request buffer is reused: a large batch costs no fresh pages.
+        let mut w = Writer {
+            buf: std::mem::take(&mut self.request),
+        };
+        w.buf.clear();
         w.u8(flags(options)).u32(keys.len() as u32);
         for (k, v) in keys.iter().zip(values) {
             w.key(check_key(k.as_ref())?)
                 .u64(v.as_ref().len() as u64)
                 .bytes(v.as_ref());
         }
-        let body = self.call(Op::BatchPut, &w.buf, None)?;
-        codes(&body, keys.len()).map(|codes| {
+        let sent = self.call(Op::BatchPut, &w.buf, None);
+        self.request = w.buf;
+        let len = sent?;
+        let body = &self.response[..len];
+        codes(body, keys.len()).map(|codes| {
             codes
                 .into_iter()
                 .map(|c| {
@@ -295,8 +321,9 @@ impl Client {
         for (k, b) in keys.iter().zip(bufs.iter()) {
             w.key(check_key(k.as_ref())?).u64(b.len() as u64);
         }
-        let body = self.call(Op::BatchGet, &w.buf, None)?;
-        let mut r = Reader::new(&body);
+        let len = self.call(Op::BatchGet, &w.buf, None)?;
+        let body = &self.response[..len];
+        let mut r = Reader::new(body);
         let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
         if n != keys.len() {
             return Err(protocol_error("response has the wrong number of results"));
@@ -349,8 +376,9 @@ impl Client {
         for (k, (offset, len)) in keys.iter().zip(ranges) {
             w.key(check_key(k.as_ref())?).u64(*offset).u64(*len);
         }
-        let body = self.call(Op::BatchPutShm, &w.buf, None)?;
-        codes(&body, keys.len()).map(|codes| {
+        let len = self.call(Op::BatchPutShm, &w.buf, None)?;
+        let body = &self.response[..len];
+        codes(body, keys.len()).map(|codes| {
             codes
                 .into_iter()
                 .map(|c| {
@@ -382,8 +410,9 @@ impl Client {
         for (k, (offset, cap)) in keys.iter().zip(ranges) {
             w.key(check_key(k.as_ref())?).u64(*offset).u64(*cap);
         }
-        let body = self.call(Op::BatchGetShm, &w.buf, None)?;
-        let mut r = Reader::new(&body);
+        let len = self.call(Op::BatchGetShm, &w.buf, None)?;
+        let body = &self.response[..len];
+        let mut r = Reader::new(body);
         let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
         if n != keys.len() {
             return Err(protocol_error("response has the wrong number of results"));
@@ -412,8 +441,9 @@ impl Client {
 
     pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         self.check_batch(keys.len())?;
-        let body = self.call(Op::BatchExists, &encode_keys(keys)?, None)?;
-        let mut r = Reader::new(&body);
+        let len = self.call(Op::BatchExists, &encode_keys(keys)?, None)?;
+        let body = &self.response[..len];
+        let mut r = Reader::new(body);
         let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
         if n != keys.len() {
             return Err(protocol_error("response has the wrong number of results"));
@@ -425,8 +455,9 @@ impl Client {
 
     pub fn prefix_len<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
         self.check_batch(keys.len())?;
-        let body = self.call(Op::PrefixLen, &encode_keys(keys)?, None)?;
-        Reader::new(&body)
+        let len = self.call(Op::PrefixLen, &encode_keys(keys)?, None)?;
+        let body = &self.response[..len];
+        Reader::new(body)
             .u64()
             .map(|n| n as usize)
             .map_err(|e| protocol_error(e.0))
@@ -435,7 +466,8 @@ impl Client {
     pub fn remove(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
         let mut w = Writer::default();
         w.key(check_key(key.as_ref())?);
-        let body = self.call(Op::Remove, &w.buf, None)?;
+        let len = self.call(Op::Remove, &w.buf, None)?;
+        let body = &self.response[..len];
         Ok(body.first() == Some(&1))
     }
 
@@ -445,9 +477,9 @@ impl Client {
 
     /// The server's `/stats` document.
     pub fn stats(&mut self) -> Result<serde_json::Value> {
-        let body = self.call(Op::Stats, &[], None)?;
-        serde_json::from_slice(&body)
-            .map_err(|e| protocol_error(format!("stats are not JSON: {e}")))
+        let len = self.call(Op::Stats, &[], None)?;
+        let body = &self.response[..len];
+        serde_json::from_slice(body).map_err(|e| protocol_error(format!("stats are not JSON: {e}")))
     }
 }
 

@@ -265,6 +265,9 @@ fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Opti
 struct Connection<'a> {
     shared: &'a Shared,
     transport: Transport,
+    /// Reused across frames: request bodies and batch-get value slots.
+    body: Vec<u8>,
+    arena: Option<AlignedBuf>,
     authenticated: bool,
     buffers: HashMap<u32, SharedRegion>,
     next_buffer: u32,
@@ -321,6 +324,8 @@ impl<'a> Connection<'a> {
         Connection {
             shared,
             transport,
+            body: Vec::new(),
+            arena: None,
             authenticated: false,
             buffers: HashMap::new(),
             next_buffer: 1,
@@ -334,13 +339,15 @@ impl<'a> Connection<'a> {
             return;
         }
         loop {
+            let mut body = std::mem::take(&mut self.body);
             let read = self.transport.read_frame(
+                &mut body,
                 self.shared.config.max_frame,
                 Some(&self.shared.stopping),
                 STALL,
             );
-            let (header, body, fd) = match read {
-                Ok(FrameRead::Frame { header, body, fd }) => (header, body, fd),
+            let (header, fd) = match read {
+                Ok(FrameRead::Frame { header, fd }) => (header, fd),
                 Ok(FrameRead::Closed) | Ok(FrameRead::Stopping) => break,
                 Err(ReadError::Io(e)) => {
                     tracing::debug!(error = %e, "connection ended");
@@ -357,10 +364,10 @@ impl<'a> Connection<'a> {
                 }
             };
             let started = Instant::now();
-            let reply = self.handle(&header, &body, fd);
+            let mut reply = self.handle(&header, &body[..header.body_len as usize], fd);
             let sample = reply.sample;
             let close = reply.close;
-            let sent = match reply.sent {
+            let sent = match reply.sent.take() {
                 Some(sent) => sent,
                 None => self.send(
                     header.op,
@@ -370,6 +377,8 @@ impl<'a> Connection<'a> {
                     &reply.tail,
                 ),
             };
+            drop(reply);
+            self.body = body;
             self.shared
                 .metrics
                 .record(header.op, started.elapsed(), sample);
@@ -654,12 +663,16 @@ impl<'a> Connection<'a> {
             );
         }
         let slot_of = |len: usize| len.div_ceil(4096) * 4096;
-        let mut arena = AlignedBuf::zeroed(
-            lens.iter()
-                .map(|&l| slot_of(l.max(1)))
-                .sum::<usize>()
-                .max(1),
-        );
+        let needed = lens
+            .iter()
+            .map(|&l| slot_of(l.max(1)))
+            .sum::<usize>()
+            .max(1);
+        // The arena only grows, so steady traffic reuses warm pages.
+        let mut arena = match self.arena.take() {
+            Some(arena) if arena.len() >= needed => arena,
+            _ => AlignedBuf::zeroed(needed),
+        };
         let results = {
             let mut rest = arena.as_mut_slice();
             let mut slices: Vec<&mut [u8]> = Vec::with_capacity(items.len());
@@ -706,6 +719,8 @@ impl<'a> Connection<'a> {
             .map(|&(start, n)| &arena.as_slice()[start..start + n])
             .collect();
         let sent = self.send(Op::BatchGet as u16, request_id, code::OK, &w.buf, &tail);
+        drop(tail);
+        self.arena = Some(arena);
         let error = results.iter().any(|r| r.is_err());
         Reply {
             sample: Sample {

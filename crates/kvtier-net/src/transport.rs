@@ -19,11 +19,9 @@ pub enum Transport {
 /// What a frame read produced.
 #[derive(Debug)]
 pub enum FrameRead {
-    Frame {
-        header: Header,
-        body: Vec<u8>,
-        fd: Option<OwnedFd>,
-    },
+    /// The body is the first `header.body_len` bytes of the caller's
+    /// buffer.
+    Frame { header: Header, fd: Option<OwnedFd> },
     /// The peer closed the connection cleanly between frames.
     Closed,
     /// Shutdown was requested while the connection was idle.
@@ -87,8 +85,12 @@ impl Transport {
     /// set while no byte of a new frame has arrived (reads must have a
     /// timeout for this to be noticed). A frame that stalls midway for
     /// longer than `stall` is an error.
+    ///
+    /// The body lands in `body`, which only ever grows, so a connection
+    /// reuses one allocation (no page faults per frame).
     pub fn read_frame(
         &mut self,
+        body: &mut Vec<u8>,
         max_frame: u64,
         idle_stop: Option<&AtomicBool>,
         stall: Duration,
@@ -129,11 +131,14 @@ impl Transport {
             }
         }
         let header = Header::decode(&header, max_frame).map_err(ReadError::Protocol)?;
-        let mut body = vec![0u8; header.body_len as usize];
+        let len = header.body_len as usize;
+        if body.len() < len {
+            body.resize(len, 0);
+        }
         let mut got = 0usize;
         let mut last_progress = Instant::now();
-        while got < body.len() {
-            match self.read_some(&mut body[got..], &mut fd) {
+        while got < len {
+            match self.read_some(&mut body[got..len], &mut fd) {
                 Ok(0) => {
                     return Err(ReadError::Io(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
@@ -156,7 +161,7 @@ impl Transport {
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }
-        Ok(FrameRead::Frame { header, body, fd })
+        Ok(FrameRead::Frame { header, fd })
     }
 }
 

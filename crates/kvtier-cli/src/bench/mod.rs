@@ -16,6 +16,7 @@
 mod baseline;
 mod data;
 mod index;
+mod remote;
 mod report;
 mod trace;
 
@@ -87,6 +88,11 @@ pub struct BenchArgs {
     /// --trace, each is replayed (default: lru,s3fifo).
     #[arg(long, value_delimiter = ',')]
     pub eviction: Vec<String>,
+    /// Run the cases through the client against a running server
+    /// (`unix:///path/kvtier.sock` or `tcp://host:port`); the token comes
+    /// from KVTIER_AUTH_TOKEN.
+    #[arg(long)]
+    pub connect: Option<String>,
     /// Replay a request trace (JSON lines with `hash_ids`, as Mooncake's
     /// FAST'25 traces) instead of the synthetic cases.
     #[arg(long)]
@@ -231,6 +237,14 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
     if let Some(path) = &args.trace {
         let rows = trace::run(args, path, engine)?;
         return trace::write_outputs(args, &rows);
+    }
+    if let Some(url) = &args.connect {
+        let created = !args.data_dir.exists();
+        let rows = remote::run(args, url);
+        if created {
+            let _ = std::fs::remove_dir_all(&args.data_dir);
+        }
+        return write_outputs(args, &rows?);
     }
     if args.memory.len() > 1 || args.disk.len() > 1 || args.eviction.len() > 1 {
         return Err("lists of --memory, --disk or --eviction are for --trace replays".into());

@@ -1,0 +1,444 @@
+//! `kvtier bench --connect URL`: the same cases through the client, against
+//! a running server. Over `unix://` values move through the registered
+//! shared buffer (the engine's zero-copy path); over `tcp://` they travel
+//! in the frames. Baselines, measured in this process: memcpy (unix memory
+//! rows), a raw TCP loopback stream (tcp memory rows), raw O_DIRECT reads
+//! and writes on a scratch file (disk rows).
+
+use super::baseline::{Memcpy, RawFile};
+use super::report::Row;
+use super::{data, rounds, BenchArgs, BenchResult, Measurement};
+use crate::size::format_size;
+use kvtier::{PutOptions, PutTier};
+use kvtier_net::{Client, ClientOptions};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Instant;
+
+struct Remote {
+    client: Client,
+    unix: bool,
+    value_size: usize,
+    run: String,
+}
+
+impl Remote {
+    fn key(&self, tier: &str, batch: usize, i: u64) -> Vec<u8> {
+        format!("bench/{}/{tier}/{}/{batch}/{i}", self.run, self.value_size).into_bytes()
+    }
+
+    fn slot(&self) -> usize {
+        self.value_size.div_ceil(4096) * 4096
+    }
+
+    /// Puts one batch; only the client call is timed (values are generated
+    /// first, into the shared buffer on unix).
+    fn put(
+        &mut self,
+        keys: &[Vec<u8>],
+        options: &PutOptions,
+        scratch: &mut [Vec<u8>],
+        m: &mut Measurement,
+    ) -> BenchResult<()> {
+        let slot = self.slot();
+        let results = if self.unix {
+            let shm = self
+                .client
+                .registered_buffer()
+                .ok_or("no registered buffer")?;
+            for (i, key) in keys.iter().enumerate() {
+                data::fill(key, &mut shm[i * slot..i * slot + self.value_size]);
+            }
+            let ranges: Vec<(u64, u64)> = (0..keys.len())
+                .map(|i| ((i * slot) as u64, self.value_size as u64))
+                .collect();
+            let call = Instant::now();
+            let results = self.client.batch_put_registered(keys, &ranges, options)?;
+            let elapsed = call.elapsed();
+            m.record_call(elapsed);
+            m.add_span(elapsed, (keys.len() * self.value_size) as u64);
+            results
+        } else {
+            for (key, value) in keys.iter().zip(scratch.iter_mut()) {
+                data::fill(key, value);
+            }
+            let call = Instant::now();
+            let results = self
+                .client
+                .batch_put_with(keys, &scratch[..keys.len()], options)?;
+            let elapsed = call.elapsed();
+            m.record_call(elapsed);
+            m.add_span(elapsed, (keys.len() * self.value_size) as u64);
+            results
+        };
+        if let Some(e) = results.into_iter().find_map(Result::err) {
+            return Err(format!("remote put failed: {e}").into());
+        }
+        Ok(())
+    }
+
+    /// Gets one batch and verifies it (untimed); returns bytes verified.
+    fn get(
+        &mut self,
+        keys: &[Vec<u8>],
+        scratch: &mut [Vec<u8>],
+        m: &mut Measurement,
+    ) -> BenchResult<u64> {
+        let slot = self.slot();
+        let value_size = self.value_size;
+        let mut verified = 0;
+        if self.unix {
+            let ranges: Vec<(u64, u64)> = (0..keys.len())
+                .map(|i| ((i * slot) as u64, slot as u64))
+                .collect();
+            let call = Instant::now();
+            let results = self.client.batch_get_registered(keys, &ranges)?;
+            let elapsed = call.elapsed();
+            m.record_call(elapsed);
+            m.add_span(elapsed, (keys.len() * value_size) as u64);
+            let shm = self
+                .client
+                .registered_buffer()
+                .ok_or("no registered buffer")?;
+            for (i, (key, result)) in keys.iter().zip(results).enumerate() {
+                check(key, result, &shm[i * slot..i * slot + value_size])?;
+                verified += value_size as u64;
+            }
+        } else {
+            let call = Instant::now();
+            let results = {
+                let mut slices: Vec<&mut [u8]> = scratch
+                    .iter_mut()
+                    .take(keys.len())
+                    .map(|v| &mut v[..])
+                    .collect();
+                self.client.batch_get_into(keys, &mut slices)?
+            };
+            let elapsed = call.elapsed();
+            m.record_call(elapsed);
+            m.add_span(elapsed, (keys.len() * value_size) as u64);
+            for ((key, result), buf) in keys.iter().zip(results).zip(scratch.iter()) {
+                check(key, result, &buf[..value_size])?;
+                verified += value_size as u64;
+            }
+        }
+        Ok(verified)
+    }
+}
+
+fn check(key: &[u8], result: kvtier::Result<Option<usize>>, bytes: &[u8]) -> BenchResult<()> {
+    let name = String::from_utf8_lossy(key);
+    match result {
+        Ok(Some(n)) if n == bytes.len() && data::verify(key, bytes) => Ok(()),
+        Ok(Some(_)) => Err(format!("wrong bytes for {name}").into()),
+        Ok(None) => Err(format!("miss for {name}: raise the server's capacities").into()),
+        Err(e) => Err(format!("get of {name} failed: {e}").into()),
+    }
+}
+
+/// A TCP loopback stream in this process: per call, the receiver asks for
+/// `n` bytes and the sender writes them, as a batch get reply would.
+struct TcpStreamBaseline {
+    stream: TcpStream,
+    sink: Vec<u8>,
+}
+
+impl TcpStreamBaseline {
+    fn start(max_bytes: usize) -> std::io::Result<TcpStreamBaseline> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        std::thread::spawn(move || {
+            let Ok((mut peer, _)) = listener.accept() else {
+                return;
+            };
+            let _ = peer.set_nodelay(true);
+            let source = vec![0x5Au8; max_bytes];
+            let mut ask = [0u8; 8];
+            while peer.read_exact(&mut ask).is_ok() {
+                let n = u64::from_le_bytes(ask) as usize;
+                if peer.write_all(&source[..n.min(source.len())]).is_err() {
+                    return;
+                }
+            }
+        });
+        let stream = TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        Ok(TcpStreamBaseline {
+            stream,
+            sink: vec![0u8; max_bytes],
+        })
+    }
+
+    fn run(
+        &mut self,
+        bytes: usize,
+        calls: std::ops::Range<u64>,
+        m: &mut Measurement,
+    ) -> std::io::Result<()> {
+        for _ in calls {
+            let call = Instant::now();
+            self.stream.write_all(&(bytes as u64).to_le_bytes())?;
+            self.stream.read_exact(&mut self.sink[..bytes])?;
+            let elapsed = call.elapsed();
+            m.record_call(elapsed);
+            m.add_span(elapsed, bytes as u64);
+        }
+        Ok(())
+    }
+}
+
+pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
+    let unix = url.starts_with("unix://");
+    let max_batch = *args.batches.iter().max().unwrap_or(&1);
+    let max_value = *args.value_sizes.iter().max().unwrap_or(&1) as usize;
+    let shm_size = if unix {
+        max_batch * max_value.div_ceil(4096) * 4096
+    } else {
+        0
+    };
+    let options = ClientOptions {
+        shm_size,
+        auth_token: std::env::var("KVTIER_AUTH_TOKEN").ok(),
+        ..Default::default()
+    };
+    let mut client = Client::connect_with(url, options)?;
+    let stats = client.stats()?;
+    let memory = stats["store"]["memory_capacity"].as_u64().unwrap_or(0);
+    let path = if unix {
+        "unix (registered shared buffer)"
+    } else {
+        "tcp"
+    };
+    println!(
+        "connected to {url} ({path}); server memory pool {}",
+        format_size(memory)
+    );
+    let run_id = format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos()
+    );
+    std::fs::create_dir_all(&args.data_dir)?;
+    let mut rows = Vec::new();
+    println!("{}", Row::header());
+    let engine = stats["store"]["io_engine"]
+        .as_str()
+        .unwrap_or("-")
+        .to_string();
+    let mut tcp_baseline = if unix {
+        None
+    } else {
+        Some(TcpStreamBaseline::start(max_batch * max_value)?)
+    };
+    for &value_size in &args.value_sizes {
+        let value_size = value_size as usize;
+        let mut remote = Remote {
+            client,
+            unix,
+            value_size,
+            run: run_id.clone(),
+        };
+        let mut scratch: Vec<Vec<u8>> = if unix {
+            Vec::new()
+        } else {
+            (0..max_batch).map(|_| vec![0u8; value_size]).collect()
+        };
+        for &batch in &args.batches {
+            let batches = super::batches_for(args.bytes_per_case, value_size as u64, batch);
+            let wants = |op: &str, tier: &str| super::wants(args, op, tier);
+            if (wants("put", "memory") || wants("get", "memory"))
+                && (value_size * batch) as u64 <= memory / 2
+            {
+                // Memory rows: memory-only puts over a working set of half
+                // the pool, then gets of them.
+                let set = ((memory / 2) / (value_size * batch) as u64).max(1);
+                let memory_only = PutOptions {
+                    tier: PutTier::MemoryOnly,
+                    ..Default::default()
+                };
+                let (mut put, mut get, mut base) =
+                    (Measurement::new(), Measurement::new(), Measurement::new());
+                let mut memcpy = Memcpy::new(
+                    value_size,
+                    batch,
+                    (set as usize * batch).min(batches as usize * batch),
+                );
+                let mut verified = 0;
+                {
+                    // Warm-up, untimed: both sides grow their reusable
+                    // buffers to this batch size once.
+                    let keys: Vec<Vec<u8>> = (0..batch as u64)
+                        .map(|i| remote.key("memory", batch, i))
+                        .collect();
+                    let mut ignored = Measurement::new();
+                    remote.put(&keys, &memory_only, &mut scratch, &mut ignored)?;
+                    remote.get(&keys, &mut scratch, &mut ignored)?;
+                    if let Some(tcp) = &mut tcp_baseline {
+                        tcp.run(value_size * batch, 0..1, &mut ignored)?;
+                    }
+                }
+                for round in rounds(batches) {
+                    for b in round.clone() {
+                        let keys: Vec<Vec<u8>> = (0..batch as u64)
+                            .map(|i| remote.key("memory", batch, (b % set) * batch as u64 + i))
+                            .collect();
+                        remote.put(&keys, &memory_only, &mut scratch, &mut put)?;
+                    }
+                    for b in round.clone() {
+                        let keys: Vec<Vec<u8>> = (0..batch as u64)
+                            .map(|i| remote.key("memory", batch, (b % set) * batch as u64 + i))
+                            .collect();
+                        verified += remote.get(&keys, &mut scratch, &mut get)?;
+                    }
+                    match &mut tcp_baseline {
+                        Some(tcp) => tcp.run(value_size * batch, round, &mut base)?,
+                        None => memcpy.run(round, &mut base),
+                    }
+                }
+                // Leave the pool as it was found for the next case.
+                for b in 0..set.min(batches) {
+                    for i in 0..batch as u64 {
+                        remote
+                            .client
+                            .remove(remote.key("memory", batch, b * batch as u64 + i))?;
+                    }
+                }
+                let kind = if unix {
+                    "memcpy"
+                } else {
+                    "raw TCP loopback stream"
+                };
+                if wants("put", "memory") {
+                    rows.push(Row::new(
+                        "put",
+                        "memory",
+                        value_size as u64,
+                        batch,
+                        &put,
+                        &base,
+                        kind,
+                        &engine,
+                        0,
+                    ));
+                    println!("{}", rows.last().unwrap().line());
+                }
+                if wants("get", "memory") {
+                    rows.push(Row::new(
+                        "get",
+                        "memory",
+                        value_size as u64,
+                        batch,
+                        &get,
+                        &base,
+                        kind,
+                        &engine,
+                        verified,
+                    ));
+                    println!("{}", rows.last().unwrap().line());
+                }
+            }
+            if wants("put", "disk") || wants("get", "disk") {
+                // Disk rows: write the case's keys plus as much again as the
+                // server's pool, so the first keys are only on disk.
+                let filler_batches = memory.div_ceil((value_size * batch) as u64) + 1;
+                let write_through = PutOptions::default();
+                let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
+                let scratch_path = args
+                    .data_dir
+                    .join(format!("remote-baseline-{value_size}-{batch}.scratch"));
+                let mut raw = RawFile::create(&scratch_path, value_size, batch)?;
+                for (r, round) in rounds(batches).into_iter().enumerate() {
+                    let started = Instant::now();
+                    let mut calls = Measurement::new();
+                    for b in round.clone() {
+                        let keys: Vec<Vec<u8>> = (0..batch as u64)
+                            .map(|i| remote.key("disk", batch, b * batch as u64 + i))
+                            .collect();
+                        remote.put(&keys, &write_through, &mut scratch, &mut calls)?;
+                    }
+                    remote.client.flush()?;
+                    put.add_span(
+                        started.elapsed(),
+                        (round.end - round.start) * (batch * value_size) as u64,
+                    );
+                    put.latency_us.add(&calls.latency_us).ok();
+                    put.calls += calls.calls;
+                    let _ = r;
+                    raw.write(round, &mut base_write)?;
+                }
+                let mut ignored = Measurement::new();
+                for b in batches..batches + filler_batches {
+                    let keys: Vec<Vec<u8>> = (0..batch as u64)
+                        .map(|i| remote.key("disk", batch, b * batch as u64 + i))
+                        .collect();
+                    remote.put(&keys, &write_through, &mut scratch, &mut ignored)?;
+                }
+                remote.client.flush()?;
+                if wants("put", "disk") {
+                    rows.push(Row::new(
+                        "put",
+                        "disk",
+                        value_size as u64,
+                        batch,
+                        &put,
+                        &base_write,
+                        "raw O_DIRECT io_uring write",
+                        &engine,
+                        0,
+                    ));
+                    println!("{}", rows.last().unwrap().line());
+                }
+                if wants("get", "disk") {
+                    let before = remote.client.stats()?;
+                    let (mut get, mut base) = (Measurement::new(), Measurement::new());
+                    let mut verified = 0;
+                    for (r, round) in rounds(batches).into_iter().enumerate() {
+                        let store_round = |remote: &mut Remote,
+                                           get: &mut Measurement,
+                                           scratch: &mut Vec<Vec<u8>>|
+                         -> BenchResult<u64> {
+                            let mut v = 0;
+                            for b in round.clone() {
+                                let keys: Vec<Vec<u8>> = (0..batch as u64)
+                                    .map(|i| remote.key("disk", batch, b * batch as u64 + i))
+                                    .collect();
+                                v += remote.get(&keys, scratch, get)?;
+                            }
+                            Ok(v)
+                        };
+                        if r % 2 == 0 {
+                            verified += store_round(&mut remote, &mut get, &mut scratch)?;
+                            raw.read(round.clone(), &mut base)?;
+                        } else {
+                            raw.read(round.clone(), &mut base)?;
+                            verified += store_round(&mut remote, &mut get, &mut scratch)?;
+                        }
+                    }
+                    let after = remote.client.stats()?;
+                    let memory_hits = after["store"]["memory_hits"].as_u64().unwrap_or(0)
+                        - before["store"]["memory_hits"].as_u64().unwrap_or(0);
+                    if memory_hits > 0 {
+                        eprintln!("note: {memory_hits} of the disk-case gets were served from the server's memory");
+                    }
+                    rows.push(Row::new(
+                        "get",
+                        "disk",
+                        value_size as u64,
+                        batch,
+                        &get,
+                        &base,
+                        "raw O_DIRECT io_uring read",
+                        &engine,
+                        verified,
+                    ));
+                    println!("{}", rows.last().unwrap().line());
+                }
+                drop(raw);
+                let _ = std::fs::remove_file(&scratch_path);
+            }
+        }
+        client = remote.client;
+    }
+    Ok(rows)
+}
