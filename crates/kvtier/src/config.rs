@@ -87,7 +87,8 @@ pub struct Config {
     pub(crate) data_dir: PathBuf,
     pub(crate) memory_capacity: u64,
     pub(crate) disk_capacity: u64,
-    pub(crate) region_size: u64,
+    /// `None`: sized from the disk capacity (see `region_size`).
+    pub(crate) region_size: Option<u64>,
     pub(crate) max_value_size: u64,
     pub(crate) io_engine: IoEngineKind,
     pub(crate) io_threads: usize,
@@ -107,7 +108,7 @@ impl Config {
             data_dir: data_dir.as_ref().to_path_buf(),
             memory_capacity: GIB,
             disk_capacity: 16 * GIB,
-            region_size: 256 * MIB,
+            region_size: None,
             max_value_size: 128 * MIB,
             io_engine: IoEngineKind::Uring,
             io_threads: 4,
@@ -137,9 +138,11 @@ impl Config {
 
     /// Size at which a region file is sealed and a new one started; also the
     /// unit of reclaim. A multiple of 4 KiB, at least 64 KiB, at most half
-    /// the disk capacity. Default: 256 MiB.
+    /// the disk capacity. Default: 256 MiB, or an eighth of the disk
+    /// capacity when that is smaller (rounded down to 4 KiB, at least
+    /// 64 KiB), so small disk tiers still reclaim in small steps.
     pub fn region_size(mut self, bytes: u64) -> Self {
-        self.region_size = bytes;
+        self.region_size = Some(bytes);
         self
     }
 
@@ -208,6 +211,13 @@ impl Config {
         &self.data_dir
     }
 
+    /// The region size in effect.
+    pub fn effective_region_size(&self) -> u64 {
+        self.region_size.unwrap_or_else(|| {
+            (self.disk_capacity / 8 / PAGE_SIZE * PAGE_SIZE).clamp(64 * KIB, 256 * MIB)
+        })
+    }
+
     pub(crate) fn disk_enabled(&self) -> bool {
         self.disk_capacity > 0
     }
@@ -235,16 +245,17 @@ impl Config {
             return Err(Error::invalid("flush_batch_bytes must be at least 4096"));
         }
         if self.disk_enabled() {
-            if self.region_size < 64 * KIB || self.region_size % PAGE_SIZE != 0 {
+            let region_size = self.effective_region_size();
+            if region_size < 64 * KIB || region_size % PAGE_SIZE != 0 {
                 return Err(Error::invalid(format!(
                     "region size {} must be a multiple of 4096 and at least 64 KiB",
-                    self.region_size
+                    region_size
                 )));
             }
-            if self.disk_capacity < 2 * self.region_size {
+            if self.disk_capacity < 2 * region_size {
                 return Err(Error::invalid(format!(
                     "disk capacity {} must be at least two regions ({} bytes each)",
-                    self.disk_capacity, self.region_size
+                    self.disk_capacity, region_size
                 )));
             }
         }

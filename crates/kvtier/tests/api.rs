@@ -160,6 +160,15 @@ fn invalid_configuration_is_rejected() {
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
         let err = Store::open(small_config(dir.path()).region_size(1000)).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        // Without an explicit region size, a small disk tier gets small
+        // regions instead of an error.
+        let config = Config::new(dir.path())
+            .io_engine(engine())
+            .memory_capacity(MIB)
+            .disk_capacity(4 * MIB);
+        assert_eq!(config.effective_region_size(), 512 * 1024);
+        let store = Store::open(config).unwrap();
+        store.put(b"k", b"v").unwrap();
     });
 }
 

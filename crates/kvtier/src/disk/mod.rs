@@ -132,7 +132,7 @@ impl DiskTier {
             engine,
             direct_io: AtomicBool::new(config.direct_io),
             capacity: config.disk_capacity,
-            region_size: config.region_size,
+            region_size: config.effective_region_size(),
             regions: RwLock::new(BTreeMap::new()),
             used: AtomicU64::new(0),
             writer: Mutex::new(WriterState {
