@@ -36,16 +36,7 @@ pub struct DemoArgs {
 /// Bytes standing in for a block's KV tensors: derived from the key so a
 /// read of the wrong block can never verify.
 fn block_bytes(key: &[u8], len: usize) -> Vec<u8> {
-    let mut state = u64::from_le_bytes(key[..8].try_into().expect("16-byte key")) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    kvtier::pattern::value(key, len)
 }
 
 pub fn run(args: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {

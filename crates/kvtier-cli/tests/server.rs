@@ -113,18 +113,7 @@ impl Drop for ServerProcess {
 }
 
 fn value_for(key: &[u8], len: usize) -> Vec<u8> {
-    let mut state = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    }) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    kvtier::pattern::value(key, len)
 }
 
 fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {

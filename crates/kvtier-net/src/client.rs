@@ -288,18 +288,7 @@ impl Client {
         self.request = w.buf;
         let len = sent?;
         let body = &self.response[..len];
-        codes(body, keys.len()).map(|codes| {
-            codes
-                .into_iter()
-                .map(|c| {
-                    if c == code::OK {
-                        Ok(())
-                    } else {
-                        Err(code_error(c, ""))
-                    }
-                })
-                .collect()
-        })
+        put_results(body, keys.len())
     }
 
     /// Gets each value into its buffer: `Some(n)` bytes, `None` for a miss.
@@ -378,18 +367,7 @@ impl Client {
         }
         let len = self.call(Op::BatchPutShm, &w.buf, None)?;
         let body = &self.response[..len];
-        codes(body, keys.len()).map(|codes| {
-            codes
-                .into_iter()
-                .map(|c| {
-                    if c == code::OK {
-                        Ok(())
-                    } else {
-                        Err(code_error(c, ""))
-                    }
-                })
-                .collect()
-        })
+        put_results(body, keys.len())
     }
 
     /// Gets values into the registered buffer at `(offset, capacity)`
@@ -509,6 +487,20 @@ fn encode_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<u8>> {
         w.key(check_key(k.as_ref())?);
     }
     Ok(w.buf)
+}
+
+/// Per-key put results from a reply of codes.
+fn put_results(body: &[u8], expected: usize) -> Result<Vec<Result<()>>> {
+    Ok(codes(body, expected)?
+        .into_iter()
+        .map(|c| {
+            if c == code::OK {
+                Ok(())
+            } else {
+                Err(code_error(c, ""))
+            }
+        })
+        .collect())
 }
 
 fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {

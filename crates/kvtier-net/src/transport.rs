@@ -97,15 +97,49 @@ impl Transport {
     ) -> Result<FrameRead, ReadError> {
         let mut header = [0u8; HEADER_LEN];
         let mut fd = None;
+        if !self.fill(&mut header, &mut fd, idle_stop, stall)? {
+            return Ok(if idle_stop.is_some_and(|f| f.load(Ordering::Acquire)) {
+                FrameRead::Stopping
+            } else {
+                FrameRead::Closed
+            });
+        }
+        let header = Header::decode(&header, max_frame).map_err(ReadError::Protocol)?;
+        let len = header.body_len as usize;
+        if body.len() < len {
+            body.resize(len, 0);
+        }
+        if !self.fill(&mut body[..len], &mut fd, None, stall)? && len > 0 {
+            return Err(ReadError::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "connection closed inside a frame body",
+            )));
+        }
+        Ok(FrameRead::Frame { header, fd })
+    }
+}
+
+impl Transport {
+    /// Fills `buf`. Returns false if the stream ended (or, with
+    /// `idle_stop`, the flag was set) before its first byte; a stall of
+    /// more than `stall` after the first byte, or an end inside it, is an
+    /// error.
+    fn fill(
+        &mut self,
+        buf: &mut [u8],
+        fd: &mut Option<OwnedFd>,
+        idle_stop: Option<&AtomicBool>,
+        stall: Duration,
+    ) -> Result<bool, ReadError> {
         let mut got = 0usize;
         let mut last_progress = Instant::now();
-        while got < HEADER_LEN {
-            match self.read_some(&mut header[got..], &mut fd) {
-                Ok(0) if got == 0 => return Ok(FrameRead::Closed),
+        while got < buf.len() {
+            match self.read_some(&mut buf[got..], fd) {
+                Ok(0) if got == 0 => return Ok(false),
                 Ok(0) => {
                     return Err(ReadError::Io(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a frame header",
+                        "connection closed inside a frame",
                     )))
                 }
                 Ok(n) => {
@@ -113,9 +147,9 @@ impl Transport {
                     last_progress = Instant::now();
                 }
                 Err(e) if is_timeout(&e) => {
-                    if got == 0 {
+                    if got == 0 && idle_stop.is_some() {
                         if idle_stop.is_some_and(|f| f.load(Ordering::Acquire)) {
-                            return Ok(FrameRead::Stopping);
+                            return Ok(false);
                         }
                         continue;
                     }
@@ -130,38 +164,7 @@ impl Transport {
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }
-        let header = Header::decode(&header, max_frame).map_err(ReadError::Protocol)?;
-        let len = header.body_len as usize;
-        if body.len() < len {
-            body.resize(len, 0);
-        }
-        let mut got = 0usize;
-        let mut last_progress = Instant::now();
-        while got < len {
-            match self.read_some(&mut body[got..len], &mut fd) {
-                Ok(0) => {
-                    return Err(ReadError::Io(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a frame body",
-                    )))
-                }
-                Ok(n) => {
-                    got += n;
-                    last_progress = Instant::now();
-                }
-                Err(e) if is_timeout(&e) => {
-                    if last_progress.elapsed() > stall {
-                        return Err(ReadError::Io(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "frame stalled",
-                        )));
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(ReadError::Io(e)),
-            }
-        }
-        Ok(FrameRead::Frame { header, fd })
+        Ok(true)
     }
 }
 

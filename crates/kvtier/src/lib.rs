@@ -30,6 +30,7 @@ mod flusher;
 pub mod index;
 mod key;
 mod lock;
+pub mod pattern;
 pub mod pool;
 pub mod prefix;
 mod stats;

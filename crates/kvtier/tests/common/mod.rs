@@ -8,27 +8,13 @@ use std::path::Path;
 pub const KIB: u64 = 1024;
 pub const MIB: u64 = 1024 * 1024;
 
-/// Value bytes derived from the key and a version, never all zeros, so a
-/// read of the wrong key, version or offset is always detected.
+/// Value bytes derived from the key and a version (`kvtier::pattern`),
+/// never all zeros, so a read of the wrong key, version or offset is always
+/// detected.
 pub fn value_for(key: &[u8], version: u64, len: usize) -> Vec<u8> {
-    let mut state = xorshift_seed(key) ^ version.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
-fn xorshift_seed(key: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for &b in key {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    h | 1
+    let mut named = key.to_vec();
+    named.extend_from_slice(&version.to_le_bytes());
+    kvtier::pattern::value(&named, len)
 }
 
 /// A small store: 4 MiB pool, 32 MiB disk in 1 MiB regions.
