@@ -8,6 +8,7 @@ use crate::transport::{FrameRead, ReadError, Transport};
 use kvtier::{Error, ErrorKind, PutOptions, PutTier, Result};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Connection options. Defaults: no token, 60 s timeout, 256 MiB shared
@@ -47,7 +48,7 @@ pub struct Client {
     max_frame: u64,
     max_batch: u32,
     max_value: u64,
-    shm: Option<(u32, SharedRegion)>,
+    shm: Option<(u32, Arc<SharedRegion>)>,
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
@@ -154,7 +155,7 @@ impl Client {
             let len = self.call(Op::RegisterBuffer, &w.buf, Some(region.fd()))?;
             let body = &self.response[..len];
             let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
-            self.shm = Some((id, region));
+            self.shm = Some((id, Arc::new(region)));
         }
         Ok(())
     }
@@ -344,7 +345,18 @@ impl Client {
     /// The registered shared buffer (Unix sockets only): place values here
     /// and use the `_registered` calls to move them without socket copies.
     pub fn registered_buffer(&mut self) -> Option<&mut [u8]> {
-        self.shm.as_mut().map(|(_, region)| region.as_mut_slice())
+        let (_, region) = self.shm.as_ref()?;
+        // SAFETY: the whole region, borrowed mutably through `&mut self`;
+        // other handles from `registered_region` share the memory by
+        // design (it is shared with the server too), as documented there.
+        unsafe { region.range_mut(0, region.len() as u64) }
+    }
+
+    /// The registered shared region itself, for callers that hand out views
+    /// of it (the Python binding's `alloc_buffer`). Writes through such views
+    /// race with this client's calls unless the caller orders them.
+    pub fn registered_region(&self) -> Option<Arc<SharedRegion>> {
+        self.shm.as_ref().map(|(_, region)| Arc::clone(region))
     }
 
     /// Puts values already in the registered buffer, given as

@@ -92,6 +92,11 @@ impl SharedRegion {
         self.len == 0
     }
 
+    /// Address of the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }

@@ -1,0 +1,846 @@
+//! The `kvtier._native` extension module: `Store` (embedded) and `Client`
+//! (server over `unix://` or `tcp://`) with the batch API inference engines
+//! use (Mooncake's `register_buffer`, `batch_put_from`, `batch_get_into`,
+//! `batch_is_exist`, ...). The GIL is released around every store or
+//! network call. The Python package `kvtier` wraps this module.
+
+use kvtier::{Config, ErrorKind, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
+use kvtier_net::protocol::code;
+use kvtier_net::shm::SharedRegion;
+use kvtier_net::{Client, ClientOptions};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use std::os::raw::c_int;
+use std::sync::{Arc, Mutex};
+
+pyo3::create_exception!(_native, KvtierError, pyo3::exceptions::PyException);
+
+/// A key from Python: `bytes` as is, `str` as UTF-8.
+struct Key(Vec<u8>);
+
+impl<'py> FromPyObject<'_, 'py> for Key {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(s) = obj.extract::<String>() {
+            return Ok(Key(s.into_bytes()));
+        }
+        if let Ok(b) = obj.extract::<Vec<u8>>() {
+            return Ok(Key(b));
+        }
+        Err(PyValueError::new_err("keys must be str or bytes"))
+    }
+}
+
+fn code_of(e: &kvtier::Error) -> i32 {
+    code::of(e.kind())
+}
+
+fn to_py_err(e: kvtier::Error) -> PyErr {
+    KvtierError::new_err(e.to_string())
+}
+
+fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(n) = value.extract::<u64>() {
+        return Ok(n);
+    }
+    let text: String = value.extract()?;
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let multiplier: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown size unit {other:?} in {text:?}"
+            )))
+        }
+    };
+    let n: f64 = number
+        .parse()
+        .map_err(|_| PyValueError::new_err(format!("{text:?} is not a size like '4GiB'")))?;
+    Ok((n * multiplier) as u64)
+}
+
+/// Memory ranges the caller registered with `register_buffer`: raw pointers
+/// are only dereferenced inside them.
+#[derive(Default)]
+struct Registered(Mutex<Vec<(usize, usize)>>);
+
+impl Registered {
+    fn add(&self, ptr: usize, size: usize) -> i32 {
+        if ptr == 0 || size == 0 || ptr.checked_add(size).is_none() {
+            return code::INVALID_ARGUMENT;
+        }
+        let mut ranges = self.0.lock().unwrap();
+        if ranges.iter().any(|&(p, s)| ptr < p + s && p < ptr + size) {
+            return code::INVALID_ARGUMENT;
+        }
+        ranges.push((ptr, size));
+        code::OK
+    }
+
+    fn remove(&self, ptr: usize) -> i32 {
+        let mut ranges = self.0.lock().unwrap();
+        match ranges.iter().position(|&(p, _)| p == ptr) {
+            Some(i) => {
+                ranges.swap_remove(i);
+                code::OK
+            }
+            None => code::INVALID_ARGUMENT,
+        }
+    }
+
+    fn contains(&self, ptr: usize, size: usize) -> bool {
+        let Some(end) = ptr.checked_add(size) else {
+            return false;
+        };
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|&(p, s)| ptr >= p && end <= p + s)
+    }
+}
+
+/// Raw destinations or sources for a batch: each checked against the
+/// registered ranges; `None` where a range is not registered.
+fn raw_slices(
+    registered: &Registered,
+    ptrs: &[usize],
+    sizes: &[usize],
+) -> Vec<Option<(usize, usize)>> {
+    ptrs.iter()
+        .zip(sizes)
+        .map(|(&p, &s)| (s > 0 && registered.contains(p, s)).then_some((p, s)))
+        .collect()
+}
+
+/// Python buffers for a batch, kept alive (and their views) for the call.
+struct Buffers {
+    views: Vec<PyUntypedBuffer>,
+}
+
+impl Buffers {
+    fn get(items: &Bound<'_, PyAny>, writable: bool) -> PyResult<Buffers> {
+        let mut views = Vec::new();
+        for item in items.try_iter()? {
+            let item = item?;
+            let view = PyUntypedBuffer::get(&item)
+                .map_err(|_| PyValueError::new_err("buffers must support the buffer protocol (bytes, bytearray, memoryview, numpy arrays)"))?;
+            if !view.is_c_contiguous() {
+                return Err(PyValueError::new_err("buffers must be C-contiguous"));
+            }
+            if writable && view.readonly() {
+                return Err(PyValueError::new_err(
+                    "buffers to read into must be writable (bytes objects are read-only)",
+                ));
+            }
+            views.push(view);
+        }
+        Ok(Buffers { views })
+    }
+
+    fn ranges(&self) -> Vec<(usize, usize)> {
+        self.views
+            .iter()
+            .map(|v| (v.buf_ptr() as usize, v.len_bytes()))
+            .collect()
+    }
+}
+
+/// # Safety
+/// Each range must be valid, writable memory for the whole call, and no
+/// two ranges may overlap.
+unsafe fn as_mut_slices<'a>(ranges: &[(usize, usize)]) -> Vec<&'a mut [u8]> {
+    ranges
+        .iter()
+        // SAFETY: the caller's contract.
+        .map(|&(p, s)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, s) })
+        .collect()
+}
+
+/// # Safety
+/// Each range must be valid memory for the whole call.
+unsafe fn as_slices<'a>(ranges: &[(usize, usize)]) -> Vec<&'a [u8]> {
+    ranges
+        .iter()
+        // SAFETY: the caller's contract.
+        .map(|&(p, s)| unsafe { std::slice::from_raw_parts(p as *const u8, s) })
+        .collect()
+}
+
+fn overlapping(ranges: &[(usize, usize)]) -> bool {
+    let mut sorted: Vec<(usize, usize)> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0)
+}
+
+fn get_codes(results: Vec<kvtier::Result<Option<usize>>>) -> Vec<i64> {
+    results
+        .into_iter()
+        .map(|r| match r {
+            Ok(Some(n)) => n as i64,
+            Ok(None) => i64::from(code::NOT_FOUND),
+            Err(e) => i64::from(code_of(&e)),
+        })
+        .collect()
+}
+
+fn put_codes(results: Vec<kvtier::Result<()>>) -> Vec<i32> {
+    results
+        .into_iter()
+        .map(|r| r.map_or_else(|e| code_of(&e), |()| code::OK))
+        .collect()
+}
+
+fn check_lengths(keys: usize, other: usize, what: &str) -> PyResult<()> {
+    if keys != other {
+        return Err(PyValueError::new_err(format!(
+            "{keys} keys but {other} {what}: one per key is required"
+        )));
+    }
+    Ok(())
+}
+
+/// The backend a Python object drives: an embedded store or a client.
+enum Backend {
+    Store(Arc<Store>),
+    Client(Mutex<Option<Client>>),
+}
+
+impl Backend {
+    fn put(
+        &self,
+        keys: &[Vec<u8>],
+        values: &[&[u8]],
+        options: &PutOptions,
+    ) -> kvtier::Result<Vec<kvtier::Result<()>>> {
+        match self {
+            Backend::Store(store) => Ok(store.batch_put_with(keys, values, options)),
+            Backend::Client(client) => {
+                with_client(client, |c| c.batch_put_with(keys, values, options))
+            }
+        }
+    }
+
+    fn get(
+        &self,
+        keys: &[Vec<u8>],
+        bufs: &mut [&mut [u8]],
+    ) -> kvtier::Result<Vec<kvtier::Result<Option<usize>>>> {
+        match self {
+            Backend::Store(store) => Ok(store.batch_get_into(keys, bufs)),
+            Backend::Client(client) => with_client(client, |c| {
+                // Destinations inside the registered shared region go
+                // through it (the server writes there directly).
+                if let Some(region) = c.registered_region() {
+                    let base = region.as_ptr() as usize;
+                    let end = base + region.len();
+                    let ranges: Option<Vec<(u64, u64)>> = bufs
+                        .iter()
+                        .map(|b| {
+                            let p = b.as_ptr() as usize;
+                            (p >= base && p + b.len() <= end)
+                                .then(|| ((p - base) as u64, b.len() as u64))
+                        })
+                        .collect();
+                    if let Some(ranges) = ranges {
+                        return c.batch_get_registered(keys, &ranges);
+                    }
+                }
+                c.batch_get_into(keys, bufs)
+            }),
+        }
+    }
+
+    fn exists(&self, keys: &[Vec<u8>]) -> kvtier::Result<Vec<bool>> {
+        match self {
+            Backend::Store(store) => Ok(store.batch_exists(keys)),
+            Backend::Client(client) => with_client(client, |c| c.batch_exists(keys)),
+        }
+    }
+
+    fn prefix_len(&self, keys: &[Vec<u8>]) -> kvtier::Result<usize> {
+        match self {
+            Backend::Store(store) => Ok(store.prefix_len(keys)),
+            Backend::Client(client) => with_client(client, |c| c.prefix_len(keys)),
+        }
+    }
+
+    fn remove(&self, key: &[u8]) -> kvtier::Result<bool> {
+        match self {
+            Backend::Store(store) => store.remove(key),
+            Backend::Client(client) => with_client(client, |c| c.remove(key)),
+        }
+    }
+
+    fn flush(&self) -> kvtier::Result<()> {
+        match self {
+            Backend::Store(store) => store.flush(),
+            Backend::Client(client) => with_client(client, |c| c.flush()),
+        }
+    }
+
+    fn value_len(&self, key: &[u8]) -> kvtier::Result<Option<usize>> {
+        match self {
+            Backend::Store(store) => store.value_len(key),
+            Backend::Client(client) => with_client(client, |c| {
+                // Ask for the value with a buffer as large as the server's
+                // limit would be wasteful; fetch it whole instead.
+                let max = c.max_value() as usize;
+                let mut buf = vec![0u8; max.min(1 << 30)];
+                let got = c.batch_get_into(&[key], &mut [&mut buf[..]])?;
+                got.into_iter().next().unwrap_or(Ok(None))
+            }),
+        }
+    }
+
+    fn close(&self) -> kvtier::Result<()> {
+        match self {
+            Backend::Store(store) => store.close(),
+            Backend::Client(client) => {
+                client.lock().unwrap().take();
+                Ok(())
+            }
+        }
+    }
+
+    fn stats(&self) -> kvtier::Result<serde_json::Value> {
+        match self {
+            Backend::Store(store) => Ok(kvtier_net::metrics::stats_json(&store.stats())),
+            Backend::Client(client) => with_client(client, |c| c.stats()),
+        }
+    }
+}
+
+fn with_client<T>(
+    client: &Mutex<Option<Client>>,
+    f: impl FnOnce(&mut Client) -> kvtier::Result<T>,
+) -> kvtier::Result<T> {
+    let mut guard = client.lock().unwrap();
+    match guard.as_mut() {
+        Some(c) => f(c),
+        None => Err(kvtier::Error::closed()),
+    }
+}
+
+fn json_to_py(py: Python<'_>, value: &serde_json::Value) -> PyResult<Py<PyAny>> {
+    Ok(match value {
+        serde_json::Value::Null => py.None(),
+        serde_json::Value::Bool(b) => b.into_pyobject(py)?.to_owned().into_any().unbind(),
+        serde_json::Value::Number(n) => match n.as_u64() {
+            Some(u) => u.into_pyobject(py)?.into_any().unbind(),
+            None => n
+                .as_f64()
+                .unwrap_or(0.0)
+                .into_pyobject(py)?
+                .into_any()
+                .unbind(),
+        },
+        serde_json::Value::String(s) => s.into_pyobject(py)?.into_any().unbind(),
+        serde_json::Value::Array(items) => {
+            let list = PyList::empty(py);
+            for item in items {
+                list.append(json_to_py(py, item)?)?;
+            }
+            list.into_any().unbind()
+        }
+        serde_json::Value::Object(map) => {
+            let dict = PyDict::new(py);
+            for (k, v) in map {
+                dict.set_item(k, json_to_py(py, v)?)?;
+            }
+            dict.into_any().unbind()
+        }
+    })
+}
+
+fn put_options(memory_only: bool, skip_existing: bool, durable: bool) -> PutOptions {
+    PutOptions {
+        skip_existing,
+        tier: if memory_only {
+            PutTier::MemoryOnly
+        } else {
+            PutTier::MemoryAndDisk
+        },
+        durable,
+    }
+}
+
+/// Shared by `Store` and `Client`: every method of the engine-facing API.
+#[pyclass(subclass, module = "kvtier._native")]
+struct Engine {
+    backend: Backend,
+    registered: Registered,
+}
+
+#[pymethods]
+impl Engine {
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Closes on leaving a `with` block; exceptions propagate.
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _kind: Py<PyAny>,
+        _value: Py<PyAny>,
+        _traceback: Py<PyAny>,
+    ) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    /// Registers host memory `[ptr, ptr + size)` so raw-pointer batch calls
+    /// may use it. Returns 0, or a negative code for a null, empty or
+    /// overlapping range.
+    fn register_buffer(&self, ptr: usize, size: usize) -> i32 {
+        self.registered.add(ptr, size)
+    }
+
+    /// Forgets a range registered at `ptr`. Returns 0 or a negative code.
+    fn unregister_buffer(&self, ptr: usize) -> i32 {
+        self.registered.remove(ptr)
+    }
+
+    /// Stores each value. With `sizes`, `items` are raw pointers into
+    /// registered memory (Mooncake's form); without, they are objects
+    /// supporting the buffer protocol. Returns a code per key (0 = stored).
+    #[pyo3(signature = (keys, items, sizes=None, *, memory_only=false, skip_existing=false, durable=false))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "Mooncake's positional form plus keyword options"
+    )]
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+        memory_only: bool,
+        skip_existing: bool,
+        durable: bool,
+    ) -> PyResult<Vec<i32>> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let options = put_options(memory_only, skip_existing, durable);
+        let (ranges, _buffers, checked): (Vec<(usize, usize)>, Option<Buffers>, Vec<bool>) =
+            match sizes {
+                Some(sizes) => {
+                    let ptrs: Vec<usize> = items.extract()?;
+                    check_lengths(keys.len(), ptrs.len(), "pointers")?;
+                    check_lengths(keys.len(), sizes.len(), "sizes")?;
+                    let raw = raw_slices(&self.registered, &ptrs, &sizes);
+                    let ok: Vec<bool> = raw.iter().map(Option::is_some).collect();
+                    (
+                        raw.into_iter().map(|r| r.unwrap_or((0, 0))).collect(),
+                        None,
+                        ok,
+                    )
+                }
+                None => {
+                    let buffers = Buffers::get(items, false)?;
+                    check_lengths(keys.len(), buffers.views.len(), "buffers")?;
+                    let ranges = buffers.ranges();
+                    let n = ranges.len();
+                    (ranges, Some(buffers), vec![true; n])
+                }
+            };
+        let mut codes = vec![code::INVALID_ARGUMENT; keys.len()];
+        // Invalid keys and unregistered ranges fail alone, per key.
+        let picked: Vec<usize> = (0..keys.len())
+            .filter(|&i| checked[i] && kvtier::validate_key(&keys[i]).is_ok())
+            .collect();
+        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| ranges[i]).collect();
+        // SAFETY: registered ranges (caller's promise) or live buffer views
+        // held in `_buffers` until the call returns.
+        let values = unsafe { as_slices(&pick_ranges) };
+        let results = py
+            .detach(|| self.backend.put(&pick_keys, &values, &options))
+            .map_err(to_py_err)?;
+        for (&i, c) in picked.iter().zip(put_codes(results)) {
+            codes[i] = c;
+        }
+        Ok(codes)
+    }
+
+    /// Reads each value into its destination. With `sizes`, `items` are raw
+    /// pointers into registered memory; without, writable buffers. Returns
+    /// per key the bytes read, or a negative code (`NOT_FOUND` for a miss,
+    /// `BUFFER_TOO_SMALL`, `INVALID_ARGUMENT` for an unregistered range).
+    #[pyo3(signature = (keys, items, sizes=None))]
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+    ) -> PyResult<Vec<i64>> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let (ranges, _buffers, checked) = match sizes {
+            Some(sizes) => {
+                let ptrs: Vec<usize> = items.extract()?;
+                check_lengths(keys.len(), ptrs.len(), "pointers")?;
+                check_lengths(keys.len(), sizes.len(), "sizes")?;
+                let raw = raw_slices(&self.registered, &ptrs, &sizes);
+                let ok: Vec<bool> = raw.iter().map(Option::is_some).collect();
+                (
+                    raw.into_iter()
+                        .map(|r| r.unwrap_or((0, 0)))
+                        .collect::<Vec<_>>(),
+                    None,
+                    ok,
+                )
+            }
+            None => {
+                let buffers = Buffers::get(items, true)?;
+                check_lengths(keys.len(), buffers.views.len(), "buffers")?;
+                let ranges = buffers.ranges();
+                let n = ranges.len();
+                (ranges, Some(buffers), vec![true; n])
+            }
+        };
+        let picked: Vec<usize> = (0..keys.len())
+            .filter(|&i| checked[i] && kvtier::validate_key(&keys[i]).is_ok())
+            .collect();
+        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| ranges[i]).collect();
+        if overlapping(&pick_ranges) {
+            return Err(PyValueError::new_err("destination buffers overlap"));
+        }
+        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        // SAFETY: registered or live, writable, non-overlapping (checked).
+        let mut bufs = unsafe { as_mut_slices(&pick_ranges) };
+        let results = py
+            .detach(|| self.backend.get(&pick_keys, &mut bufs))
+            .map_err(to_py_err)?;
+        let mut out = vec![i64::from(code::INVALID_ARGUMENT); keys.len()];
+        for (&i, c) in picked.iter().zip(get_codes(results)) {
+            out[i] = c;
+        }
+        Ok(out)
+    }
+
+    /// Reads one value into a writable buffer: bytes read or a negative code.
+    fn get_into(&self, py: Python<'_>, key: Key, buffer: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let list = PyList::new(py, [buffer])?;
+        Ok(self.batch_get_into(py, vec![key], list.as_any(), None)?[0])
+    }
+
+    /// 1 if present, 0 if not, per key.
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<i32>> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let present = py
+            .detach(|| self.backend.exists(&keys))
+            .map_err(to_py_err)?;
+        Ok(present.into_iter().map(i32::from).collect())
+    }
+
+    fn is_exist(&self, py: Python<'_>, key: Key) -> PyResult<i32> {
+        Ok(self.batch_is_exist(py, vec![key])?[0])
+    }
+
+    /// How many leading keys are present: the cached prefix.
+    fn prefix_len(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<usize> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        py.detach(|| self.backend.prefix_len(&keys))
+            .map_err(to_py_err)
+    }
+
+    /// Stores one value (write-through). Returns 0 or a negative code.
+    fn put(&self, py: Python<'_>, key: Key, value: &Bound<'_, PyAny>) -> PyResult<i32> {
+        let list = PyList::new(py, [value])?;
+        Ok(self.batch_put_from(py, vec![key], list.as_any(), None, false, false, false)?[0])
+    }
+
+    /// The value under `key`, or empty bytes on a miss.
+    fn get<'py>(&self, py: Python<'py>, key: Key) -> PyResult<Bound<'py, PyBytes>> {
+        let key = key.0;
+        let value = py
+            .detach(|| -> kvtier::Result<Vec<u8>> {
+                let Some(len) = self.backend.value_len(&key)? else {
+                    return Ok(Vec::new());
+                };
+                let mut buf = vec![0u8; len];
+                let got = self
+                    .backend
+                    .get(std::slice::from_ref(&key), &mut [&mut buf[..]])?;
+                match got.into_iter().next() {
+                    Some(Ok(Some(n))) => {
+                        buf.truncate(n);
+                        Ok(buf)
+                    }
+                    Some(Ok(None)) | None => Ok(Vec::new()),
+                    Some(Err(e)) if e.kind() == ErrorKind::BufferTooSmall => Ok(Vec::new()),
+                    Some(Err(e)) => Err(e),
+                }
+            })
+            .map_err(to_py_err)?;
+        Ok(PyBytes::new(py, &value))
+    }
+
+    /// Removes `key` (durable on return). 0 if removed, NOT_FOUND if absent.
+    fn remove(&self, py: Python<'_>, key: Key) -> PyResult<i32> {
+        match py.detach(|| self.backend.remove(&key.0)) {
+            Ok(true) => Ok(code::OK),
+            Ok(false) => Ok(code::NOT_FOUND),
+            Err(e) => Ok(code_of(&e)),
+        }
+    }
+
+    /// Returns once everything put so far is durable.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.backend.flush()).map_err(to_py_err)
+    }
+
+    /// Flushes and releases the store (or the connection).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.backend.close()).map_err(to_py_err)
+    }
+
+    /// Entries, bytes and hits per tier, misses, evictions, ... as a dict.
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let value = py.detach(|| self.backend.stats()).map_err(to_py_err)?;
+        json_to_py(py, &value)
+    }
+}
+
+/// The embedded store, in this process.
+#[pyclass(extends = Engine, name = "Store", module = "kvtier._native")]
+struct Store_;
+
+#[pymethods]
+impl Store_ {
+    #[new]
+    #[pyo3(signature = (path, memory=None, disk=None, *, region_size=None, io_engine=None, eviction=None, max_value_size=None))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the store's settings as keyword arguments"
+    )]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        memory: Option<&Bound<'_, PyAny>>,
+        disk: Option<&Bound<'_, PyAny>>,
+        region_size: Option<&Bound<'_, PyAny>>,
+        io_engine: Option<String>,
+        eviction: Option<String>,
+        max_value_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let mut config = Config::new(path);
+        if let Some(m) = memory {
+            config = config.memory_capacity(parse_size(m)?);
+        }
+        if let Some(d) = disk {
+            config = config.disk_capacity(parse_size(d)?);
+        }
+        if let Some(r) = region_size {
+            config = config.region_size(parse_size(r)?);
+        }
+        if let Some(e) = io_engine {
+            config = config.io_engine(IoEngineKind::parse(&e).map_err(to_py_err)?);
+        }
+        if let Some(p) = eviction {
+            config = config.eviction(EvictionPolicy::parse(&p).map_err(to_py_err)?);
+        }
+        if let Some(v) = max_value_size {
+            config = config.max_value_size(parse_size(v)?);
+        }
+        let store = py.detach(|| Store::open(config)).map_err(to_py_err)?;
+        let engine = Engine {
+            backend: Backend::Store(Arc::new(store)),
+            registered: Registered::default(),
+        };
+        Ok(PyClassInitializer::from(engine).add_subclass(Store_))
+    }
+}
+
+/// A connection to `kvtier serve`.
+#[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
+struct Client_ {
+    region: Option<Arc<SharedRegion>>,
+    next: Mutex<usize>,
+}
+
+#[pymethods]
+impl Client_ {
+    #[new]
+    #[pyo3(signature = (url, *, auth_token=None, timeout=60.0, shm_size=None))]
+    fn new(
+        py: Python<'_>,
+        url: String,
+        auth_token: Option<String>,
+        timeout: f64,
+        shm_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let shm_size = match shm_size {
+            Some(s) => parse_size(s)? as usize,
+            None => 256 << 20,
+        };
+        if !timeout.is_finite() || timeout <= 0.0 {
+            return Err(PyValueError::new_err(
+                "timeout must be a positive number of seconds",
+            ));
+        }
+        let options = ClientOptions {
+            auth_token: auth_token.or_else(|| std::env::var("KVTIER_AUTH_TOKEN").ok()),
+            timeout: std::time::Duration::from_secs_f64(timeout),
+            shm_size: if url.starts_with("unix://") {
+                shm_size
+            } else {
+                0
+            },
+        };
+        let client = py
+            .detach(|| Client::connect_with(&url, options))
+            .map_err(to_py_err)?;
+        let region = client.registered_region();
+        let engine = Engine {
+            backend: Backend::Client(Mutex::new(Some(client))),
+            registered: Registered::default(),
+        };
+        Ok(PyClassInitializer::from(engine).add_subclass(Client_ {
+            region,
+            next: Mutex::new(0),
+        }))
+    }
+
+    /// A writable buffer of `size` bytes inside the memory registered with
+    /// the server (Unix sockets only). Values read into it, or put from it,
+    /// move through shared memory: no copies over the socket. The buffer
+    /// is also registered for raw-pointer calls.
+    fn alloc_buffer(slf: PyRef<'_, Self>, size: usize) -> PyResult<SharedBuffer> {
+        let Some(region) = slf.region.clone() else {
+            return Err(PyRuntimeError::new_err(
+                "alloc_buffer needs a unix:// connection with shm_size > 0",
+            ));
+        };
+        let mut next = slf.next.lock().unwrap();
+        let offset = next.div_ceil(4096) * 4096;
+        if size == 0 || offset + size > region.len() {
+            return Err(PyValueError::new_err(format!(
+                "cannot allocate {size} bytes: {} of the {}-byte shared buffer are left (raise shm_size)",
+                region.len().saturating_sub(offset),
+                region.len()
+            )));
+        }
+        *next = offset + size;
+        let ptr = region.as_ptr() as usize + offset;
+        slf.as_super().registered.add(ptr, size);
+        Ok(SharedBuffer {
+            region,
+            offset,
+            len: size,
+        })
+    }
+}
+
+/// A view of the client's shared memory; supports the buffer protocol
+/// (`memoryview(buf)`, `numpy.frombuffer(buf, ...)`) and keeps the memory
+/// mapped while it lives.
+#[pyclass(module = "kvtier._native")]
+struct SharedBuffer {
+    region: Arc<SharedRegion>,
+    offset: usize,
+    len: usize,
+}
+
+#[pymethods]
+impl SharedBuffer {
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// The address of the first byte (for raw-pointer calls).
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.region.as_ptr() as usize + self.offset
+    }
+
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let this = slf.borrow();
+            (this.ptr(), this.len)
+        };
+        // SAFETY: the region stays mapped while this object (held by the
+        // view through `obj`) lives; the memory is writable.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::ffi::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+}
+
+/// Chained 128-bit xxh3 keys for each full block of `tokens`
+/// (`kvtier::prefix::block_keys`).
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size=256, salt=None))]
+fn block_keys_xxh3<'py>(
+    py: Python<'py>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    salt: Option<Vec<u8>>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block_size must be at least 1"));
+    }
+    let salt = salt.unwrap_or_default();
+    Ok(kvtier::block_keys(&tokens, block_size, &salt)
+        .iter()
+        .map(|k| PyBytes::new(py, &k.0))
+        .collect())
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Engine>()?;
+    m.add_class::<Store_>()?;
+    m.add_class::<Client_>()?;
+    m.add_class::<SharedBuffer>()?;
+    m.add_function(wrap_pyfunction!(block_keys_xxh3, m)?)?;
+    m.add("KvtierError", m.py().get_type::<KvtierError>())?;
+    for (name, value) in [
+        ("OK", code::OK),
+        ("INVALID_ARGUMENT", code::INVALID_ARGUMENT),
+        ("BUFFER_TOO_SMALL", code::BUFFER_TOO_SMALL),
+        ("NO_SPACE", code::NO_SPACE),
+        ("CLOSED", code::CLOSED),
+        ("IO", code::IO),
+        ("NOT_FOUND", code::NOT_FOUND),
+        ("UNAUTHORIZED", code::UNAUTHORIZED),
+        ("UNSUPPORTED", code::UNSUPPORTED),
+        ("PROTOCOL", code::PROTOCOL),
+        ("LIMIT", code::LIMIT),
+        ("TIMEOUT", code::TIMEOUT),
+        ("CORRUPTION", code::CORRUPTION),
+        ("LOCKED", code::LOCKED),
+    ] {
+        m.add(name, value)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,188 @@
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import errors
+
+
+def pattern(key, size):
+    """Bytes derived from the key, never zeros."""
+    seed = abs(hash(key)) % (2**32) or 1
+    return np.random.default_rng(seed).integers(1, 255, size=size, dtype=np.uint8)
+
+
+def unique(prefix):
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def test_put_get_remove_both_key_types(engine):
+    k = unique("k")
+    assert engine.put(k, b"hello") == errors.OK
+    assert engine.get(k) == b"hello"
+    assert engine.get(k.encode()) == b"hello"  # str and bytes name the same key
+    assert engine.is_exist(k) == 1
+    assert engine.get(unique("absent")) == b""
+    assert engine.remove(k) == errors.OK
+    assert engine.remove(k) == errors.NOT_FOUND
+    assert engine.is_exist(k.encode()) == 0
+
+
+def test_batch_buffers_numpy_bytearray_memoryview(engine):
+    keys = [unique("b") for _ in range(4)]
+    values = [pattern(k, 65536 + i) for i, k in enumerate(keys)]
+    assert engine.batch_put_from(keys, values) == [0, 0, 0, 0]
+    assert engine.batch_is_exist(keys + [unique("no")]) == [1, 1, 1, 1, 0]
+    assert engine.prefix_len(keys) == 4
+    outs = [np.zeros(len(v), dtype=np.uint8) for v in values[:2]]
+    outs.append(bytearray(len(values[2])))
+    outs.append(memoryview(bytearray(len(values[3]))))
+    got = engine.batch_get_into(keys, outs)
+    assert got == [len(v) for v in values]
+    for out, value in zip(outs, values):
+        assert bytes(out) == value.tobytes()
+    engine.flush()
+    stats = engine.stats()
+    assert isinstance(stats, dict)
+
+
+def test_mooncake_raw_pointer_api(engine):
+    keys = [unique("raw") for _ in range(3)]
+    size = 32768
+    source = np.concatenate([pattern(k, size) for k in keys])
+    dest = np.zeros_like(source)
+    assert engine.register_buffer(source.ctypes.data, source.nbytes) == 0
+    assert engine.register_buffer(dest.ctypes.data, dest.nbytes) == 0
+    ptrs = [source.ctypes.data + i * size for i in range(3)]
+    assert engine.batch_put_from(keys, ptrs, [size] * 3) == [0, 0, 0]
+    dptrs = [dest.ctypes.data + i * size for i in range(3)]
+    assert engine.batch_get_into(keys, dptrs, [size] * 3) == [size] * 3
+    assert np.array_equal(source, dest)
+    # A miss and a too-small destination, per key.
+    got = engine.batch_get_into([unique("miss"), keys[0]], dptrs[:2], [size, 100])
+    assert got == [errors.NOT_FOUND, errors.BUFFER_TOO_SMALL]
+    # Pointers outside registered memory are refused, not dereferenced.
+    scratch = np.zeros(size, dtype=np.uint8)
+    assert engine.batch_get_into([keys[0]], [scratch.ctypes.data], [size]) == [errors.INVALID_ARGUMENT]
+    assert engine.batch_put_from([keys[0]], [12345], [size]) == [errors.INVALID_ARGUMENT]
+    assert engine.unregister_buffer(dest.ctypes.data) == 0
+    assert engine.batch_get_into([keys[0]], [dptrs[0]], [size]) == [errors.INVALID_ARGUMENT]
+
+
+def test_bad_input(engine):
+    k = unique("bad")
+    engine.put(k, b"x" * 100)
+    with pytest.raises(ValueError, match="writable"):
+        engine.batch_get_into([k], [b"read-only bytes"])
+    with pytest.raises(ValueError, match="contiguous"):
+        engine.batch_get_into([k], [np.zeros((10, 20), dtype=np.uint8)[:, ::2]])
+    with pytest.raises(ValueError, match="one per key"):
+        engine.batch_put_from([k, k], [b"a"])
+    with pytest.raises(ValueError, match="one per key"):
+        engine.batch_get_into([k], [1, 2], [3, 4])
+    with pytest.raises(ValueError, match="str or bytes"):
+        engine.put(42, b"x")
+    with pytest.raises(ValueError, match="overlap"):
+        buf = bytearray(200)
+        engine.batch_get_into([k, k], [memoryview(buf)[0:150], memoryview(buf)[100:200]])
+    assert engine.batch_put_from(["k" * 257], [b"v"]) == [errors.INVALID_ARGUMENT]
+    assert engine.batch_put_from([k], [b""]) == [errors.INVALID_ARGUMENT]
+    assert engine.get_into(k, bytearray(10)) == errors.BUFFER_TOO_SMALL
+
+
+def test_closed_store_raises(tmp_path):
+    s = kvtier.Store(str(tmp_path / "s"), memory="16MiB", disk="64MiB")
+    s.put("k", b"v")
+    s.close()
+    with pytest.raises(kvtier.KvtierError, match="closed"):
+        s.flush()
+    assert s.batch_put_from(["k"], [b"v"]) == [errors.CLOSED]
+
+
+def test_locked_directory(tmp_path):
+    with kvtier.Store(str(tmp_path / "s"), memory="16MiB", disk="64MiB"):
+        with pytest.raises(kvtier.KvtierError, match="in use"):
+            kvtier.Store(str(tmp_path / "s"), memory="16MiB", disk="64MiB")
+
+
+def test_reopen_keeps_flushed_values(tmp_path):
+    path = str(tmp_path / "s")
+    with kvtier.Store(path, memory="16MiB", disk="64MiB") as s:
+        s.batch_put_from(["a", "b"], [b"1" * 5000, b"2" * 5000])
+        s.flush()
+    with kvtier.Store(path, memory="16MiB", disk="64MiB") as s:
+        assert s.get("a") == b"1" * 5000
+        assert s.stats()["disk_entries"] == 2
+
+
+def test_many_threads_share_one_object(engine):
+    errors_seen = []
+
+    def work(t):
+        try:
+            for i in range(20):
+                k = f"thread-{t}-{i}-{uuid.uuid4().hex}"
+                v = pattern(k, 8192)
+                assert engine.batch_put_from([k], [v]) == [0]
+                out = np.zeros(8192, dtype=np.uint8)
+                assert engine.batch_get_into([k], [out]) == [8192]
+                assert np.array_equal(out, v)
+        except Exception as e:  # pragma: no cover - reported below
+            errors_seen.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors_seen, errors_seen
+
+
+def test_alloc_buffer_zero_copy_path(server):
+    with kvtier.Client(server["unix"], shm_size="16MiB") as c:
+        buf = c.alloc_buffer(4 * 65536)
+        view = np.frombuffer(buf, dtype=np.uint8)
+        keys = [unique("shm") for _ in range(4)]
+        for i, k in enumerate(keys):
+            view[i * 65536:(i + 1) * 65536] = pattern(k, 65536)
+        slices = [memoryview(buf)[i * 65536:(i + 1) * 65536] for i in range(4)]
+        assert c.batch_put_from(keys, slices) == [0] * 4
+        view[:] = 0
+        # Raw pointers into the allocated buffer are registered too.
+        ptrs = [buf.ptr + i * 65536 for i in range(4)]
+        assert c.batch_get_into(keys, ptrs, [65536] * 4) == [65536] * 4
+        for i, k in enumerate(keys):
+            assert np.array_equal(view[i * 65536:(i + 1) * 65536], pattern(k, 65536))
+        with pytest.raises(ValueError, match="shared buffer"):
+            c.alloc_buffer(1 << 30)
+
+
+def test_client_errors(server, tmp_path):
+    with pytest.raises(kvtier.KvtierError):
+        kvtier.Client("tcp://127.0.0.1:1")
+    with pytest.raises(kvtier.KvtierError, match="unsupported URL"):
+        kvtier.Client("http://example")
+    with kvtier.Client(server["tcp"]) as c:
+        with pytest.raises(RuntimeError, match="unix://"):
+            c.alloc_buffer(4096)
+
+
+def test_block_keys_vectors():
+    keys = kvtier.block_keys(list(range(10)), block_size=4)
+    assert [k.hex() for k in keys] == [
+        "2e21bdf5ead5cb7af9f3dc327c32f742",
+        "9a1cc9c2ed1d5a3001211f109e7ca526",
+    ]
+    salted = kvtier.block_keys(list(range(10)), block_size=4, salt=b"model-a")
+    assert salted[0].hex() == "303918610178dde0ee6df0af11cf8777"
+    assert kvtier.block_keys([1, 2, 3], block_size=4) == []
+    with pytest.raises(ValueError, match="unknown key scheme"):
+        kvtier.block_keys([1], scheme="md5")
+
+
+def test_help_documents_the_methods():
+    doc = kvtier.Client.batch_get_into.__doc__
+    assert "bytes read" in doc and "NOT_FOUND" in doc
+    assert "NOT_FOUND" in kvtier.errors.describe(kvtier.errors.NOT_FOUND)
