@@ -12,18 +12,34 @@ from ._native import Client, KvtierError, SharedBuffer, Store, block_keys_xxh3
 
 __all__ = ["Store", "Client", "SharedBuffer", "KvtierError", "block_keys", "errors"]
 
-_SCHEMES = ("xxh3",)
+from . import _schemes
+
+_SCHEMES = ("xxh3", "vllm-sha256-cbor", "sglang-sha256")
 
 
-def block_keys(tokens, block_size=256, salt=b"", scheme="xxh3"):
-    """Chained prefix keys, one per full block of ``tokens``.
+def block_keys(tokens, block_size=256, salt=b"", scheme="xxh3", *, hash_seed=None):
+    """Chained prefix keys, one per full block of ``tokens``; a trailing
+    partial block gets no key.
 
-    ``scheme="xxh3"``: key i is xxh3-128 over (key i-1, the salt's length and
-    bytes, block i's tokens as little-endian u32); the first block chains
-    from 16 zero bytes. A trailing partial block gets no key.
+    - ``"xxh3"`` (default, 16-byte keys): key i is xxh3-128 over (key i-1, the
+      salt's length as u32 LE and its bytes, block i's tokens as u32 LE); the
+      first block chains from 16 zero bytes.
+    - ``"vllm-sha256-cbor"`` (32-byte keys): vLLM's ``sha256_cbor`` block
+      hashes; ``salt`` is vLLM's ``cache_salt``; ``hash_seed`` (default: the
+      ``PYTHONHASHSEED`` environment variable) is the engine's
+      ``PYTHONHASHSEED``, which vLLM needs set for reproducible hashes.
+    - ``"sglang-sha256"`` (64-character hex strings): SGLang HiCache page
+      hashes (``block_size`` is the page size; no salt).
     """
     if scheme not in _SCHEMES:
         raise ValueError(f"unknown key scheme {scheme!r}: supported: {', '.join(_SCHEMES)}")
+    if block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    tokens = [int(t) for t in tokens]
+    if scheme == "vllm-sha256-cbor":
+        return _schemes.vllm_sha256_cbor(tokens, block_size, salt, hash_seed)
+    if scheme == "sglang-sha256":
+        return _schemes.sglang_sha256(tokens, block_size, salt)
     if isinstance(salt, str):
         salt = salt.encode()
-    return block_keys_xxh3([int(t) for t in tokens], block_size, bytes(salt))
+    return block_keys_xxh3(tokens, block_size, bytes(salt))

@@ -614,7 +614,9 @@ impl Engine {
     }
 }
 
-/// The embedded store, in this process.
+/// The embedded store, in this process: `Store(path, memory="4GiB",
+/// disk="64GiB", *, region_size=None, io_engine="uring", eviction="s3fifo",
+/// max_value_size="128MiB")`. Sizes are bytes or strings like "64MiB".
 #[pyclass(extends = Engine, name = "Store", module = "kvtier._native")]
 struct Store_;
 
@@ -636,13 +638,10 @@ impl Store_ {
         eviction: Option<String>,
         max_value_size: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let mut config = Config::new(path);
-        if let Some(m) = memory {
-            config = config.memory_capacity(parse_size(m)?);
-        }
-        if let Some(d) = disk {
-            config = config.disk_capacity(parse_size(d)?);
-        }
+        // Python defaults: 4 GiB of memory, 64 GiB of disk.
+        let mut config = Config::new(path)
+            .memory_capacity(memory.map(parse_size).transpose()?.unwrap_or(4 << 30))
+            .disk_capacity(disk.map(parse_size).transpose()?.unwrap_or(64 << 30));
         if let Some(r) = region_size {
             config = config.region_size(parse_size(r)?);
         }
@@ -664,7 +663,10 @@ impl Store_ {
     }
 }
 
-/// A connection to `kvtier serve`.
+/// A connection to `kvtier serve`: `Client(url, *, auth_token=None,
+/// timeout=60.0, shm_size="256MiB")` with `unix:///path/kvtier.sock` (adds
+/// a shared-memory buffer registered with the server) or `tcp://host:port`.
+/// The token defaults to KVTIER_AUTH_TOKEN.
 #[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
 struct Client_ {
     region: Option<Arc<SharedRegion>>,

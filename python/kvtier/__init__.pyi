@@ -1,0 +1,110 @@
+"""Type stubs for kvtier (the runtime docstrings come from the native module)."""
+
+from collections.abc import Buffer, Sequence
+from os import PathLike
+from types import TracebackType
+from typing import Any, Literal, Self, overload
+
+from . import errors as errors
+
+Key = str | bytes
+Size = int | str  # bytes, or "64MiB", "4GiB", ...
+
+class KvtierError(Exception):
+    """A whole call failed: closed store, lost connection, bad configuration."""
+
+class SharedBuffer:
+    """Shared memory registered with the server (from ``Client.alloc_buffer``);
+    supports the buffer protocol."""
+
+    @property
+    def ptr(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+class _Engine:
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool: ...
+    def register_buffer(self, ptr: int, size: int) -> int:
+        """Registers ``[ptr, ptr + size)`` for raw-pointer calls; 0 or a negative code."""
+    def unregister_buffer(self, ptr: int) -> int: ...
+    @overload
+    def batch_put_from(
+        self, keys: Sequence[Key], ptrs: Sequence[int], sizes: Sequence[int], *,
+        memory_only: bool = False, skip_existing: bool = False, durable: bool = False,
+    ) -> list[int]:
+        """Mooncake form: raw pointers into registered memory. A code per key (0 = stored)."""
+    @overload
+    def batch_put_from(
+        self, keys: Sequence[Key], buffers: Sequence[Buffer], sizes: None = None, *,
+        memory_only: bool = False, skip_existing: bool = False, durable: bool = False,
+    ) -> list[int]:
+        """Buffer-protocol values (bytes, bytearray, memoryview, numpy arrays)."""
+    @overload
+    def batch_get_into(self, keys: Sequence[Key], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Per key: bytes read, or a negative code (NOT_FOUND for a miss)."""
+    @overload
+    def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer], sizes: None = None) -> list[int]:
+        """Writable, C-contiguous, non-overlapping buffers."""
+    def get_into(self, key: Key, buffer: Buffer) -> int: ...
+    def batch_is_exist(self, keys: Sequence[Key]) -> list[int]: ...
+    def is_exist(self, key: Key) -> int: ...
+    def prefix_len(self, keys: Sequence[Key]) -> int: ...
+    def put(self, key: Key, value: Buffer) -> int: ...
+    def get(self, key: Key) -> bytes:
+        """The value, or ``b""`` on a miss."""
+    def remove(self, key: Key) -> int:
+        """0 if removed, ``errors.NOT_FOUND`` if absent (durable on return)."""
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+class Store(_Engine):
+    """The embedded store, in this process."""
+
+    def __init__(
+        self,
+        path: str | PathLike[str],
+        memory: Size = "4GiB",
+        disk: Size = "64GiB",
+        *,
+        region_size: Size | None = None,
+        io_engine: Literal["uring", "psync"] | None = None,
+        eviction: Literal["s3fifo", "lru"] | None = None,
+        max_value_size: Size | None = None,
+    ) -> None: ...
+
+class Client(_Engine):
+    """A connection to ``kvtier serve`` over ``unix:///path`` or ``tcp://host:port``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        auth_token: str | None = None,
+        timeout: float = 60.0,
+        shm_size: Size | None = None,
+    ) -> None: ...
+    def alloc_buffer(self, size: int) -> SharedBuffer:
+        """Shared memory the server reads and writes directly (Unix socket only)."""
+
+@overload
+def block_keys(
+    tokens: Sequence[int], block_size: int = 256, salt: bytes | str = b"", scheme: Literal["xxh3"] = "xxh3",
+    *, hash_seed: str | None = None,
+) -> list[bytes]: ...
+@overload
+def block_keys(
+    tokens: Sequence[int], block_size: int, salt: bytes | str, scheme: Literal["vllm-sha256-cbor"],
+    *, hash_seed: str | None = None,
+) -> list[bytes]: ...
+@overload
+def block_keys(
+    tokens: Sequence[int], block_size: int, salt: bytes | str, scheme: Literal["sglang-sha256"],
+    *, hash_seed: str | None = None,
+) -> list[str]: ...
