@@ -292,6 +292,31 @@ impl Client {
         put_results(body, keys.len())
     }
 
+    /// The value under `key`, or `None`: one round trip, sized by the reply.
+    pub fn get(&mut self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let mut w = Writer::default();
+        w.u32(1).key(check_key(key.as_ref())?).u64(self.max_value);
+        let len = self.call(Op::BatchGet, &w.buf, None)?;
+        let mut r = Reader::new(&self.response[..len]);
+        let parse =
+            |r: &mut Reader<'_>| -> std::result::Result<(u32, i32, u64), protocol::ProtocolError> {
+                Ok((r.u32()?, r.i32()?, r.u64()?))
+            };
+        let (n, c, value_len) = parse(&mut r).map_err(|e| protocol_error(e.0))?;
+        if n != 1 {
+            return Err(protocol_error("response has the wrong number of results"));
+        }
+        match c {
+            code::OK => Ok(Some(
+                r.bytes(value_len as usize)
+                    .map_err(|e| protocol_error(e.0))?
+                    .to_vec(),
+            )),
+            code::NOT_FOUND => Ok(None),
+            c => Err(code_error(c, "")),
+        }
+    }
+
     /// Gets each value into its buffer: `Some(n)` bytes, `None` for a miss.
     pub fn batch_get_into<K: AsRef<[u8]>>(
         &mut self,

@@ -4,7 +4,7 @@
 //! `batch_is_exist`, ...). The GIL is released around every store or
 //! network call. The Python package `kvtier` wraps this module.
 
-use kvtier::{Config, ErrorKind, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
+use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use kvtier_net::protocol::code;
 use kvtier_net::shm::SharedRegion;
 use kvtier_net::{Client, ClientOptions};
@@ -290,17 +290,11 @@ impl Backend {
         }
     }
 
-    fn value_len(&self, key: &[u8]) -> kvtier::Result<Option<usize>> {
+    /// One whole value, or `None` for a miss.
+    fn get_one(&self, key: &[u8]) -> kvtier::Result<Option<Vec<u8>>> {
         match self {
-            Backend::Store(store) => store.value_len(key),
-            Backend::Client(client) => with_client(client, |c| {
-                // Ask for the value with a buffer as large as the server's
-                // limit would be wasteful; fetch it whole instead.
-                let max = c.max_value() as usize;
-                let mut buf = vec![0u8; max.min(1 << 30)];
-                let got = c.batch_get_into(&[key], &mut [&mut buf[..]])?;
-                got.into_iter().next().unwrap_or(Ok(None))
-            }),
+            Backend::Store(store) => store.get(key),
+            Backend::Client(client) => with_client(client, |c| c.get(key)),
         }
     }
 
@@ -566,25 +560,9 @@ impl Engine {
     fn get<'py>(&self, py: Python<'py>, key: Key) -> PyResult<Bound<'py, PyBytes>> {
         let key = key.0;
         let value = py
-            .detach(|| -> kvtier::Result<Vec<u8>> {
-                let Some(len) = self.backend.value_len(&key)? else {
-                    return Ok(Vec::new());
-                };
-                let mut buf = vec![0u8; len];
-                let got = self
-                    .backend
-                    .get(std::slice::from_ref(&key), &mut [&mut buf[..]])?;
-                match got.into_iter().next() {
-                    Some(Ok(Some(n))) => {
-                        buf.truncate(n);
-                        Ok(buf)
-                    }
-                    Some(Ok(None)) | None => Ok(Vec::new()),
-                    Some(Err(e)) if e.kind() == ErrorKind::BufferTooSmall => Ok(Vec::new()),
-                    Some(Err(e)) => Err(e),
-                }
-            })
-            .map_err(to_py_err)?;
+            .detach(|| self.backend.get_one(&key))
+            .map_err(to_py_err)?
+            .unwrap_or_default();
         Ok(PyBytes::new(py, &value))
     }
 
