@@ -249,6 +249,13 @@ impl Store {
         if keys.len() != values.len() {
             return mismatched(keys.len(), "values", values.len());
         }
+        if keys.len() > 1 {
+            let pages = values
+                .iter()
+                .map(|v| (v.as_ref().len() as u64).div_ceil(PAGE_SIZE).max(1))
+                .sum();
+            self.inner.eviction.lock().unwrap().note_batch(pages);
+        }
         let mut results: Vec<Result<()>> = Vec::with_capacity(keys.len());
         let mut seqs = (u64::MAX, 0u64);
         for (key, value) in keys.iter().zip(values) {

@@ -155,3 +155,46 @@ fn memory_eviction_leaves_entries_readable_from_disk() {
         assert!(stats.disk_hits >= 60 && stats.memory_hits > 0, "{stats:?}");
     });
 }
+
+/// A batch larger than S3-FIFO's probation queue (10% of the pool) must not
+/// push out its own first entries before anyone could read them: for a
+/// prefix chain that would lose the whole prefix.
+#[test]
+fn a_large_batch_does_not_evict_itself() {
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        // Memory only, so eviction is the only way to lose an entry.
+        let store = open(
+            Config::new(dir.path())
+                .io_engine(engine())
+                .memory_capacity(4 * MIB)
+                .disk_capacity(0),
+        );
+        // Fill the pool with entries that were read (they sit in main).
+        let old: Vec<Vec<u8>> = (0..40).map(|i| format!("old-{i}").into_bytes()).collect();
+        for k in &old {
+            store.put(k, value_for(k, 0, VALUE)).unwrap();
+            assert!(store.get(k).unwrap().is_some());
+        }
+        for round in 0..4 {
+            let keys: Vec<Vec<u8>> = (0..24)
+                .map(|i| format!("batch-{round}-{i}").into_bytes())
+                .collect();
+            let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 0, VALUE)).collect();
+            for r in store.batch_put(&keys, &values) {
+                r.unwrap();
+            }
+            // 24 x 64 KiB = 1.5 MiB, well over 10% of the 4 MiB pool.
+            assert_eq!(
+                store.prefix_len(&keys),
+                keys.len(),
+                "round {round}: the batch evicted its own head"
+            );
+            // Read it, as the next request with this prefix would: the
+            // batch earns its place in the main queue.
+            for k in &keys {
+                assert!(store.get(k).unwrap().is_some());
+            }
+        }
+    });
+}

@@ -30,7 +30,14 @@ pub struct EvictionQueues {
     ghost: HashSet<u128>,
     ghost_order: VecDeque<u128>,
     ghost_capacity: usize,
+    /// Pages of the most recent batch puts: the probation queue is kept at
+    /// least as large as the largest, so a batch never pushes out its own
+    /// first entries before they can be read.
+    recent_batches: VecDeque<u64>,
 }
+
+/// How many recent batches size the probation queue.
+const RECENT_BATCHES: usize = 16;
 
 impl EvictionQueues {
     pub fn new(policy: EvictionPolicy, capacity_pages: u64) -> Self {
@@ -44,7 +51,23 @@ impl EvictionQueues {
             ghost_order: VecDeque::new(),
             // One ghost per 16 pages (64 KiB, the smallest typical value).
             ghost_capacity: (capacity_pages / 16).max(64) as usize,
+            recent_batches: VecDeque::new(),
         }
+    }
+
+    /// Tells the policy a batch of `pages` is about to be inserted.
+    pub fn note_batch(&mut self, pages: u64) {
+        if self.recent_batches.len() == RECENT_BATCHES {
+            self.recent_batches.pop_front();
+        }
+        self.recent_batches.push_back(pages);
+    }
+
+    /// S3-FIFO's probation queue size: 10% of the pool, or the largest
+    /// recent batch if that is more (at most half the pool).
+    fn small_target(&self) -> u64 {
+        let largest = self.recent_batches.iter().copied().max().unwrap_or(0);
+        (self.capacity_pages / 10).max(largest.min(self.capacity_pages / 2))
     }
 
     pub fn policy(&self) -> EvictionPolicy {
@@ -78,7 +101,7 @@ impl EvictionQueues {
             budget -= 1;
             let from_small = self.policy == EvictionPolicy::S3Fifo
                 && !self.small.is_empty()
-                && (self.main.is_empty() || self.small_pages * 10 >= self.capacity_pages);
+                && (self.main.is_empty() || self.small_pages >= self.small_target());
             let item = if from_small {
                 let item = self.small.pop_front()?;
                 self.small_pages -= item.pages;
