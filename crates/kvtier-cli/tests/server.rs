@@ -578,3 +578,56 @@ fn auth_is_required_off_loopback_and_checked_at_hello() {
     client.flush().unwrap();
     assert!(server.stats()["server"]["auth_failures"].as_u64().unwrap() >= 2);
 }
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut stream = TcpStream::connect(&server.tcp).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let frame = |op: Op, id: u64, body: &[u8]| {
+        let mut f = Header {
+            op: op as u16,
+            request_id: id,
+            body_len: body.len() as u32,
+            status: 0,
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(body);
+        f
+    };
+    let mut hello = Writer::default();
+    hello.u32(0);
+    let mut put = Writer::default();
+    put.u8(0).u32(1).key(b"pipelined").u64(3).bytes(b"abc");
+    let mut exists = Writer::default();
+    exists.u32(2).key(b"pipelined").key(b"absent");
+    // Everything written before any reply is read.
+    let mut all = frame(Op::Hello, 1, &hello.buf);
+    all.extend(frame(Op::BatchPut, 2, &put.buf));
+    all.extend(frame(Op::BatchExists, 3, &exists.buf));
+    all.extend(frame(Op::Flush, 4, &[]));
+    stream.write_all(&all).unwrap();
+    for (id, op) in [
+        (1u64, Op::Hello),
+        (2, Op::BatchPut),
+        (3, Op::BatchExists),
+        (4, Op::Flush),
+    ] {
+        let mut head = [0u8; kvtier_net::protocol::HEADER_LEN];
+        stream.read_exact(&mut head).unwrap();
+        let header = Header::decode(&head, 1 << 20).unwrap();
+        assert_eq!(
+            (header.request_id, header.op, header.status),
+            (id, op as u16, 0)
+        );
+        let mut body = vec![0u8; header.body_len as usize];
+        stream.read_exact(&mut body).unwrap();
+        if op == Op::BatchExists {
+            assert_eq!(body, [2, 0, 0, 0, 1, 0]);
+        }
+    }
+}
