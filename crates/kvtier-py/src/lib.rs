@@ -211,6 +211,63 @@ fn check_lengths(keys: usize, other: usize, what: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// Where a batch's values come from or go to: raw pointers checked
+/// against the registered ranges, or buffer-protocol objects.
+struct Targets {
+    /// `(address, length)` per key; meaningful where `usable`.
+    ranges: Vec<(usize, usize)>,
+    /// Per key: the key is valid and its range usable.
+    usable: Vec<bool>,
+    /// Keeps buffer views (and their memory) alive for the call.
+    _buffers: Option<Buffers>,
+}
+
+impl Targets {
+    fn resolve(
+        registered: &Registered,
+        keys: &[Vec<u8>],
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+        writable: bool,
+    ) -> PyResult<Targets> {
+        let (ranges, buffers, mut usable) = match sizes {
+            Some(sizes) => {
+                let ptrs: Vec<usize> = items.extract()?;
+                check_lengths(keys.len(), ptrs.len(), "pointers")?;
+                check_lengths(keys.len(), sizes.len(), "sizes")?;
+                let raw = raw_slices(registered, &ptrs, &sizes);
+                let usable = raw.iter().map(Option::is_some).collect();
+                (
+                    raw.into_iter().map(|r| r.unwrap_or((0, 0))).collect(),
+                    None,
+                    usable,
+                )
+            }
+            None => {
+                let buffers = Buffers::get(items, writable)?;
+                check_lengths(keys.len(), buffers.views.len(), "buffers")?;
+                let ranges = buffers.ranges();
+                let n = ranges.len();
+                (ranges, Some(buffers), vec![true; n])
+            }
+        };
+        // Invalid keys and unregistered ranges fail alone, per key.
+        for (ok, key) in usable.iter_mut().zip(keys) {
+            *ok &= kvtier::validate_key(key).is_ok();
+        }
+        Ok(Targets {
+            ranges,
+            usable,
+            _buffers: buffers,
+        })
+    }
+
+    /// Indices of the usable keys.
+    fn picked(&self) -> Vec<usize> {
+        (0..self.usable.len()).filter(|&i| self.usable[i]).collect()
+    }
+}
+
 /// The backend a Python object drives: an embedded store or a client.
 enum Backend {
     Store(Arc<Store>),
@@ -427,41 +484,17 @@ impl Engine {
     ) -> PyResult<Vec<i32>> {
         let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
         let options = put_options(memory_only, skip_existing, durable);
-        let (ranges, _buffers, checked): (Vec<(usize, usize)>, Option<Buffers>, Vec<bool>) =
-            match sizes {
-                Some(sizes) => {
-                    let ptrs: Vec<usize> = items.extract()?;
-                    check_lengths(keys.len(), ptrs.len(), "pointers")?;
-                    check_lengths(keys.len(), sizes.len(), "sizes")?;
-                    let raw = raw_slices(&self.registered, &ptrs, &sizes);
-                    let ok: Vec<bool> = raw.iter().map(Option::is_some).collect();
-                    (
-                        raw.into_iter().map(|r| r.unwrap_or((0, 0))).collect(),
-                        None,
-                        ok,
-                    )
-                }
-                None => {
-                    let buffers = Buffers::get(items, false)?;
-                    check_lengths(keys.len(), buffers.views.len(), "buffers")?;
-                    let ranges = buffers.ranges();
-                    let n = ranges.len();
-                    (ranges, Some(buffers), vec![true; n])
-                }
-            };
-        let mut codes = vec![code::INVALID_ARGUMENT; keys.len()];
-        // Invalid keys and unregistered ranges fail alone, per key.
-        let picked: Vec<usize> = (0..keys.len())
-            .filter(|&i| checked[i] && kvtier::validate_key(&keys[i]).is_ok())
-            .collect();
+        let targets = Targets::resolve(&self.registered, &keys, items, sizes, false)?;
+        let picked = targets.picked();
         let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
-        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| ranges[i]).collect();
+        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
         // SAFETY: registered ranges (caller's promise) or live buffer views
-        // held in `_buffers` until the call returns.
+        // held by `targets` until the call returns.
         let values = unsafe { as_slices(&pick_ranges) };
         let results = py
             .detach(|| self.backend.put(&pick_keys, &values, &options))
             .map_err(to_py_err)?;
+        let mut codes = vec![code::INVALID_ARGUMENT; keys.len()];
         for (&i, c) in picked.iter().zip(put_codes(results)) {
             codes[i] = c;
         }
@@ -481,33 +514,9 @@ impl Engine {
         sizes: Option<Vec<usize>>,
     ) -> PyResult<Vec<i64>> {
         let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
-        let (ranges, _buffers, checked) = match sizes {
-            Some(sizes) => {
-                let ptrs: Vec<usize> = items.extract()?;
-                check_lengths(keys.len(), ptrs.len(), "pointers")?;
-                check_lengths(keys.len(), sizes.len(), "sizes")?;
-                let raw = raw_slices(&self.registered, &ptrs, &sizes);
-                let ok: Vec<bool> = raw.iter().map(Option::is_some).collect();
-                (
-                    raw.into_iter()
-                        .map(|r| r.unwrap_or((0, 0)))
-                        .collect::<Vec<_>>(),
-                    None,
-                    ok,
-                )
-            }
-            None => {
-                let buffers = Buffers::get(items, true)?;
-                check_lengths(keys.len(), buffers.views.len(), "buffers")?;
-                let ranges = buffers.ranges();
-                let n = ranges.len();
-                (ranges, Some(buffers), vec![true; n])
-            }
-        };
-        let picked: Vec<usize> = (0..keys.len())
-            .filter(|&i| checked[i] && kvtier::validate_key(&keys[i]).is_ok())
-            .collect();
-        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| ranges[i]).collect();
+        let targets = Targets::resolve(&self.registered, &keys, items, sizes, true)?;
+        let picked = targets.picked();
+        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
         if overlapping(&pick_ranges) {
             return Err(PyValueError::new_err("destination buffers overlap"));
         }
