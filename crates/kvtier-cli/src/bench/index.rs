@@ -16,6 +16,7 @@ fn empty_row(op: &str, tier: &str, engine: &str) -> Row {
         mb_per_s: 0.0,
         baseline_mb_per_s: 0.0,
         ratio: 0.0,
+        ratio_median: None,
         baseline: String::new(),
         batches_per_s: 0.0,
         p50_us: 0,

@@ -152,6 +152,8 @@ pub struct Measurement {
     pub seconds: f64,
     pub bytes: u64,
     pub calls: u64,
+    /// MB/s of each timed span (one per round), for paired comparisons.
+    pub span_mb_per_s: Vec<f64>,
 }
 
 impl Measurement {
@@ -161,6 +163,7 @@ impl Measurement {
             seconds: 0.0,
             bytes: 0,
             calls: 0,
+            span_mb_per_s: Vec::new(),
         }
     }
 
@@ -174,6 +177,33 @@ impl Measurement {
     fn add_span(&mut self, elapsed: Duration, bytes: u64) {
         self.seconds += elapsed.as_secs_f64();
         self.bytes += bytes;
+        if elapsed > Duration::ZERO {
+            self.span_mb_per_s
+                .push(bytes as f64 / elapsed.as_secs_f64() / 1e6);
+        }
+    }
+
+    /// The median over rounds of this side's rate divided by the other's
+    /// in the same round, when both ran the same rounds: less swayed than
+    /// the ratio of totals by a burst that lands in one round.
+    pub fn paired_median_ratio(&self, baseline: &Measurement) -> Option<f64> {
+        if self.span_mb_per_s.len() != baseline.span_mb_per_s.len() || self.span_mb_per_s.is_empty()
+        {
+            return None;
+        }
+        let mut ratios: Vec<f64> = self
+            .span_mb_per_s
+            .iter()
+            .zip(&baseline.span_mb_per_s)
+            .map(|(s, b)| if *b > 0.0 { s / b } else { 0.0 })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let n = ratios.len();
+        Some(if n % 2 == 1 {
+            ratios[n / 2]
+        } else {
+            (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0
+        })
     }
 
     fn merge_calls(&mut self, other: &Measurement) {

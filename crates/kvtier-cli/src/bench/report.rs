@@ -14,6 +14,10 @@ pub struct Row {
     pub mb_per_s: f64,
     pub baseline_mb_per_s: f64,
     pub ratio: f64,
+    /// Median over rounds of the per-round ratio (store and baseline run in
+    /// alternating rounds); absent where the rounds do not pair up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio_median: Option<f64>,
     pub baseline: String,
     pub batches_per_s: f64,
     pub p50_us: u64,
@@ -62,6 +66,7 @@ impl Row {
             } else {
                 0.0
             },
+            ratio_median: store.paired_median_ratio(baseline),
             baseline: baseline_kind.into(),
             batches_per_s: if store.seconds > 0.0 {
                 store.calls as f64 / store.seconds
@@ -144,13 +149,13 @@ impl Row {
 /// The rows as a Markdown table (store rows, then index and reopen rows).
 pub fn markdown(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | batches/s | p50 µs | p90 µs | p99 µs | p99.9 µs | verified |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | median round ratio | batches/s | p50 µs | p90 µs | p99 µs | p99.9 µs | verified |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows.iter().filter(|r| r.value_size > 0) {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.2} | {:.1} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.2} | {} | {:.1} | {} | {} | {} | {} | {} |",
             r.op,
             r.tier,
             format_size(r.value_size).replace(".00 ", " "),
@@ -158,6 +163,8 @@ pub fn markdown(rows: &[Row]) -> String {
             r.mb_per_s,
             r.baseline_mb_per_s,
             r.ratio,
+            r.ratio_median
+                .map_or("-".to_string(), |m| format!("{m:.2}")),
             r.batches_per_s,
             r.p50_us,
             r.p90_us,
