@@ -631,3 +631,36 @@ fn pipelined_requests_are_answered_in_order() {
         }
     }
 }
+
+#[test]
+fn a_live_servers_socket_is_never_taken_over() {
+    let dir_a = tempfile::tempdir().unwrap();
+    let dir_b = tempfile::tempdir().unwrap();
+    let socket = dir_a.path().join("shared.sock").display().to_string();
+    let server = ServerProcess::start(&dir_a.path().join("data"), &["--socket", &socket]);
+    let output = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "serve",
+            "--data-dir",
+            &dir_b.path().display().to_string(),
+            "--memory",
+            "16MiB",
+        ])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "off",
+            "--socket",
+            &socket,
+        ])
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("another server is listening"), "{stderr}");
+    // The first server still answers on it.
+    let mut client = Client::connect(&server.unix_url()).unwrap();
+    client.flush().unwrap();
+}

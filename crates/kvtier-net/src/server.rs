@@ -126,27 +126,30 @@ impl Server {
                 TcpListener::bind(addr).map_err(|e| annotate(e, format!("binding {addr}")))?;
             listener.set_nonblocking(true)?;
             bound.tcp = Some(listener.local_addr()?);
-            let shared = Arc::clone(&shared);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("kvtier-tcp-accept".into())
-                    .spawn(move || {
-                        accept_loop(&shared, || match listener.accept() {
-                            Ok((stream, _)) => {
-                                stream.set_nodelay(true)?;
-                                stream.set_nonblocking(false)?;
-                                Ok(Some(Transport::Tcp(stream)))
-                            }
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-                            Err(e) => Err(e),
-                        })
-                    })?,
-            );
+            threads.push(spawn_accept(
+                "kvtier-tcp-accept",
+                &shared,
+                move || match listener.accept() {
+                    Ok((stream, _)) => {
+                        stream.set_nodelay(true)?;
+                        stream.set_nonblocking(false)?;
+                        Ok(Some(Transport::Tcp(stream)))
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                    Err(e) => Err(e),
+                },
+            )?);
         }
         if let Some(path) = &self.config.socket {
             if path.exists() {
-                // A live server would hold the data directory's lock, which
-                // this process already owns: the file is stale.
+                // Someone answering there is a live server: never take its
+                // socket away. Otherwise the file is left from a crash.
+                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AddrInUse,
+                        format!("another server is listening on {}", path.display()),
+                    ));
+                }
                 std::fs::remove_file(path).map_err(|e| {
                     annotate(e, format!("removing stale socket {}", path.display()))
                 })?;
@@ -162,21 +165,18 @@ impl Server {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
             listener.set_nonblocking(true)?;
             bound.socket = Some(path.clone());
-            let shared = Arc::clone(&shared);
-            threads.push(
-                std::thread::Builder::new()
-                    .name("kvtier-unix-accept".into())
-                    .spawn(move || {
-                        accept_loop(&shared, || match listener.accept() {
-                            Ok((stream, _)) => {
-                                stream.set_nonblocking(false)?;
-                                Ok(Some(Transport::Unix(stream)))
-                            }
-                            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-                            Err(e) => Err(e),
-                        })
-                    })?,
-            );
+            threads.push(spawn_accept(
+                "kvtier-unix-accept",
+                &shared,
+                move || match listener.accept() {
+                    Ok((stream, _)) => {
+                        stream.set_nonblocking(false)?;
+                        Ok(Some(Transport::Unix(stream)))
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                    Err(e) => Err(e),
+                },
+            )?);
         }
         if let Some(addr) = self.config.admin {
             let listener = TcpListener::bind(addr)
@@ -218,6 +218,18 @@ pub struct BoundAddrs {
 
 fn annotate(e: io::Error, context: String) -> io::Error {
     io::Error::new(e.kind(), format!("{context}: {e}"))
+}
+
+/// Starts a thread running `accept_loop` with `accept`.
+fn spawn_accept(
+    name: &str,
+    shared: &Arc<Shared>,
+    accept: impl FnMut() -> io::Result<Option<Transport>> + Send + 'static,
+) -> io::Result<JoinHandle<()>> {
+    let shared = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || accept_loop(&shared, accept))
 }
 
 /// Accepts until stopping; connection threads are joined before returning
