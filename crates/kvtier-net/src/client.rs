@@ -236,6 +236,16 @@ impl Client {
         }
     }
 
+    /// One item per key, and not more keys than the server takes.
+    fn check_batch_pairs(&self, keys: usize, items: usize, what: &str) -> Result<()> {
+        if keys != items {
+            return Err(Error::invalid(format!(
+                "batch has {keys} keys but {items} {what}"
+            )));
+        }
+        self.check_batch(keys)
+    }
+
     fn check_batch(&self, n: usize) -> Result<()> {
         if n > self.max_batch as usize {
             return Err(Error::invalid(format!(
@@ -266,14 +276,7 @@ impl Client {
         values: &[V],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        if keys.len() != values.len() {
-            return Err(Error::invalid(format!(
-                "batch has {} keys but {} values",
-                keys.len(),
-                values.len()
-            )));
-        }
-        self.check_batch(keys.len())?;
+        self.check_batch_pairs(keys.len(), values.len(), "values")?;
         // The request buffer is reused: a large batch costs no fresh pages.
         let mut w = Writer {
             buf: std::mem::take(&mut self.request),
@@ -323,14 +326,7 @@ impl Client {
         keys: &[K],
         bufs: &mut [&mut [u8]],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        if keys.len() != bufs.len() {
-            return Err(Error::invalid(format!(
-                "batch has {} keys but {} buffers",
-                keys.len(),
-                bufs.len()
-            )));
-        }
-        self.check_batch(keys.len())?;
+        self.check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
         let mut w = Writer::default();
         w.u32(keys.len() as u32);
         for (k, b) in keys.iter().zip(bufs.iter()) {
@@ -393,10 +389,7 @@ impl Client {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         let id = self.shm_id()?;
-        if keys.len() != ranges.len() {
-            return Err(Error::invalid("one range per key is required"));
-        }
-        self.check_batch(keys.len())?;
+        self.check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
         let mut w = Writer::default();
         w.u32(id).u8(flags(options)).u32(keys.len() as u32);
         for (k, (offset, len)) in keys.iter().zip(ranges) {
@@ -416,10 +409,7 @@ impl Client {
         ranges: &[(u64, u64)],
     ) -> Result<Vec<Result<Option<usize>>>> {
         let id = self.shm_id()?;
-        if keys.len() != ranges.len() {
-            return Err(Error::invalid("one range per key is required"));
-        }
-        self.check_batch(keys.len())?;
+        self.check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
         let mut w = Writer::default();
         w.u32(id).u32(keys.len() as u32);
         for (k, (offset, cap)) in keys.iter().zip(ranges) {

@@ -498,23 +498,8 @@ impl<'a> Connection<'a> {
                 let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
                 let values: Vec<&[u8]> = items.iter().map(|i| i.1).collect();
                 let results = store.batch_put_with(&keys, &values, &put_options(flags));
-                let mut w = Writer::with_capacity(4 + 4 * results.len());
-                w.u32(results.len() as u32);
-                let mut error = false;
-                for result in &results {
-                    w.i32(result_code(result));
-                    error |= result.is_err();
-                }
-                let bytes_in = values.iter().map(|v| v.len() as u64).sum();
-                Reply {
-                    sample: Sample {
-                        keys: keys.len() as u64,
-                        bytes_in,
-                        error,
-                        ..Sample::default()
-                    },
-                    ..Reply::ok(w.buf)
-                }
+                let codes: Vec<i32> = results.iter().map(result_code).collect();
+                put_reply(&codes, &values)
             }
             Request::BatchGet { items } => self.batch_get(header.request_id, items),
             Request::BatchExists { keys } => {
@@ -585,22 +570,7 @@ impl<'a> Connection<'a> {
                 for (slot, result) in slots.into_iter().zip(&results) {
                     codes[slot] = result_code(result);
                 }
-                let mut w = Writer::with_capacity(4 + 4 * codes.len());
-                w.u32(codes.len() as u32);
-                for c in &codes {
-                    w.i32(*c);
-                }
-                let bytes_in = values.iter().map(|v| v.len() as u64).sum();
-                let error = codes.iter().any(|&c| c != code::OK);
-                Reply {
-                    sample: Sample {
-                        keys: items.len() as u64,
-                        bytes_in,
-                        error,
-                        ..Sample::default()
-                    },
-                    ..Reply::ok(w.buf)
-                }
+                put_reply(&codes, &values)
             }
             Request::BatchGetShm { buffer, items } => self.batch_get_shm(buffer, items),
         }
@@ -806,6 +776,24 @@ impl<'a> Connection<'a> {
             },
             ..Reply::ok(w.buf)
         }
+    }
+}
+
+/// The reply to a batch put: a code per key.
+fn put_reply<'b>(codes: &[i32], values: &[&[u8]]) -> Reply<'b> {
+    let mut w = Writer::with_capacity(4 + 4 * codes.len());
+    w.u32(codes.len() as u32);
+    for &c in codes {
+        w.i32(c);
+    }
+    Reply {
+        sample: Sample {
+            keys: codes.len() as u64,
+            bytes_in: values.iter().map(|v| v.len() as u64).sum(),
+            error: codes.iter().any(|&c| c != code::OK),
+            ..Sample::default()
+        },
+        ..Reply::ok(w.buf)
     }
 }
 
