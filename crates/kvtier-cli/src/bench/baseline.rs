@@ -122,8 +122,9 @@ impl RawFile {
     /// are extended.
     pub fn create(path: &Path, value_size: usize, batch: usize) -> io::Result<RawFile> {
         let file = open_direct(path, true)?;
-        let read_bufs: Vec<AlignedBuf> =
-            (0..batch).map(|_| AlignedBuf::zeroed(value_size)).collect();
+        let read_bufs: Vec<AlignedBuf> = (0..batch)
+            .map(|_| super::data::touched_buffer(value_size))
+            .collect();
         Ok(RawFile {
             file,
             ring: IoUring::new(batch.next_power_of_two().max(2) as u32)?,
@@ -216,7 +217,9 @@ impl Memcpy {
                     v
                 })
                 .collect(),
-            dests: (0..batch).map(|_| AlignedBuf::zeroed(value_size)).collect(),
+            dests: (0..batch)
+                .map(|_| super::data::touched_buffer(value_size))
+                .collect(),
             value_size,
             next: 0,
         }

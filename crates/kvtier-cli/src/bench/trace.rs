@@ -12,7 +12,6 @@ use super::baseline::RawFile;
 use super::{data, BenchArgs, BenchResult, Measurement};
 use crate::size::{format_size, parse_size};
 use hdrhistogram::Histogram;
-use kvtier::disk::io::AlignedBuf;
 use kvtier::{Config, EvictionPolicy, IoEngineKind, KeyDigest, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -224,7 +223,7 @@ fn replay(
     let engine_name = store.stats().io_engine;
     let slot = (value_size as usize).div_ceil(4096) * 4096;
     let most_blocks = requests.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);
-    let mut host = AlignedBuf::zeroed(slot * most_blocks.max(1));
+    let mut host = super::data::touched_buffer(slot * most_blocks.max(1));
     let mut latency = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
     let (mut hit_blocks, mut blocks, mut verified, mut written) = (0u64, 0u64, 0u64, 0u64);
     let mut load_busy = Duration::ZERO;
