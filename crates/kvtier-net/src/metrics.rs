@@ -309,5 +309,7 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "flush_errors": s.flush_errors,
         "index_bytes": s.index_bytes,
         "io_engine": s.io_engine,
+        "io_fixed_buffers": s.io_fixed_buffers,
+        "io_registered_files": s.io_registered_files,
     })
 }

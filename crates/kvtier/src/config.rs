@@ -94,6 +94,7 @@ pub struct Config {
     pub(crate) io_threads: usize,
     pub(crate) io_depth: u32,
     pub(crate) direct_io: bool,
+    pub(crate) io_registration: bool,
     pub(crate) eviction: EvictionPolicy,
     pub(crate) flush: FlushPolicy,
     pub(crate) flush_batch_bytes: u64,
@@ -114,6 +115,7 @@ impl Config {
             io_threads: 4,
             io_depth: 64,
             direct_io: true,
+            io_registration: true,
             eviction: EvictionPolicy::S3Fifo,
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
@@ -178,6 +180,15 @@ impl Config {
     /// (tmpfs), buffered I/O is used with a warning. Default: true.
     pub fn direct_io(mut self, enabled: bool) -> Self {
         self.direct_io = enabled;
+        self
+    }
+
+    /// With the io_uring engine, register the memory pool as fixed buffers
+    /// (pinned once, not per write) and region files as registered files.
+    /// Either is skipped with a log line where the kernel or the memlock
+    /// limit refuses it. Default: true.
+    pub fn io_registration(mut self, enabled: bool) -> Self {
+        self.io_registration = enabled;
         self
     }
 

@@ -39,6 +39,11 @@ pub struct Stats {
     /// Bytes the index's hash tables occupy.
     pub index_bytes: u64,
     pub io_engine: &'static str,
+    /// Whether the io engine writes from the memory pool as io_uring fixed
+    /// buffers (pinned once at open, not per write).
+    pub io_fixed_buffers: bool,
+    /// Whether the io engine names region files by registered slots.
+    pub io_registered_files: bool,
 }
 
 #[derive(Debug, Default)]

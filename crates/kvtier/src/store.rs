@@ -152,6 +152,13 @@ impl Store {
             (None, RecoveryReport::default())
         };
         let pool = PoolCore::new(config.memory_capacity)?;
+        if let Some(disk) = &disk {
+            // The flusher writes straight from the pool: pinned once here,
+            // its pages need no pinning per write.
+            if disk.engine().register_memory(Arc::clone(&pool) as _) {
+                pool.exclude_from_fork();
+            }
+        }
         let eviction = EvictionQueues::new(config.eviction, pool.capacity_pages());
         let next_seq = recovery.max_seq + 1;
         if let Some(disk) = &disk {
@@ -164,6 +171,8 @@ impl Store {
                 dropped_tails = recovery.dropped_tails,
                 io_engine = disk.engine_name(),
                 direct_io = disk.direct_io(),
+                fixed_buffers = disk.engine().uses_fixed_buffers(),
+                registered_files = disk.engine().uses_registered_files(),
                 "opened kvtier store"
             );
         }
@@ -919,6 +928,14 @@ impl Inner {
             flush_errors: Counters::get(&c.flush_errors),
             index_bytes: counts.table_bytes,
             io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
+            io_fixed_buffers: self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.engine().uses_fixed_buffers()),
+            io_registered_files: self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.engine().uses_registered_files()),
         }
     }
 }

@@ -75,6 +75,10 @@ pub struct BenchArgs {
     /// io engine: uring or psync.
     #[arg(long, default_value = "uring")]
     pub io_engine: String,
+    /// With the uring engine: register the memory pool as fixed buffers
+    /// and region files as registered files (the store's default), or not.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub io_registration: bool,
     /// Memory pool capacity. Default: 2 GiB; with --trace, a list of
     /// capacities to replay at (default: 3 million tokens' worth of blocks).
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
@@ -406,7 +410,8 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
             .disk_capacity(disk)
             .eviction(eviction)
             .max_value_size(value_size)
-            .io_engine(engine);
+            .io_engine(engine)
+            .io_registration(args.io_registration);
         if wants(args, "put", "disk") || wants(args, "get", "disk") {
             let store = Store::open(config.clone())?;
             let engine_name = store.stats().io_engine;

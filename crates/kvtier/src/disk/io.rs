@@ -8,6 +8,7 @@ use std::fmt;
 use std::fs::File;
 use std::io::{self, IoSlice};
 use std::os::unix::io::AsRawFd;
+use std::sync::Arc;
 
 /// A heap buffer aligned to 4 KiB, as O_DIRECT requires.
 pub struct AlignedBuf {
@@ -115,6 +116,44 @@ pub trait IoEngine: Send + Sync + fmt::Debug {
 
     /// Makes every completed write to `file` durable (`fdatasync`).
     fn sync_data(&self, file: &File) -> io::Result<()>;
+
+    /// Offers memory that many transfers will use (the memory pool) for
+    /// pinning once instead of per transfer (io_uring fixed buffers). The
+    /// engine keeps `memory` alive for as long as it uses it. Returns
+    /// whether transfers within it now use the registration. Default: no.
+    fn register_memory(&self, memory: Arc<dyn LongLivedMemory>) -> bool {
+        let _ = memory;
+        false
+    }
+
+    /// Tells the engine that `file` will take many transfers until
+    /// `unregister_file` (io_uring registered files). Call
+    /// `unregister_file` before closing it. Default: nothing.
+    fn register_file(&self, file: &File) {
+        let _ = file;
+    }
+
+    /// Ends what `register_file` started; the file may be closed after.
+    fn unregister_file(&self, file: &File) {
+        let _ = file;
+    }
+
+    /// Whether `register_memory` took effect.
+    fn uses_fixed_buffers(&self) -> bool {
+        false
+    }
+
+    /// Whether `register_file` takes effect.
+    fn uses_registered_files(&self) -> bool {
+        false
+    }
+}
+
+/// Memory that stays mapped at one address for as long as this value
+/// lives, so an engine holding it may pin it.
+pub trait LongLivedMemory: Send + Sync + fmt::Debug {
+    /// Start and length of the memory.
+    fn memory_range(&self) -> (*const u8, usize);
 }
 
 /// `pread`/`pwritev` engine; a batch of reads is spread over up to

@@ -34,9 +34,28 @@ pub struct Region {
     path: PathBuf,
     /// Bytes of the file in use (header plus every batch written).
     len: AtomicU64,
+    /// Told when the file opens and before it closes (registered files).
+    engine: Arc<dyn IoEngine>,
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        self.engine.unregister_file(&self.file);
+    }
 }
 
 impl Region {
+    fn new(id: u32, file: File, path: PathBuf, len: u64, engine: &Arc<dyn IoEngine>) -> Region {
+        engine.register_file(&file);
+        Region {
+            id,
+            file,
+            path,
+            len: AtomicU64::new(len),
+            engine: Arc::clone(engine),
+        }
+    }
+
     pub fn len(&self) -> u64 {
         self.len.load(Ordering::Acquire)
     }
@@ -92,7 +111,7 @@ struct WriterState {
 #[derive(Debug)]
 pub struct DiskTier {
     dir: PathBuf,
-    engine: Box<dyn IoEngine>,
+    engine: Arc<dyn IoEngine>,
     direct_io: AtomicBool,
     capacity: u64,
     region_size: u64,
@@ -115,14 +134,18 @@ impl DiskTier {
         let dir = config.data_dir.join(REGION_DIR);
         fs::create_dir_all(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        let engine: Box<dyn IoEngine> = match config.io_engine {
-            IoEngineKind::Psync => Box::new(PsyncEngine::new(config.io_threads)),
+        let engine: Arc<dyn IoEngine> = match config.io_engine {
+            IoEngineKind::Psync => Arc::new(PsyncEngine::new(config.io_threads)),
             IoEngineKind::Uring => {
-                match uring::UringEngine::new(config.io_depth, config.io_threads) {
-                    Ok(engine) => Box::new(engine),
+                match uring::UringEngine::new(
+                    config.io_depth,
+                    config.io_threads,
+                    config.io_registration,
+                ) {
+                    Ok(engine) => Arc::new(engine),
                     Err(e) => {
                         tracing::warn!(error = %e, "io_uring is unavailable here; falling back to the psync io engine");
-                        Box::new(PsyncEngine::new(config.io_threads))
+                        Arc::new(PsyncEngine::new(config.io_threads))
                     }
                 }
             }
@@ -242,12 +265,7 @@ impl DiskTier {
             };
             report.regions += 1;
             report.max_seq = report.max_seq.max(header.first_seq.saturating_sub(1));
-            let region = Region {
-                id,
-                file,
-                path,
-                len: AtomicU64::new(file_len),
-            };
+            let region = Region::new(id, file, path, file_len, &self.engine);
             let scan = self.scan_region(&region, file_len, |batch_start, entries| {
                 report.batches += 1;
                 for entry in entries {
@@ -424,12 +442,13 @@ impl DiskTier {
             first_seq,
         }
         .encode(page.as_mut_slice());
-        let region = Arc::new(Region {
+        let region = Arc::new(Region::new(
             id,
             file,
-            path: path.clone(),
-            len: AtomicU64::new(REGION_HEADER_LEN),
-        });
+            path.clone(),
+            REGION_HEADER_LEN,
+            &self.engine,
+        ));
         self.regions
             .write()
             .unwrap()

@@ -4,13 +4,14 @@
 //! for the remainder; a full submission queue is drained by waiting for
 //! completions before queueing more.
 
-use super::io::{IoEngine, ReadOp};
+use super::io::{IoEngine, LongLivedMemory, ReadOp};
 use io_uring::{opcode, types, IoUring};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, IoSlice};
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 /// Largest single transfer handed to the kernel; bigger ones continue as
 /// "short" transfers.
@@ -18,11 +19,79 @@ const MAX_TRANSFER: usize = 1 << 30;
 /// Bytes per write submission: a batch's values are written as several
 /// concurrent writes of about this size, so the device sees a deep queue.
 const WRITE_CHUNK: usize = 4 << 20;
+/// Registered-file slots per ring: region files open at once. Files past
+/// this many are used through plain descriptors.
+const FILE_SLOTS: u32 = 4096;
+/// The kernel pins at most 1 GiB per registered buffer, so long-lived
+/// memory is registered as consecutive buffers of this size.
+const FIXED_BUFFER_LEN: usize = 1 << 30;
+
+/// Which registered-file slot holds each registered descriptor.
+#[derive(Debug, Default)]
+struct FileTable {
+    slots: HashMap<RawFd, u32>,
+    free: Vec<u32>,
+}
+
+/// Long-lived memory registered as fixed buffers on every ring.
+#[derive(Debug)]
+struct FixedMemory {
+    /// Kept alive so the registered range stays mapped.
+    _owner: Arc<dyn LongLivedMemory>,
+    start: usize,
+    len: usize,
+}
+
+impl FixedMemory {
+    /// The registered buffer that holds all of `ptr..ptr + len`, if one does.
+    fn index_of(&self, ptr: *const u8, len: usize) -> Option<u16> {
+        let at = (ptr as usize).checked_sub(self.start)?;
+        if len == 0 || at.checked_add(len)? > self.len {
+            return None;
+        }
+        let index = at / FIXED_BUFFER_LEN;
+        ((at + len - 1) / FIXED_BUFFER_LEN == index).then_some(index as u16)
+    }
+}
+
+/// How an operation names its file: a registered slot or a descriptor.
+#[derive(Debug, Clone, Copy)]
+enum FileTarget {
+    Fixed(u32),
+    Fd(RawFd),
+}
+
+/// Builds an SQE for either kind of file target (the io_uring crate types
+/// the two differently).
+macro_rules! on_target {
+    ($target:expr, $fd:ident => $build:expr) => {
+        match $target {
+            FileTarget::Fixed(slot) => {
+                let $fd = types::Fixed(slot);
+                $build
+            }
+            FileTarget::Fd(raw) => {
+                let $fd = types::Fd(raw);
+                $build
+            }
+        }
+    };
+}
 
 pub struct UringEngine {
     rings: Vec<Mutex<IoUring>>,
+    /// The rings' descriptors, for registrations made while a ring is busy
+    /// (the kernel serializes them with submissions itself).
+    ring_fds: Vec<RawFd>,
     next: AtomicUsize,
     depth: usize,
+    /// `None` where the kernel has no sparse file tables (before 5.19).
+    files: Option<RwLock<FileTable>>,
+    fixed: OnceLock<FixedMemory>,
+    /// Whether the kernel has IORING_OP_WRITEV_FIXED (6.15).
+    writev_fixed: bool,
+    /// Whether to register what callers offer at all.
+    registration: bool,
 }
 
 impl std::fmt::Debug for UringEngine {
@@ -30,17 +99,60 @@ impl std::fmt::Debug for UringEngine {
         f.debug_struct("UringEngine")
             .field("rings", &self.rings.len())
             .field("depth", &self.depth)
+            .field("registered_files", &self.files.is_some())
+            .field("fixed_buffers", &self.fixed.get().is_some())
             .finish()
+    }
+}
+
+/// IORING_REGISTER_FILES_UPDATE's argument (linux/io_uring.h).
+#[repr(C)]
+struct FilesUpdate {
+    offset: u32,
+    resv: u32,
+    fds: u64,
+}
+
+/// Points registered-file slot `slot` of the ring `ring_fd` at `fd` (or
+/// empties it for -1). A raw call on the ring's descriptor, so it needs no
+/// lock on a ring another thread may be waiting on.
+fn update_file_slot(ring_fd: RawFd, slot: u32, fd: RawFd) -> io::Result<()> {
+    const IORING_REGISTER_FILES_UPDATE: libc::c_long = 6;
+    let fds = [fd];
+    let update = FilesUpdate {
+        offset: slot,
+        resv: 0,
+        fds: fds.as_ptr() as u64,
+    };
+    // SAFETY: `update` and `fds` are valid for the call, which only reads
+    // them.
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring_fd as libc::c_long,
+            IORING_REGISTER_FILES_UPDATE,
+            &update as *const FilesUpdate,
+            1 as libc::c_long,
+        )
+    };
+    match result {
+        1 => Ok(()),
+        r if r < 0 => Err(io::Error::last_os_error()),
+        _ => Err(io::Error::other("registered-file update took no slot")),
     }
 }
 
 impl UringEngine {
     /// Sets up `rings` rings of `depth` entries and proves them with a
     /// no-op, since some sandboxes allow ring setup but refuse operations.
-    pub fn new(depth: u32, rings: usize) -> io::Result<Self> {
+    /// With `registration`, files and long-lived memory offered later are
+    /// registered with the rings (where the kernel allows it).
+    pub fn new(depth: u32, rings: usize, registration: bool) -> io::Result<Self> {
         let depth = depth.clamp(1, 4096);
         let mut created = Vec::with_capacity(rings.max(1));
-        for _ in 0..rings.max(1) {
+        let mut sparse_files = registration;
+        let mut writev_fixed = false;
+        for n in 0..rings.max(1) {
             let mut ring = IoUring::new(depth)?;
             let nop = opcode::Nop::new().build().user_data(u64::MAX);
             // SAFETY: a no-op references no memory.
@@ -53,13 +165,46 @@ impl UringEngine {
                 Some(_) => {}
                 None => return Err(io::Error::other("io_uring no-op did not complete")),
             }
+            if sparse_files {
+                sparse_files = ring.submitter().register_files_sparse(FILE_SLOTS).is_ok();
+            }
+            if n == 0 {
+                let mut probe = io_uring::Probe::new();
+                writev_fixed = ring.submitter().register_probe(&mut probe).is_ok()
+                    && probe.is_supported(opcode::WritevFixed::CODE);
+            }
             created.push(Mutex::new(ring));
         }
+        let ring_fds = created
+            .iter()
+            .map(|r| r.lock().unwrap().as_raw_fd())
+            .collect();
         Ok(UringEngine {
             rings: created,
+            ring_fds,
             next: AtomicUsize::new(0),
             depth: depth as usize,
+            files: sparse_files.then(|| {
+                RwLock::new(FileTable {
+                    slots: HashMap::new(),
+                    free: (0..FILE_SLOTS).rev().collect(),
+                })
+            }),
+            fixed: OnceLock::new(),
+            writev_fixed,
+            registration,
         })
+    }
+
+    fn target(&self, fd: RawFd) -> FileTarget {
+        self.files
+            .as_ref()
+            .and_then(|table| table.read().unwrap().slots.get(&fd).copied())
+            .map_or(FileTarget::Fd(fd), FileTarget::Fixed)
+    }
+
+    fn fixed_index(&self, ptr: *const u8, len: usize) -> Option<u16> {
+        self.fixed.get()?.index_of(ptr, len)
     }
 
     /// A ring for this call: a free one if any, else wait for one.
@@ -175,17 +320,24 @@ impl IoEngine for UringEngine {
                 )
             })
             .collect();
+        let files: Vec<FileTarget> = targets.iter().map(|t| self.target(t.0)).collect();
         let outcomes = self.run(
             targets.len(),
             |i| targets[i].3,
             |i, done| {
-                let (fd, offset, ptr, len) = targets[i];
+                let (_, offset, ptr, len) = targets[i];
                 let chunk = (len - done).min(MAX_TRANSFER);
                 // SAFETY: `done < len`, so the pointer stays inside the buffer.
                 let buf = unsafe { ptr.add(done) };
-                opcode::Read::new(types::Fd(fd), buf, chunk as u32)
-                    .offset(offset + done as u64)
-                    .build()
+                let at = offset + done as u64;
+                match self.fixed_index(buf, chunk) {
+                    Some(index) => on_target!(files[i], file => {
+                        opcode::ReadFixed::new(file, buf, chunk as u32, index).offset(at).build()
+                    }),
+                    None => on_target!(files[i], file => {
+                        opcode::Read::new(file, buf, chunk as u32).offset(at).build()
+                    }),
+                }
             },
             |i| {
                 let (_, _, ptr, len) = targets[i];
@@ -230,7 +382,7 @@ impl IoEngine for UringEngine {
             at += chunk.len as u64;
             chunks.push(chunk);
         }
-        let fd = file.as_raw_fd();
+        let file = self.target(file.as_raw_fd());
         // One iovec array per chunk, rebuilt per submission to skip what a
         // short write already wrote.
         let iovecs: Vec<Mutex<Vec<libc::iovec>>> =
@@ -254,9 +406,29 @@ impl IoEngine for UringEngine {
                     });
                     skip = 0;
                 }
-                opcode::Writev::new(types::Fd(fd), iov.as_ptr(), iov.len() as u32)
-                    .offset(chunk.offset + done as u64)
-                    .build()
+                let at = chunk.offset + done as u64;
+                // A chunk wholly inside one registered buffer (the pool's
+                // values, never the batch record) skips per-write pinning.
+                let fixed = iov
+                    .iter()
+                    .map(|v| self.fixed_index(v.iov_base.cast_const().cast(), v.iov_len))
+                    .reduce(|a, b| if a == b { a } else { None })
+                    .flatten();
+                match fixed {
+                    Some(index) if iov.len() == 1 => on_target!(file, f => {
+                        opcode::WriteFixed::new(f, iov[0].iov_base.cast_const().cast(), iov[0].iov_len as u32, index)
+                            .offset(at)
+                            .build()
+                    }),
+                    Some(index) if self.writev_fixed => on_target!(file, f => {
+                        opcode::WritevFixed::new(f, iov.as_ptr(), iov.len() as u32, index)
+                            .offset(at)
+                            .build()
+                    }),
+                    _ => on_target!(file, f => {
+                        opcode::Writev::new(f, iov.as_ptr(), iov.len() as u32).offset(at).build()
+                    }),
+                }
             },
             |_| {},
         );
@@ -265,6 +437,87 @@ impl IoEngine for UringEngine {
 
     fn sync_data(&self, file: &File) -> io::Result<()> {
         file.sync_data()
+    }
+
+    fn register_memory(&self, memory: Arc<dyn LongLivedMemory>) -> bool {
+        if !self.registration || self.fixed.get().is_some() {
+            return false; // off, or already done (one registration per ring)
+        }
+        let (start, len) = memory.memory_range();
+        if len == 0 || len.div_ceil(FIXED_BUFFER_LEN) > usize::from(u16::MAX) {
+            return false;
+        }
+        let iovecs: Vec<libc::iovec> = (0..len)
+            .step_by(FIXED_BUFFER_LEN)
+            .map(|at| libc::iovec {
+                // SAFETY: `at < len`, inside the memory.
+                iov_base: unsafe { start.add(at) }.cast_mut().cast(),
+                iov_len: (len - at).min(FIXED_BUFFER_LEN),
+            })
+            .collect();
+        for (n, ring) in self.rings.iter().enumerate() {
+            let ring = ring.lock().unwrap();
+            // SAFETY: `memory` stays mapped while the engine holds it (the
+            // trait's promise), and the engine keeps it until the rings go.
+            if let Err(e) = unsafe { ring.submitter().register_buffers(&iovecs) } {
+                tracing::info!(error = %e, bytes = len, "io_uring fixed buffers unavailable (pinning refused); transfers pin pages one by one");
+                for earlier in &self.rings[..n] {
+                    let _ = earlier.lock().unwrap().submitter().unregister_buffers();
+                }
+                return false;
+            }
+        }
+        let _ = self.fixed.set(FixedMemory {
+            _owner: memory,
+            start: start as usize,
+            len,
+        });
+        true
+    }
+
+    fn uses_fixed_buffers(&self) -> bool {
+        self.fixed.get().is_some()
+    }
+
+    fn uses_registered_files(&self) -> bool {
+        self.files.is_some()
+    }
+
+    fn register_file(&self, file: &File) {
+        let Some(table) = &self.files else { return };
+        let fd = file.as_raw_fd();
+        let mut table = table.write().unwrap();
+        if table.slots.contains_key(&fd) {
+            return;
+        }
+        let Some(slot) = table.free.pop() else { return };
+        for (n, &ring_fd) in self.ring_fds.iter().enumerate() {
+            if let Err(e) = update_file_slot(ring_fd, slot, fd) {
+                tracing::debug!(error = %e, "registering a file with io_uring failed; using its descriptor");
+                for &earlier in &self.ring_fds[..n] {
+                    let _ = update_file_slot(earlier, slot, -1);
+                }
+                table.free.push(slot);
+                return;
+            }
+        }
+        table.slots.insert(fd, slot);
+    }
+
+    fn unregister_file(&self, file: &File) {
+        let Some(table) = &self.files else { return };
+        let mut table = table.write().unwrap();
+        let Some(slot) = table.slots.remove(&file.as_raw_fd()) else {
+            return;
+        };
+        for &ring_fd in &self.ring_fds {
+            // Failing to empty a slot only keeps the old file open until
+            // the ring goes; the slot is not reused in that case.
+            if update_file_slot(ring_fd, slot, -1).is_err() {
+                return;
+            }
+        }
+        table.free.push(slot);
     }
 }
 
@@ -277,7 +530,8 @@ mod tests {
         // A depth far below the batch sizes below exercises the full
         // submission queue path.
         vec![
-            Box::new(UringEngine::new(2, 1).expect("io_uring")),
+            Box::new(UringEngine::new(2, 1, false).expect("io_uring")),
+            Box::new(UringEngine::new(2, 2, true).expect("io_uring")),
             Box::new(PsyncEngine::new(3)),
         ]
     }
@@ -383,6 +637,113 @@ mod tests {
             drop(ops);
             let joined: Vec<u8> = bufs.iter().flat_map(|b| b.as_slice().to_vec()).collect();
             assert!(joined == pattern(1 << 20, 3), "{}", engine.name());
+        }
+    }
+
+    /// Long-lived memory for tests: one aligned buffer.
+    #[derive(Debug)]
+    struct TestMemory(AlignedBuf);
+
+    impl LongLivedMemory for TestMemory {
+        fn memory_range(&self) -> (*const u8, usize) {
+            (self.0.as_slice().as_ptr(), self.0.len())
+        }
+    }
+
+    #[test]
+    fn fixed_buffer_index_covers_whole_ranges_only() {
+        let owner: Arc<dyn LongLivedMemory> = Arc::new(TestMemory(AlignedBuf::zeroed(4096)));
+        let fixed = FixedMemory {
+            _owner: owner,
+            start: 1 << 40,
+            len: 3 * FIXED_BUFFER_LEN + 4096,
+        };
+        let at = |offset: usize| ((1usize << 40) + offset) as *const u8;
+        assert_eq!(fixed.index_of(at(0), 4096), Some(0));
+        assert_eq!(fixed.index_of(at(FIXED_BUFFER_LEN - 4096), 4096), Some(0));
+        // Straddling two registered buffers: no single index holds it.
+        assert_eq!(fixed.index_of(at(FIXED_BUFFER_LEN - 4096), 8192), None);
+        assert_eq!(fixed.index_of(at(2 * FIXED_BUFFER_LEN), 4096), Some(2));
+        assert_eq!(fixed.index_of(at(3 * FIXED_BUFFER_LEN), 4096), Some(3));
+        // Past the end, before the start, empty.
+        assert_eq!(fixed.index_of(at(3 * FIXED_BUFFER_LEN), 8192), None);
+        assert_eq!(fixed.index_of((1usize << 40) as *const u8, 0), None);
+        assert_eq!(
+            fixed.index_of(((1usize << 40) - 4096) as *const u8, 4096),
+            None
+        );
+    }
+
+    /// Writes from registered memory (one buffer per write: WRITE_FIXED; many:
+    /// WRITEV_FIXED where the kernel has it) and reads into it (READ_FIXED)
+    /// through registered files, then checks that a registered slot freed by
+    /// one file and taken by the next never reads the old file.
+    #[test]
+    fn registered_files_and_fixed_buffers_round_trip() {
+        let engine = UringEngine::new(4, 2, true).expect("io_uring");
+        let memory = Arc::new(TestMemory(AlignedBuf::zeroed(64 << 20)));
+        let base = memory.0.as_slice().as_ptr() as *mut u8;
+        let registered = engine.register_memory(Arc::clone(&memory) as _);
+        // SAFETY: libc call without arguments.
+        if unsafe { libc::geteuid() } == 0 {
+            // Root has no memlock limit: the registration must have worked.
+            assert!(registered && engine.uses_fixed_buffers());
+            assert!(engine.uses_registered_files());
+        }
+        // SAFETY: the engine keeps `memory` alive; this test is its only
+        // user, and each range below is used by one side at a time.
+        let region = |offset: usize, len: usize| unsafe {
+            std::slice::from_raw_parts_mut(base.add(offset), len)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        for (round, name) in ["a", "b", "c"].into_iter().enumerate() {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.path().join(name))
+                .unwrap();
+            engine.register_file(&file);
+            // One 8 MiB value (a single-buffer write) and 300 values of 8 KiB
+            // (gathered into multi-buffer writes).
+            let big = pattern(8 << 20, round as u8);
+            region(0, big.len()).copy_from_slice(&big);
+            let smalls: Vec<Vec<u8>> = (0..300).map(|i| pattern(8192, (i + round) as u8)).collect();
+            for (i, small) in smalls.iter().enumerate() {
+                region((16 << 20) + i * 8192, 8192).copy_from_slice(small);
+            }
+            let mut slices: Vec<IoSlice<'_>> = vec![IoSlice::new(region(0, big.len()))];
+            slices.extend((0..300).map(|i| IoSlice::new(region((16 << 20) + i * 8192, 8192))));
+            engine.write_vectored_at(&file, 0, &slices).unwrap();
+            engine.sync_data(&file).unwrap();
+            // Read everything back into another part of the memory.
+            let back_at = 32 << 20;
+            let total = big.len() + 300 * 8192;
+            region(back_at, total).fill(0);
+            let mut ops = vec![ReadOp::new(&file, 0, region(back_at, big.len()))];
+            ops.extend((0..300).map(|i| {
+                ReadOp::new(
+                    &file,
+                    (big.len() + i * 8192) as u64,
+                    region(back_at + big.len() + i * 8192, 8192),
+                )
+            }));
+            engine.read_batch(&mut ops);
+            assert!(ops.iter().all(|op| op.result.is_ok()));
+            drop(ops);
+            assert!(
+                region(back_at, big.len()) == big.as_slice(),
+                "round {round}"
+            );
+            for (i, small) in smalls.iter().enumerate() {
+                assert!(
+                    region(back_at + big.len() + i * 8192, 8192) == small.as_slice(),
+                    "round {round}, value {i}"
+                );
+            }
+            engine.unregister_file(&file);
+            drop(file);
         }
     }
 }

@@ -72,6 +72,19 @@ impl PoolCore {
         }))
     }
 
+    /// Leaves the pool out of child processes. Pinned pages (io_uring fixed
+    /// buffers) would otherwise be copied whole into every `fork()` child,
+    /// as the kernel must for pages that may be under DMA: a multi-GiB copy
+    /// per fork. A child has no use for the pool: the store's threads do not
+    /// survive a fork.
+    pub fn exclude_from_fork(&self) {
+        // SAFETY: advice on this struct's own mapping; contents unchanged.
+        let result = unsafe { libc::madvise(self.base.cast(), self.len, libc::MADV_DONTFORK) };
+        if result != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "madvise(MADV_DONTFORK) on the memory pool failed");
+        }
+    }
+
     pub fn capacity(&self) -> u64 {
         self.len as u64
     }
@@ -114,9 +127,10 @@ impl PoolCore {
 /// Backs the whole pool with memory now, in huge pages where the kernel
 /// has them, so the data path takes no page faults and fewer TLB misses.
 fn prefault(base: *mut libc::c_void, len: usize) {
-    const MADV_POPULATE_WRITE: libc::c_int = 23; // Linux 5.14
-                                                 // SAFETY: `base..base+len` is the mapping just created; advice calls
-                                                 // do not change its contents.
+    // Linux 5.14.
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    // SAFETY: `base..base+len` is the mapping just created; advice calls do
+    // not change its contents.
     unsafe {
         libc::madvise(base, len, libc::MADV_HUGEPAGE);
         if libc::madvise(base, len, MADV_POPULATE_WRITE) == 0 {
@@ -128,6 +142,12 @@ fn prefault(base: *mut libc::c_void, len: usize) {
     for offset in (0..len).step_by(page) {
         // SAFETY: in bounds of the writable mapping.
         unsafe { std::ptr::write_volatile(base.cast::<u8>().add(offset), 0) };
+    }
+}
+
+impl crate::disk::io::LongLivedMemory for PoolCore {
+    fn memory_range(&self) -> (*const u8, usize) {
+        (self.base.cast_const(), self.len)
     }
 }
 
@@ -235,5 +255,24 @@ impl Drop for PoolSlot {
         self.core
             .live_bytes
             .fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod fork_tests {
+    use super::*;
+
+    #[test]
+    fn an_excluded_pool_is_marked_do_not_copy() {
+        let pool = PoolCore::new(8 << 20).unwrap();
+        pool.exclude_from_fork();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let start = format!("{:x}-", pool.base as usize);
+        let flags = smaps
+            .split_once(&start)
+            .and_then(|(_, rest)| rest.lines().find(|l| l.starts_with("VmFlags:")))
+            .expect("the pool's mapping and its flags");
+        // "dc": do not copy this area on fork.
+        assert!(flags.split_whitespace().any(|f| f == "dc"), "{flags}");
     }
 }
