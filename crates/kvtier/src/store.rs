@@ -12,7 +12,7 @@ use crate::disk::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
 use crate::disk::{DiskTier, RecoveryReport, Region};
 use crate::error::{Error, ErrorKind, Result};
 use crate::index::{DiskLoc, Entry, Index};
-use crate::key::{validate_key, value_checksum, KeyDigest};
+use crate::key::{validate_key, KeyDigest, ValueChecksum};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
@@ -717,8 +717,11 @@ impl Inner {
         results
     }
 
-    /// Submits every disk read of a batch at once; each value is verified
-    /// as soon as its read completes, while the others are in flight.
+    /// Submits every disk read of a batch at once, each value cut into
+    /// pieces of `VERIFY_PIECE` bytes. A value's checksum is computed piece
+    /// by piece as its pieces complete, in order, so verification runs while
+    /// later reads are in flight instead of after the last one (reads of a
+    /// batch share the device and tend to finish together).
     fn read_from_disk(
         &self,
         bufs: &mut [&mut [u8]],
@@ -728,14 +731,12 @@ impl Inner {
         let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
         // Per read of the batch: 0 = not done, 1 = verified, 2 = mismatch.
         let verdicts: Vec<AtomicU8> = reads.iter().map(|_| AtomicU8::new(0)).collect();
-        let expected: Vec<(KeyDigest, usize, u64)> = reads
-            .iter()
-            .flatten()
-            .map(|read| (read.digest, read.len, read.checksum))
-            .collect();
         {
             let mut ops: Vec<ReadOp<'_>> = Vec::new();
-            let mut owners: Vec<usize> = Vec::new();
+            // Per op: the read it belongs to and its piece number.
+            let mut owners: Vec<(usize, usize)> = Vec::new();
+            let mut checks: Vec<Mutex<PieceCheck>> = Vec::new();
+            let mut check_of: Vec<usize> = vec![usize::MAX; reads.len()];
             for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
                 let Some(read) = read else { continue };
                 let offset = u64::from(read.loc.page()) * PAGE_SIZE;
@@ -743,19 +744,40 @@ impl Inner {
                     Some(bounce) => &mut bounce.as_mut_slice()[..read.read_len],
                     None => &mut buf[..read.read_len],
                 };
-                ops.push(ReadOp::new(&read.region.file, offset, target));
-                owners.push(i);
+                let mut pieces = Vec::new();
+                for (k, piece) in target.chunks_mut(VERIFY_PIECE).enumerate() {
+                    pieces.push((piece.as_ptr() as usize, piece.len()));
+                    ops.push(ReadOp::new(
+                        &read.region.file,
+                        offset + (k * VERIFY_PIECE) as u64,
+                        piece,
+                    ));
+                    owners.push((i, k));
+                }
+                check_of[i] = checks.len();
+                checks.push(Mutex::new(PieceCheck {
+                    checksum: ValueChecksum::new(read.digest),
+                    done: vec![false; pieces.len()],
+                    pieces,
+                    next: 0,
+                    remaining: read.len,
+                    expected: read.checksum,
+                }));
             }
-            let verify = |op: usize, bytes: &[u8]| {
-                let (digest, len, checksum) = expected[op];
-                let ok = value_checksum(digest, &bytes[..len]) == checksum;
-                verdicts[owners[op]].store(if ok { 1 } else { 2 }, Ordering::Release);
+            let verify = |op: usize, _bytes: &[u8]| {
+                let (i, piece) = owners[op];
+                let mut check = checks[check_of[i]].lock().unwrap();
+                if let Some(ok) = check.complete(piece) {
+                    verdicts[i].store(if ok { 1 } else { 2 }, Ordering::Release);
+                }
             };
             disk.engine().read_batch_then(&mut ops, &verify);
             let outcomes: Vec<_> = ops.into_iter().map(|op| op.result).collect();
-            for (i, outcome) in owners.iter().copied().zip(outcomes) {
+            for ((i, _), outcome) in owners.iter().copied().zip(outcomes) {
                 if let Some(read) = &mut reads[i] {
-                    read.outcome = outcome;
+                    if read.outcome.is_ok() {
+                        read.outcome = outcome;
+                    }
                 }
             }
         }
@@ -937,6 +959,44 @@ impl Inner {
                 .as_ref()
                 .is_some_and(|d| d.engine().uses_registered_files()),
         }
+    }
+}
+
+/// Bytes per read submission when loading a value from disk: small enough
+/// that a value's first pieces complete (and are checksummed) while the
+/// rest are in flight, large enough that the device sees big transfers.
+const VERIFY_PIECE: usize = 4 << 20;
+
+/// One value's verification while its pieces complete in any order.
+struct PieceCheck {
+    checksum: ValueChecksum,
+    /// Address and length of each piece's bytes.
+    pieces: Vec<(usize, usize)>,
+    done: Vec<bool>,
+    /// The first piece not yet added to the checksum.
+    next: usize,
+    /// Value bytes not yet added (padding past the value is not hashed).
+    remaining: usize,
+    expected: u64,
+}
+
+impl PieceCheck {
+    /// Records that `piece` has been read; adds every piece now contiguous
+    /// with what was hashed before. Returns the verdict once all are in.
+    fn complete(&mut self, piece: usize) -> Option<bool> {
+        self.done[piece] = true;
+        while self.next < self.pieces.len() && self.done[self.next] {
+            let (at, len) = self.pieces[self.next];
+            let take = len.min(self.remaining);
+            // SAFETY: the piece's read has completed, so the kernel no
+            // longer writes it; the buffer outlives the batch read, and
+            // nothing else touches it until the read call returns.
+            let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, take) };
+            self.checksum.update(bytes);
+            self.remaining -= take;
+            self.next += 1;
+        }
+        (self.next == self.pieces.len()).then(|| self.checksum.finish() == self.expected)
     }
 }
 
