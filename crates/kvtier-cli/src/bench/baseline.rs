@@ -10,7 +10,7 @@ use kvtier::disk::io::AlignedBuf;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::Path;
 use std::time::Instant;
 
@@ -25,33 +25,34 @@ fn open_direct(path: &Path, create: bool) -> io::Result<File> {
     direct.open(path).or_else(|_| options.open(path))
 }
 
-/// Keeps `depth` transfers of `len` bytes in flight (refilling as each
-/// completes, as fio does at `iodepth=depth`) until every offset is done.
-/// Transfer `n` uses buffer `buffer_of(n)`. Returns per-transfer latencies.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the ring, file and buffers plus the transfer's shape"
-)]
+/// One raw transfer: `len` bytes at `offset` of the file `fd`.
+#[derive(Debug, Clone, Copy)]
+struct Transfer {
+    fd: RawFd,
+    offset: u64,
+    len: usize,
+}
+
+/// Keeps `depth` transfers in flight (refilling as each completes, as fio
+/// does at `iodepth=depth`) until every one is done. Transfer `n` uses
+/// buffer `buffer_of(n)`. Records per-transfer latencies into `m`.
 fn stream(
     ring: &mut IoUring,
-    file: &File,
     bufs: &mut [AlignedBuf],
     buffer_of: impl Fn(usize) -> usize,
-    offsets: &[u64],
-    len: usize,
+    transfers: &[Transfer],
     depth: usize,
     write: bool,
     m: &mut Measurement,
 ) -> io::Result<()> {
-    let fd = types::Fd(file.as_raw_fd());
-    let mut done = vec![0usize; offsets.len()];
-    let mut started = vec![Instant::now(); offsets.len()];
+    let mut done = vec![0usize; transfers.len()];
+    let mut started = vec![Instant::now(); transfers.len()];
     let mut next = 0usize;
     let mut retry: Vec<usize> = Vec::new();
     let mut in_flight = 0usize;
     let mut finished = 0usize;
-    while finished < offsets.len() {
-        while in_flight < depth && (next < offsets.len() || !retry.is_empty()) {
+    while finished < transfers.len() {
+        while in_flight < depth && (next < transfers.len() || !retry.is_empty()) {
             let n = retry.pop().unwrap_or_else(|| {
                 next += 1;
                 next - 1
@@ -59,11 +60,17 @@ fn stream(
             if done[n] == 0 {
                 started[n] = Instant::now();
             }
+            let t = transfers[n];
             let buf = &mut bufs[buffer_of(n)];
-            // SAFETY: `done[n] < len <= buffer length`.
+            assert!(
+                t.len <= buf.len(),
+                "baseline transfer larger than its buffer"
+            );
+            // SAFETY: `done[n] < t.len <= buffer length`.
             let at = unsafe { buf.as_mut_slice().as_mut_ptr().add(done[n]) };
-            let remaining = (len - done[n]) as u32;
-            let offset = offsets[n] + done[n] as u64;
+            let remaining = (t.len - done[n]) as u32;
+            let offset = t.offset + done[n] as u64;
+            let fd = types::Fd(t.fd);
             let entry = if write {
                 opcode::Write::new(fd, at, remaining).offset(offset).build()
             } else {
@@ -92,7 +99,7 @@ fn stream(
                 ));
             }
             done[n] += result as usize;
-            if done[n] < len {
+            if done[n] < transfers[n].len {
                 retry.push(n);
             } else {
                 finished += 1;
@@ -135,6 +142,17 @@ impl RawFile {
         })
     }
 
+    fn transfers(&self, offsets: &[u64]) -> Vec<Transfer> {
+        offsets
+            .iter()
+            .map(|&offset| Transfer {
+                fd: self.file.as_raw_fd(),
+                offset,
+                len: self.padded,
+            })
+            .collect()
+    }
+
     fn offsets(&self, range: &std::ops::Range<u64>) -> Vec<u64> {
         (range.start * self.batch as u64..range.end * self.batch as u64)
             .map(|v| v * self.padded as u64)
@@ -153,14 +171,13 @@ impl RawFile {
                 buf
             })
             .collect();
+        let transfers = self.transfers(&offsets);
         let started = Instant::now();
         stream(
             &mut self.ring,
-            &self.file,
             &mut prepared,
             |n| n,
-            &offsets,
-            self.padded,
+            &transfers,
             self.batch,
             true,
             m,
@@ -177,14 +194,13 @@ impl RawFile {
     pub fn read(&mut self, range: std::ops::Range<u64>, m: &mut Measurement) -> io::Result<()> {
         let offsets = self.offsets(&range);
         let depth = self.batch;
+        let transfers = self.transfers(&offsets);
         let started = Instant::now();
         stream(
             &mut self.ring,
-            &self.file,
             &mut self.read_bufs,
             |n| n % depth,
-            &offsets,
-            self.padded,
+            &transfers,
             depth,
             false,
             m,
@@ -193,6 +209,84 @@ impl RawFile {
             started.elapsed(),
             offsets.len() as u64 * self.value_size as u64,
         );
+        Ok(())
+    }
+}
+
+/// The store's own region files read raw: O_DIRECT io_uring reads of
+/// value-sized transfers, `batch` in flight continuously, front to back in
+/// log order (the order the store wrote its values). Reading the very
+/// blocks the store reads takes the disk's placement out of the comparison:
+/// on a virtual disk, two files written side by side can read at very
+/// different speeds.
+pub struct RegionFiles {
+    _files: Vec<File>,
+    transfers: Vec<Transfer>,
+    ring: IoUring,
+    bufs: Vec<AlignedBuf>,
+    depth: usize,
+}
+
+impl RegionFiles {
+    /// Opens every region file (`*.kvr`) under `dir`, in log order.
+    pub fn open(dir: &Path, value_size: usize, batch: usize) -> io::Result<RegionFiles> {
+        let mut paths: Vec<_> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "kvr"))
+            .collect();
+        paths.sort();
+        let chunk = value_size.div_ceil(4096) * 4096;
+        let mut files = Vec::with_capacity(paths.len());
+        let mut transfers = Vec::new();
+        for path in paths {
+            let file = open_direct(&path, false)?;
+            let len = file.metadata()?.len();
+            let mut offset = 0;
+            while offset < len {
+                let take = (len - offset).min(chunk as u64) as usize;
+                transfers.push(Transfer {
+                    fd: file.as_raw_fd(),
+                    offset,
+                    len: take,
+                });
+                offset += take as u64;
+            }
+            files.push(file);
+        }
+        Ok(RegionFiles {
+            _files: files,
+            transfers,
+            ring: IoUring::new(batch.next_power_of_two().max(2) as u32)?,
+            bufs: (0..batch)
+                .map(|_| super::data::touched_buffer(chunk))
+                .collect(),
+            depth: batch,
+        })
+    }
+
+    /// Reads round `round` of `rounds` equal shares of the files, timed
+    /// into `m`.
+    pub fn read_round(
+        &mut self,
+        round: usize,
+        rounds: usize,
+        m: &mut Measurement,
+    ) -> io::Result<()> {
+        let n = self.transfers.len();
+        let share = &self.transfers[n * round / rounds..n * (round + 1) / rounds];
+        let bytes: u64 = share.iter().map(|t| t.len as u64).sum();
+        let depth = self.depth;
+        let started = Instant::now();
+        stream(
+            &mut self.ring,
+            &mut self.bufs,
+            |i| i % depth,
+            share,
+            depth,
+            false,
+            m,
+        )?;
+        m.add_span(started.elapsed(), bytes);
         Ok(())
     }
 }

@@ -324,9 +324,17 @@ fn wants(args: &BenchArgs, op: &str, tier: &str) -> bool {
     args.ops.iter().any(|o| o == op) && args.tiers.iter().any(|t| t == tier)
 }
 
-/// Splits `0..batches` into up to 8 rounds.
-fn rounds(batches: u64) -> Vec<std::ops::Range<u64>> {
-    let n = batches.min(8);
+/// Rounds per put case: each ends with a flush (and the baseline's
+/// fdatasync), so they stay few and long.
+const PUT_ROUNDS: u64 = 8;
+/// Rounds per get case: this machine's disk switches between throughput
+/// modes every few seconds, so store and baseline alternate finely (a batch
+/// or a few per round) to meet the same conditions.
+const GET_ROUNDS: u64 = 64;
+
+/// Splits `0..batches` into up to `most` rounds.
+fn rounds(batches: u64, most: u64) -> Vec<std::ops::Range<u64>> {
+    let n = batches.min(most);
     (0..n)
         .map(|r| (batches * r / n)..(batches * (r + 1) / n))
         .collect()
@@ -405,17 +413,21 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 .join(format!("baseline-{value_size}-{batch}.scratch"))
         };
         let _ = std::fs::remove_dir_all(&store_dir);
-        let config = Config::new(&store_dir)
-            .memory_capacity(memory)
-            .disk_capacity(disk)
-            .eviction(eviction)
-            .max_value_size(value_size)
-            .io_engine(engine)
-            .io_registration(args.io_registration);
+        let config_in = |dir: PathBuf| {
+            Config::new(dir)
+                .memory_capacity(memory)
+                .disk_capacity(disk)
+                .eviction(eviction)
+                .max_value_size(value_size)
+                .io_engine(engine)
+                .io_registration(args.io_registration)
+        };
+        let config = config_in(store_dir.clone());
         if wants(args, "put", "disk") || wants(args, "get", "disk") {
-            let store = Store::open(config.clone())?;
-            let engine_name = store.stats().io_engine;
-            let mut raw_files = Vec::new();
+            // One store per batch count, so each case's region files are its
+            // own: the read baseline reads exactly those files.
+            let case_config = |batch: usize| config_in(store_dir.join(format!("x{batch}")));
+            let mut engine_name = "";
             for &batch in &args.batches {
                 let case = Case {
                     args,
@@ -424,13 +436,13 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     batches: batches_for(args.bytes_per_case, value_size, batch),
                 };
                 progress.case(&format!("put disk {} x{batch}", format_size(value_size)));
-                // The baseline writes the same bytes to its own fresh file,
-                // kept for the matching read baseline, so both sides later
-                // read data of the same age.
+                let store = Store::open(case_config(batch))?;
+                engine_name = store.stats().io_engine;
+                // The baseline writes the same bytes to its own fresh file.
                 let mut raw =
                     baseline::RawFile::create(&scratch(batch), value_size as usize, batch)?;
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());
-                for (r, round) in rounds(case.batches).into_iter().enumerate() {
+                for (r, round) in rounds(case.batches, PUT_ROUNDS).into_iter().enumerate() {
                     // Who goes first alternates, so neither side's data is
                     // systematically fresher in a cache below the VM.
                     if r % 2 == 0 {
@@ -441,7 +453,9 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         put_disk(&store, &case, round, &mut put)?;
                     }
                 }
-                raw_files.push(raw);
+                store.close()?;
+                drop(raw);
+                let _ = std::fs::remove_file(scratch(batch));
                 if wants(args, "put", "disk") {
                     let row = Row::new(
                         "put",
@@ -458,12 +472,8 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     rows.push(row);
                 }
             }
-            store.close()?;
-            drop(store);
             if wants(args, "get", "disk") {
-                // Reopen: the pool starts empty, so every get reads the disk.
-                let store = Store::open(config.clone())?;
-                for (&batch, raw) in args.batches.iter().zip(raw_files.iter_mut()) {
+                for &batch in &args.batches {
                     let case = Case {
                         args,
                         value_size,
@@ -471,25 +481,37 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         batches: batches_for(args.bytes_per_case, value_size, batch),
                     };
                     progress.case(&format!("get disk {} x{batch}", format_size(value_size)));
+                    // Reopen: the pool starts empty, so every get reads the
+                    // disk. The baseline reads the same region files raw.
+                    let config = case_config(batch);
+                    let store = Store::open(config.clone())?;
+                    let mut raw = baseline::RegionFiles::open(
+                        &config.data_dir().join("regions"),
+                        value_size as usize,
+                        batch,
+                    )?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let mut hosts = host_buffers(&case);
-                    for (r, round) in rounds(case.batches).into_iter().enumerate() {
-                        // Who goes first alternates, as for the writes.
+                    let round_list = rounds(case.batches, GET_ROUNDS);
+                    let count = round_list.len();
+                    for (r, round) in round_list.into_iter().enumerate() {
+                        // Who goes first alternates: the second reader of the
+                        // same blocks may find them in a cache below the VM.
                         if r % 2 == 1 {
-                            raw.read(round.clone(), &mut base)?;
+                            raw.read_round(r, count, &mut base)?;
                         }
                         verified += get_round(
                             &store,
                             &case,
                             "disk",
-                            round.clone(),
+                            round,
                             u64::MAX,
                             &mut hosts,
                             &mut get,
                         )?;
                         if r % 2 == 0 {
-                            raw.read(round, &mut base)?;
+                            raw.read_round(r, count, &mut base)?;
                         }
                     }
                     if store.stats().memory_hits > 0 {
@@ -502,18 +524,14 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         batch,
                         &get,
                         &base,
-                        "raw O_DIRECT io_uring read",
+                        "raw O_DIRECT io_uring read of the store's region files",
                         engine_name,
                         verified,
                     );
                     progress.row(&row);
                     rows.push(row);
+                    store.close()?;
                 }
-                store.close()?;
-            }
-            drop(raw_files);
-            for &batch in &args.batches {
-                let _ = std::fs::remove_file(scratch(batch));
             }
             let _ = std::fs::remove_dir_all(&store_dir);
         }
@@ -547,7 +565,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 );
                 progress.case(&format!("put memory {} x{batch}", format_size(value_size)));
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());
-                for round in rounds(case.batches) {
+                for round in rounds(case.batches, PUT_ROUNDS) {
                     put_memory(&store, &case, round.clone(), keys_in_set, &mut put)?;
                     memcpy.run(round, &mut base);
                 }
@@ -572,7 +590,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let mut verified = 0;
                     let resident = keys_in_set.min(case.batches * batch as u64);
                     let mut hosts = host_buffers(&case);
-                    for (r, round) in rounds(case.batches).into_iter().enumerate() {
+                    for (r, round) in rounds(case.batches, GET_ROUNDS).into_iter().enumerate() {
                         if r % 2 == 1 {
                             memcpy.run(round.clone(), &mut base);
                         }

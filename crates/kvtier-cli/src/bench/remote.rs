@@ -7,7 +7,7 @@
 
 use super::baseline::{Memcpy, RawFile};
 use super::report::Row;
-use super::{data, rounds, BenchArgs, BenchResult, Measurement};
+use super::{data, rounds, BenchArgs, BenchResult, Measurement, GET_ROUNDS, PUT_ROUNDS};
 use crate::size::format_size;
 use kvtier::{PutOptions, PutTier};
 use kvtier_net::{Client, ClientOptions};
@@ -278,7 +278,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         tcp.run(value_size * batch, 0..1, &mut ignored)?;
                     }
                 }
-                for round in rounds(batches) {
+                for round in rounds(batches, PUT_ROUNDS) {
                     for b in round.clone() {
                         let keys: Vec<Vec<u8>> = (0..batch as u64)
                             .map(|i| remote.key("memory", batch, (b % set) * batch as u64 + i))
@@ -348,7 +348,11 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     .data_dir
                     .join(format!("remote-baseline-{value_size}-{batch}.scratch"));
                 let mut raw = RawFile::create(&scratch_path, value_size, batch)?;
-                for (r, round) in rounds(batches).into_iter().enumerate() {
+                for (r, round) in rounds(batches, PUT_ROUNDS).into_iter().enumerate() {
+                    // Who goes first alternates, as in the embedded bench.
+                    if r % 2 == 1 {
+                        raw.write(round.clone(), &mut base_write)?;
+                    }
                     let started = Instant::now();
                     let mut calls = Measurement::new();
                     for b in round.clone() {
@@ -364,8 +368,9 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     );
                     put.latency_us.add(&calls.latency_us).ok();
                     put.calls += calls.calls;
-                    let _ = r;
-                    raw.write(round, &mut base_write)?;
+                    if r % 2 == 0 {
+                        raw.write(round, &mut base_write)?;
+                    }
                 }
                 let mut ignored = Measurement::new();
                 for b in batches..batches + filler_batches {
@@ -393,7 +398,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     let before = remote.client.stats()?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
-                    for (r, round) in rounds(batches).into_iter().enumerate() {
+                    for (r, round) in rounds(batches, GET_ROUNDS).into_iter().enumerate() {
                         let store_round = |remote: &mut Remote,
                                            get: &mut Measurement,
                                            scratch: &mut Vec<Vec<u8>>|
