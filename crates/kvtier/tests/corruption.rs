@@ -182,7 +182,7 @@ fn torn_tail_and_garbage_files_are_dropped() {
     });
 }
 
-/// Values larger than one read piece (4 MiB) are read in pieces and
+/// Values larger than one read piece (2 MiB) are read in pieces and
 /// checksummed piece by piece: damage in a later piece is still a miss,
 /// damage in the page padding after a value is not part of it, and both
 /// the direct path (aligned buffer) and the bounce path (unaligned) agree.
@@ -206,7 +206,7 @@ fn multi_piece_values_are_verified_whole() {
         let path = &region_files(dir.path())[0];
         let offsets = batch_offsets(path);
         assert_eq!(offsets.len(), 3);
-        // Key 0: a byte in the third piece. Key 1: a byte in the padding.
+        // Key 0: a byte in the last piece. Key 1: a byte in the padding.
         flip(path, offsets[0] + 4096 + 9 * MIB + 5);
         flip(path, offsets[1] + 4096 + len as u64 + 10);
         let store = open(config);
