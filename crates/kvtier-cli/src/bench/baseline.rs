@@ -264,8 +264,13 @@ impl RegionFiles {
         })
     }
 
-    /// Reads round `round` of `rounds` equal shares of the files, timed
-    /// into `m`.
+    /// For round `round` of `rounds`, reads the share of the files that the
+    /// store reads half a case later (or read half a case earlier), timed
+    /// into `m`. Never the blocks the store reads in the same round: a cache
+    /// below the VM would then serve the second reader from what the first
+    /// just fetched. Each block is still read once by each side, half of
+    /// them first by the store and half first by the baseline, always half
+    /// a case apart.
     pub fn read_round(
         &mut self,
         round: usize,
@@ -273,7 +278,8 @@ impl RegionFiles {
         m: &mut Measurement,
     ) -> io::Result<()> {
         let n = self.transfers.len();
-        let share = &self.transfers[n * round / rounds..n * (round + 1) / rounds];
+        let share_index = (round + rounds / 2) % rounds;
+        let share = &self.transfers[n * share_index / rounds..n * (share_index + 1) / rounds];
         let bytes: u64 = share.iter().map(|t| t.len as u64).sum();
         let depth = self.depth;
         let started = Instant::now();
