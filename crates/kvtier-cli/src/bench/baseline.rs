@@ -213,12 +213,10 @@ impl RawFile {
     }
 }
 
-/// The store's own region files read raw: O_DIRECT io_uring reads of
-/// value-sized transfers, `batch` in flight continuously, front to back in
-/// log order (the order the store wrote its values). Reading the very
-/// blocks the store reads takes the disk's placement out of the comparison:
-/// on a virtual disk, two files written side by side can read at very
-/// different speeds.
+/// A store's region files read raw: O_DIRECT io_uring reads of value-sized
+/// transfers, `batch` in flight continuously, front to back in log order
+/// (the order the store wrote its values). The bench points it at a twin
+/// of the measured store, written with the same calls at the same times.
 pub struct RegionFiles {
     _files: Vec<File>,
     transfers: Vec<Transfer>,
@@ -264,13 +262,8 @@ impl RegionFiles {
         })
     }
 
-    /// For round `round` of `rounds`, reads the share of the files that the
-    /// store reads half a case later (or read half a case earlier), timed
-    /// into `m`. Never the blocks the store reads in the same round: a cache
-    /// below the VM would then serve the second reader from what the first
-    /// just fetched. Each block is still read once by each side, half of
-    /// them first by the store and half first by the baseline, always half
-    /// a case apart.
+    /// Reads round `round` of `rounds` equal shares of the files, timed
+    /// into `m`.
     pub fn read_round(
         &mut self,
         round: usize,
@@ -278,8 +271,7 @@ impl RegionFiles {
         m: &mut Measurement,
     ) -> io::Result<()> {
         let n = self.transfers.len();
-        let share_index = (round + rounds / 2) % rounds;
-        let share = &self.transfers[n * share_index / rounds..n * (share_index + 1) / rounds];
+        let share = &self.transfers[n * round / rounds..n * (round + 1) / rounds];
         let bytes: u64 = share.iter().map(|t| t.len as u64).sum();
         let depth = self.depth;
         let started = Instant::now();

@@ -427,6 +427,11 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
             // One store per batch count, so each case's region files are its
             // own: the read baseline reads exactly those files.
             let case_config = |batch: usize| config_in(store_dir.join(format!("x{batch}")));
+            // A twin store per case, written with the same calls in the same
+            // rounds, whose region files the read baseline reads raw: the same
+            // layout, write pattern and age as the measured store's, on other
+            // blocks, so neither side ever reads what the other just fetched.
+            let twin_config = |batch: usize| config_in(store_dir.join(format!("x{batch}-twin")));
             let mut engine_name = "";
             for &batch in &args.batches {
                 let case = Case {
@@ -437,6 +442,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 };
                 progress.case(&format!("put disk {} x{batch}", format_size(value_size)));
                 let store = Store::open(case_config(batch))?;
+                let twin = Store::open(twin_config(batch))?;
                 engine_name = store.stats().io_engine;
                 // The baseline writes the same bytes to its own fresh file.
                 let mut raw =
@@ -447,13 +453,17 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     // systematically fresher in a cache below the VM.
                     if r % 2 == 0 {
                         put_disk(&store, &case, round.clone(), &mut put)?;
+                        put_disk(&twin, &case, round.clone(), &mut Measurement::new())?;
                         raw.write(round, &mut base)?;
                     } else {
                         raw.write(round.clone(), &mut base)?;
+                        put_disk(&twin, &case, round.clone(), &mut Measurement::new())?;
                         put_disk(&store, &case, round, &mut put)?;
                     }
                 }
                 store.close()?;
+                twin.close()?;
+                drop(twin);
                 drop(raw);
                 let _ = std::fs::remove_file(scratch(batch));
                 if wants(args, "put", "disk") {
@@ -482,14 +492,11 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     };
                     progress.case(&format!("get disk {} x{batch}", format_size(value_size)));
                     // Reopen: the pool starts empty, so every get reads the
-                    // disk. The baseline reads the same region files raw.
-                    let config = case_config(batch);
-                    let store = Store::open(config.clone())?;
-                    let mut raw = baseline::RegionFiles::open(
-                        &config.data_dir().join("regions"),
-                        value_size as usize,
-                        batch,
-                    )?;
+                    // disk. The baseline reads the twin's region files raw.
+                    let store = Store::open(case_config(batch))?;
+                    let twin_regions = twin_config(batch).data_dir().join("regions");
+                    let mut raw =
+                        baseline::RegionFiles::open(&twin_regions, value_size as usize, batch)?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let mut hosts = host_buffers(&case);
@@ -524,13 +531,15 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         batch,
                         &get,
                         &base,
-                        "raw O_DIRECT io_uring read of the store's region files",
+                        "raw O_DIRECT io_uring read of a twin store's region files",
                         engine_name,
                         verified,
                     );
                     progress.row(&row);
                     rows.push(row);
                     store.close()?;
+                    drop(raw);
+                    let _ = std::fs::remove_dir_all(twin_config(batch).data_dir());
                 }
             }
             let _ = std::fs::remove_dir_all(&store_dir);
