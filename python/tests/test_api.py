@@ -101,6 +101,29 @@ def test_closed_store_raises(tmp_path):
     assert s.batch_put_from(["k"], [b"v"]) == [errors.CLOSED]
 
 
+def test_forked_child_is_refused_and_parent_keeps_working(tmp_path):
+    import os
+
+    s = kvtier.Store(str(tmp_path / "s"), memory="16MiB", disk="64MiB")
+    s.put("k", b"v" * 5000)
+    s.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            s.get("k")
+        except kvtier.KvtierError as e:
+            if "fork" in str(e) and s.batch_put_from(["x"], [b"y"]) == [errors.CLOSED]:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert s.get("k") == b"v" * 5000
+    s.put("after", b"z" * 100)
+    s.close()
+
+
 def test_locked_directory(tmp_path):
     with kvtier.Store(str(tmp_path / "s"), memory="16MiB", disk="64MiB"):
         with pytest.raises(kvtier.KvtierError, match="in use"):

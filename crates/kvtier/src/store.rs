@@ -106,6 +106,8 @@ pub(crate) struct Inner {
     lock: Mutex<Option<DirLock>>,
     pub recovery: RecoveryReport,
     pub max_put_len: AtomicU64,
+    /// The process that opened the store (see `check_owner`).
+    owner_pid: u32,
 }
 
 /// The embedded tiered KV-cache store. `Send + Sync`: share it with an
@@ -201,6 +203,7 @@ impl Store {
             closed: AtomicBool::new(false),
             lock: Mutex::new(Some(lock)),
             recovery,
+            owner_pid: std::process::id(),
         });
         let flusher = if inner.disk.is_some() {
             let worker = Arc::clone(&inner);
@@ -377,6 +380,9 @@ impl Store {
     /// Flushes, stops the flusher and releases the data directory. Later
     /// calls fail with `Closed`. Dropping the store closes it too.
     pub fn close(&self) -> Result<()> {
+        // In a fork() child: touch nothing (the flusher, the lock and the
+        // pool belong to the parent).
+        self.inner.check_owner()?;
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
@@ -411,6 +417,17 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        if self.inner.check_owner().is_err() {
+            // A fork() child dropping the parent's store: running the
+            // destructors would join a thread that does not exist here and
+            // release state the parent still uses. Leak it; the child's
+            // exit reclaims the memory.
+            std::mem::forget(Arc::clone(&self.inner));
+            if let Some(handle) = self.flusher.get_mut().ok().and_then(Option::take) {
+                std::mem::forget(handle);
+            }
+            return;
+        }
         if let Err(e) = self.close() {
             tracing::warn!(error = %e, "closing the store on drop");
         }
@@ -480,7 +497,26 @@ impl Inner {
         if self.closed.load(Ordering::Acquire) {
             Err(Error::closed())
         } else {
+            self.check_owner()
+        }
+    }
+
+    /// A `fork()` child inherits the store object but not its flusher
+    /// thread, and a registered pool is not even mapped there: every call
+    /// in the child is refused with a clear error instead.
+    pub(crate) fn check_owner(&self) -> Result<()> {
+        let pid = std::process::id();
+        if pid == self.owner_pid {
             Ok(())
+        } else {
+            Err(Error::new(
+                crate::ErrorKind::Closed,
+                format!(
+                    "this store was opened by process {} and process {pid} is a fork() child of it: \
+                     a child cannot use the parent's store; open a store or a client in the child",
+                    self.owner_pid
+                ),
+            ))
         }
     }
 

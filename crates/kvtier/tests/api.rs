@@ -379,3 +379,51 @@ fn uring_registration_is_reported_and_optional() {
         assert_eq!(store.stats().checksum_failures, 0);
     }
 }
+
+/// A fork() child inherits the store object but not its flusher, its lock
+/// or (with io_uring registration) its pool mapping: every call there is a
+/// clear `Closed` error, dropping it there leaves the parent's store intact.
+#[test]
+fn a_forked_child_is_refused_and_leaves_the_parent_working() {
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        store.put(key(1), value_for(&key(1), 1, 100_000)).unwrap();
+        store.flush().unwrap();
+        // SAFETY: the child only calls the store (whose refusal allocates
+        // an error string; glibc's malloc is fork-safe) and then _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let refused = |r: kvtier::Result<()>| matches!(r, Err(e) if e.kind() == ErrorKind::Closed && e.to_string().contains("fork"));
+            let ok = refused(store.get(key(1)).map(drop))
+                && refused(store.put(key(2), vec![1u8; 10]))
+                && refused(store.close());
+            drop(store);
+            // SAFETY: ends the child without running the parent's atexit work.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just forked.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(
+            libc::WIFEXITED(status),
+            "child did not exit normally: {status}"
+        );
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "child was not refused cleanly"
+        );
+        // The parent's store is untouched.
+        assert_eq!(
+            store.get(key(1)).unwrap().unwrap(),
+            value_for(&key(1), 1, 100_000)
+        );
+        store.put(key(3), value_for(&key(3), 1, 50_000)).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let store = open(small_config(dir.path()));
+        assert!(store.get(key(3)).unwrap().is_some());
+    });
+}
