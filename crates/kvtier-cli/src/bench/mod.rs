@@ -491,25 +491,45 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         batches: batches_for(args.bytes_per_case, value_size, batch),
                     };
                     progress.case(&format!("get disk {} x{batch}", format_size(value_size)));
-                    // Reopen: the pool starts empty, so every get reads the
-                    // disk. The baseline reads the twin's region files raw.
-                    let store = Store::open(case_config(batch))?;
-                    let twin_regions = twin_config(batch).data_dir().join("regions");
-                    let mut raw =
-                        baseline::RegionFiles::open(&twin_regions, value_size as usize, batch)?;
+                    // Reopen both copies: the pools start empty, so every get
+                    // reads the disk. In even rounds the store reads its copy
+                    // and the baseline the twin's files; in odd rounds the
+                    // other way round. Each side reads half of each copy and
+                    // no block twice, so where the host placed each copy
+                    // (which on this disk decides its speed) weighs the same
+                    // on both sides.
+                    let copies = [case_config(batch), twin_config(batch)];
+                    let stores = [
+                        Store::open(copies[0].clone())?,
+                        Store::open(copies[1].clone())?,
+                    ];
+                    let mut raws = [
+                        baseline::RegionFiles::open(
+                            &copies[0].data_dir().join("regions"),
+                            value_size as usize,
+                            batch,
+                        )?,
+                        baseline::RegionFiles::open(
+                            &copies[1].data_dir().join("regions"),
+                            value_size as usize,
+                            batch,
+                        )?,
+                    ];
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let mut hosts = host_buffers(&case);
                     let round_list = rounds(case.batches, GET_ROUNDS);
                     let count = round_list.len();
                     for (r, round) in round_list.into_iter().enumerate() {
-                        // Who goes first alternates: the second reader of the
-                        // same blocks may find them in a cache below the VM.
-                        if r % 2 == 1 {
+                        let store_copy = r % 2;
+                        let raw = &mut raws[1 - store_copy];
+                        // Who goes first alternates too, on its own period.
+                        let raw_first = (r / 2) % 2 == 1;
+                        if raw_first {
                             raw.read_round(r, count, &mut base)?;
                         }
                         verified += get_round(
-                            &store,
+                            &stores[store_copy],
                             &case,
                             "disk",
                             round,
@@ -517,11 +537,11 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                             &mut hosts,
                             &mut get,
                         )?;
-                        if r % 2 == 0 {
+                        if !raw_first {
                             raw.read_round(r, count, &mut base)?;
                         }
                     }
-                    if store.stats().memory_hits > 0 {
+                    if stores.iter().any(|s| s.stats().memory_hits > 0) {
                         return Err("a disk get was served from memory: the case is invalid".into());
                     }
                     let row = Row::new(
@@ -531,15 +551,18 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         batch,
                         &get,
                         &base,
-                        "raw O_DIRECT io_uring read of a twin store's region files",
+                        "raw O_DIRECT io_uring read of region files (store and twin swapped each round)",
                         engine_name,
                         verified,
                     );
                     progress.row(&row);
                     rows.push(row);
-                    store.close()?;
-                    drop(raw);
-                    let _ = std::fs::remove_dir_all(twin_config(batch).data_dir());
+                    for store in stores {
+                        store.close()?;
+                    }
+                    drop(raws);
+                    let _ = std::fs::remove_dir_all(copies[0].data_dir());
+                    let _ = std::fs::remove_dir_all(copies[1].data_dir());
                 }
             }
             let _ = std::fs::remove_dir_all(&store_dir);
