@@ -17,7 +17,7 @@ use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -765,14 +765,12 @@ impl Inner {
         results: &mut [Result<Option<usize>>],
     ) {
         let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
-        // Per read of the batch: 0 = not done, 1 = verified, 2 = mismatch.
-        let verdicts: Vec<AtomicU8> = reads.iter().map(|_| AtomicU8::new(0)).collect();
+        // Per read of the batch (None where the key needs no disk read).
+        let mut checks: Vec<Option<Mutex<PieceCheck>>> = reads.iter().map(|_| None).collect();
         {
             let mut ops: Vec<ReadOp<'_>> = Vec::new();
             // Per op: the read it belongs to and its piece number.
             let mut owners: Vec<(usize, usize)> = Vec::new();
-            let mut checks: Vec<Mutex<PieceCheck>> = Vec::new();
-            let mut check_of: Vec<usize> = vec![usize::MAX; reads.len()];
             for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
                 let Some(read) = read else { continue };
                 let offset = u64::from(read.loc.page()) * PAGE_SIZE;
@@ -790,21 +788,20 @@ impl Inner {
                     ));
                     owners.push((i, k));
                 }
-                check_of[i] = checks.len();
-                checks.push(Mutex::new(PieceCheck {
+                checks[i] = Some(Mutex::new(PieceCheck {
                     checksum: ValueChecksum::new(read.digest),
                     done: vec![false; pieces.len()],
                     pieces,
                     next: 0,
                     remaining: read.len,
                     expected: read.checksum,
+                    verified: false,
                 }));
             }
             let verify = |op: usize, _bytes: &[u8]| {
                 let (i, piece) = owners[op];
-                let mut check = checks[check_of[i]].lock().unwrap();
-                if let Some(ok) = check.complete(piece) {
-                    verdicts[i].store(if ok { 1 } else { 2 }, Ordering::Release);
+                if let Some(check) = &checks[i] {
+                    check.lock().unwrap().complete(piece);
                 }
             };
             disk.engine().read_batch_then(&mut ops, &verify);
@@ -820,7 +817,13 @@ impl Inner {
         for (i, (buf, read)) in bufs.iter_mut().zip(reads.iter_mut()).enumerate() {
             let Some(read) = read else { continue };
             let verdict = match &read.outcome {
-                Ok(()) if verdicts[i].load(Ordering::Acquire) == 1 => Ok(()),
+                Ok(())
+                    if checks[i]
+                        .as_mut()
+                        .is_some_and(|c| c.get_mut().unwrap().verified) =>
+                {
+                    Ok(())
+                }
                 Ok(()) => Err("checksum or key digest mismatch".to_string()),
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                     Err(format!("value lies past the end of its region file: {e}"))
@@ -1018,12 +1021,15 @@ struct PieceCheck {
     /// Value bytes not yet added (padding past the value is not hashed).
     remaining: usize,
     expected: u64,
+    /// Set once every piece is in and the checksum matched.
+    verified: bool,
 }
 
 impl PieceCheck {
-    /// Records that `piece` has been read; adds every piece now contiguous
-    /// with what was hashed before. Returns the verdict once all are in.
-    fn complete(&mut self, piece: usize) -> Option<bool> {
+    /// Records that `piece` has been read and adds every piece now
+    /// contiguous with what was hashed before; once all are in, sets
+    /// `verified` if the checksum matches.
+    fn complete(&mut self, piece: usize) {
         self.done[piece] = true;
         while self.next < self.pieces.len() && self.done[self.next] {
             let (at, len) = self.pieces[self.next];
@@ -1036,7 +1042,9 @@ impl PieceCheck {
             self.remaining -= take;
             self.next += 1;
         }
-        (self.next == self.pieces.len()).then(|| self.checksum.finish() == self.expected)
+        if self.next == self.pieces.len() {
+            self.verified = self.checksum.finish() == self.expected;
+        }
     }
 }
 

@@ -424,13 +424,12 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
         };
         let config = config_in(store_dir.clone());
         if wants(args, "put", "disk") || wants(args, "get", "disk") {
-            // One store per batch count, so each case's region files are its
-            // own: the read baseline reads exactly those files.
+            // One store per batch count, and a twin written with the same
+            // calls in the same rounds: two copies of the case's data with
+            // the same layout, write pattern and age, on different blocks.
+            // The get cases read one with the store and the other raw,
+            // swapping every round.
             let case_config = |batch: usize| config_in(store_dir.join(format!("x{batch}")));
-            // A twin store per case, written with the same calls in the same
-            // rounds, whose region files the read baseline reads raw: the same
-            // layout, write pattern and age as the measured store's, on other
-            // blocks, so neither side ever reads what the other just fetched.
             let twin_config = |batch: usize| config_in(store_dir.join(format!("x{batch}-twin")));
             let mut engine_name = "";
             for &batch in &args.batches {
@@ -451,14 +450,17 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 for (r, round) in rounds(case.batches, PUT_ROUNDS).into_iter().enumerate() {
                     // Who goes first alternates, so neither side's data is
                     // systematically fresher in a cache below the VM.
+                    // The twin gets the same prepared batches, untimed.
+                    let prepared = prepare_round(&case, round.clone());
+                    let bytes = case.bytes(&round);
                     if r % 2 == 0 {
-                        put_disk(&store, &case, round.clone(), &mut put)?;
-                        put_disk(&twin, &case, round.clone(), &mut Measurement::new())?;
+                        put_disk(&store, &prepared, bytes, &mut put)?;
+                        put_disk(&twin, &prepared, bytes, &mut Measurement::new())?;
                         raw.write(round, &mut base)?;
                     } else {
-                        raw.write(round.clone(), &mut base)?;
-                        put_disk(&twin, &case, round.clone(), &mut Measurement::new())?;
-                        put_disk(&store, &case, round, &mut put)?;
+                        raw.write(round, &mut base)?;
+                        put_disk(&twin, &prepared, bytes, &mut Measurement::new())?;
+                        put_disk(&store, &prepared, bytes, &mut put)?;
                     }
                 }
                 store.close()?;
@@ -499,22 +501,17 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     // (which on this disk decides its speed) weighs the same
                     // on both sides.
                     let copies = [case_config(batch), twin_config(batch)];
-                    let stores = [
-                        Store::open(copies[0].clone())?,
-                        Store::open(copies[1].clone())?,
-                    ];
-                    let mut raws = [
-                        baseline::RegionFiles::open(
-                            &copies[0].data_dir().join("regions"),
+                    let mut stores = Vec::new();
+                    let mut raws = Vec::new();
+                    for copy in &copies {
+                        stores.push(Store::open(copy.clone())?);
+                        let regions = copy.data_dir().join("regions");
+                        raws.push(baseline::RegionFiles::open(
+                            &regions,
                             value_size as usize,
                             batch,
-                        )?,
-                        baseline::RegionFiles::open(
-                            &copies[1].data_dir().join("regions"),
-                            value_size as usize,
-                            batch,
-                        )?,
-                    ];
+                        )?);
+                    }
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let mut hosts = host_buffers(&case);
@@ -684,16 +681,10 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
 /// A batch's keys and values, generated before the timing starts.
 type PreparedBatch = (Vec<Vec<u8>>, Vec<Vec<u8>>);
 
-/// Write-through puts of the round's batches, then `flush`, timed together
-/// on the wall clock. Values are generated before the clock starts, so the
-/// flusher's background writes all fall inside the timing.
-fn put_disk(
-    store: &Store,
-    case: &Case<'_>,
-    round: std::ops::Range<u64>,
-    m: &mut Measurement,
-) -> BenchResult<()> {
-    let prepared: Vec<Vec<PreparedBatch>> = shares(round.clone(), case.args.threads)
+/// The round's batches (keys and key-derived values), one share per caller
+/// thread, generated before any timing.
+fn prepare_round(case: &Case<'_>, round: std::ops::Range<u64>) -> Vec<Vec<PreparedBatch>> {
+    shares(round, case.args.threads)
         .into_iter()
         .map(|share| {
             share
@@ -711,7 +702,18 @@ fn put_disk(
                 })
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// Write-through puts of a round's prepared batches (`bytes` in all), then
+/// `flush`, timed together on the wall clock, so the flusher's background
+/// writes all fall inside the timing.
+fn put_disk(
+    store: &Store,
+    prepared: &[Vec<PreparedBatch>],
+    bytes: u64,
+    m: &mut Measurement,
+) -> BenchResult<()> {
     let started = Instant::now();
     let parts: Vec<Result<Measurement, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = prepared
@@ -737,7 +739,7 @@ fn put_disk(
             .collect()
     });
     store.flush()?;
-    m.add_span(started.elapsed(), case.bytes(&round));
+    m.add_span(started.elapsed(), bytes);
     for part in parts {
         m.merge_calls(&part?);
     }
