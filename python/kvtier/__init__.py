@@ -8,22 +8,28 @@ talks to ``kvtier serve``. Both offer the same methods, including Mooncake's
 """
 
 from . import errors
-from ._native import Client, KvtierError, SharedBuffer, Store, block_keys_xxh3
+from ._native import Client, KvtierError, SharedBuffer, Store, block_keys_blake3
 
 __all__ = ["Store", "Client", "SharedBuffer", "KvtierError", "block_keys", "errors"]
 
 from . import _schemes
 
-_SCHEMES = ("xxh3", "vllm-sha256-cbor", "sglang-sha256")
+_SCHEMES = ("blake3", "vllm-sha256-cbor", "sglang-sha256")
 
 
-def block_keys(tokens, block_size=256, salt=b"", scheme="xxh3", *, hash_seed=None):
+def block_keys(tokens, block_size=256, salt=b"", scheme="blake3", *, hash_seed=None):
     """Chained prefix keys, one per full block of ``tokens``; a trailing
     partial block gets no key.
 
-    - ``"xxh3"`` (default, 16-byte keys): key i is xxh3-128 over (key i-1, the
+    - ``"blake3"`` (default, 32-byte keys): key i is BLAKE3 over (key i-1, the
       salt's length as u32 LE and its bytes, block i's tokens as u32 LE); the
-      first block chains from 16 zero bytes.
+      first block chains from 32 zero bytes. Cryptographic, so no user can
+      craft a prompt whose keys equal another user's.
+
+    Keys say nothing of the model, dtype or layout: give every store or
+    client a ``namespace`` naming those (for example
+    ``"llama3-8b/bf16/tp0of2/page64"``), so blocks of incompatible engines
+    never meet.
     - ``"vllm-sha256-cbor"`` (32-byte keys): vLLM's ``sha256_cbor`` block
       hashes; ``salt`` is vLLM's ``cache_salt``; ``hash_seed`` (default: the
       ``PYTHONHASHSEED`` environment variable) is the engine's
@@ -42,4 +48,4 @@ def block_keys(tokens, block_size=256, salt=b"", scheme="xxh3", *, hash_seed=Non
         return _schemes.sglang_sha256(tokens, block_size, salt)
     if isinstance(salt, str):
         salt = salt.encode()
-    return block_keys_xxh3(tokens, block_size, bytes(salt))
+    return block_keys_blake3(tokens, block_size, bytes(salt))

@@ -73,6 +73,7 @@ class Store(_Engine):
         memory: Size = "4GiB",
         disk: Size = "64GiB",
         *,
+        namespace: str = "",
         region_size: Size | None = None,
         io_engine: Literal["uring", "psync"] | None = None,
         eviction: Literal["s3fifo", "lru"] | None = None,
@@ -86,6 +87,7 @@ class Client(_Engine):
         self,
         url: str,
         *,
+        namespace: str = "",
         auth_token: str | None = None,
         timeout: float = 60.0,
         shm_size: Size | None = None,
@@ -95,7 +97,7 @@ class Client(_Engine):
 
 @overload
 def block_keys(
-    tokens: Sequence[int], block_size: int = 256, salt: bytes | str = b"", scheme: Literal["xxh3"] = "xxh3",
+    tokens: Sequence[int], block_size: int = 256, salt: bytes | str = b"", scheme: Literal["blake3"] = "blake3",
     *, hash_seed: str | None = None,
 ) -> list[bytes]: ...
 @overload

@@ -38,6 +38,8 @@ def server():
     assert line.startswith("kvtier serving"), line
     parts = line.replace(",", " ").split()
     urls = {
+        # TCP needs the token the server generated in its data directory.
+        "token": pathlib.Path(directory, "auth-token").read_text().strip(),
         "tcp": next(p for p in parts if p.startswith("tcp://")),
         "unix": next(p for p in parts if p.startswith("unix://")),
     }
@@ -54,5 +56,5 @@ def engine(request, tmp_path):
             yield s
     else:
         urls = request.getfixturevalue("server")
-        with kvtier.Client(urls[request.param], shm_size="64MiB") as c:
+        with kvtier.Client(urls[request.param], shm_size="64MiB", auth_token=urls["token"]) as c:
             yield c

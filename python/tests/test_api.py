@@ -182,12 +182,40 @@ def test_alloc_buffer_zero_copy_path(server):
             c.alloc_buffer(1 << 30)
 
 
+def test_namespaces_never_meet(tmp_path, server):
+    key = kvtier.block_keys(list(range(256)), 256)[0]
+    with kvtier.Store(str(tmp_path / "ns"), memory="16MiB", disk="64MiB", namespace="llama/bf16/tp0of2") as bf16:
+        assert bf16.put(key, b"bf16 bytes" * 100) == 0
+        bf16.flush()
+    with kvtier.Store(str(tmp_path / "ns"), memory="16MiB", disk="64MiB", namespace="llama/fp8/tp0of2") as fp8:
+        assert fp8.is_exist(key) != 1
+        assert fp8.get(key) == b""
+    with kvtier.Store(str(tmp_path / "ns"), memory="16MiB", disk="64MiB", namespace="llama/bf16/tp0of2") as bf16:
+        assert bf16.get(key) == b"bf16 bytes" * 100
+    # Through the server: one namespace per client.
+    with kvtier.Client(server["unix"], namespace="a", shm_size="1MiB") as a, \
+            kvtier.Client(server["tcp"], namespace="b", auth_token=server["token"]) as b:
+        assert a.put(key, b"from a" * 10) == 0
+        assert b.batch_is_exist([key]) == [0]
+        assert b.put(key, b"from b" * 10) == 0
+        assert a.get(key) == b"from a" * 10 and b.get(key) == b"from b" * 10
+    with pytest.raises(kvtier.KvtierError, match="namespace"):
+        kvtier.Store(str(tmp_path / "bad"), memory="16MiB", disk="0", namespace="x" * 200)
+
+
+def test_tcp_needs_the_token(server):
+    with pytest.raises(kvtier.KvtierError, match="unauthorized"):
+        kvtier.Client(server["tcp"], auth_token="")
+    with pytest.raises(kvtier.KvtierError, match="unauthorized"):
+        kvtier.Client(server["tcp"], auth_token="x" * 64)
+
+
 def test_client_errors(server, tmp_path):
     with pytest.raises(kvtier.KvtierError):
         kvtier.Client("tcp://127.0.0.1:1")
     with pytest.raises(kvtier.KvtierError, match="unsupported URL"):
         kvtier.Client("http://example")
-    with kvtier.Client(server["tcp"]) as c:
+    with kvtier.Client(server["tcp"], auth_token=server["token"]) as c:
         with pytest.raises(RuntimeError, match="unix://"):
             c.alloc_buffer(4096)
 
@@ -195,11 +223,11 @@ def test_client_errors(server, tmp_path):
 def test_block_keys_vectors():
     keys = kvtier.block_keys(list(range(10)), block_size=4)
     assert [k.hex() for k in keys] == [
-        "2e21bdf5ead5cb7af9f3dc327c32f742",
-        "9a1cc9c2ed1d5a3001211f109e7ca526",
+        "9941b995a131c3d47a9775630915e6f364e7d0fbddeef515ecd83857d9d209bd",
+        "fdbea0a8db9851a21daf231d175175eef988ea431b32e41ef86844d7876649b6",
     ]
     salted = kvtier.block_keys(list(range(10)), block_size=4, salt=b"model-a")
-    assert salted[0].hex() == "303918610178dde0ee6df0af11cf8777"
+    assert salted[0].hex() == "f6d35cf1145a944cbda194080ebe901ca12e6f6691aaf7d8ed6329dbcfdc2618"
     assert kvtier.block_keys([1, 2, 3], block_size=4) == []
     with pytest.raises(ValueError, match="unknown key scheme"):
         kvtier.block_keys([1], scheme="md5")

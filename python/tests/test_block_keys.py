@@ -87,7 +87,7 @@ def test_sglang_sha256_matches_the_reference():
 
 def test_scheme_keys_work_as_store_keys(tmp_path):
     with kvtier.Store(str(tmp_path / "s"), memory="16MiB", disk="64MiB") as s:
-        for scheme, kwargs in [("xxh3", {}), ("vllm-sha256-cbor", {"hash_seed": "0"}), ("sglang-sha256", {})]:
+        for scheme, kwargs in [("blake3", {}), ("vllm-sha256-cbor", {"hash_seed": "0"}), ("sglang-sha256", {})]:
             keys = kvtier.block_keys(list(range(64)), 16, scheme=scheme, **kwargs)
             assert s.batch_put_from(keys[:2], [b"a" * 100, b"b" * 100]) == [0, 0]
             assert s.prefix_len(keys) == 2

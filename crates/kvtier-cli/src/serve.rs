@@ -15,7 +15,8 @@ use std::sync::Arc;
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, eviction, auth_token, max_frame, max_batch.
+    /// region_size, io_engine, eviction, auth_token, and the limits of
+    /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Data directory. Default: ./kvtier-data.
@@ -39,9 +40,25 @@ pub struct ServeArgs {
     /// Disk tier capacity (0: memory only). Default: 16 GiB.
     #[arg(long, value_parser = parse_size)]
     pub disk: Option<u64>,
-    /// Token clients must present; also read from KVTIER_AUTH_TOKEN.
+    /// Token clients must present (at least 16 bytes); also read from
+    /// KVTIER_AUTH_TOKEN. Default: generated at first start and kept in
+    /// <data_dir>/auth-token (mode 0600). TCP always needs it; Unix-socket
+    /// clients of the server's own user do not.
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// Most open client connections. Default: 1024.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds a connection may take to say hello. Default: 10.
+    #[arg(long)]
+    pub handshake_timeout: Option<f64>,
+    /// Seconds a connection may stay idle. Default: 3600.
+    #[arg(long)]
+    pub idle_timeout: Option<f64>,
+    /// Seconds a frame may take once started, before the rate allowance
+    /// (see docs/server.md). Default: 10.
+    #[arg(long)]
+    pub frame_timeout: Option<f64>,
     /// io engine: uring or psync. Default: uring.
     #[arg(long)]
     pub io_engine: Option<String>,
@@ -62,6 +79,26 @@ struct FileConfig {
     auth_token: Option<String>,
     max_frame: Option<String>,
     max_batch: Option<u32>,
+    max_connections: Option<usize>,
+    handshake_timeout: Option<f64>,
+    idle_timeout: Option<f64>,
+    frame_timeout: Option<f64>,
+    min_frame_rate: Option<String>,
+    max_registered: Option<String>,
+    max_registered_total: Option<String>,
+    max_admin_connections: Option<usize>,
+    admin_timeout: Option<f64>,
+}
+
+fn seconds(value: Option<f64>, what: &str) -> Result<Option<std::time::Duration>, String> {
+    value
+        .map(|s| {
+            std::time::Duration::try_from_secs_f64(s)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| format!("{what}: {s} is not a positive number of seconds"))
+        })
+        .transpose()
 }
 
 fn address(text: &str, what: &str) -> Result<Option<SocketAddr>, String> {
@@ -164,6 +201,29 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(policy) = &file.eviction {
         config = config.eviction(EvictionPolicy::parse(policy)?);
     }
+    // TCP always needs a token: without one given, the data directory
+    // keeps a generated one (0600) for the clients of this host to read.
+    let mut token_file = None;
+    let auth_token = match auth_token {
+        Some(token) => Some(token),
+        None if listen.is_some_and(|a| !a.ip().is_loopback()) => {
+            return Err(format!(
+                "refusing to listen on non-loopback {} without an auth token: set --auth-token \
+                 or KVTIER_AUTH_TOKEN to a token of your own (at least 16 bytes) to serve other hosts",
+                listen.expect("checked")
+            )
+            .into());
+        }
+        None if listen.is_some() => {
+            std::fs::create_dir_all(&data_dir)
+                .map_err(|e| format!("creating {}: {e}", data_dir.display()))?;
+            let (token, path) = kvtier_net::server::data_dir_token(&data_dir)
+                .map_err(|e| format!("the auth token in {}: {e}", data_dir.display()))?;
+            token_file = Some(path);
+            Some(token)
+        }
+        None => None,
+    };
     let mut server_config = ServerConfig {
         listen,
         socket,
@@ -171,11 +231,42 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         auth_token,
         ..ServerConfig::default()
     };
+    let limits = &mut server_config.limits;
     if let Some(max_frame) = size(&file.max_frame, "max_frame")? {
-        server_config.max_frame = max_frame;
+        limits.max_frame = max_frame;
     }
     if let Some(max_batch) = file.max_batch {
-        server_config.max_batch = max_batch;
+        limits.max_batch = max_batch;
+    }
+    if let Some(n) = args.max_connections.or(file.max_connections) {
+        limits.max_connections = n;
+    }
+    if let Some(t) = seconds(
+        args.handshake_timeout.or(file.handshake_timeout),
+        "handshake_timeout",
+    )? {
+        limits.handshake_timeout = t;
+    }
+    if let Some(t) = seconds(args.idle_timeout.or(file.idle_timeout), "idle_timeout")? {
+        limits.idle_timeout = t;
+    }
+    if let Some(t) = seconds(args.frame_timeout.or(file.frame_timeout), "frame_timeout")? {
+        limits.frame_timeout = t;
+    }
+    if let Some(rate) = size(&file.min_frame_rate, "min_frame_rate")? {
+        limits.min_frame_rate = rate;
+    }
+    if let Some(bytes) = size(&file.max_registered, "max_registered")? {
+        limits.max_registered_bytes = bytes;
+    }
+    if let Some(bytes) = size(&file.max_registered_total, "max_registered_total")? {
+        limits.max_registered_bytes_total = bytes;
+    }
+    if let Some(n) = file.max_admin_connections {
+        limits.max_admin_connections = n;
+    }
+    if let Some(t) = seconds(file.admin_timeout, "admin_timeout")? {
+        limits.admin_timeout = t;
     }
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -199,6 +290,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
         if let Some(admin) = bound.admin {
             parts.push(format!("admin http://{admin}"));
+        }
+        if let Some(path) = &token_file {
+            parts.push(format!("TCP token in {}", path.display()));
         }
         println!(
             "kvtier serving {} from {}: {}",

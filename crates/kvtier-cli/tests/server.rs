@@ -1,116 +1,16 @@
 //! The real `kvtier serve` binary under load, abuse and crashes, driven by
 //! the Rust client over TCP and the Unix socket.
 
+mod common;
+
+use common::{hello_body, options, ServerProcess, TEST_TOKEN};
 use kvtier_net::protocol::{Header, Op, Writer};
 use kvtier_net::{Client, ClientOptions};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-struct ServerProcess {
-    child: Child,
-    tcp: String,
-    unix: String,
-    admin: String,
-}
-
-impl ServerProcess {
-    fn start(dir: &Path, extra: &[&str]) -> ServerProcess {
-        let mut args = vec![
-            "serve".to_string(),
-            "--data-dir".into(),
-            dir.display().to_string(),
-            "--memory".into(),
-            "64MiB".into(),
-            "--disk".into(),
-            "1GiB".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--admin".into(),
-            "127.0.0.1:0".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-            .args(&args)
-            .env_remove("KVTIER_AUTH_TOKEN")
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start kvtier serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(
-            line.starts_with("kvtier serving"),
-            "unexpected first line: {line:?}"
-        );
-        let find = |prefix: &str| -> String {
-            line.split([' ', ','])
-                .find_map(|part| part.strip_prefix(prefix).map(|s| s.trim().to_string()))
-                .unwrap_or_default()
-        };
-        ServerProcess {
-            tcp: find("tcp://"),
-            unix: find("unix://"),
-            admin: find("http://"),
-            child,
-        }
-    }
-
-    fn tcp_url(&self) -> String {
-        format!("tcp://{}", self.tcp)
-    }
-
-    fn unix_url(&self) -> String {
-        format!("unix://{}", self.unix)
-    }
-
-    fn signal(&self, signal: i32) {
-        // SAFETY: signalling our own child process.
-        unsafe { libc::kill(self.child.id() as i32, signal) };
-    }
-
-    fn wait(&mut self) -> std::process::ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "server did not exit");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn stats(&self) -> serde_json::Value {
-        let mut stream = TcpStream::connect(&self.admin).unwrap();
-        stream
-            .write_all(b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n")
-            .unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).unwrap();
-        let body = response.split("\r\n\r\n").nth(1).unwrap();
-        serde_json::from_str(body).unwrap()
-    }
-
-    fn http(&self, path: &str) -> String {
-        let mut stream = TcpStream::connect(&self.admin).unwrap();
-        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).unwrap();
-        response
-    }
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn value_for(key: &[u8], len: usize) -> Vec<u8> {
     kvtier::pattern::value(key, len)
@@ -138,7 +38,7 @@ fn many_clients_mixed_verified_operations() {
             std::thread::spawn(move || {
                 let options = ClientOptions {
                     shm_size: 4 << 20,
-                    ..ClientOptions::default()
+                    ..options()
                 };
                 let mut client = Client::connect_with(&url, options).unwrap();
                 let keys: Vec<Vec<u8>> = (0..12)
@@ -208,7 +108,7 @@ fn many_clients_mixed_verified_operations() {
     for t in threads {
         t.join().unwrap();
     }
-    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
     client.flush().unwrap();
     let stats = client.stats().unwrap();
     assert_eq!(stats["store"]["entries"], 32 * 11 + 16);
@@ -232,7 +132,7 @@ fn many_clients_mixed_verified_operations() {
 fn garbage_frames_close_only_their_connection() {
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(dir.path(), &[]);
-    let mut good = Client::connect(&server.tcp_url()).unwrap();
+    let mut good = Client::connect_with(&server.tcp_url(), options()).unwrap();
     good.batch_put(&[b"keep"], &[value_for(b"keep", 10_000)])
         .unwrap()[0]
         .as_ref()
@@ -246,17 +146,16 @@ fn garbage_frames_close_only_their_connection() {
         rng
     };
     let hello = {
-        let mut w = Writer::default();
-        w.u32(0);
+        let body = hello_body(TEST_TOKEN, "");
         let mut frame = Header {
             op: Op::Hello as u16,
             request_id: 1,
-            body_len: 4,
+            body_len: body.len() as u32,
             status: 0,
         }
         .encode()
         .to_vec();
-        frame.extend_from_slice(&w.buf);
+        frame.extend_from_slice(&body);
         frame
     };
     for round in 0..60 {
@@ -364,7 +263,7 @@ fn half_batch_client_child() {
         &url,
         ClientOptions {
             shm_size: 8 << 20,
-            ..Default::default()
+            ..options()
         },
     )
     .unwrap();
@@ -375,19 +274,18 @@ fn half_batch_client_child() {
         .unwrap();
     let tcp = std::env::var("KVTIER_HALF_BATCH_TCP").unwrap();
     let mut raw = TcpStream::connect(tcp).unwrap();
-    let mut w = Writer::default();
-    w.u32(0);
+    let hello = hello_body(TEST_TOKEN, "");
     raw.write_all(
         &Header {
             op: 1,
             request_id: 1,
-            body_len: 4,
+            body_len: hello.len() as u32,
             status: 0,
         }
         .encode(),
     )
     .unwrap();
-    raw.write_all(&w.buf).unwrap();
+    raw.write_all(&hello).unwrap();
     let mut reply = [0u8; 64];
     let _ = raw.read(&mut reply).unwrap();
     raw.write_all(
@@ -441,7 +339,7 @@ fn a_client_killed_mid_batch_leaks_nothing() {
                 && s["server"]["registered_bytes"] == 0
         },
     );
-    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
     let mut buf = vec![0u8; 1000];
     assert_eq!(
         client
@@ -461,7 +359,7 @@ fn sigkill_under_load_then_restart_keeps_flushed_entries() {
     let flushed: Vec<Vec<u8>> = (0..64)
         .map(|i| format!("flushed-{i}").into_bytes())
         .collect();
-    let mut client = Client::connect(&server.unix_url()).unwrap();
+    let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
     let values: Vec<Vec<u8>> = flushed.iter().map(|k| value_for(k, 50_000)).collect();
     for r in client.batch_put(&flushed, &values).unwrap() {
         r.unwrap();
@@ -473,7 +371,7 @@ fn sigkill_under_load_then_restart_keeps_flushed_entries() {
         .map(|t| {
             let url = url.clone();
             std::thread::spawn(move || {
-                let Ok(mut client) = Client::connect(&url) else {
+                let Ok(mut client) = Client::connect_with(&url, options()) else {
                     return;
                 };
                 for i in 0..10_000 {
@@ -500,7 +398,7 @@ fn sigkill_under_load_then_restart_keeps_flushed_entries() {
     if client.prefix_len(&flushed).is_err() {
         assert_eq!(client.prefix_len(&flushed).unwrap(), 64);
     }
-    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
     let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
     let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
     let got = client.batch_get_into(&flushed, &mut slices).unwrap();
@@ -524,7 +422,7 @@ fn sigterm_finishes_flushes_and_exits_zero() {
         .map(|i| format!("graceful-{i}").into_bytes())
         .collect();
     let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 70_000)).collect();
-    let mut client = Client::connect(&server.tcp_url()).unwrap();
+    let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
     for r in client.batch_put(&keys, &values).unwrap() {
         r.unwrap();
     }
@@ -536,7 +434,7 @@ fn sigterm_finishes_flushes_and_exits_zero() {
         "the socket file is removed on shutdown"
     );
     let server = ServerProcess::start(dir.path(), &[]);
-    let mut client = Client::connect(&server.unix_url()).unwrap();
+    let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
     assert_eq!(client.prefix_len(&keys).unwrap(), 20);
 }
 
@@ -562,16 +460,31 @@ fn auth_is_required_off_loopback_and_checked_at_hello() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("without an auth token"), "{stderr}");
 
-    let server = ServerProcess::start(dir.path(), &["--auth-token", "s3cret"]);
-    let err = Client::connect(&server.tcp_url()).unwrap_err();
-    assert!(err.to_string().contains("unauthorized"), "{err}");
-    let wrong = ClientOptions {
-        auth_token: Some("nope".into()),
+    let short = ServerProcess::try_start(dir.path(), &["--auth-token", "s3cret"]);
+    assert!(short.contains("at least 16"), "{short}");
+
+    let server = ServerProcess::start(dir.path(), &["--auth-token", "s3cret-but-long-enough"]);
+    let none = ClientOptions {
+        auth_token: None,
         ..Default::default()
     };
-    assert!(Client::connect_with(&server.unix_url(), wrong).is_err());
+    let err = Client::connect_with(&server.tcp_url(), none.clone()).unwrap_err();
+    assert!(err.to_string().contains("unauthorized"), "{err}");
+    let wrong = ClientOptions {
+        auth_token: Some("s3cret-but-long-enougH".into()),
+        ..Default::default()
+    };
+    let refused_at = Instant::now();
+    assert!(Client::connect_with(&server.tcp_url(), wrong).is_err());
+    assert!(
+        refused_at.elapsed() >= Duration::from_millis(900),
+        "a refused hello is answered only after the failed-auth delay"
+    );
+    // The server's own user needs no token on the Unix socket.
+    let mut local = Client::connect_with(&server.unix_url(), none).unwrap();
+    local.flush().unwrap();
     let right = ClientOptions {
-        auth_token: Some("s3cret".into()),
+        auth_token: Some("s3cret-but-long-enough".into()),
         ..Default::default()
     };
     let mut client = Client::connect_with(&server.tcp_url(), right).unwrap();
@@ -599,14 +512,13 @@ fn pipelined_requests_are_answered_in_order() {
         f.extend_from_slice(body);
         f
     };
-    let mut hello = Writer::default();
-    hello.u32(0);
+    let hello = hello_body(TEST_TOKEN, "");
     let mut put = Writer::default();
     put.u8(0).u32(1).key(b"pipelined").u64(3).bytes(b"abc");
     let mut exists = Writer::default();
     exists.u32(2).key(b"pipelined").key(b"absent");
     // Everything written before any reply is read.
-    let mut all = frame(Op::Hello, 1, &hello.buf);
+    let mut all = frame(Op::Hello, 1, &hello);
     all.extend(frame(Op::BatchPut, 2, &put.buf));
     all.extend(frame(Op::BatchExists, 3, &exists.buf));
     all.extend(frame(Op::Flush, 4, &[]));
@@ -661,6 +573,6 @@ fn a_live_servers_socket_is_never_taken_over() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("another server is listening"), "{stderr}");
     // The first server still answers on it.
-    let mut client = Client::connect(&server.unix_url()).unwrap();
+    let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
     client.flush().unwrap();
 }

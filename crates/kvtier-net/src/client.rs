@@ -4,18 +4,23 @@
 
 use crate::protocol::{self, code, put_flags, Header, Op, Reader, Writer};
 use crate::shm::{self, SharedRegion};
-use crate::transport::{FrameRead, ReadError, Transport};
+use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use kvtier::{Error, ErrorKind, PutOptions, PutTier, Result};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Connection options. Defaults: no token, 60 s timeout, 256 MiB shared
-/// buffer on Unix sockets.
+/// Connection options. Defaults: the token from `KVTIER_AUTH_TOKEN` (TCP
+/// needs one; a Unix-socket client running as the server's user does
+/// not), the empty namespace, 60 s timeout, 256 MiB shared buffer on Unix
+/// sockets.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
     pub auth_token: Option<String>,
+    /// Every key of this client lives in this namespace (see
+    /// `kvtier::Store::namespace`): e.g. "llama3-8b/bf16/tp0of2/page64".
+    pub namespace: String,
     pub timeout: Duration,
     /// Bytes of shared memory to register on a Unix socket (0: none).
     pub shm_size: usize,
@@ -24,7 +29,10 @@ pub struct ClientOptions {
 impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
-            auth_token: None,
+            auth_token: std::env::var("KVTIER_AUTH_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty()),
+            namespace: String::new(),
             timeout: Duration::from_secs(60),
             shm_size: 256 << 20,
         }
@@ -135,7 +143,12 @@ impl Client {
         self.transport = Some(transport);
         let mut w = Writer::default();
         let token = self.options.auth_token.clone().unwrap_or_default();
-        w.u32(token.len() as u32).bytes(token.as_bytes());
+        let namespace = &self.options.namespace;
+        kvtier::validate_namespace(namespace)?;
+        w.u32(token.len() as u32)
+            .bytes(token.as_bytes())
+            .u16(namespace.len() as u16)
+            .bytes(namespace.as_bytes());
         let len = self.call(Op::Hello, &w.buf, None)?;
         let body = &self.response[..len];
         let mut r = Reader::new(body);
@@ -208,9 +221,7 @@ impl Client {
         sent.map_err(|e| Error::io("transport: sending a request", e))?;
         let read = transport.read_frame(
             &mut self.response,
-            self.max_frame + 64,
-            None,
-            self.options.timeout,
+            &FrameLimits::client(self.max_frame + 64, self.options.timeout),
         );
         match read {
             Ok(FrameRead::Frame { header, .. }) => {

@@ -42,6 +42,12 @@ pub struct Metrics {
     pub connections_total: AtomicU64,
     pub protocol_errors: AtomicU64,
     pub auth_failures: AtomicU64,
+    /// Connections refused at the connection cap.
+    pub connections_refused: AtomicU64,
+    /// Connections dropped by a deadline: handshake, idle or a slow frame.
+    pub connections_timed_out: AtomicU64,
+    /// Shared buffers refused (not a sealed memfd, over a cap, ...).
+    pub buffers_refused: AtomicU64,
     pub registered_buffers: AtomicU64,
     pub registered_bytes: AtomicU64,
 }
@@ -178,6 +184,24 @@ impl Metrics {
             "Hellos refused for a wrong token.",
             self.auth_failures.load(Ordering::Relaxed),
         );
+        counter(
+            &mut out,
+            "kvtier_connections_refused_total",
+            "Connections refused at the connection cap.",
+            self.connections_refused.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "kvtier_connections_timed_out_total",
+            "Connections dropped by the handshake, idle or frame deadline.",
+            self.connections_timed_out.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut out,
+            "kvtier_buffers_refused_total",
+            "Shared buffers refused (not a sealed memfd, or over a cap).",
+            self.buffers_refused.load(Ordering::Relaxed),
+        );
         gauge(
             &mut out,
             "kvtier_registered_buffers",
@@ -276,6 +300,9 @@ impl Metrics {
                 "connections_total": self.connections_total.load(Ordering::Relaxed),
                 "protocol_errors": self.protocol_errors.load(Ordering::Relaxed),
                 "auth_failures": self.auth_failures.load(Ordering::Relaxed),
+                "connections_refused": self.connections_refused.load(Ordering::Relaxed),
+                "connections_timed_out": self.connections_timed_out.load(Ordering::Relaxed),
+                "buffers_refused": self.buffers_refused.load(Ordering::Relaxed),
                 "registered_buffers": self.registered_buffers.load(Ordering::Relaxed),
                 "registered_bytes": self.registered_bytes.load(Ordering::Relaxed),
                 "ops": ops,

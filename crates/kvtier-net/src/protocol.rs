@@ -6,8 +6,12 @@
 use std::fmt;
 
 pub const MAGIC: &[u8; 4] = b"KVTP";
-pub const VERSION: u16 = 1;
+/// Version 2: hello carries a namespace; tokens are required on TCP.
+pub const VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 24;
+
+/// Longest auth token a hello may carry.
+pub const MAX_TOKEN_LEN: usize = 512;
 
 /// Default limits, announced by the server at hello.
 pub const DEFAULT_MAX_FRAME: u64 = 1 << 30;
@@ -305,6 +309,8 @@ pub mod put_flags {
 pub enum Request<'a> {
     Hello {
         token: &'a [u8],
+        /// UTF-8, at most `kvtier::MAX_NAMESPACE_LEN` bytes.
+        namespace: &'a str,
     },
     BatchPut {
         flags: u8,
@@ -354,12 +360,22 @@ pub fn decode_request<'a>(
     let request = match op {
         Op::Hello => {
             let len = r.u32()? as usize;
-            if len > 4096 {
-                return Err(ProtocolError::new("auth token longer than 4096 bytes"));
+            if len > MAX_TOKEN_LEN {
+                return Err(ProtocolError::new(format!(
+                    "auth token longer than {MAX_TOKEN_LEN} bytes"
+                )));
             }
-            Request::Hello {
-                token: r.bytes(len)?,
+            let token = r.bytes(len)?;
+            let ns_len = usize::from(r.u16()?);
+            if ns_len > kvtier::MAX_NAMESPACE_LEN {
+                return Err(ProtocolError::new(format!(
+                    "namespace longer than {} bytes",
+                    kvtier::MAX_NAMESPACE_LEN
+                )));
             }
+            let namespace = std::str::from_utf8(r.bytes(ns_len)?)
+                .map_err(|_| ProtocolError::new("namespace is not UTF-8"))?;
+            Request::Hello { token, namespace }
         }
         Op::BatchPut => {
             let flags = r.u8()?;

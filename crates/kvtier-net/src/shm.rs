@@ -22,7 +22,8 @@ unsafe impl Send for SharedRegion {}
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {
-    /// Creates a memfd of `len` bytes and maps it (client side).
+    /// Creates a memfd of `len` bytes, seals its size (so the server can
+    /// trust it cannot shrink under a copy), and maps it (client side).
     pub fn create(len: usize) -> io::Result<SharedRegion> {
         if len == 0 {
             return Err(io::Error::new(
@@ -32,7 +33,9 @@ impl SharedRegion {
         }
         let name = c"kvtier-shm";
         // SAFETY: a valid NUL-terminated name; the result is checked.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -42,34 +45,67 @@ impl SharedRegion {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        Self::map(fd, len)
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: fcntl on our own descriptor.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // The client's own buffer is pre-faulted: it is about to be filled.
+        Self::map_fd(fd, len, libc::MAP_POPULATE)
     }
 
-    /// Maps a received memfd of `len` bytes (server side), after checking
-    /// that the file really is that large.
-    pub fn map(fd: OwnedFd, len: usize) -> io::Result<SharedRegion> {
+    /// Maps a descriptor a client sent (server side), after checking that
+    /// it is a memfd sealed against shrinking and growing and at least
+    /// `len` bytes long: then no later act of the client can make an access
+    /// inside the mapping fault (SIGBUS), which would kill the server.
+    pub fn map_client_buffer(fd: OwnedFd, len: usize) -> io::Result<SharedRegion> {
+        let refuse = |why: String| io::Error::new(io::ErrorKind::InvalidInput, why);
+        // SAFETY: F_GET_SEALS on a descriptor we own; only memfds (and
+        // shmem files) answer it, anything else fails with EINVAL.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 {
+            return Err(refuse(format!(
+                "the descriptor is not a sealable memfd ({}): create the buffer with \
+                 memfd_create(MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK | F_SEAL_GROW",
+                io::Error::last_os_error()
+            )));
+        }
+        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        if seals & needed != needed {
+            return Err(refuse(format!(
+                "the memfd is not sealed against resizing (seals {seals:#x}): add \
+                 F_SEAL_SHRINK | F_SEAL_GROW before registering it"
+            )));
+        }
         // SAFETY: fstat into a zeroed struct on our own descriptor.
         let mut stat: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        if (stat.st_size as u64) < len as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "shared buffer is {} bytes, not the {len} announced",
-                    stat.st_size
-                ),
-            ));
+        if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(refuse("the descriptor is not a memory file".into()));
         }
+        if (stat.st_size as u64) < len as u64 {
+            return Err(refuse(format!(
+                "shared buffer is {} bytes, not the {len} announced",
+                stat.st_size
+            )));
+        }
+        // Not pre-faulted: the server touches pages only where values are
+        // copied, and never populates what a client merely announced.
+        Self::map_fd(fd, len, 0)
+    }
+
+    /// Maps `len` bytes of `fd`, shared, with extra mmap `flags`.
+    fn map_fd(fd: OwnedFd, len: usize, flags: libc::c_int) -> io::Result<SharedRegion> {
         // SAFETY: a shared mapping of a descriptor we own; checked below.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | flags,
                 fd.as_raw_fd(),
                 0,
             )

@@ -7,7 +7,6 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(Debug)]
@@ -24,9 +23,48 @@ pub enum FrameRead {
     Frame { header: Header, fd: Option<OwnedFd> },
     /// The peer closed the connection cleanly between frames.
     Closed,
-    /// Shutdown was requested while the connection was idle.
-    Stopping,
+    /// No byte of a new frame arrived within one read timeout (only with
+    /// `FrameLimits::return_when_idle`); call again to keep waiting.
+    Idle,
 }
+
+/// How long a frame may take and how large it may be.
+#[derive(Debug, Clone, Copy)]
+pub struct FrameLimits {
+    /// Largest body accepted; a header announcing more is a protocol error.
+    pub max_body: u64,
+    /// Return `Idle` after a read timeout with no byte of a new frame,
+    /// instead of waiting on.
+    pub return_when_idle: bool,
+    /// Once a frame's first byte arrived, it must be whole within
+    /// `frame_time + body_len / min_rate` (a trickle of bytes cannot keep
+    /// a frame open forever); `min_rate` 0 sets no such deadline.
+    pub frame_time: Duration,
+    pub min_rate: u64,
+    /// A frame that makes no progress for this long is an error.
+    pub stall: Duration,
+    /// A deadline no frame may pass, whatever its size (the handshake's).
+    pub deadline: Option<Instant>,
+}
+
+impl FrameLimits {
+    /// A client's reads: no rate floor, only the stall timeout.
+    pub fn client(max_body: u64, stall: Duration) -> Self {
+        FrameLimits {
+            max_body,
+            return_when_idle: false,
+            frame_time: stall,
+            min_rate: 0,
+            stall,
+            deadline: None,
+        }
+    }
+}
+
+/// First allocation for a body, and the most a body grows by per read
+/// beyond doubling: memory follows the bytes that arrived, not the length
+/// a header announced.
+const BODY_FIRST_CHUNK: usize = 64 << 10;
 
 #[derive(Debug)]
 pub enum ReadError {
@@ -81,91 +119,114 @@ impl Transport {
         }
     }
 
-    /// Reads one frame. With `idle_stop`, returns `Stopping` if the flag is
-    /// set while no byte of a new frame has arrived (reads must have a
-    /// timeout for this to be noticed). A frame that stalls midway for
-    /// longer than `stall` is an error.
-    ///
-    /// The body lands in `body`, which only ever grows, so a connection
-    /// reuses one allocation (no page faults per frame).
+    /// Reads one frame within `limits`. The body lands in `body`, which
+    /// grows as bytes arrive (never to more than the bytes received, rounded
+    /// up to a doubling) and is kept by the caller for the next frame.
     pub fn read_frame(
         &mut self,
         body: &mut Vec<u8>,
-        max_frame: u64,
-        idle_stop: Option<&AtomicBool>,
-        stall: Duration,
+        limits: &FrameLimits,
     ) -> Result<FrameRead, ReadError> {
         let mut header = [0u8; HEADER_LEN];
         let mut fd = None;
-        if !self.fill(&mut header, &mut fd, idle_stop, stall)? {
-            return Ok(if idle_stop.is_some_and(|f| f.load(Ordering::Acquire)) {
-                FrameRead::Stopping
-            } else {
-                FrameRead::Closed
-            });
-        }
-        let header = Header::decode(&header, max_frame).map_err(ReadError::Protocol)?;
-        let len = header.body_len as usize;
-        if body.len() < len {
-            body.resize(len, 0);
-        }
-        if !self.fill(&mut body[..len], &mut fd, None, stall)? && len > 0 {
-            return Err(ReadError::Io(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "connection closed inside a frame body",
-            )));
-        }
-        Ok(FrameRead::Frame { header, fd })
-    }
-}
-
-impl Transport {
-    /// Fills `buf`. Returns false if the stream ended (or, with
-    /// `idle_stop`, the flag was set) before its first byte; a stall of
-    /// more than `stall` after the first byte, or an end inside it, is an
-    /// error.
-    fn fill(
-        &mut self,
-        buf: &mut [u8],
-        fd: &mut Option<OwnedFd>,
-        idle_stop: Option<&AtomicBool>,
-        stall: Duration,
-    ) -> Result<bool, ReadError> {
         let mut got = 0usize;
+        let mut deadline = limits.deadline;
         let mut last_progress = Instant::now();
-        while got < buf.len() {
-            match self.read_some(&mut buf[got..], fd) {
-                Ok(0) if got == 0 => return Ok(false),
-                Ok(0) => {
-                    return Err(ReadError::Io(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "connection closed inside a frame",
-                    )))
-                }
+        while got < HEADER_LEN {
+            match self.read_some(&mut header[got..], &mut fd) {
+                Ok(0) if got == 0 => return Ok(FrameRead::Closed),
+                Ok(0) => return Err(eof("connection closed inside a frame header")),
                 Ok(n) => {
+                    if got == 0 {
+                        let base = Instant::now() + limits.frame_time;
+                        deadline = Some(deadline.map_or(base, |d| d.min(base)));
+                    }
                     got += n;
                     last_progress = Instant::now();
                 }
                 Err(e) if is_timeout(&e) => {
-                    if got == 0 && idle_stop.is_some() {
-                        if idle_stop.is_some_and(|f| f.load(Ordering::Acquire)) {
-                            return Ok(false);
-                        }
-                        continue;
+                    if got == 0 && limits.return_when_idle {
+                        return Ok(FrameRead::Idle);
                     }
-                    if last_progress.elapsed() > stall {
-                        return Err(ReadError::Io(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "frame stalled",
-                        )));
-                    }
+                    check_time(
+                        got > 0 || !limits.return_when_idle,
+                        last_progress,
+                        limits.stall,
+                        deadline,
+                    )?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }
-        Ok(true)
+        let header = Header::decode(&header, limits.max_body).map_err(ReadError::Protocol)?;
+        let len = header.body_len as usize;
+        if limits.min_rate > 0 {
+            let allowance = Duration::from_secs_f64(len as f64 / limits.min_rate as f64);
+            deadline = deadline.map(|d| d + allowance);
+        }
+        body.clear();
+        let mut filled = 0usize;
+        while filled < len {
+            if body.len() == filled {
+                // Grow by what has arrived so far (at least a first chunk),
+                // never straight to the announced length.
+                let grow = filled.max(BODY_FIRST_CHUNK).min(len - filled);
+                body.resize(filled + grow, 0);
+            }
+            match self.read_some(&mut body[filled..], &mut fd) {
+                Ok(0) => return Err(eof("connection closed inside a frame body")),
+                Ok(n) => {
+                    filled += n;
+                    last_progress = Instant::now();
+                }
+                Err(e) if is_timeout(&e) => {
+                    check_time(true, last_progress, limits.stall, deadline)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+            if deadline.is_some_and(|d| Instant::now() > d) && filled < len {
+                return Err(too_slow());
+            }
+        }
+        body.truncate(len);
+        Ok(FrameRead::Frame { header, fd })
     }
+}
+
+fn eof(what: &str) -> ReadError {
+    ReadError::Io(io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        what.to_string(),
+    ))
+}
+
+fn too_slow() -> ReadError {
+    ReadError::Io(io::Error::new(
+        io::ErrorKind::TimedOut,
+        "frame arrived too slowly (past its deadline)",
+    ))
+}
+
+/// After a read timeout inside a frame: an error once the frame stalled or
+/// passed its deadline.
+fn check_time(
+    in_frame: bool,
+    last_progress: Instant,
+    stall: Duration,
+    deadline: Option<Instant>,
+) -> Result<(), ReadError> {
+    if deadline.is_some_and(|d| Instant::now() > d) {
+        return Err(too_slow());
+    }
+    if in_frame && last_progress.elapsed() > stall {
+        return Err(ReadError::Io(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "frame stalled",
+        )));
+    }
+    Ok(())
 }
 
 pub fn is_timeout(e: &io::Error) -> bool {

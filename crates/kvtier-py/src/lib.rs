@@ -602,15 +602,16 @@ impl Engine {
 }
 
 /// The embedded store, in this process: `Store(path, memory="4GiB",
-/// disk="64GiB", *, region_size=None, io_engine="uring", eviction="s3fifo",
-/// max_value_size="128MiB")`. Sizes are bytes or strings like "64MiB".
+/// disk="64GiB", *, namespace="", region_size=None, io_engine="uring",
+/// eviction="s3fifo", max_value_size="128MiB")`. Sizes are bytes or strings
+/// like "64MiB". Every key lives in `namespace`.
 #[pyclass(extends = Engine, name = "Store", module = "kvtier._native")]
 struct Store_;
 
 #[pymethods]
 impl Store_ {
     #[new]
-    #[pyo3(signature = (path, memory=None, disk=None, *, region_size=None, io_engine=None, eviction=None, max_value_size=None))]
+    #[pyo3(signature = (path, memory=None, disk=None, *, namespace="", region_size=None, io_engine=None, eviction=None, max_value_size=None))]
     #[expect(
         clippy::too_many_arguments,
         reason = "the store's settings as keyword arguments"
@@ -620,6 +621,7 @@ impl Store_ {
         path: std::path::PathBuf,
         memory: Option<&Bound<'_, PyAny>>,
         disk: Option<&Bound<'_, PyAny>>,
+        namespace: &str,
         region_size: Option<&Bound<'_, PyAny>>,
         io_engine: Option<String>,
         eviction: Option<String>,
@@ -628,7 +630,8 @@ impl Store_ {
         // Python defaults: 4 GiB of memory, 64 GiB of disk.
         let mut config = Config::new(path)
             .memory_capacity(memory.map(parse_size).transpose()?.unwrap_or(4 << 30))
-            .disk_capacity(disk.map(parse_size).transpose()?.unwrap_or(64 << 30));
+            .disk_capacity(disk.map(parse_size).transpose()?.unwrap_or(64 << 30))
+            .namespace(namespace);
         if let Some(r) = region_size {
             config = config.region_size(parse_size(r)?);
         }
@@ -650,10 +653,11 @@ impl Store_ {
     }
 }
 
-/// A connection to `kvtier serve`: `Client(url, *, auth_token=None,
-/// timeout=60.0, shm_size="256MiB")` with `unix:///path/kvtier.sock` (adds
-/// a shared-memory buffer registered with the server) or `tcp://host:port`.
-/// The token defaults to KVTIER_AUTH_TOKEN.
+/// A connection to `kvtier serve`: `Client(url, *, namespace="",
+/// auth_token=None, timeout=60.0, shm_size="256MiB")` with
+/// `unix:///path/kvtier.sock` (adds a shared-memory buffer registered with
+/// the server) or `tcp://host:port`. The token defaults to
+/// KVTIER_AUTH_TOKEN; TCP needs it. Every key lives in `namespace`.
 #[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
 struct Client_ {
     region: Option<Arc<SharedRegion>>,
@@ -663,10 +667,11 @@ struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, auth_token=None, timeout=60.0, shm_size=None))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, timeout=60.0, shm_size=None))]
     fn new(
         py: Python<'_>,
         url: String,
+        namespace: &str,
         auth_token: Option<String>,
         timeout: f64,
         shm_size: Option<&Bound<'_, PyAny>>,
@@ -682,6 +687,7 @@ impl Client_ {
         }
         let options = ClientOptions {
             auth_token: auth_token.or_else(|| std::env::var("KVTIER_AUTH_TOKEN").ok()),
+            namespace: namespace.to_string(),
             timeout: std::time::Duration::from_secs_f64(timeout),
             shm_size: if url.starts_with("unix://") {
                 shm_size
@@ -785,11 +791,11 @@ impl SharedBuffer {
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
 }
 
-/// Chained 128-bit xxh3 keys for each full block of `tokens`
+/// Chained 256-bit BLAKE3 keys for each full block of `tokens`
 /// (`kvtier::prefix::block_keys`).
 #[pyfunction]
 #[pyo3(signature = (tokens, block_size=256, salt=None))]
-fn block_keys_xxh3<'py>(
+fn block_keys_blake3<'py>(
     py: Python<'py>,
     tokens: Vec<u32>,
     block_size: usize,
@@ -811,7 +817,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store_>()?;
     m.add_class::<Client_>()?;
     m.add_class::<SharedBuffer>()?;
-    m.add_function(wrap_pyfunction!(block_keys_xxh3, m)?)?;
+    m.add_function(wrap_pyfunction!(block_keys_blake3, m)?)?;
     m.add("KvtierError", m.py().get_type::<KvtierError>())?;
     for (name, value) in [
         ("OK", code::OK),

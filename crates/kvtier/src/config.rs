@@ -99,6 +99,7 @@ pub struct Config {
     pub(crate) flush: FlushPolicy,
     pub(crate) flush_batch_bytes: u64,
     pub(crate) put_wait: Duration,
+    pub(crate) namespace: String,
 }
 
 impl Config {
@@ -120,6 +121,7 @@ impl Config {
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
             put_wait: Duration::from_secs(5),
+            namespace: String::new(),
         }
     }
 
@@ -215,6 +217,14 @@ impl Config {
     /// fails with `NoSpace`. Default: 5 s.
     pub fn put_wait(mut self, wait: Duration) -> Self {
         self.put_wait = wait;
+        self
+    }
+
+    /// The namespace of the store's own methods (`Store::put`, `get`, ...);
+    /// other namespaces are reached with `Store::in_namespace`. At most 128
+    /// bytes, no control characters. Default: "" (the empty namespace).
+    pub fn namespace(mut self, name: impl Into<String>) -> Self {
+        self.namespace = name.into();
         self
     }
 

@@ -348,7 +348,7 @@ mod tests {
         let mut inserted = 0u64;
         for target in [250_000u64, 500_000, 1_000_000, 1_500_000, 2_000_000] {
             while inserted < target {
-                let digest = KeyDigest::of(&inserted.to_le_bytes());
+                let digest = crate::key::test_namespace("").digest(&inserted.to_le_bytes());
                 index.lock(digest).insert(
                     digest,
                     Entry {

@@ -1,21 +1,37 @@
-//! Keys: validation and the 128-bit digest the index and the disk format use.
+//! Keys: validation, namespaces, and the 128-bit digest the index and the
+//! disk format use.
+//!
+//! A key's digest is BLAKE3 keyed with the data directory's secret over the
+//! key's namespace and the key itself (the *qualified key*, below). Keyed,
+//! because a client that chooses keys must not be able to craft two keys
+//! with one digest (an unkeyed 128-bit hash invites exactly that, and a
+//! digest collision would serve one key's bytes as another's); namespaced,
+//! because two models, dtypes or tensor-parallel layouts that happen to
+//! produce the same block key must never read each other's bytes.
 
 use crate::error::{Error, Result};
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64_with_seed, Xxh3};
+use std::sync::Arc;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 256;
 
-/// The 128-bit digest of a key (xxh3-128). The index is keyed by it and every
+/// Longest namespace name accepted, in bytes.
+pub const MAX_NAMESPACE_LEN: usize = 128;
+
+/// Longest qualified key (namespace length byte, namespace, key): what a
+/// batch record stores per entry.
+pub const MAX_QUALIFIED_KEY_LEN: usize = 1 + MAX_NAMESPACE_LEN + MAX_KEY_LEN;
+
+/// Bytes of the data directory's key secret.
+pub const KEY_SECRET_LEN: usize = 32;
+
+/// The 128-bit digest of a qualified key. The index is keyed by it and every
 /// record on disk carries it, so a read can prove the bytes belong to the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KeyDigest(pub u128);
 
 impl KeyDigest {
-    pub fn of(key: &[u8]) -> Self {
-        KeyDigest(xxh3_128(key))
-    }
-
     /// Bits used to pick an index shard; independent of the bits the shard's
     /// hash map uses so shards stay evenly loaded.
     pub(crate) fn shard_bits(self) -> u64 {
@@ -25,6 +41,140 @@ impl KeyDigest {
     pub(crate) fn low(self) -> u64 {
         self.0 as u64
     }
+}
+
+/// The secret every digest of one data directory is keyed with. Generated
+/// from the kernel's random source when the directory is created and kept
+/// there (`key-secret`, mode 0600); see docs/design.md.
+#[derive(Clone)]
+pub struct KeySecret([u8; KEY_SECRET_LEN]);
+
+impl KeySecret {
+    pub fn from_bytes(bytes: [u8; KEY_SECRET_LEN]) -> Self {
+        KeySecret(bytes)
+    }
+
+    /// A fresh secret from the kernel's random source.
+    pub fn generate() -> Result<Self> {
+        let mut bytes = [0u8; KEY_SECRET_LEN];
+        let mut filled = 0;
+        while filled < bytes.len() {
+            // SAFETY: writes at most the remaining bytes of our own array.
+            let n = unsafe {
+                libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::io("reading the kernel's random source", e));
+            }
+            filled += n as usize;
+        }
+        Ok(KeySecret(bytes))
+    }
+
+    pub fn as_bytes(&self) -> &[u8; KEY_SECRET_LEN] {
+        &self.0
+    }
+
+    /// The digest of a qualified key (as a batch record stores it).
+    pub fn digest_qualified(&self, qualified: &[u8]) -> KeyDigest {
+        let hash = blake3::keyed_hash(&self.0, qualified);
+        KeyDigest(u128::from_le_bytes(
+            hash.as_bytes()[..16].try_into().expect("16 bytes"),
+        ))
+    }
+}
+
+impl std::fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySecret(..)")
+    }
+}
+
+/// A namespace of one store: every key used through it is qualified by its
+/// name, so equal keys in two namespaces are unrelated entries. Cheap to
+/// clone. Build one with [`crate::Store::namespace`].
+#[derive(Clone)]
+pub struct Namespace {
+    secret: Arc<KeySecret>,
+    /// The namespace's length byte and name: the qualified key's prefix.
+    prefix: Box<[u8]>,
+}
+
+impl Namespace {
+    /// A namespace named `name` (at most 128 bytes of UTF-8; "" is the
+    /// default namespace).
+    pub fn new(secret: Arc<KeySecret>, name: &str) -> Result<Self> {
+        validate_namespace(name)?;
+        let mut prefix = Vec::with_capacity(1 + name.len());
+        prefix.push(name.len() as u8);
+        prefix.extend_from_slice(name.as_bytes());
+        Ok(Namespace {
+            secret,
+            prefix: prefix.into(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        std::str::from_utf8(&self.prefix[1..]).expect("validated UTF-8")
+    }
+
+    /// The digest of `key` in this namespace.
+    pub fn digest(&self, key: &[u8]) -> KeyDigest {
+        let mut hasher = blake3::Hasher::new_keyed(self.secret.as_bytes());
+        hasher.update(&self.prefix);
+        hasher.update(key);
+        KeyDigest(u128::from_le_bytes(
+            hasher.finalize().as_bytes()[..16]
+                .try_into()
+                .expect("16 bytes"),
+        ))
+    }
+
+    /// The qualified key a batch record stores: the namespace's length byte
+    /// and name, then the key.
+    pub fn qualify(&self, key: &[u8]) -> Box<[u8]> {
+        let mut qualified = Vec::with_capacity(self.prefix.len() + key.len());
+        qualified.extend_from_slice(&self.prefix);
+        qualified.extend_from_slice(key);
+        qualified.into()
+    }
+}
+
+impl std::fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Namespace").field(&self.name()).finish()
+    }
+}
+
+/// Splits a qualified key into its namespace and key, checking the limits.
+pub fn split_qualified(qualified: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (&ns_len, rest) = qualified.split_first()?;
+    let ns_len = usize::from(ns_len);
+    if ns_len > MAX_NAMESPACE_LEN || rest.len() <= ns_len || rest.len() - ns_len > MAX_KEY_LEN {
+        return None;
+    }
+    Some(rest.split_at(ns_len))
+}
+
+/// Checks a namespace name against the documented limits.
+pub fn validate_namespace(name: &str) -> Result<()> {
+    if name.len() > MAX_NAMESPACE_LEN {
+        return Err(Error::invalid(format!(
+            "namespace is {} bytes: namespaces are at most {MAX_NAMESPACE_LEN} bytes",
+            name.len()
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::invalid(
+            "namespace contains a control character: use printable text such as \
+             \"llama3-8b/bf16/tp0of2/page64\"",
+        ));
+    }
+    Ok(())
 }
 
 /// Checks a key against the documented limits.
@@ -43,7 +193,9 @@ pub fn validate_key(key: &[u8]) -> Result<()> {
 
 /// The checksum stored for a value: xxh3-64 of the value bytes, seeded with
 /// the key digest. Seeding binds the checksum to the key, so bytes written
-/// under one key can never verify as another key's value.
+/// under one key can never verify as another key's value; the digest itself
+/// is keyed with the directory's secret, so no client can choose two keys
+/// whose seeds agree.
 pub fn value_checksum(digest: KeyDigest, value: &[u8]) -> u64 {
     xxh3_64_with_seed(value, checksum_seed(digest))
 }
@@ -80,6 +232,11 @@ impl std::fmt::Debug for ValueChecksum {
 }
 
 #[cfg(test)]
+pub(crate) fn test_namespace(name: &str) -> Namespace {
+    Namespace::new(Arc::new(KeySecret::from_bytes([7; KEY_SECRET_LEN])), name).unwrap()
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
@@ -93,7 +250,7 @@ mod tests {
             cuts in proptest::collection::vec(any::<usize>(), 0..8),
             key in proptest::collection::vec(any::<u8>(), 1..64),
         ) {
-            let digest = KeyDigest::of(&key);
+            let digest = test_namespace("").digest(&key);
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % value.len()).collect();
             cuts.sort_unstable();
             let mut streaming = ValueChecksum::new(digest);
@@ -104,8 +261,49 @@ mod tests {
             }
             prop_assert_eq!(streaming.finish(), value_checksum(digest, &value));
             // And it is bound to the key.
-            let other = KeyDigest::of(b"another key");
+            let other = test_namespace("").digest(b"another key");
             prop_assert_ne!(value_checksum(other, &value), value_checksum(digest, &value));
         }
+
+        /// The digest of a key through its namespace equals the digest of
+        /// the qualified key a record stores, and splitting the qualified
+        /// key gives the namespace and key back.
+        #[test]
+        fn qualified_keys_round_trip(
+            name in "[a-z0-9/._-]{0,128}",
+            key in proptest::collection::vec(any::<u8>(), 1..=MAX_KEY_LEN),
+        ) {
+            let ns = test_namespace(&name);
+            let qualified = ns.qualify(&key);
+            prop_assert!(qualified.len() <= MAX_QUALIFIED_KEY_LEN);
+            prop_assert_eq!(ns.digest(&key), KeySecret::from_bytes([7; KEY_SECRET_LEN]).digest_qualified(&qualified));
+            let (n, k) = split_qualified(&qualified).unwrap();
+            prop_assert_eq!(n, name.as_bytes());
+            prop_assert_eq!(k, &key[..]);
+        }
+    }
+
+    /// The namespace is part of the digest, with no ambiguity between where
+    /// the name ends and the key begins.
+    #[test]
+    fn namespaces_and_secrets_separate_digests() {
+        let a = test_namespace("model-a");
+        let b = test_namespace("model-b");
+        assert_ne!(a.digest(b"block"), b.digest(b"block"));
+        // "ab" + "c" and "a" + "bc" qualify differently.
+        assert_ne!(
+            test_namespace("ab").digest(b"c"),
+            test_namespace("a").digest(b"bc")
+        );
+        let other_secret = Namespace::new(
+            Arc::new(KeySecret::from_bytes([8; KEY_SECRET_LEN])),
+            "model-a",
+        )
+        .unwrap();
+        assert_ne!(a.digest(b"block"), other_secret.digest(b"block"));
+        assert!(
+            Namespace::new(Arc::new(KeySecret::generate().unwrap()), &"x".repeat(129)).is_err()
+        );
+        assert!(validate_namespace("tab\there").is_err());
     }
 }

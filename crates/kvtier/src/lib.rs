@@ -24,6 +24,7 @@
 //! ```
 
 pub mod config;
+mod data_dir;
 pub mod disk;
 mod error;
 mod flusher;
@@ -37,12 +38,16 @@ mod stats;
 mod store;
 
 pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
+pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::RecoveryReport;
 pub use error::{Error, ErrorKind, Result};
-pub use key::{validate_key, value_checksum, KeyDigest, MAX_KEY_LEN};
+pub use key::{
+    validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace, MAX_KEY_LEN,
+    MAX_NAMESPACE_LEN,
+};
 pub use prefix::{block_keys, BlockKey};
 pub use stats::Stats;
-pub use store::{PutOptions, PutTier, Store};
+pub use store::{NamespacedStore, PutOptions, PutTier, Store};
 
 /// Bytes one index entry occupies, for capacity planning: the hash table
 /// slot (digest and entry) plus its control byte, before load-factor slack.

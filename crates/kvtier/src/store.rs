@@ -12,7 +12,7 @@ use crate::disk::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
 use crate::disk::{DiskTier, RecoveryReport, Region};
 use crate::error::{Error, ErrorKind, Result};
 use crate::index::{DiskLoc, Entry, Index};
-use crate::key::{validate_key, KeyDigest, ValueChecksum};
+use crate::key::{validate_key, KeyDigest, KeySecret, Namespace, ValueChecksum};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
@@ -108,6 +108,8 @@ pub(crate) struct Inner {
     pub max_put_len: AtomicU64,
     /// The process that opened the store (see `check_owner`).
     owner_pid: u32,
+    /// The data directory's digest key (see `crate::data_dir`).
+    secret: Arc<KeySecret>,
 }
 
 /// The embedded tiered KV-cache store. `Send + Sync`: share it with an
@@ -116,6 +118,16 @@ pub(crate) struct Inner {
 pub struct Store {
     inner: Arc<Inner>,
     flusher: Mutex<Option<JoinHandle<()>>>,
+    /// The namespace of the store's own methods (`Config::namespace`).
+    default_namespace: Namespace,
+}
+
+/// A store seen through one namespace: the same operations as [`Store`],
+/// with every key qualified by the namespace. From [`Store::in_namespace`].
+#[derive(Debug, Clone, Copy)]
+pub struct NamespacedStore<'s> {
+    inner: &'s Inner,
+    namespace: &'s Namespace,
 }
 
 /// A value located by a lookup, pinned if in memory.
@@ -143,10 +155,15 @@ impl Store {
             )
         })?;
         let lock = DirLock::acquire(&config.data_dir)?;
+        let secret = Arc::new(crate::data_dir::open_or_create(
+            &config.data_dir,
+            &config.data_dir.join(crate::disk::REGION_DIR),
+        )?);
+        let default_namespace = Namespace::new(Arc::clone(&secret), &config.namespace)?;
         let index = Index::default();
         let (disk, recovery) = if config.disk_enabled() {
             let mut tombstones: HashMap<u128, u64> = HashMap::new();
-            let (disk, report) = DiskTier::open(&config, |recovered| {
+            let (disk, report) = DiskTier::open(&config, Arc::clone(&secret), |recovered| {
                 apply_recovered(&index, &mut tombstones, recovered)
             })?;
             (Some(disk), report)
@@ -204,6 +221,7 @@ impl Store {
             lock: Mutex::new(Some(lock)),
             recovery,
             owner_pid: std::process::id(),
+            secret,
         });
         let flusher = if inner.disk.is_some() {
             let worker = Arc::clone(&inner);
@@ -219,7 +237,33 @@ impl Store {
         Ok(Store {
             inner,
             flusher: Mutex::new(flusher),
+            default_namespace,
         })
+    }
+
+    /// A namespace of this store: keys used through it never meet equal
+    /// keys of another namespace (see docs/design.md, "Keys"). Put into the
+    /// name whatever makes two blocks' bytes incompatible: model, dtype,
+    /// block size, tensor-parallel rank and size, KV layout.
+    pub fn namespace(&self, name: &str) -> Result<Namespace> {
+        Namespace::new(Arc::clone(&self.inner.secret), name)
+    }
+
+    /// This store seen through `namespace`.
+    pub fn in_namespace<'s>(&'s self, namespace: &'s Namespace) -> NamespacedStore<'s> {
+        NamespacedStore {
+            inner: &self.inner,
+            namespace,
+        }
+    }
+
+    /// The namespace the store's own methods use (`Config::namespace`).
+    pub fn default_namespace(&self) -> &Namespace {
+        &self.default_namespace
+    }
+
+    fn default_view(&self) -> NamespacedStore<'_> {
+        self.in_namespace(&self.default_namespace)
     }
 
     /// What recovery found when this store was opened.
@@ -229,7 +273,7 @@ impl Store {
 
     /// Stores `value` under `key` (write-through).
     pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
-        self.put_with(key, value, &PutOptions::default())
+        self.default_view().put(key, value)
     }
 
     pub fn put_with(
@@ -238,9 +282,7 @@ impl Store {
         value: impl AsRef<[u8]>,
         options: &PutOptions,
     ) -> Result<()> {
-        self.batch_put_with(&[key], &[value], options)
-            .pop()
-            .expect("one result per key")
+        self.default_view().put_with(key, value, options)
     }
 
     /// Stores each value under its key; one result per key.
@@ -249,7 +291,7 @@ impl Store {
         keys: &[K],
         values: &[V],
     ) -> Vec<Result<()>> {
-        self.batch_put_with(keys, values, &PutOptions::default())
+        self.default_view().batch_put(keys, values)
     }
 
     pub fn batch_put_with<K: AsRef<[u8]>, V: AsRef<[u8]>>(
@@ -258,73 +300,17 @@ impl Store {
         values: &[V],
         options: &PutOptions,
     ) -> Vec<Result<()>> {
-        if keys.len() != values.len() {
-            return mismatched(keys.len(), "values", values.len());
-        }
-        if keys.len() > 1 {
-            let pages = values
-                .iter()
-                .map(|v| (v.as_ref().len() as u64).div_ceil(PAGE_SIZE).max(1))
-                .sum();
-            self.inner.eviction.lock().unwrap().note_batch(pages);
-        }
-        let mut results: Vec<Result<()>> = Vec::with_capacity(keys.len());
-        let mut seqs = (u64::MAX, 0u64);
-        for (key, value) in keys.iter().zip(values) {
-            let result = self.inner.put_one(key.as_ref(), value.as_ref(), options);
-            if let Ok(Some(seq)) = &result {
-                seqs = (seqs.0.min(*seq), seqs.1.max(*seq));
-            }
-            results.push(result.map(|_| ()));
-        }
-        if options.durable && seqs.1 > 0 {
-            if let Err(e) = self.inner.wait_durable(seqs.0, seqs.1) {
-                for result in results.iter_mut().filter(|r| r.is_ok()) {
-                    *result = Err(e.duplicate());
-                }
-            }
-        }
-        results
+        self.default_view().batch_put_with(keys, values, options)
     }
 
     /// The value under `key`, or `None`.
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        let key = key.as_ref();
-        loop {
-            let Some(len) = self.value_len(key)? else {
-                return Ok(None);
-            };
-            let mut value = vec![0u8; len];
-            match self
-                .inner
-                .get_into(&[key], &mut [&mut value[..]])
-                .pop()
-                .unwrap()
-            {
-                Ok(Some(n)) => {
-                    value.truncate(n);
-                    return Ok(Some(value));
-                }
-                Ok(None) => return Ok(None),
-                // Replaced by a longer value between the two lookups.
-                Err(e) if e.kind() == ErrorKind::BufferTooSmall => continue,
-                Err(e) => return Err(e),
-            }
-        }
+        self.default_view().get(key)
     }
 
     /// Length of the value under `key`, without reading it.
     pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
-        self.inner.check_open()?;
-        let key = key.as_ref();
-        validate_key(key)?;
-        let digest = KeyDigest::of(key);
-        Ok(self
-            .inner
-            .index
-            .lock(digest)
-            .get(digest)
-            .map(|e| e.len as usize))
+        self.default_view().value_len(key)
     }
 
     /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
@@ -335,38 +321,28 @@ impl Store {
         keys: &[K],
         bufs: &mut [&mut [u8]],
     ) -> Vec<Result<Option<usize>>> {
-        self.inner.get_into(keys, bufs)
+        self.default_view().batch_get_into(keys, bufs)
     }
 
     pub fn exists(&self, key: impl AsRef<[u8]>) -> bool {
-        self.batch_exists(&[key])[0]
+        self.default_view().exists(key)
     }
 
     /// Whether each key is present (invalid keys are simply absent).
     pub fn batch_exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
-        if self.inner.check_open().is_err() {
-            return vec![false; keys.len()];
-        }
-        self.inner.contains_many(keys)
+        self.default_view().batch_exists(keys)
     }
 
     /// How many leading keys are present: the cached prefix of a prompt.
     pub fn prefix_len<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        if self.inner.check_open().is_err() {
-            return 0;
-        }
-        self.inner
-            .contains_many(keys)
-            .into_iter()
-            .take_while(|&present| present)
-            .count()
+        self.default_view().prefix_len(keys)
     }
 
     /// Removes `key` from every tier; durable on return (a tombstone is
     /// always written, so no older value can come back after a restart).
     /// Returns whether the key was present.
     pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
-        self.inner.remove(key.as_ref())
+        self.default_view().remove(key)
     }
 
     /// Returns once everything put so far is durable on disk. Fails if any
@@ -415,6 +391,156 @@ impl Store {
     }
 }
 
+impl NamespacedStore<'_> {
+    pub fn namespace(&self) -> &Namespace {
+        self.namespace
+    }
+
+    /// Stores `value` under `key` (write-through).
+    pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
+        self.put_with(key, value, &PutOptions::default())
+    }
+
+    pub fn put_with(
+        &self,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+        options: &PutOptions,
+    ) -> Result<()> {
+        self.batch_put_with(&[key], &[value], options)
+            .pop()
+            .expect("one result per key")
+    }
+
+    /// Stores each value under its key; one result per key.
+    pub fn batch_put<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Vec<Result<()>> {
+        self.batch_put_with(keys, values, &PutOptions::default())
+    }
+
+    pub fn batch_put_with<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
+        if keys.len() != values.len() {
+            return mismatched(keys.len(), "values", values.len());
+        }
+        if keys.len() > 1 {
+            let pages = values
+                .iter()
+                .map(|v| (v.as_ref().len() as u64).div_ceil(PAGE_SIZE).max(1))
+                .sum();
+            self.inner.eviction.lock().unwrap().note_batch(pages);
+        }
+        let mut results: Vec<Result<()>> = Vec::with_capacity(keys.len());
+        let mut seqs = (u64::MAX, 0u64);
+        for (key, value) in keys.iter().zip(values) {
+            let result = self
+                .inner
+                .put_one(self.namespace, key.as_ref(), value.as_ref(), options);
+            if let Ok(Some(seq)) = &result {
+                seqs = (seqs.0.min(*seq), seqs.1.max(*seq));
+            }
+            results.push(result.map(|_| ()));
+        }
+        if options.durable && seqs.1 > 0 {
+            if let Err(e) = self.inner.wait_durable(seqs.0, seqs.1) {
+                for result in results.iter_mut().filter(|r| r.is_ok()) {
+                    *result = Err(e.duplicate());
+                }
+            }
+        }
+        results
+    }
+
+    /// The value under `key`, or `None`.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let key = key.as_ref();
+        loop {
+            let Some(len) = self.value_len(key)? else {
+                return Ok(None);
+            };
+            let mut value = vec![0u8; len];
+            match self
+                .inner
+                .get_into(self.namespace, &[key], &mut [&mut value[..]])
+                .pop()
+                .unwrap()
+            {
+                Ok(Some(n)) => {
+                    value.truncate(n);
+                    return Ok(Some(value));
+                }
+                Ok(None) => return Ok(None),
+                // Replaced by a longer value between the two lookups.
+                Err(e) if e.kind() == ErrorKind::BufferTooSmall => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Length of the value under `key`, without reading it.
+    pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
+        self.inner.check_open()?;
+        let key = key.as_ref();
+        validate_key(key)?;
+        let digest = self.namespace.digest(key);
+        Ok(self
+            .inner
+            .index
+            .lock(digest)
+            .get(digest)
+            .map(|e| e.len as usize))
+    }
+
+    /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
+    /// the bytes written, `Ok(None)` for a miss (the buffer's contents are
+    /// then unspecified), or an error such as `BufferTooSmall`.
+    pub fn batch_get_into<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Vec<Result<Option<usize>>> {
+        self.inner.get_into(self.namespace, keys, bufs)
+    }
+
+    pub fn exists(&self, key: impl AsRef<[u8]>) -> bool {
+        self.batch_exists(&[key])[0]
+    }
+
+    /// Whether each key is present (invalid keys are simply absent).
+    pub fn batch_exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        if self.inner.check_open().is_err() {
+            return vec![false; keys.len()];
+        }
+        self.inner.contains_many(self.namespace, keys)
+    }
+
+    /// How many leading keys are present: the cached prefix of a prompt.
+    pub fn prefix_len<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        if self.inner.check_open().is_err() {
+            return 0;
+        }
+        self.inner
+            .contains_many(self.namespace, keys)
+            .into_iter()
+            .take_while(|&present| present)
+            .count()
+    }
+
+    /// Removes `key` from every tier; durable on return (a tombstone is
+    /// always written, so no older value can come back after a restart).
+    /// Returns whether the key was present.
+    pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
+        self.inner.remove(self.namespace, key.as_ref())
+    }
+}
+
 impl Drop for Store {
     fn drop(&mut self) {
         if self.inner.check_owner().is_err() {
@@ -450,7 +576,7 @@ fn max_put_len(config: &Config, disk: Option<&DiskTier>) -> u64 {
         .min(config.memory_capacity / PAGE_SIZE * PAGE_SIZE);
     if let Some(disk) = disk {
         // One value alone in a batch: a record page plus the value's pages.
-        let record = page_round_up(format::record_len([crate::key::MAX_KEY_LEN]) as u64);
+        let record = page_round_up(format::record_len([crate::key::MAX_QUALIFIED_KEY_LEN]) as u64);
         limit = limit.min(disk.max_batch_len() - record);
     }
     limit
@@ -521,12 +647,12 @@ impl Inner {
     }
 
     /// Presence of each key; invalid keys are absent.
-    fn contains_many<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+    fn contains_many<K: AsRef<[u8]>>(&self, ns: &Namespace, keys: &[K]) -> Vec<bool> {
         let valid: Vec<bool> = keys
             .iter()
             .map(|k| validate_key(k.as_ref()).is_ok())
             .collect();
-        let digests: Vec<KeyDigest> = keys.iter().map(|k| KeyDigest::of(k.as_ref())).collect();
+        let digests: Vec<KeyDigest> = keys.iter().map(|k| ns.digest(k.as_ref())).collect();
         let mut found = self.index.contains_many(&digests);
         for (present, valid) in found.iter_mut().zip(valid) {
             *present &= valid;
@@ -535,7 +661,13 @@ impl Inner {
     }
 
     /// Returns the put's sequence number, or `None` if it was skipped.
-    fn put_one(&self, key: &[u8], value: &[u8], options: &PutOptions) -> Result<Option<u64>> {
+    fn put_one(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        value: &[u8],
+        options: &PutOptions,
+    ) -> Result<Option<u64>> {
         self.check_open()?;
         validate_key(key)?;
         let len = value.len() as u64;
@@ -559,12 +691,15 @@ impl Inner {
                 self.config.memory_capacity, self.config.disk_capacity
             )));
         }
-        let digest = KeyDigest::of(key);
+        let digest = ns.digest(key);
         if options.skip_existing && self.index.lock(digest).get(digest).is_some() {
             return Ok(None);
         }
         let mut slot = self.allocate_slot(value.len(), digest)?;
         slot.bytes_mut().copy_from_slice(value);
+        // The page padding goes to disk with the value and comes back with
+        // direct reads: it must not hold an earlier value's bytes.
+        slot.zero_padding();
         let slot = Arc::new(slot);
         if !to_disk {
             slot.set_evictable();
@@ -589,7 +724,7 @@ impl Inner {
             if to_disk {
                 queue.items.push_back(QueuedWrite::Put {
                     digest,
-                    key: key.into(),
+                    key: ns.qualify(key),
                     seq,
                     slot: Arc::clone(&slot),
                 });
@@ -683,6 +818,7 @@ impl Inner {
 
     pub(crate) fn get_into<K: AsRef<[u8]>>(
         &self,
+        ns: &Namespace,
         keys: &[K],
         bufs: &mut [&mut [u8]],
     ) -> Vec<Result<Option<usize>>> {
@@ -699,7 +835,7 @@ impl Inner {
             let key = key.as_ref();
             let mut disk_read = None;
             let result = validate_key(key).and_then(|()| {
-                let digest = KeyDigest::of(key);
+                let digest = ns.digest(key);
                 match self.lookup(digest) {
                     Found::Miss => {
                         Counters::add(&self.counters.misses, 1);
@@ -855,6 +991,10 @@ impl Inner {
                         %reason,
                         "disk read failed verification; dropping the entry and reporting a miss"
                     );
+                    if read.bounce.is_none() {
+                        // What landed there is not this key's value.
+                        buf[..read.read_len].fill(0);
+                    }
                     Counters::add(&self.counters.checksum_failures, 1);
                     Counters::add(&self.counters.misses, 1);
                     self.index
@@ -871,10 +1011,10 @@ impl Inner {
         }
     }
 
-    fn remove(&self, key: &[u8]) -> Result<bool> {
+    fn remove(&self, ns: &Namespace, key: &[u8]) -> Result<bool> {
         self.check_open()?;
         validate_key(key)?;
-        let digest = KeyDigest::of(key);
+        let digest = ns.digest(key);
         let seq;
         let removed;
         {
@@ -889,7 +1029,7 @@ impl Inner {
                 // back after a restart.
                 queue.items.push_back(QueuedWrite::Tombstone {
                     digest,
-                    key: key.into(),
+                    key: ns.qualify(key),
                     seq,
                 });
             }

@@ -275,8 +275,8 @@ fn durable_put_waits_for_disk() {
 
 /// Fixed vectors pin the chained-key algorithm: changing it would orphan
 /// every deployed cache. They were computed independently of this crate,
-/// in Python with the `xxhash` package's `xxh3_128_intdigest`, following
-/// the algorithm documented in `kvtier::prefix`.
+/// in Python with the `blake3` package, following the algorithm documented
+/// in `kvtier::prefix`.
 #[test]
 fn block_keys_fixed_vectors() {
     for_each_engine(|_engine| {
@@ -287,13 +287,19 @@ fn block_keys_fixed_vectors() {
         assert_eq!(
             hex,
             [
-                "2e21bdf5ead5cb7af9f3dc327c32f742",
-                "9a1cc9c2ed1d5a3001211f109e7ca526"
+                "9941b995a131c3d47a9775630915e6f364e7d0fbddeef515ecd83857d9d209bd",
+                "fdbea0a8db9851a21daf231d175175eef988ea431b32e41ef86844d7876649b6"
             ]
         );
         let salted = block_keys(&tokens, 4, b"model-a");
-        assert_eq!(salted[0].to_hex(), "303918610178dde0ee6df0af11cf8777");
-        assert_eq!(salted[1].to_hex(), "da12349c948f7f4cd81ab194229e2468");
+        assert_eq!(
+            salted[0].to_hex(),
+            "f6d35cf1145a944cbda194080ebe901ca12e6f6691aaf7d8ed6329dbcfdc2618"
+        );
+        assert_eq!(
+            salted[1].to_hex(),
+            "631f22dad09d98b8c54c293c542c76e22ed06cbef9e5c7ec7e8f86284583c82d"
+        );
         // Chaining: block 1's key depends on block 0's tokens.
         let mut other = tokens.clone();
         other[0] = 99;

@@ -3,7 +3,7 @@
 use super::report::Row;
 use hdrhistogram::Histogram;
 use kvtier::index::{DiskLoc, Entry, Index};
-use kvtier::{Config, IoEngineKind, KeyDigest, PutOptions, Store};
+use kvtier::{Config, IoEngineKind, KeyDigest, KeySecret, Namespace, PutOptions, Store};
 use std::path::Path;
 use std::time::Instant;
 
@@ -40,9 +40,13 @@ fn empty_row(op: &str, tier: &str, engine: &str) -> Row {
 /// store would need tens of GiB of disk.
 pub fn exists_case(entries: u64) -> Result<Row, Box<dyn std::error::Error>> {
     let index = Index::default();
+    let namespace = Namespace::new(
+        std::sync::Arc::new(KeySecret::generate()?),
+        "llama3-8b/bf16/tp0of2/page64",
+    )?;
     let key = |i: u64| format!("prefix-block-{i:012}").into_bytes();
     for i in 0..entries {
-        let digest = KeyDigest::of(&key(i));
+        let digest = namespace.digest(&key(i));
         index.lock(digest).insert(
             digest,
             Entry {
@@ -68,7 +72,7 @@ pub fn exists_case(entries: u64) -> Result<Row, Box<dyn std::error::Error>> {
         let first = state % entries.saturating_sub(1024).max(1);
         let keys: Vec<Vec<u8>> = (first..first + 1024).map(key).collect();
         let started = Instant::now();
-        let digests: Vec<KeyDigest> = keys.iter().map(|k| KeyDigest::of(k)).collect();
+        let digests: Vec<KeyDigest> = keys.iter().map(|k| namespace.digest(k)).collect();
         let present = index.contains_many(&digests);
         let micros = started.elapsed().as_nanos() as u64 / 1000;
         histogram.saturating_record(micros.max(1));

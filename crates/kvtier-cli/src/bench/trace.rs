@@ -12,7 +12,7 @@ use super::baseline::RawFile;
 use super::{data, BenchArgs, BenchResult, Measurement};
 use crate::size::{format_size, parse_size};
 use hdrhistogram::Histogram;
-use kvtier::{Config, EvictionPolicy, IoEngineKind, KeyDigest, Store};
+use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -84,8 +84,9 @@ fn load(path: &Path, limit: Option<usize>) -> BenchResult<Vec<Request>> {
     Ok(requests)
 }
 
-/// Chained keys: key i = xxh3-128(key i-1 || block id i), so equal keys
-/// mean equal prefixes, as the engines' chained block hashes do.
+/// Chained keys: key i = the first 16 bytes of BLAKE3(key i-1 || block id
+/// i), so equal keys mean equal prefixes, as the engines' chained block
+/// hashes do.
 fn chain(ids: &[u64]) -> Vec<[u8; 16]> {
     let mut previous = [0u8; 16];
     ids.iter()
@@ -93,7 +94,7 @@ fn chain(ids: &[u64]) -> Vec<[u8; 16]> {
             let mut input = [0u8; 24];
             input[..16].copy_from_slice(&previous);
             input[16..].copy_from_slice(&id.to_le_bytes());
-            previous = KeyDigest::of(&input).0.to_le_bytes();
+            previous = blake3::hash(&input).as_bytes()[..16].try_into().unwrap();
             previous
         })
         .collect()

@@ -2,10 +2,11 @@
 //! specified in docs/design.md; every integer is little endian.
 
 use crate::config::{page_round_up, PAGE_SIZE};
-use crate::key::KeyDigest;
+use crate::key::{split_qualified, KeyDigest, KeySecret};
 use xxhash_rust::xxh3::xxh3_64;
 
-pub const FORMAT_VERSION: u32 = 1;
+/// Version 2: digests keyed with the directory secret over namespaced keys.
+pub const FORMAT_VERSION: u32 = 2;
 pub const REGION_MAGIC: &[u8; 8] = b"KVTREGN1";
 pub const BATCH_MAGIC: &[u8; 8] = b"KVTBATCH";
 
@@ -78,6 +79,7 @@ pub struct RecordEntry {
     pub value_offset: u64,
     pub value_len: u32,
     pub checksum: u64,
+    /// The qualified key: namespace length byte, namespace, key.
     pub key: Vec<u8>,
 }
 
@@ -176,8 +178,13 @@ pub fn encode_record(
 }
 
 /// Decodes and verifies a whole record (`bytes` holds at least
-/// `header.record_len` bytes). Any inconsistency rejects the whole batch.
-pub fn decode_record(bytes: &[u8], header: &BatchHeader) -> Result<Vec<RecordEntry>, String> {
+/// `header.record_len` bytes). Any inconsistency rejects the whole batch;
+/// each entry's qualified key must hash to its digest under `secret`.
+pub fn decode_record(
+    bytes: &[u8],
+    header: &BatchHeader,
+    secret: &KeySecret,
+) -> Result<Vec<RecordEntry>, String> {
     let len = header.record_len as usize;
     if bytes.len() < len {
         return Err("record is truncated".into());
@@ -210,12 +217,12 @@ pub fn decode_record(bytes: &[u8], header: &BatchHeader) -> Result<Vec<RecordEnt
             key: Vec::new(),
         };
         at += ENTRY_FIXED_LEN;
-        if key_len == 0 || key_len > crate::key::MAX_KEY_LEN || at + key_len > body.len() {
-            return Err(format!("bad key length {key_len} in record"));
+        if at + key_len > body.len() || split_qualified(&body[at..at + key_len]).is_none() {
+            return Err(format!("bad qualified key of {key_len} bytes in record"));
         }
         let key = body[at..at + key_len].to_vec();
         at += key_len;
-        if KeyDigest::of(&key) != entry.digest {
+        if secret.digest_qualified(&key) != entry.digest {
             return Err("record key does not match its digest".into());
         }
         if kind == RecordKind::Put {
@@ -249,8 +256,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn secret() -> KeySecret {
+        KeySecret::from_bytes([7; crate::key::KEY_SECRET_LEN])
+    }
+
     fn entry_strategy() -> impl Strategy<Value = RecordEntry> {
         (
+            "[a-z0-9/]{0,128}",
             proptest::collection::vec(any::<u8>(), 1..=256),
             any::<u64>(),
             any::<bool>(),
@@ -258,8 +270,10 @@ mod tests {
             any::<u64>(),
             0u64..16,
         )
-            .prop_map(|(key, seq, tombstone, len, checksum, page)| {
-                let digest = KeyDigest::of(&key);
+            .prop_map(|(namespace, key, seq, tombstone, len, checksum, page)| {
+                let ns = crate::key::test_namespace(&namespace);
+                let digest = ns.digest(&key);
+                let key = ns.qualify(&key).into_vec();
                 if tombstone {
                     RecordEntry {
                         kind: RecordKind::Tombstone,
@@ -294,7 +308,7 @@ mod tests {
             prop_assert_eq!(encode_record(&mut buf, 7, batch_len, &entries), len);
             let header = BatchHeader::decode(&buf, 7).unwrap();
             prop_assert_eq!(header.batch_len, batch_len);
-            prop_assert_eq!(decode_record(&buf, &header).unwrap(), entries);
+            prop_assert_eq!(decode_record(&buf, &header, &secret()).unwrap(), entries);
         }
 
         /// Any single flipped byte in the record is caught.
@@ -304,7 +318,7 @@ mod tests {
             let mut buf = vec![0u8; page_round_up(len as u64) as usize];
             encode_record(&mut buf, 3, 300 * PAGE_SIZE, &entries);
             buf[at % len] ^= 1 << bit;
-            let ok = BatchHeader::decode(&buf, 3).and_then(|h| decode_record(&buf, &h));
+            let ok = BatchHeader::decode(&buf, 3).and_then(|h| decode_record(&buf, &h, &secret()));
             prop_assert!(ok.is_err());
         }
 
@@ -318,7 +332,7 @@ mod tests {
                 bytes[12..16].copy_from_slice(&0u32.to_le_bytes());
             }
             if let Ok(header) = BatchHeader::decode(&bytes, 0) {
-                let _ = decode_record(&bytes, &header);
+                let _ = decode_record(&bytes, &header, &secret());
             }
             let _ = RegionHeader::decode(&bytes);
         }

@@ -14,6 +14,7 @@ pub mod uring;
 use crate::config::{page_round_up, Config, IoEngineKind, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::index::DiskLoc;
+use crate::key::KeySecret;
 use format::{BatchHeader, RecordEntry, RegionHeader, REGION_HEADER_LEN};
 use io::{pread_full, AlignedBuf, BufferPool, IoEngine, PsyncEngine};
 use std::collections::BTreeMap;
@@ -24,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-const REGION_DIR: &str = "regions";
+pub(crate) const REGION_DIR: &str = "regions";
 const REGION_SUFFIX: &str = ".kvr";
 
 #[derive(Debug)]
@@ -119,6 +120,8 @@ pub struct DiskTier {
     used: AtomicU64,
     writer: Mutex<WriterState>,
     bounce: BufferPool,
+    /// Every record's digests are checked against it.
+    secret: Arc<KeySecret>,
 }
 
 /// Bytes of bounce buffers kept for reuse between reads.
@@ -129,6 +132,7 @@ impl DiskTier {
     /// every record entry of every valid batch, in log order, to `apply`.
     pub fn open(
         config: &Config,
+        secret: Arc<KeySecret>,
         mut apply: impl FnMut(RecoveredEntry),
     ) -> Result<(DiskTier, RecoveryReport)> {
         let dir = config.data_dir.join(REGION_DIR);
@@ -163,6 +167,7 @@ impl DiskTier {
                 next_region: 0,
             }),
             bounce: BufferPool::new(BOUNCE_CACHE_BYTES),
+            secret,
         };
         let report = tier.recover(&mut apply)?;
         Ok((tier, report))
@@ -334,7 +339,7 @@ impl DiskTier {
                     return Ok(ScanEnd::stopped(offset, format!("read failed: {e}")));
                 }
             }
-            match format::decode_record(buf.as_slice(), &header) {
+            match format::decode_record(buf.as_slice(), &header, &self.secret) {
                 Ok(entries) => visit(offset, entries),
                 Err(reason) => return Ok(ScanEnd::stopped(offset, reason)),
             }

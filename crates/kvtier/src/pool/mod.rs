@@ -214,6 +214,16 @@ impl PoolSlot {
         unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
     }
 
+    /// Zeroes the bytes between the value's end and the extent's end,
+    /// while the slot is still uniquely owned.
+    pub fn zero_padding(&mut self) {
+        let padded = (self.pages * PAGE_SIZE) as usize;
+        // SAFETY: `&mut self` proves no other reference to this extent,
+        // which is `pages` pages long.
+        let extent = unsafe { std::slice::from_raw_parts_mut(self.ptr(), padded) };
+        extent[self.len..].fill(0);
+    }
+
     fn ptr(&self) -> *mut u8 {
         debug_assert!(((self.page + self.pages) * PAGE_SIZE) as usize <= self.core.len);
         // SAFETY: in bounds of the mapping, as asserted.

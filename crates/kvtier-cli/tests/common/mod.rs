@@ -1,0 +1,163 @@
+//! The real `kvtier serve` binary as a child process, for the server tests.
+
+#![allow(dead_code)]
+
+use kvtier_net::protocol::Writer;
+use kvtier_net::ClientOptions;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The token test servers are started with (unless a test gives its own).
+pub const TEST_TOKEN: &str = "kvtier-test-token-0123456789";
+
+/// Client options carrying the test token.
+pub fn options() -> ClientOptions {
+    ClientOptions {
+        auth_token: Some(TEST_TOKEN.into()),
+        ..ClientOptions::default()
+    }
+}
+
+/// A hello body: the token, then the namespace.
+pub fn hello_body(token: &str, namespace: &str) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u32(token.len() as u32)
+        .bytes(token.as_bytes())
+        .u16(namespace.len() as u16)
+        .bytes(namespace.as_bytes());
+    w.buf
+}
+
+pub struct ServerProcess {
+    pub child: Child,
+    pub tcp: String,
+    pub unix: String,
+    pub admin: String,
+}
+
+impl ServerProcess {
+    pub fn start(dir: &Path, extra: &[&str]) -> ServerProcess {
+        let mut args = vec![
+            "serve".to_string(),
+            "--data-dir".into(),
+            dir.display().to_string(),
+            "--memory".into(),
+            "64MiB".into(),
+            "--disk".into(),
+            "1GiB".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--admin".into(),
+            "127.0.0.1:0".into(),
+        ];
+        if !extra.contains(&"--auth-token") && !extra.contains(&"--generated-token") {
+            args.extend(["--auth-token".into(), TEST_TOKEN.into()]);
+        }
+        args.extend(
+            extra
+                .iter()
+                .filter(|s| **s != "--generated-token")
+                .map(|s| s.to_string()),
+        );
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(&args)
+            .env_remove("KVTIER_AUTH_TOKEN")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start kvtier serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("kvtier serving"),
+            "unexpected first line: {line:?}"
+        );
+        let find = |prefix: &str| -> String {
+            line.split([' ', ','])
+                .find_map(|part| part.strip_prefix(prefix).map(|s| s.trim().to_string()))
+                .unwrap_or_default()
+        };
+        ServerProcess {
+            tcp: find("tcp://"),
+            unix: find("unix://"),
+            admin: find("http://"),
+            child,
+        }
+    }
+
+    /// Runs a server that must refuse to start; returns what it printed.
+    pub fn try_start(dir: &Path, extra: &[&str]) -> String {
+        let output = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(["serve", "--data-dir", &dir.display().to_string()])
+            .args([
+                "--memory",
+                "16MiB",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin",
+                "off",
+            ])
+            .args(extra)
+            .env_remove("KVTIER_AUTH_TOKEN")
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "the server started");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    }
+
+    pub fn tcp_url(&self) -> String {
+        format!("tcp://{}", self.tcp)
+    }
+
+    pub fn unix_url(&self) -> String {
+        format!("unix://{}", self.unix)
+    }
+
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
+    pub fn wait(&mut self) -> std::process::ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "server did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        let mut stream = TcpStream::connect(&self.admin).unwrap();
+        stream
+            .write_all(b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let body = response.split("\r\n\r\n").nth(1).unwrap();
+        serde_json::from_str(body).unwrap()
+    }
+
+    pub fn http(&self, path: &str) -> String {
+        let mut stream = TcpStream::connect(&self.admin).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,346 @@
+//! The real `kvtier serve` binary against clients that flood, trickle,
+//! hoard connections, lie about their shared memory or bring no token. In
+//! every case the server must stay small and keep serving everyone else.
+
+mod common;
+
+use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use kvtier_net::protocol::{Header, Op, Writer, HEADER_LEN};
+use kvtier_net::{Client, ClientOptions};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
+
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+fn header(op: Op, id: u64, body_len: u32) -> [u8; HEADER_LEN] {
+    Header {
+        op: op as u16,
+        request_id: id,
+        body_len,
+        status: 0,
+    }
+    .encode()
+}
+
+/// Reads one response frame: (status, body).
+fn read_reply(stream: &mut impl Read) -> (i32, Vec<u8>) {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).unwrap();
+    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
+    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).unwrap();
+    (status, body)
+}
+
+fn hello(stream: &mut (impl Read + Write)) {
+    let body = hello_body(TEST_TOKEN, "");
+    stream
+        .write_all(&header(Op::Hello, 1, body.len() as u32))
+        .unwrap();
+    stream.write_all(&body).unwrap();
+    assert_eq!(read_reply(stream).0, 0, "hello refused");
+}
+
+/// Whether the server closed `stream` within `limit`, while we keep
+/// trickling a byte every `every`.
+fn closed_while_trickling(stream: &mut TcpStream, every: Duration, limit: Duration) -> bool {
+    stream.set_read_timeout(Some(every)).unwrap();
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if stream.write_all(b"x").is_err() {
+            return true;
+        }
+        let mut byte = [0u8; 256];
+        match stream.read(&mut byte) {
+            Ok(0) => return true,
+            Ok(_) => {} // an error frame, then the close
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+fn verified_round_trip(client: &mut Client, tag: &str) {
+    let key = format!("bystander/{tag}").into_bytes();
+    let value = kvtier::pattern::value(&key, 200_000);
+    for r in client.batch_put(&[&key], &[&value]).unwrap() {
+        r.unwrap();
+    }
+    let mut buf = vec![0u8; value.len()];
+    let got = client.batch_get_into(&[&key], &mut [&mut buf[..]]).unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(value.len()));
+    assert_eq!(buf, value, "the bystander read wrong bytes");
+}
+
+#[test]
+fn an_unauthenticated_flood_leaves_memory_flat() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &["--handshake-timeout", "30"]);
+    let pid = server.child.id();
+    let mut bystander = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    verified_round_trip(&mut bystander, "before");
+    let before = rss_bytes(pid);
+    let mut held = Vec::new();
+    for i in 0..300u32 {
+        let mut s = TcpStream::connect(&server.tcp).unwrap();
+        // Half announce the largest frame a header can name, half the
+        // largest a hello may be; neither sends the body.
+        let len = if i % 2 == 0 { u32::MAX } else { 4096 };
+        s.write_all(&header(Op::Hello, 1, len)).unwrap();
+        s.write_all(b"partial").unwrap();
+        held.push(s);
+    }
+    // Authenticated peers announcing 512 MiB and sending 64 KiB of it.
+    for _ in 0..16 {
+        let mut s = TcpStream::connect(&server.tcp).unwrap();
+        hello(&mut s);
+        s.write_all(&header(Op::BatchPut, 2, 512 << 20)).unwrap();
+        s.write_all(&vec![0u8; 64 << 10]).unwrap();
+        held.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    verified_round_trip(&mut bystander, "during");
+    let during = rss_bytes(pid);
+    eprintln!(
+        "server RSS before the flood {} MiB, during {} MiB ({} connections held)",
+        before >> 20,
+        during >> 20,
+        held.len()
+    );
+    // Without bounds, each of these would have cost the announced length
+    // (hundreds of GiB together); threads and 64 KiB first chunks cost a
+    // few tens of MiB.
+    assert!(
+        during < before + (96 << 20),
+        "RSS grew from {before} to {during} bytes under an unauthenticated flood"
+    );
+    let stats = server.stats();
+    assert!(
+        stats["server"]["protocol_errors"].as_u64().unwrap() >= 150,
+        "{stats}"
+    );
+    drop(held);
+}
+
+#[test]
+fn the_connection_cap_refuses_the_excess_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &["--max-connections", "4"]);
+    let mut clients: Vec<Client> = (0..4)
+        .map(|_| Client::connect_with(&server.unix_url(), options()).unwrap())
+        .collect();
+    let err = Client::connect_with(&server.tcp_url(), options()).unwrap_err();
+    assert!(err.to_string().contains("max_connections"), "{err}");
+    clients.pop();
+    let mut again = None;
+    for _ in 0..100 {
+        if let Ok(c) = Client::connect_with(&server.tcp_url(), options()) {
+            again = Some(c);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    verified_round_trip(again.as_mut().expect("a slot came free"), "after-cap");
+    assert!(
+        server.stats()["server"]["connections_refused"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    );
+}
+
+#[test]
+fn trickling_clients_are_dropped_on_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("serve.toml");
+    std::fs::write(&config, "min_frame_rate = \"64MiB\"\nadmin_timeout = 1.0\n").unwrap();
+    let data = dir.path().join("data");
+    let server = ServerProcess::start(
+        &data,
+        &[
+            "--handshake-timeout",
+            "1",
+            "--frame-timeout",
+            "1",
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let mut bystander = Client::connect_with(&server.unix_url(), options()).unwrap();
+    // Before hello: a byte every 200 ms never completes a hello.
+    let mut pre = TcpStream::connect(&server.tcp).unwrap();
+    // After hello: a 64 MiB frame sent a byte at a time gets 1 s plus
+    // 1 s of rate allowance (64 MiB at 64 MiB/s).
+    let mut post = TcpStream::connect(&server.tcp).unwrap();
+    hello(&mut post);
+    post.write_all(&header(Op::BatchPut, 2, 64 << 20)).unwrap();
+    // Admin: 50 clients trickling a request head.
+    let mut admins: Vec<TcpStream> = (0..50)
+        .map(|_| {
+            let mut s = TcpStream::connect(&server.admin).unwrap();
+            s.write_all(b"GET /hea").unwrap();
+            s
+        })
+        .collect();
+    let health_started = Instant::now();
+    let health = server.http("/health");
+    let health_took = health_started.elapsed();
+    assert!(health.ends_with("ok\n"), "{health}");
+    eprintln!("/health answered in {health_took:?} beside 50 trickling admin clients");
+    verified_round_trip(&mut bystander, "trickle");
+    let every = Duration::from_millis(200);
+    let limit = Duration::from_secs(8);
+    assert!(
+        closed_while_trickling(&mut pre, every, limit),
+        "pre-hello trickler kept"
+    );
+    assert!(
+        closed_while_trickling(&mut post, every, limit),
+        "frame trickler kept"
+    );
+    for admin in admins.iter_mut().take(3) {
+        assert!(
+            closed_while_trickling(admin, every, limit),
+            "admin trickler kept"
+        );
+    }
+    let stats = server.stats();
+    assert!(
+        stats["server"]["connections_timed_out"].as_u64().unwrap() >= 2,
+        "{stats}"
+    );
+    verified_round_trip(&mut bystander, "after-trickle");
+}
+
+/// A raw Unix-socket session for sending descriptors the Rust client never
+/// would.
+struct RawUnix(UnixStream);
+
+impl RawUnix {
+    fn connect(path: &str) -> RawUnix {
+        let mut s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        hello(&mut s);
+        RawUnix(s)
+    }
+
+    fn register(&mut self, size: u64, fd: Option<&OwnedFd>) -> (i32, String) {
+        let mut w = Writer::default();
+        w.u64(size);
+        let mut frame = header(Op::RegisterBuffer, 3, 8).to_vec();
+        frame.extend_from_slice(&w.buf);
+        match fd {
+            Some(fd) => kvtier_net::shm::send_with_fd(&self.0, &frame, fd.as_raw_fd()).unwrap(),
+            None => self.0.write_all(&frame).unwrap(),
+        }
+        let (status, body) = read_reply(&mut self.0);
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+}
+
+fn memfd(len: i64, seals: i32) -> OwnedFd {
+    // SAFETY: creating, sizing and sealing our own memfd.
+    unsafe {
+        let raw = libc::memfd_create(
+            c"test".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        );
+        assert!(raw >= 0);
+        assert_eq!(libc::ftruncate(raw, len), 0);
+        if seals != 0 {
+            assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, seals), 0);
+        }
+        OwnedFd::from_raw_fd(raw)
+    }
+}
+
+#[test]
+fn shared_buffers_must_be_sealed_memfds() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut bystander = Client::connect_with(&server.unix_url(), options()).unwrap();
+    let mut raw = RawUnix::connect(&server.unix);
+    let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+    let file = std::fs::File::create(dir.path().join("plain-file")).unwrap();
+    file.set_len(1 << 20).unwrap();
+    let (status, message) = raw.register(1 << 20, Some(&OwnedFd::from(file)));
+    assert_ne!(status, 0);
+    assert!(message.contains("not a sealable memfd"), "{message}");
+
+    let (status, message) = raw.register(1 << 20, Some(&memfd(1 << 20, 0)));
+    assert_ne!(status, 0);
+    assert!(message.contains("not sealed"), "{message}");
+
+    let (status, message) = raw.register(1 << 20, Some(&memfd(1 << 20, libc::F_SEAL_SHRINK)));
+    assert_ne!(status, 0, "a memfd that can still grow: {message}");
+
+    let (status, message) = raw.register(4 << 20, Some(&memfd(1 << 20, sealed)));
+    assert_ne!(status, 0);
+    assert!(message.contains("not the"), "{message}");
+
+    let (status, _) = raw.register(1 << 20, None);
+    assert_ne!(status, 0, "a register with no descriptor");
+
+    // A good one, which the client then tries to shrink and grow (the
+    // seals refuse), and closes: the server's mapping stays valid.
+    let good = memfd(1 << 20, sealed);
+    let (status, message) = raw.register(1 << 20, Some(&good));
+    assert_eq!(status, 0, "{message}");
+    // SAFETY: ftruncate on our own descriptor; both must fail.
+    unsafe {
+        assert_ne!(libc::ftruncate(good.as_raw_fd(), 4096), 0);
+        assert_ne!(libc::ftruncate(good.as_raw_fd(), 8 << 20), 0);
+    }
+    drop(good);
+    // A get into the closed client's buffer still lands safely.
+    let mut w = Writer::default();
+    w.u32(1).u32(1).key(b"bystander/shm").u64(0).u64(1 << 20);
+    let mut frame = header(Op::BatchGetShm, 4, w.buf.len() as u32).to_vec();
+    frame.extend_from_slice(&w.buf);
+    raw.0.write_all(&frame).unwrap();
+    assert_eq!(read_reply(&mut raw.0).0, 0);
+    verified_round_trip(&mut bystander, "shm");
+    let stats = server.stats();
+    assert!(
+        stats["server"]["buffers_refused"].as_u64().unwrap() >= 5,
+        "{stats}"
+    );
+}
+
+#[test]
+fn loopback_tcp_without_credentials_is_refused_by_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &["--generated-token"]);
+    let token_path = dir.path().join("auth-token");
+    let token = std::fs::read_to_string(&token_path)
+        .unwrap()
+        .trim()
+        .to_string();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&token_path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the generated token is private");
+    let anonymous = ClientOptions {
+        auth_token: None,
+        ..ClientOptions::default()
+    };
+    let err = Client::connect_with(&server.tcp_url(), anonymous).unwrap_err();
+    assert!(err.to_string().contains("unauthorized"), "{err}");
+    let with_token = ClientOptions {
+        auth_token: Some(token),
+        ..ClientOptions::default()
+    };
+    let mut client = Client::connect_with(&server.tcp_url(), with_token).unwrap();
+    verified_round_trip(&mut client, "token");
+}

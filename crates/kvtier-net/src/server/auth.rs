@@ -1,0 +1,199 @@
+//! Who may talk to the server: every trust decision about a peer.
+//!
+//! - TCP (loopback included): the token, always. Any local user can reach
+//!   a loopback port, so loopback alone proves nothing.
+//! - Unix socket: the socket file is 0600 in the data directory; a peer
+//!   running as the server's user (or root) is trusted by its kernel
+//!   credentials (SO_PEERCRED), any other peer needs the token.
+//! - Admin HTTP off loopback: the token as `Authorization: Bearer`.
+//!
+//! Tokens are compared in constant time (`subtle`), must be at least
+//! [`MIN_TOKEN_LEN`] bytes, and a refused hello is answered only after
+//! `Limits::failed_auth_delay`.
+
+use std::fs::{self, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use subtle::ConstantTimeEq;
+
+/// Shortest token accepted.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Where `kvtier serve` keeps the token it generated at first start.
+pub const TOKEN_FILE: &str = "auth-token";
+
+/// The server's token and identity.
+#[derive(Clone)]
+pub struct Auth {
+    token: Option<Box<[u8]>>,
+    server_uid: u32,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth")
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .field("server_uid", &self.server_uid)
+            .finish()
+    }
+}
+
+impl Auth {
+    /// Checks the token's length (a short token can be guessed).
+    pub fn new(token: Option<&str>) -> io::Result<Auth> {
+        if let Some(token) = token {
+            check_token(token)?;
+        }
+        Ok(Auth {
+            token: token.map(|t| t.as_bytes().into()),
+            // SAFETY: geteuid has no preconditions.
+            server_uid: unsafe { libc::geteuid() },
+        })
+    }
+
+    pub fn has_token(&self) -> bool {
+        self.token.is_some()
+    }
+
+    /// Whether `presented` is the token (constant time in its contents).
+    pub fn token_matches(&self, presented: &[u8]) -> bool {
+        match &self.token {
+            Some(token) => token.len() == presented.len() && bool::from(token.ct_eq(presented)),
+            None => false,
+        }
+    }
+
+    /// Whether a Unix-socket peer runs as the server's user or as root.
+    pub fn trusts_unix_peer(&self, stream: &std::os::unix::net::UnixStream) -> bool {
+        peer_uid(stream).is_some_and(|uid| uid == self.server_uid || uid == 0)
+    }
+
+    /// Whether an admin request's `Authorization` header value carries the
+    /// token.
+    pub fn bearer_matches(&self, header: Option<&str>) -> bool {
+        header
+            .and_then(|h| h.trim().strip_prefix("Bearer "))
+            .is_some_and(|t| self.token_matches(t.trim().as_bytes()))
+    }
+}
+
+/// A token must be long enough not to be guessed, and printable.
+pub fn check_token(token: &str) -> io::Result<()> {
+    if token.len() < MIN_TOKEN_LEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "the auth token is {} bytes: tokens must be at least {MIN_TOKEN_LEN} (use a \
+                 random one, e.g. `openssl rand -hex 32`)",
+                token.len()
+            ),
+        ));
+    }
+    if token.len() > crate::protocol::MAX_TOKEN_LEN || token.chars().any(char::is_control) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "the auth token must be at most {} printable bytes",
+                crate::protocol::MAX_TOKEN_LEN
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The token kept in `<data_dir>/auth-token`, generated (64 hex digits
+/// from the kernel's random source, file mode 0600) if there is none yet.
+pub fn data_dir_token(data_dir: &Path) -> io::Result<(String, PathBuf)> {
+    let path = data_dir.join(TOKEN_FILE);
+    match fs::read_to_string(&path) {
+        Ok(text) => {
+            let mode = fs::metadata(&path)?.permissions().mode();
+            if mode & 0o077 != 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{} is readable by other users (mode {:o}): chmod 600 it",
+                        path.display(),
+                        mode & 0o777
+                    ),
+                ));
+            }
+            let token = text.trim().to_string();
+            check_token(&token)?;
+            Ok((token, path))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            fs::create_dir_all(data_dir)?;
+            let secret = kvtier::KeySecret::generate().map_err(io::Error::other)?;
+            let token: String = secret
+                .as_bytes()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            let tmp = data_dir.join(format!("{TOKEN_FILE}.tmp"));
+            let _ = fs::remove_file(&tmp);
+            let mut file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            file.write_all(format!("{token}\n").as_bytes())?;
+            file.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            Ok((token, path))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
+    // SAFETY: a zeroed ucred filled by getsockopt on our own socket.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: as above; the length matches the struct.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_checked_for_length_and_compared_exactly() {
+        assert!(Auth::new(Some("short")).is_err());
+        let auth = Auth::new(Some("0123456789abcdef0123")).unwrap();
+        assert!(auth.token_matches(b"0123456789abcdef0123"));
+        assert!(!auth.token_matches(b"0123456789abcdef012"));
+        assert!(!auth.token_matches(b"0123456789abcdef0124"));
+        assert!(!auth.token_matches(b""));
+        assert!(auth.bearer_matches(Some("Bearer 0123456789abcdef0123")));
+        assert!(!auth.bearer_matches(Some("Basic 0123456789abcdef0123")));
+        assert!(!Auth::new(None).unwrap().token_matches(b""));
+    }
+
+    #[test]
+    fn data_dir_token_is_generated_once_and_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, path) = data_dir_token(dir.path()).unwrap();
+        let (b, _) = data_dir_token(dir.path()).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.len(), 64);
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(data_dir_token(dir.path()).is_err());
+    }
+}

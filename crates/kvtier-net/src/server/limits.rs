@@ -1,0 +1,174 @@
+//! Every limit the server enforces, with its default, and the two
+//! server-wide budgets (connections, registered shared memory). A limit is
+//! checked in exactly one place; docs/server.md lists them all.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The server's limits. `Limits::default()` is what `kvtier serve` uses.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Largest frame body accepted after hello. Default: 1 GiB.
+    pub max_frame: u64,
+    /// Largest frame body accepted before hello (a hello is a few hundred
+    /// bytes): nothing unauthenticated can make the server allocate more.
+    /// Default: 4 KiB.
+    pub max_hello_frame: u64,
+    /// Most keys in one batch. Default: 4096.
+    pub max_batch: u32,
+    /// Most open client connections (data ports together); the next one is
+    /// answered with a LIMIT error and closed. Default: 1024.
+    pub max_connections: usize,
+    /// A connection must complete its hello within this. Default: 10 s.
+    pub handshake_timeout: Duration,
+    /// A connection with no request for this long is closed (clients
+    /// reconnect by themselves). Default: 1 h.
+    pub idle_timeout: Duration,
+    /// A frame, once its first byte arrived, must be whole within
+    /// `frame_timeout + body_len / min_frame_rate`. Defaults: 10 s and
+    /// 4 MiB/s (a 1 GiB frame gets 266 s).
+    pub frame_timeout: Duration,
+    pub min_frame_rate: u64,
+    /// A reply that cannot be written for this long closes the connection.
+    /// Default: 60 s.
+    pub write_timeout: Duration,
+    /// Per-connection buffers larger than this are released when the
+    /// connection goes idle. Default: 1 MiB.
+    pub retained_buffer_bytes: usize,
+    /// Shared memory one connection may register, in bytes and buffers.
+    /// Defaults: 64 GiB, 64.
+    pub max_registered_bytes: u64,
+    pub max_registered_buffers: usize,
+    /// Shared memory all connections together may register. Default:
+    /// 256 GiB.
+    pub max_registered_bytes_total: u64,
+    /// Pause before a refused hello is answered, so a token cannot be
+    /// guessed at the speed of the network. Default: 1 s.
+    pub failed_auth_delay: Duration,
+    /// Most concurrent admin HTTP connections. Default: 256.
+    pub max_admin_connections: usize,
+    /// An admin request must arrive whole within this, and its answer be
+    /// written within it. Default: 5 s.
+    pub admin_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_frame: crate::protocol::DEFAULT_MAX_FRAME,
+            max_hello_frame: 4 << 10,
+            max_batch: crate::protocol::DEFAULT_MAX_BATCH,
+            max_connections: 1024,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(3600),
+            frame_timeout: Duration::from_secs(10),
+            min_frame_rate: 4 << 20,
+            write_timeout: Duration::from_secs(60),
+            retained_buffer_bytes: 1 << 20,
+            max_registered_bytes: 64 << 30,
+            max_registered_buffers: 64,
+            max_registered_bytes_total: 256 << 30,
+            failed_auth_delay: Duration::from_secs(1),
+            max_admin_connections: 256,
+            admin_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A counted budget shared by every connection: connections open, or bytes
+/// of shared memory registered. A permit gives its share back on drop, so
+/// no exit path of a connection can leak it.
+#[derive(Debug)]
+pub struct Budget {
+    used: AtomicU64,
+    limit: u64,
+}
+
+impl Budget {
+    pub fn new(limit: u64) -> Arc<Budget> {
+        Arc::new(Budget {
+            used: AtomicU64::new(0),
+            limit,
+        })
+    }
+
+    /// Takes `amount`, or returns `None` (taking nothing) if that would pass
+    /// the limit.
+    pub fn try_take(self: &Arc<Self>, amount: u64) -> Option<Permit> {
+        let mut used = self.used.load(Ordering::Relaxed);
+        loop {
+            let next = used.checked_add(amount).filter(|&n| n <= self.limit)?;
+            match self
+                .used
+                .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    return Some(Permit {
+                        budget: Arc::clone(self),
+                        amount,
+                    })
+                }
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+}
+
+/// A share of a [`Budget`], returned on drop.
+#[derive(Debug)]
+pub struct Permit {
+    budget: Arc<Budget>,
+    amount: u64,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.amount, Ordering::AcqRel);
+    }
+}
+
+/// Counts live threads of one kind (admin connections) against a cap.
+#[derive(Debug, Default)]
+pub struct ThreadCount(AtomicUsize);
+
+impl ThreadCount {
+    pub fn try_enter(&self, cap: usize) -> bool {
+        self.0
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    pub fn leave(&self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_refuses_past_its_limit_and_gets_shares_back() {
+        let budget = Budget::new(10);
+        let a = budget.try_take(6).unwrap();
+        assert!(budget.try_take(5).is_none());
+        let b = budget.try_take(4).unwrap();
+        assert_eq!(budget.used(), 10);
+        drop(a);
+        assert_eq!(budget.used(), 4);
+        assert!(budget.try_take(u64::MAX).is_none());
+        drop(b);
+        assert_eq!(budget.used(), 0);
+    }
+}

@@ -1,0 +1,339 @@
+//! The server behind `kvtier serve`: a thread per connection over one
+//! shared `Store`, on TCP and a Unix socket, plus the admin HTTP endpoint.
+//!
+//! - `mod.rs` (here): configuration, listeners, accepting under the
+//!   connection cap, shutdown.
+//! - `limits`: every limit and its default; the server-wide budgets.
+//! - `auth`: every trust decision about a peer.
+//! - `session`: one connection: hello, deadlines, shared buffers.
+//! - `handlers`: one plain function per operation, (store, request) in,
+//!   reply out.
+//!
+//! Why threads and not an async runtime: see docs/server.md.
+
+mod auth;
+mod handlers;
+pub mod limits;
+mod session;
+
+pub use auth::{check_token, data_dir_token, Auth, MIN_TOKEN_LEN, TOKEN_FILE};
+pub use limits::Limits;
+
+use crate::metrics::Metrics;
+use crate::protocol::{code, Header};
+use crate::transport::Transport;
+use kvtier::Store;
+use limits::{Budget, Permit, ThreadCount};
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How the server listens and what it allows.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// TCP address. TCP always requires `auth_token`, loopback included.
+    pub listen: Option<SocketAddr>,
+    /// Unix socket path (created with mode 0600).
+    pub socket: Option<PathBuf>,
+    /// Admin HTTP address (`/metrics`, `/health`, `/stats`); off loopback
+    /// it requires the token.
+    pub admin: Option<SocketAddr>,
+    /// Token clients present at hello (at least 16 bytes).
+    pub auth_token: Option<String>,
+    pub limits: Limits,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 7700))),
+            socket: None,
+            admin: Some(SocketAddr::from(([127, 0, 0, 1], 7701))),
+            auth_token: None,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// A running server; `shutdown` stops it.
+#[derive(Debug)]
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+/// What every connection of one server shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub store: Arc<Store>,
+    pub config: ServerConfig,
+    pub auth: Auth,
+    pub stopping: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
+    /// Open data connections.
+    pub connections: Arc<Budget>,
+    /// Bytes of shared memory registered by all connections.
+    pub registered: Arc<Budget>,
+    pub admin_threads: ThreadCount,
+}
+
+/// How often idle reads and accept loops look at the stop flag and the
+/// deadlines.
+const POLL: Duration = Duration::from_millis(100);
+
+impl Server {
+    /// Checks the configuration: TCP and a non-loopback admin port need a
+    /// token of at least `MIN_TOKEN_LEN` bytes.
+    pub fn new(store: Arc<Store>, config: ServerConfig) -> io::Result<Server> {
+        let auth = Auth::new(config.auth_token.as_deref())?;
+        if let Some(addr) = config.listen {
+            if !auth.has_token() {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to listen on TCP {addr} without an auth token: any local user \
+                         can reach a TCP port. Set --auth-token or KVTIER_AUTH_TOKEN (kvtier \
+                         serve generates one in <data_dir>/{TOKEN_FILE}), or use only the Unix socket"
+                    ),
+                ));
+            }
+        }
+        if let Some(addr) = config.admin {
+            if !addr.ip().is_loopback() && !auth.has_token() {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to serve admin HTTP on non-loopback {addr} without an auth token"
+                    ),
+                ));
+            }
+        }
+        if config.listen.is_none() && config.socket.is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "nothing to listen on: give a TCP address or a socket path",
+            ));
+        }
+        let limits = &config.limits;
+        Ok(Server {
+            shared: Arc::new(Shared {
+                connections: Budget::new(limits.max_connections as u64),
+                registered: Budget::new(limits.max_registered_bytes_total),
+                admin_threads: ThreadCount::default(),
+                store,
+                auth,
+                config,
+                stopping: Arc::new(AtomicBool::new(false)),
+                metrics: Arc::new(Metrics::default()),
+            }),
+        })
+    }
+
+    /// A flag that stops the server when set.
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.shared.stopping)
+    }
+
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.shared.metrics)
+    }
+
+    /// Binds every listener, serves until the stop flag is set, then stops
+    /// accepting, lets in-flight requests finish and returns.
+    pub fn run(&self, ready: impl FnOnce(&BoundAddrs)) -> io::Result<()> {
+        let shared = &self.shared;
+        let config = &shared.config;
+        let mut bound = BoundAddrs::default();
+        let mut threads: Vec<JoinHandle<()>> = Vec::new();
+        if let Some(addr) = config.listen {
+            let listener =
+                TcpListener::bind(addr).map_err(|e| annotate(e, format!("binding {addr}")))?;
+            listener.set_nonblocking(true)?;
+            bound.tcp = Some(listener.local_addr()?);
+            threads.push(spawn_accept(
+                "kvtier-tcp-accept",
+                shared,
+                move || match listener.accept() {
+                    Ok((stream, _)) => {
+                        stream.set_nodelay(true)?;
+                        stream.set_nonblocking(false)?;
+                        Ok(Some(Transport::Tcp(stream)))
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                    Err(e) => Err(e),
+                },
+            )?);
+        }
+        if let Some(path) = &config.socket {
+            let listener = bind_unix(path)?;
+            bound.socket = Some(path.clone());
+            threads.push(spawn_accept(
+                "kvtier-unix-accept",
+                shared,
+                move || match listener.accept() {
+                    Ok((stream, _)) => {
+                        stream.set_nonblocking(false)?;
+                        Ok(Some(Transport::Unix(stream)))
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                    Err(e) => Err(e),
+                },
+            )?);
+        }
+        if let Some(addr) = config.admin {
+            let listener = TcpListener::bind(addr)
+                .map_err(|e| annotate(e, format!("binding admin {addr}")))?;
+            listener.set_nonblocking(true)?;
+            bound.admin = Some(listener.local_addr()?);
+            let shared = Arc::clone(shared);
+            threads.push(
+                std::thread::Builder::new()
+                    .name("kvtier-admin".into())
+                    .spawn(move || crate::admin::serve(listener, &shared))?,
+            );
+        }
+        ready(&bound);
+        for thread in threads {
+            let _ = thread.join();
+        }
+        if let Some(path) = &bound.socket {
+            let _ = std::fs::remove_file(path);
+        }
+        Ok(())
+    }
+}
+
+/// Binds the Unix socket with mode 0600 from its first instant, never
+/// taking the path from a live server.
+fn bind_unix(path: &PathBuf) -> io::Result<UnixListener> {
+    if path.exists() {
+        // Someone answering there is a live server: never take its socket
+        // away. Otherwise the file is left from a crash.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("another server is listening on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| annotate(e, format!("removing stale socket {}", path.display())))?;
+    }
+    // SAFETY: umask only changes this process's file-creation mask; the old
+    // mask is restored right after the bind.
+    let old = unsafe { libc::umask(0o177) };
+    let listener = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = listener.map_err(|e| annotate(e, format!("binding {}", path.display())))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Where the server actually listens (ports chosen by the OS for port 0).
+#[derive(Debug, Default, Clone)]
+pub struct BoundAddrs {
+    pub tcp: Option<SocketAddr>,
+    pub socket: Option<PathBuf>,
+    pub admin: Option<SocketAddr>,
+}
+
+fn annotate(e: io::Error, context: String) -> io::Error {
+    io::Error::new(e.kind(), format!("{context}: {e}"))
+}
+
+/// Starts a thread running `accept_loop` with `accept`.
+fn spawn_accept(
+    name: &str,
+    shared: &Arc<Shared>,
+    accept: impl FnMut() -> io::Result<Option<Transport>> + Send + 'static,
+) -> io::Result<JoinHandle<()>> {
+    let shared = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || accept_loop(&shared, accept))
+}
+
+/// Accepts until stopping, under the connection cap; connection threads
+/// are joined before returning so in-flight requests finish.
+fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Option<Transport>>) {
+    let mut connections: Vec<JoinHandle<()>> = Vec::new();
+    while !shared.stopping.load(Ordering::Acquire) {
+        match accept() {
+            Ok(Some(transport)) => {
+                let Some(permit) = shared.connections.try_take(1) else {
+                    refuse_connection(shared, transport);
+                    continue;
+                };
+                shared
+                    .metrics
+                    .connections_total
+                    .fetch_add(1, Ordering::Relaxed);
+                let worker = Arc::clone(shared);
+                match std::thread::Builder::new()
+                    .name("kvtier-conn".into())
+                    .spawn(move || serve_connection(&worker, transport, permit))
+                {
+                    Ok(handle) => connections.push(handle),
+                    Err(e) => tracing::error!(error = %e, "could not start a connection thread"),
+                }
+                connections.retain(|h| !h.is_finished());
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(POLL);
+            }
+        }
+    }
+    for handle in connections {
+        let _ = handle.join();
+    }
+}
+
+fn serve_connection(shared: &Shared, transport: Transport, _permit: Permit) {
+    shared
+        .metrics
+        .connections_open
+        .fetch_add(1, Ordering::Relaxed);
+    session::Session::new(shared, transport).serve();
+    shared
+        .metrics
+        .connections_open
+        .fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Answers a connection over the cap with a LIMIT frame and closes it,
+/// spending at most a few milliseconds of the accept thread on it.
+fn refuse_connection(shared: &Shared, mut transport: Transport) {
+    shared
+        .metrics
+        .connections_refused
+        .fetch_add(1, Ordering::Relaxed);
+    let message = format!(
+        "the server has {} connections open, the most it allows (max_connections); retry later",
+        shared.connections.limit()
+    );
+    let header = Header {
+        op: 0,
+        request_id: 0,
+        body_len: message.len() as u32,
+        status: code::LIMIT,
+    };
+    let mut frame = header.encode().to_vec();
+    frame.extend_from_slice(message.as_bytes());
+    let _ = transport.set_timeouts(
+        Some(Duration::from_millis(10)),
+        Some(Duration::from_millis(10)),
+    );
+    let _ = transport.write_all(&frame);
+    tracing::warn!(
+        limit = shared.connections.limit(),
+        "refused a connection over the cap"
+    );
+}

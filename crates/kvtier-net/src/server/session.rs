@@ -1,0 +1,422 @@
+//! One client connection: the hello (authentication and namespace), the
+//! deadlines that bound how long a peer may hold the connection, the
+//! shared buffers it registered, and dispatch to the handlers.
+
+use super::handlers::{self, Reply};
+use super::limits::Permit;
+use super::{Shared, POLL};
+use crate::metrics::Metrics;
+use crate::protocol::{self, code, decode_request, Header, Request, Writer};
+use crate::shm::SharedRegion;
+use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
+use kvtier::disk::io::AlignedBuf;
+use kvtier::Namespace;
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub(crate) struct Session<'a> {
+    transport: Transport,
+    state: State<'a>,
+}
+
+/// Everything of a session but its socket, so a reply can borrow from it
+/// while the socket sends.
+struct State<'a> {
+    shared: &'a Shared,
+    is_unix: bool,
+    /// Set by a successful hello: until then the peer is unauthenticated.
+    namespace: Option<Namespace>,
+    /// Request bodies; grows with bytes received, released when idle.
+    body: Vec<u8>,
+    /// Batch-get value slots (TCP); released when idle.
+    arena: Option<AlignedBuf>,
+    buffers: HashMap<u32, RegisteredBuffer>,
+    next_buffer: u32,
+    registered_bytes: u64,
+    /// Set when the peer passed a trusted Unix credential check.
+    unix_peer_trusted: bool,
+}
+
+/// A client's shared buffer, with its share of the server-wide budget.
+struct RegisteredBuffer {
+    region: SharedRegion,
+    _budget: Permit,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        self.metrics
+            .registered_buffers
+            .fetch_sub(1, Ordering::Relaxed);
+        self.metrics
+            .registered_bytes
+            .fetch_sub(self.region.len() as u64, Ordering::Relaxed);
+    }
+}
+
+enum End {
+    Closed,
+    TimedOut(&'static str),
+}
+
+impl<'a> Session<'a> {
+    pub fn new(shared: &'a Shared, transport: Transport) -> Self {
+        let (is_unix, unix_peer_trusted) = match &transport {
+            Transport::Unix(stream) => (true, shared.auth.trusts_unix_peer(stream)),
+            Transport::Tcp(_) => (false, false),
+        };
+        Session {
+            transport,
+            state: State {
+                shared,
+                is_unix,
+                namespace: None,
+                body: Vec::new(),
+                arena: None,
+                buffers: HashMap::new(),
+                next_buffer: 1,
+                registered_bytes: 0,
+                unix_peer_trusted,
+            },
+        }
+    }
+
+    pub fn serve(mut self) {
+        let limits = &self.state.shared.config.limits;
+        if let Err(e) = self
+            .transport
+            .set_timeouts(Some(POLL), Some(limits.write_timeout))
+        {
+            tracing::warn!(error = %e, "configuring a connection");
+            return;
+        }
+        match self.serve_frames() {
+            End::Closed => {}
+            End::TimedOut(why) => {
+                self.state
+                    .shared
+                    .metrics
+                    .connections_timed_out
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(why, "dropped a connection at a deadline");
+            }
+        }
+    }
+
+    fn serve_frames(&mut self) -> End {
+        let shared = self.state.shared;
+        let limits = &shared.config.limits;
+        let opened = Instant::now();
+        let handshake_deadline = opened + limits.handshake_timeout;
+        let mut idle_since = Instant::now();
+        loop {
+            let authenticated = self.state.namespace.is_some();
+            let frame_limits = FrameLimits {
+                max_body: if authenticated {
+                    limits.max_frame
+                } else {
+                    limits.max_hello_frame
+                },
+                return_when_idle: true,
+                frame_time: limits.frame_timeout,
+                min_rate: limits.min_frame_rate,
+                stall: limits.frame_timeout,
+                deadline: (!authenticated).then_some(handshake_deadline),
+            };
+            let mut body = std::mem::take(&mut self.state.body);
+            let read = self.transport.read_frame(&mut body, &frame_limits);
+            let (header, fd) = match read {
+                Ok(FrameRead::Frame { header, fd }) => (header, fd),
+                Ok(FrameRead::Closed) => return End::Closed,
+                Ok(FrameRead::Idle) => {
+                    self.state.body = body;
+                    if shared.stopping.load(Ordering::Acquire) {
+                        return End::Closed;
+                    }
+                    self.state.release_idle_buffers();
+                    if !authenticated && Instant::now() > handshake_deadline {
+                        return End::TimedOut("no hello within the handshake timeout");
+                    }
+                    if idle_since.elapsed() > limits.idle_timeout {
+                        return End::TimedOut("idle past the idle timeout");
+                    }
+                    continue;
+                }
+                Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {
+                    return End::TimedOut("a frame passed its deadline");
+                }
+                Err(ReadError::Io(e)) => {
+                    tracing::debug!(error = %e, "connection ended");
+                    return End::Closed;
+                }
+                Err(ReadError::Protocol(e)) => {
+                    shared
+                        .metrics
+                        .protocol_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "closing a connection after a malformed frame");
+                    let _ = send(
+                        &mut self.transport,
+                        0,
+                        0,
+                        code::PROTOCOL,
+                        e.0.as_bytes(),
+                        &[],
+                    );
+                    return End::Closed;
+                }
+            };
+            let started = Instant::now();
+            let reply = self.state.handle(&header, &body, fd);
+            let sent = send(
+                &mut self.transport,
+                header.op,
+                header.request_id,
+                reply.status,
+                &reply.body,
+                &reply.tail,
+            );
+            let (sample, close) = (reply.sample, reply.close);
+            drop(reply);
+            self.state.body = body;
+            shared.metrics.record(header.op, started.elapsed(), sample);
+            if sent.is_err() || close {
+                return End::Closed;
+            }
+            idle_since = Instant::now();
+        }
+    }
+}
+
+impl State<'_> {
+    /// Buffers that grew for a large request go back once the connection
+    /// is idle; steady traffic keeps its warm pages.
+    fn release_idle_buffers(&mut self) {
+        let keep = self.shared.config.limits.retained_buffer_bytes;
+        if self.body.capacity() > keep {
+            self.body = Vec::new();
+        }
+        if self.arena.as_ref().is_some_and(|a| a.len() > keep) {
+            self.arena = None;
+        }
+    }
+
+    fn handle<'b>(&'b mut self, header: &Header, body: &[u8], fd: Option<OwnedFd>) -> Reply<'b> {
+        let shared = self.shared;
+        if header.status != 0 {
+            return Reply::error(code::PROTOCOL, "request flags must be 0").closing();
+        }
+        let request = match decode_request(header.op, body, shared.config.limits.max_batch) {
+            Ok(request) => request,
+            Err(e) => {
+                shared
+                    .metrics
+                    .protocol_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                return Reply::error(code::PROTOCOL, e.0).closing();
+            }
+        };
+        let namespace = match (&self.namespace, request) {
+            (None, Request::Hello { token, namespace }) => return self.hello(token, namespace),
+            (None, _) => {
+                return Reply::error(code::UNAUTHORIZED, "say hello first").closing();
+            }
+            (Some(_), Request::Hello { .. }) => {
+                return Reply::error(code::PROTOCOL, "hello was already said on this connection")
+                    .closing();
+            }
+            (Some(namespace), request) => (namespace.clone(), request),
+        };
+        let (namespace, request) = namespace;
+        let store = shared.store.in_namespace(&namespace);
+        match request {
+            Request::Hello { .. } => unreachable!("handled above"),
+            Request::BatchPut { flags, items } => handlers::batch_put(store, flags, &items),
+            Request::BatchGet { items } => handlers::batch_get(
+                store,
+                &items,
+                &mut self.arena,
+                shared.config.limits.max_frame,
+            ),
+            Request::BatchExists { keys } => handlers::batch_exists(store, &keys),
+            Request::PrefixLen { keys } => handlers::prefix_len(store, &keys),
+            Request::Remove { key } => handlers::remove(store, key),
+            Request::Flush => handlers::flush(&shared.store),
+            Request::Stats => {
+                let json = shared.metrics.json(&shared.store.stats());
+                Reply::ok(json.to_string().into_bytes())
+            }
+            Request::RegisterBuffer { size } => self.register(size, fd),
+            Request::BatchPutShm {
+                buffer,
+                flags,
+                items,
+            } => match self.buffers.get(&buffer) {
+                Some(b) => handlers::batch_put_shm(store, &b.region, flags, &items),
+                None => unknown_buffer(buffer),
+            },
+            Request::BatchGetShm { buffer, items } => match self.buffers.get(&buffer) {
+                Some(b) => handlers::batch_get_shm(store, &b.region, &items),
+                None => unknown_buffer(buffer),
+            },
+        }
+    }
+
+    /// Authenticates the peer (see `auth`) and fixes the connection's
+    /// namespace.
+    fn hello<'b>(&mut self, token: &[u8], namespace: &str) -> Reply<'b> {
+        let shared = self.shared;
+        let trusted = self.unix_peer_trusted || shared.auth.token_matches(token);
+        if !trusted {
+            shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(shared.config.limits.failed_auth_delay);
+            let why = if self.is_unix {
+                "this Unix-socket peer runs as another user: present the server's auth token"
+            } else if token.is_empty() {
+                "TCP clients must present the server's auth token (KVTIER_AUTH_TOKEN; kvtier \
+                 serve keeps a generated one in <data_dir>/auth-token)"
+            } else {
+                "wrong auth token"
+            };
+            return Reply::error(code::UNAUTHORIZED, why).closing();
+        }
+        let namespace = match shared.store.namespace(namespace) {
+            Ok(namespace) => namespace,
+            Err(e) => return Reply::error(code::INVALID_ARGUMENT, e.to_string()).closing(),
+        };
+        self.namespace = Some(namespace);
+        let limits = &shared.config.limits;
+        let mut w = Writer::default();
+        w.u32(u32::from(protocol::VERSION))
+            .u64(limits.max_frame)
+            .u32(limits.max_batch)
+            .u32(kvtier::MAX_KEY_LEN as u32)
+            .u64(shared.store.max_put_len());
+        Reply::ok(w.buf)
+    }
+
+    fn register<'b>(&mut self, size: u64, fd: Option<OwnedFd>) -> Reply<'b> {
+        let shared = self.shared;
+        let limits = &shared.config.limits;
+        let refuse = |status: i32, message: String| {
+            shared
+                .metrics
+                .buffers_refused
+                .fetch_add(1, Ordering::Relaxed);
+            Reply::error(status, message)
+        };
+        if !self.is_unix {
+            return refuse(
+                code::UNSUPPORTED,
+                "shared buffers need the Unix socket".into(),
+            );
+        }
+        let Some(fd) = fd else {
+            return refuse(
+                code::INVALID_ARGUMENT,
+                "no file descriptor came with the register request".into(),
+            );
+        };
+        if size == 0 || usize::try_from(size).is_err() {
+            return refuse(
+                code::INVALID_ARGUMENT,
+                format!("cannot register {size} bytes"),
+            );
+        }
+        if self.buffers.len() >= limits.max_registered_buffers
+            || self.registered_bytes.saturating_add(size) > limits.max_registered_bytes
+        {
+            return refuse(
+                code::LIMIT,
+                format!(
+                    "registering {size} bytes would pass this connection's limit ({} bytes, {} \
+                     buffers; {} bytes in {} buffers registered)",
+                    limits.max_registered_bytes,
+                    limits.max_registered_buffers,
+                    self.registered_bytes,
+                    self.buffers.len()
+                ),
+            );
+        }
+        let Some(budget) = shared.registered.try_take(size) else {
+            return refuse(
+                code::LIMIT,
+                format!(
+                    "registering {size} bytes would pass the server's limit on shared memory \
+                     ({} of {} bytes registered by all clients)",
+                    shared.registered.used(),
+                    shared.registered.limit()
+                ),
+            );
+        };
+        let region = match SharedRegion::map_client_buffer(fd, size as usize) {
+            Ok(region) => region,
+            Err(e) => {
+                return refuse(
+                    code::INVALID_ARGUMENT,
+                    format!("refusing the shared buffer: {e}"),
+                )
+            }
+        };
+        let id = self.next_buffer;
+        self.next_buffer += 1;
+        shared
+            .metrics
+            .registered_buffers
+            .fetch_add(1, Ordering::Relaxed);
+        shared
+            .metrics
+            .registered_bytes
+            .fetch_add(size, Ordering::Relaxed);
+        self.buffers.insert(
+            id,
+            RegisteredBuffer {
+                region,
+                _budget: budget,
+                metrics: Arc::clone(&shared.metrics),
+            },
+        );
+        self.registered_bytes += size;
+        let mut w = Writer::default();
+        w.u32(id);
+        Reply::ok(w.buf)
+    }
+}
+
+fn unknown_buffer<'b>(buffer: u32) -> Reply<'b> {
+    Reply::error(
+        code::INVALID_ARGUMENT,
+        format!("buffer {buffer} is not registered on this connection"),
+    )
+}
+
+/// Writes one response frame: header, body, then the value bytes.
+fn send(
+    transport: &mut Transport,
+    op: u16,
+    request_id: u64,
+    status: i32,
+    body: &[u8],
+    tail: &[&[u8]],
+) -> io::Result<()> {
+    let tail_len: usize = tail.iter().map(|t| t.len()).sum();
+    let header = Header {
+        op,
+        request_id,
+        body_len: (body.len() + tail_len) as u32,
+        status,
+    };
+    let mut head = Vec::with_capacity(protocol::HEADER_LEN + body.len());
+    head.extend_from_slice(&header.encode());
+    head.extend_from_slice(body);
+    transport.write_all(&head)?;
+    for piece in tail {
+        transport.write_all(piece)?;
+    }
+    transport.flush()
+}

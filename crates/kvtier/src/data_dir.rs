@@ -1,0 +1,192 @@
+//! The data directory's identity: its format version and the secret every
+//! key digest is keyed with (docs/design.md, "Data directory").
+//!
+//! A directory written by another format is refused with a message that
+//! says what to do, never read with the wrong digests: a format-1 directory
+//! (unkeyed digests, no namespaces) would otherwise have every record
+//! rejected and, worse, look like a directory of damaged regions.
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::key::{KeySecret, KEY_SECRET_LEN};
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+/// The format this build reads and writes.
+pub const DATA_DIR_FORMAT: u32 = 2;
+pub const FORMAT_FILE: &str = "FORMAT";
+pub const KEY_SECRET_FILE: &str = "key-secret";
+const FORMAT_PREFIX: &str = "kvtier data directory format ";
+
+/// Checks the directory's format and returns its key secret, creating both
+/// in a directory that holds no data yet. Call with the directory locked.
+pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<KeySecret> {
+    let format_path = dir.join(FORMAT_FILE);
+    match fs::read_to_string(&format_path) {
+        Ok(text) => {
+            let version = text
+                .trim()
+                .strip_prefix(FORMAT_PREFIX)
+                .and_then(|v| v.parse::<u32>().ok());
+            match version {
+                Some(DATA_DIR_FORMAT) => read_secret(dir),
+                Some(other) => Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "{} holds a kvtier data directory of format {other}; this kvtier reads \
+                         format {DATA_DIR_FORMAT} only: open it with a matching kvtier, or move it \
+                         aside and start with an empty directory",
+                        dir.display()
+                    ),
+                )),
+                None => Err(Error::new(
+                    ErrorKind::Corruption,
+                    format!(
+                        "{} is not a kvtier format file (expected \"{FORMAT_PREFIX}N\"); refusing \
+                         to guess how to read {}",
+                        format_path.display(),
+                        dir.display()
+                    ),
+                )),
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if holds_regions(region_dir)? {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "{} holds region files but no {FORMAT_FILE} file: it was written by kvtier \
+                         format 1 (unkeyed digests, no namespaces), which this kvtier does not \
+                         read. Its blocks are a cache: move the directory aside (or delete its \
+                         regions/ folder) and start empty",
+                        dir.display()
+                    ),
+                ));
+            }
+            create(dir)
+        }
+        Err(e) => Err(Error::io(format!("reading {}", format_path.display()), e)),
+    }
+}
+
+fn holds_regions(region_dir: &Path) -> Result<bool> {
+    match fs::read_dir(region_dir) {
+        Ok(mut listing) => Ok(listing.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io(format!("listing {}", region_dir.display()), e)),
+    }
+}
+
+fn read_secret(dir: &Path) -> Result<KeySecret> {
+    let path = dir.join(KEY_SECRET_FILE);
+    let mut bytes = Vec::new();
+    File::open(&path)
+        .and_then(|mut f| f.read_to_end(&mut bytes))
+        .map_err(|e| {
+            Error::io(
+                format!(
+                    "reading {} (without it no stored block can be verified)",
+                    path.display()
+                ),
+                e,
+            )
+        })?;
+    let bytes: [u8; KEY_SECRET_LEN] = bytes.try_into().map_err(|b: Vec<u8>| {
+        Error::new(
+            ErrorKind::Corruption,
+            format!(
+                "{} is {} bytes, not {KEY_SECRET_LEN}",
+                path.display(),
+                b.len()
+            ),
+        )
+    })?;
+    Ok(KeySecret::from_bytes(bytes))
+}
+
+/// Writes the secret, then the format file, each through a synced
+/// temporary file and a rename, then syncs the directory: a crash leaves
+/// either no format file (and so a directory that is created again) or
+/// both files complete.
+fn create(dir: &Path) -> Result<KeySecret> {
+    let secret = KeySecret::generate()?;
+    write_synced(dir, KEY_SECRET_FILE, secret.as_bytes(), 0o600)?;
+    let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
+    write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))?;
+    Ok(secret)
+}
+
+fn write_synced(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let path = dir.join(name);
+    let _ = fs::remove_file(&tmp);
+    let written = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .and_then(|()| fs::rename(&tmp, &path));
+    written.map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn created_once_then_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let regions = dir.path().join("regions");
+        let first = open_or_create(dir.path(), &regions).unwrap();
+        let again = open_or_create(dir.path(), &regions).unwrap();
+        assert_eq!(first.as_bytes(), again.as_bytes());
+        let mode = fs::metadata(dir.path().join(KEY_SECRET_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn older_and_foreign_directories_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let regions = dir.path().join("regions");
+        fs::create_dir(&regions).unwrap();
+        fs::write(regions.join("region-00000000.kvt"), b"old").unwrap();
+        let e = open_or_create(dir.path(), &regions).unwrap_err();
+        assert!(e.to_string().contains("format 1"), "{e}");
+        assert!(!dir.path().join(FORMAT_FILE).exists());
+
+        fs::write(
+            dir.path().join(FORMAT_FILE),
+            "kvtier data directory format 9\n",
+        )
+        .unwrap();
+        let e = open_or_create(dir.path(), &regions).unwrap_err();
+        assert!(e.to_string().contains("format 9"), "{e}");
+
+        fs::write(dir.path().join(FORMAT_FILE), "garbage").unwrap();
+        assert_eq!(
+            open_or_create(dir.path(), &regions).unwrap_err().kind(),
+            ErrorKind::Corruption
+        );
+    }
+
+    #[test]
+    fn a_missing_secret_is_an_error_not_a_new_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let regions = dir.path().join("regions");
+        open_or_create(dir.path(), &regions).unwrap();
+        fs::remove_file(dir.path().join(KEY_SECRET_FILE)).unwrap();
+        assert!(open_or_create(dir.path(), &regions).is_err());
+    }
+}
