@@ -1209,3 +1209,47 @@ fn check_buffer(len: usize, buf_len: usize) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checksum is bound to the digest: an index entry that names one
+    /// key's bytes for another key (what a digest collision would do with
+    /// an unbound checksum) is a miss, counted, and dropped.
+    #[test]
+    fn bytes_of_one_key_never_verify_as_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = || {
+            Config::new(dir.path())
+                .memory_capacity(4 << 20)
+                .disk_capacity(32 << 20)
+                .region_size(1 << 20)
+        };
+        let store = Store::open(config()).unwrap();
+        store.put(b"victim", vec![42u8; 70_000]).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let store = Store::open(config()).unwrap();
+        let ns = store.default_namespace().clone();
+        let (victim, forged) = (ns.digest(b"victim"), ns.digest(b"attacker"));
+        let entry = {
+            let shard = store.inner.index.lock(victim);
+            let e = shard.get(victim).unwrap();
+            assert!(e.disk.is_some() && e.mem.is_none());
+            Entry {
+                seq: e.seq,
+                checksum: e.checksum,
+                mem: None,
+                disk: e.disk,
+                len: e.len,
+                accessed: false,
+            }
+        };
+        store.inner.index.lock(forged).insert(forged, entry);
+        assert_eq!(store.get(b"attacker").unwrap(), None);
+        assert_eq!(store.stats().checksum_failures, 1);
+        assert!(!store.exists(b"attacker"), "the forged entry was dropped");
+        assert_eq!(store.get(b"victim").unwrap().unwrap(), vec![42u8; 70_000]);
+    }
+}
