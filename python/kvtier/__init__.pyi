@@ -30,9 +30,12 @@ class _Engine:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool: ...
-    def register_buffer(self, ptr: int, size: int) -> int:
-        """Registers ``[ptr, ptr + size)`` for raw-pointer calls; 0 or a negative code."""
-    def unregister_buffer(self, ptr: int) -> int: ...
+    def register_buffer(self, target: int | Any, size: int | None = None) -> int:
+        """Registers ``[ptr, ptr + size)`` (checked against this process's
+        mappings), or a writable buffer-protocol object (kept alive while
+        registered), for raw-pointer calls. 0, or ValueError."""
+    def unregister_buffer(self, ptr: int) -> int:
+        """Forgets the range at ``ptr`` once no call uses it; 0 or a negative code."""
     @overload
     def batch_put_from(
         self, keys: Sequence[Key], ptrs: Sequence[int], sizes: Sequence[int], *,
@@ -89,6 +92,7 @@ class Client(_Engine):
         *,
         namespace: str = "",
         auth_token: str | None = None,
+        tls_ca: str | PathLike[str] | None = None,
         timeout: float = 60.0,
         shm_size: Size | None = None,
     ) -> None: ...

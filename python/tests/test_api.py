@@ -71,6 +71,79 @@ def test_mooncake_raw_pointer_api(engine):
     assert engine.batch_get_into([keys[0]], [dptrs[0]], [size]) == [errors.INVALID_ARGUMENT]
 
 
+def test_register_buffer_refuses_what_it_cannot_trust(engine):
+    with pytest.raises(ValueError, match="not wholly mapped"):
+        engine.register_buffer(4096, 1 << 20)           # the zero page is never mapped
+    with pytest.raises(ValueError, match="non-null"):
+        engine.register_buffer(0, 4096)
+    array = np.zeros(1 << 20, dtype=np.uint8)
+    assert engine.register_buffer(array.ctypes.data, array.nbytes) == 0
+    with pytest.raises(ValueError, match="overlaps"):
+        engine.register_buffer(array.ctypes.data + 4096, 4096)
+    assert engine.unregister_buffer(array.ctypes.data) == 0
+    with pytest.raises(ValueError, match="writable"):
+        engine.register_buffer(b"read-only bytes")
+
+
+def test_a_registered_object_is_kept_alive_and_cannot_be_resized(engine):
+    import gc
+    import weakref
+
+    buf = bytearray(256 * 1024)
+    address = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    assert engine.register_buffer(buf) == 0
+    with pytest.raises(BufferError):
+        buf.extend(b"x" * 4096)                         # exported: no resize
+    key = b"registered-object"
+    assert engine.batch_put_from([key], [address], [4096]) == [0]
+    assert engine.batch_get_into([key], [address + 8192], [4096]) == [4096]
+
+    class Holder(np.ndarray):
+        pass
+
+    owned = np.zeros(1 << 16, dtype=np.uint8).view(Holder)
+    watch = weakref.ref(owned)
+    owned_address = owned.ctypes.data
+    assert engine.register_buffer(owned) == 0
+    del owned
+    gc.collect()
+    assert watch() is not None, "the registry keeps the object alive"
+    assert engine.batch_get_into([key], [owned_address], [4096]) == [4096]
+    assert engine.unregister_buffer(owned_address) == 0
+    gc.collect()
+    assert watch() is None, "unregistering lets it go"
+    assert engine.unregister_buffer(address) == 0
+
+
+def test_unregister_waits_for_calls_using_the_range(engine):
+    import threading
+
+    size = 4 << 20
+    keys = [f"wait-{i}".encode() for i in range(8)]
+    source = np.ones(size * len(keys), dtype=np.uint8)
+    assert engine.batch_put_from(keys, [source[i * size:(i + 1) * size] for i in range(len(keys))]) == [0] * 8
+    dest = np.zeros(size * len(keys), dtype=np.uint8)
+    assert engine.register_buffer(dest.ctypes.data, dest.nbytes) == 0
+    results, done = [], threading.Event()
+
+    def reader():
+        for _ in range(20):
+            results.append(engine.batch_get_into(keys, [dest.ctypes.data + i * size for i in range(8)], [size] * 8))
+        done.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    while not results:
+        pass
+    assert engine.unregister_buffer(dest.ctypes.data) == 0
+    # From here on no call may write into dest: later calls are refused.
+    dest[:] = 7
+    thread.join()
+    assert (dest == 7).all(), "a call wrote into the range after unregister returned"
+    assert all(r == [size] * 8 or r == [errors.INVALID_ARGUMENT] * 8 for r in results)
+    assert len(results) == 20
+
+
 def test_bad_input(engine):
     k = unique("bad")
     engine.put(k, b"x" * 100)

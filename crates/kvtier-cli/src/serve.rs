@@ -46,6 +46,13 @@ pub struct ServeArgs {
     /// clients of the server's own user do not.
     #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
+    /// PEM certificate chain for TLS on the TCP listener (with
+    /// --tls-key). Required for a non-loopback --listen. Default: none.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert. Default: none.
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
     /// Most open client connections. Default: 1024.
     #[arg(long)]
     pub max_connections: Option<usize>,
@@ -79,6 +86,8 @@ struct FileConfig {
     auth_token: Option<String>,
     max_frame: Option<String>,
     max_batch: Option<u32>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
     max_connections: Option<usize>,
     handshake_timeout: Option<f64>,
     idle_timeout: Option<f64>,
@@ -224,11 +233,20 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
         None => None,
     };
+    let tls = match (
+        args.tls_cert.clone().or(file.tls_cert),
+        args.tls_key.clone().or(file.tls_key),
+    ) {
+        (Some(cert), Some(key)) => Some(kvtier_net::tls::server_config(&cert, &key)?),
+        (None, None) => None,
+        _ => return Err("TLS needs both --tls-cert and --tls-key".into()),
+    };
     let mut server_config = ServerConfig {
         listen,
         socket,
         admin,
         auth_token,
+        tls,
         ..ServerConfig::default()
     };
     let limits = &mut server_config.limits;
@@ -283,7 +301,8 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     server.run(|bound| {
         let mut parts = Vec::new();
         if let Some(tcp) = bound.tcp {
-            parts.push(format!("tcp://{tcp}"));
+            let scheme = if bound.tls { "tls" } else { "tcp" };
+            parts.push(format!("{scheme}://{tcp}"));
         }
         if let Some(socket) = &bound.socket {
             parts.push(format!("unix://{}", socket.display()));

@@ -21,6 +21,9 @@ pub struct ClientOptions {
     /// Every key of this client lives in this namespace (see
     /// `kvtier::Store::namespace`): e.g. "llama3-8b/bf16/tp0of2/page64".
     pub namespace: String,
+    /// PEM file of the CA that signs the server's certificate, for
+    /// `tls://` URLs. Default: `KVTIER_TLS_CA`.
+    pub tls_ca: Option<std::path::PathBuf>,
     pub timeout: Duration,
     /// Bytes of shared memory to register on a Unix socket (0: none).
     pub shm_size: usize,
@@ -33,6 +36,9 @@ impl Default for ClientOptions {
                 .ok()
                 .filter(|t| !t.is_empty()),
             namespace: String::new(),
+            tls_ca: std::env::var_os("KVTIER_TLS_CA")
+                .filter(|p| !p.is_empty())
+                .map(Into::into),
             timeout: Duration::from_secs(60),
             shm_size: 256 << 20,
         }
@@ -42,6 +48,11 @@ impl Default for ClientOptions {
 #[derive(Debug)]
 enum Endpoint {
     Tcp(String),
+    Tls {
+        addr: String,
+        server_name: rustls_pki_types::ServerName<'static>,
+        config: Arc<rustls::ClientConfig>,
+    },
     Unix(std::path::PathBuf),
 }
 
@@ -96,11 +107,32 @@ impl Client {
     pub fn connect_with(url: &str, options: ClientOptions) -> Result<Client> {
         let endpoint = if let Some(addr) = url.strip_prefix("tcp://") {
             Endpoint::Tcp(addr.to_string())
+        } else if let Some(addr) = url.strip_prefix("tls://") {
+            let Some(ca) = &options.tls_ca else {
+                return Err(Error::invalid(format!(
+                    "{url} needs the CA certificate that signed the server's: set tls_ca or \
+                     KVTIER_TLS_CA to its PEM file"
+                )));
+            };
+            let config = crate::tls::client_config(ca)
+                .map_err(|e| Error::invalid(format!("TLS for {url}: {e}")))?;
+            let host = addr
+                .rsplit_once(':')
+                .map_or(addr, |(host, _)| host)
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let server_name = rustls_pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| Error::invalid(format!("TLS server name {host:?}: {e}")))?;
+            Endpoint::Tls {
+                addr: addr.to_string(),
+                server_name,
+                config,
+            }
         } else if let Some(path) = url.strip_prefix("unix://") {
             Endpoint::Unix(path.into())
         } else {
             return Err(Error::invalid(format!(
-                "unsupported URL {url:?}: use tcp://host:port or unix:///path"
+                "unsupported URL {url:?}: use tcp://host:port, tls://host:port or unix:///path"
             )));
         };
         let mut client = Client {
@@ -130,6 +162,21 @@ impl Client {
                     .set_nodelay(true)
                     .map_err(|e| Error::io("configuring the socket", e))?;
                 Transport::Tcp(stream)
+            }
+            Endpoint::Tls {
+                addr,
+                server_name,
+                config,
+            } => {
+                let stream = TcpStream::connect(addr)
+                    .map_err(|e| Error::io(format!("connecting to tls://{addr}"), e))?;
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| Error::io("configuring the socket", e))?;
+                let connection =
+                    rustls::ClientConnection::new(Arc::clone(config), server_name.clone())
+                        .map_err(|e| Error::invalid(format!("TLS for tls://{addr}: {e}")))?;
+                Transport::TlsClient(Box::new(rustls::StreamOwned::new(connection, stream)))
             }
             Endpoint::Unix(path) => {
                 Transport::Unix(UnixStream::connect(path).map_err(|e| {

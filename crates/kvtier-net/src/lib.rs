@@ -7,6 +7,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod shm;
+pub mod tls;
 pub mod transport;
 
 pub use client::{Client, ClientOptions};

@@ -9,10 +9,15 @@ use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+pub type TlsServerStream = rustls::StreamOwned<rustls::ServerConnection, TcpStream>;
+pub type TlsClientStream = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
+
 #[derive(Debug)]
 pub enum Transport {
     Tcp(TcpStream),
     Unix(UnixStream),
+    TlsServer(Box<TlsServerStream>),
+    TlsClient(Box<TlsClientStream>),
 }
 
 /// What a frame read produced.
@@ -89,13 +94,29 @@ impl Transport {
                 s.set_read_timeout(read)?;
                 s.set_write_timeout(write)
             }
+            Transport::TlsServer(s) => {
+                s.sock.set_read_timeout(read)?;
+                s.sock.set_write_timeout(write)
+            }
+            Transport::TlsClient(s) => {
+                s.sock.set_read_timeout(read)?;
+                s.sock.set_write_timeout(write)
+            }
         }
+    }
+
+    /// Whether bytes travel over TCP (plain or TLS) rather than the Unix
+    /// socket.
+    pub fn is_unix(&self) -> bool {
+        matches!(self, Transport::Unix(_))
     }
 
     pub fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
         match self {
             Transport::Tcp(s) => s.write_all(bytes),
             Transport::Unix(s) => s.write_all(bytes),
+            Transport::TlsServer(s) => s.write_all(bytes),
+            Transport::TlsClient(s) => s.write_all(bytes),
         }
     }
 
@@ -103,12 +124,16 @@ impl Transport {
         match self {
             Transport::Tcp(s) => s.flush(),
             Transport::Unix(s) => s.flush(),
+            Transport::TlsServer(s) => s.flush(),
+            Transport::TlsClient(s) => s.flush(),
         }
     }
 
     fn read_some(&mut self, buf: &mut [u8], fds: &mut Option<OwnedFd>) -> io::Result<usize> {
         match self {
             Transport::Tcp(s) => s.read(buf),
+            Transport::TlsServer(s) => s.read(buf),
+            Transport::TlsClient(s) => s.read(buf),
             Transport::Unix(s) => {
                 let (n, fd) = shm::recv_some_with_fd(s, buf)?;
                 if fd.is_some() && fds.is_none() {

@@ -70,57 +70,132 @@ fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
     Ok((n * multiplier) as u64)
 }
 
-/// Memory ranges the caller registered with `register_buffer`: raw pointers
-/// are only dereferenced inside them.
+/// One range registered with `register_buffer`. Calls that use it hold an
+/// `Arc` on it for their whole duration, so `unregister_buffer` can wait
+/// until no call writes into it any more.
+struct Registration {
+    ptr: usize,
+    size: usize,
+    /// The object whose memory this is, when Python passed one: kept (with
+    /// its buffer view, so it cannot be resized) while registered.
+    _owner: Option<PyUntypedBuffer>,
+}
+
+/// Memory ranges the caller registered: raw pointers are only dereferenced
+/// inside them.
 #[derive(Default)]
-struct Registered(Mutex<Vec<(usize, usize)>>);
+struct Registered(Mutex<Vec<Arc<Registration>>>);
 
 impl Registered {
-    fn add(&self, ptr: usize, size: usize) -> i32 {
+    fn add(&self, ptr: usize, size: usize, owner: Option<PyUntypedBuffer>) -> PyResult<()> {
         if ptr == 0 || size == 0 || ptr.checked_add(size).is_none() {
-            return code::INVALID_ARGUMENT;
+            return Err(PyValueError::new_err(
+                "register_buffer needs a non-null address and a size above 0",
+            ));
+        }
+        if owner.is_none() {
+            mapped_writable(ptr, size)?;
         }
         let mut ranges = self.0.lock().unwrap();
-        if ranges.iter().any(|&(p, s)| ptr < p + s && p < ptr + size) {
-            return code::INVALID_ARGUMENT;
+        if ranges
+            .iter()
+            .any(|r| ptr < r.ptr + r.size && r.ptr < ptr + size)
+        {
+            return Err(PyValueError::new_err(format!(
+                "[{ptr:#x}, {:#x}) overlaps a registered range",
+                ptr + size
+            )));
         }
-        ranges.push((ptr, size));
-        code::OK
+        ranges.push(Arc::new(Registration {
+            ptr,
+            size,
+            _owner: owner,
+        }));
+        Ok(())
     }
 
-    fn remove(&self, ptr: usize) -> i32 {
+    /// Takes the range out of the registry; the caller waits for calls
+    /// still using it (see `wait_unused`).
+    fn take(&self, ptr: usize) -> Option<Arc<Registration>> {
         let mut ranges = self.0.lock().unwrap();
-        match ranges.iter().position(|&(p, _)| p == ptr) {
-            Some(i) => {
-                ranges.swap_remove(i);
-                code::OK
-            }
-            None => code::INVALID_ARGUMENT,
-        }
+        let i = ranges.iter().position(|r| r.ptr == ptr)?;
+        Some(ranges.swap_remove(i))
     }
 
-    fn contains(&self, ptr: usize, size: usize) -> bool {
-        let Some(end) = ptr.checked_add(size) else {
-            return false;
-        };
+    /// The registration holding `[ptr, ptr + size)`, pinned for a call.
+    fn pin(&self, ptr: usize, size: usize) -> Option<Arc<Registration>> {
+        let end = ptr.checked_add(size)?;
         self.0
             .lock()
             .unwrap()
             .iter()
-            .any(|&(p, s)| ptr >= p && end <= p + s)
+            .find(|r| ptr >= r.ptr && end <= r.ptr + r.size)
+            .cloned()
     }
 }
 
-/// Raw destinations or sources for a batch: each checked against the
-/// registered ranges; `None` where a range is not registered.
+/// Blocks until no call holds `registration` any more (the GIL must be
+/// released: those calls may be waiting for it to finish).
+fn wait_unused(registration: &Arc<Registration>) {
+    while Arc::strong_count(registration) > 1 {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// Checks that `[ptr, ptr + size)` lies wholly in readable and writable
+/// mappings of this process, so a typo'd or freed address is refused at
+/// registration instead of crashing the first call.
+fn mapped_writable(ptr: usize, size: usize) -> PyResult<()> {
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| PyValueError::new_err(format!("reading /proc/self/maps: {e}")))?;
+    let mut covered = ptr;
+    let end = ptr + size;
+    let mut spans: Vec<(usize, usize, bool)> = maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (lo, hi) = fields.next()?.split_once('-')?;
+            let perms = fields.next()?;
+            let lo = usize::from_str_radix(lo, 16).ok()?;
+            let hi = usize::from_str_radix(hi, 16).ok()?;
+            Some((lo, hi, perms.starts_with("rw")))
+        })
+        .collect();
+    spans.sort_unstable();
+    for (lo, hi, writable) in spans {
+        if hi <= covered || lo > covered {
+            continue;
+        }
+        if !writable {
+            break;
+        }
+        covered = hi;
+        if covered >= end {
+            return Ok(());
+        }
+    }
+    Err(PyValueError::new_err(format!(
+        "[{ptr:#x}, {end:#x}) is not wholly mapped readable and writable in this process \
+         (first gap at {covered:#x}): register memory you own, for example a numpy array or \
+         a tensor's data_ptr() range"
+    )))
+}
+
+/// Raw destinations or sources for a batch, each pinned in the registry
+/// for the call; `None` where a range is not registered.
 fn raw_slices(
     registered: &Registered,
     ptrs: &[usize],
     sizes: &[usize],
-) -> Vec<Option<(usize, usize)>> {
+) -> Vec<Option<((usize, usize), Arc<Registration>)>> {
     ptrs.iter()
         .zip(sizes)
-        .map(|(&p, &s)| (s > 0 && registered.contains(p, s)).then_some((p, s)))
+        .map(|(&p, &s)| {
+            if s == 0 {
+                return None;
+            }
+            registered.pin(p, s).map(|r| ((p, s), r))
+        })
         .collect()
 }
 
@@ -220,6 +295,8 @@ struct Targets {
     usable: Vec<bool>,
     /// Keeps buffer views (and their memory) alive for the call.
     _buffers: Option<Buffers>,
+    /// Keeps registered ranges from being unregistered during the call.
+    _pins: Vec<Arc<Registration>>,
 }
 
 impl Targets {
@@ -230,6 +307,7 @@ impl Targets {
         sizes: Option<Vec<usize>>,
         writable: bool,
     ) -> PyResult<Targets> {
+        let mut pins = Vec::new();
         let (ranges, buffers, mut usable) = match sizes {
             Some(sizes) => {
                 let ptrs: Vec<usize> = items.extract()?;
@@ -237,11 +315,17 @@ impl Targets {
                 check_lengths(keys.len(), sizes.len(), "sizes")?;
                 let raw = raw_slices(registered, &ptrs, &sizes);
                 let usable = raw.iter().map(Option::is_some).collect();
-                (
-                    raw.into_iter().map(|r| r.unwrap_or((0, 0))).collect(),
-                    None,
-                    usable,
-                )
+                let ranges = raw
+                    .into_iter()
+                    .map(|r| match r {
+                        Some((range, pin)) => {
+                            pins.push(pin);
+                            range
+                        }
+                        None => (0, 0),
+                    })
+                    .collect();
+                (ranges, None, usable)
             }
             None => {
                 let buffers = Buffers::get(items, writable)?;
@@ -259,6 +343,7 @@ impl Targets {
             ranges,
             usable,
             _buffers: buffers,
+            _pins: pins,
         })
     }
 
@@ -452,16 +537,52 @@ impl Engine {
         Ok(false)
     }
 
-    /// Registers host memory `[ptr, ptr + size)` so raw-pointer batch calls
-    /// may use it. Returns 0, or a negative code for a null, empty or
-    /// overlapping range.
-    fn register_buffer(&self, ptr: usize, size: usize) -> i32 {
-        self.registered.add(ptr, size)
+    /// Registers memory so raw-pointer batch calls may use it: either
+    /// `register_buffer(ptr, size)` (Mooncake's form; the range must lie in
+    /// readable and writable mappings of this process), or
+    /// `register_buffer(obj)` with a writable, C-contiguous buffer-protocol
+    /// object (numpy array, bytearray, memoryview), which is kept alive and
+    /// cannot be resized while registered; `obj`'s address is then the
+    /// range's start for `unregister_buffer`. Returns 0; a null, empty,
+    /// unmapped or overlapping range raises ValueError.
+    #[pyo3(signature = (target, size=None))]
+    fn register_buffer(&self, target: &Bound<'_, PyAny>, size: Option<usize>) -> PyResult<i32> {
+        match size {
+            Some(size) => {
+                let ptr: usize = target.extract()?;
+                self.registered.add(ptr, size, None)?;
+            }
+            None => {
+                let view = PyUntypedBuffer::get(target).map_err(|_| {
+                    PyValueError::new_err(
+                        "register_buffer(obj) needs a buffer-protocol object, or use \
+                         register_buffer(ptr, size)",
+                    )
+                })?;
+                if !view.is_c_contiguous() || view.readonly() {
+                    return Err(PyValueError::new_err(
+                        "a registered buffer must be writable and C-contiguous",
+                    ));
+                }
+                let (ptr, size) = (view.buf_ptr() as usize, view.len_bytes());
+                self.registered.add(ptr, size, Some(view))?;
+            }
+        }
+        Ok(code::OK)
     }
 
-    /// Forgets a range registered at `ptr`. Returns 0 or a negative code.
-    fn unregister_buffer(&self, ptr: usize) -> i32 {
-        self.registered.remove(ptr)
+    /// Forgets the range registered at `ptr`, after waiting for every call
+    /// still reading or writing it (the GIL is released meanwhile).
+    /// Returns 0, or INVALID_ARGUMENT if no range starts at `ptr`.
+    fn unregister_buffer(&self, py: Python<'_>, ptr: usize) -> i32 {
+        match self.registered.take(ptr) {
+            Some(registration) => {
+                py.detach(|| wait_unused(&registration));
+                drop(registration);
+                code::OK
+            }
+            None => code::INVALID_ARGUMENT,
+        }
     }
 
     /// Stores each value. With `sizes`, `items` are raw pointers into
@@ -656,7 +777,8 @@ impl Store_ {
 /// A connection to `kvtier serve`: `Client(url, *, namespace="",
 /// auth_token=None, timeout=60.0, shm_size="256MiB")` with
 /// `unix:///path/kvtier.sock` (adds a shared-memory buffer registered with
-/// the server) or `tcp://host:port`. The token defaults to
+/// the server), `tcp://host:port` or `tls://host:port` (with `tls_ca`, a
+/// PEM file, default KVTIER_TLS_CA). The token defaults to
 /// KVTIER_AUTH_TOKEN; TCP needs it. Every key lives in `namespace`.
 #[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
 struct Client_ {
@@ -667,12 +789,17 @@ struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, namespace="", auth_token=None, timeout=60.0, shm_size=None))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the client's settings as keyword arguments"
+    )]
     fn new(
         py: Python<'_>,
         url: String,
         namespace: &str,
         auth_token: Option<String>,
+        tls_ca: Option<std::path::PathBuf>,
         timeout: f64,
         shm_size: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
@@ -688,6 +815,7 @@ impl Client_ {
         let options = ClientOptions {
             auth_token: auth_token.or_else(|| std::env::var("KVTIER_AUTH_TOKEN").ok()),
             namespace: namespace.to_string(),
+            tls_ca: tls_ca.or_else(|| std::env::var_os("KVTIER_TLS_CA").map(Into::into)),
             timeout: std::time::Duration::from_secs_f64(timeout),
             shm_size: if url.starts_with("unix://") {
                 shm_size
@@ -730,7 +858,7 @@ impl Client_ {
         }
         *next = offset + size;
         let ptr = region.as_ptr() as usize + offset;
-        slf.as_super().registered.add(ptr, size);
+        slf.as_super().registered.add(ptr, size, None)?;
         Ok(SharedBuffer {
             region,
             offset,

@@ -34,6 +34,8 @@ pub fn hello_body(token: &str, namespace: &str) -> Vec<u8> {
 pub struct ServerProcess {
     pub child: Child,
     pub tcp: String,
+    /// The TCP address when it speaks TLS.
+    pub tls: String,
     pub unix: String,
     pub admin: String,
 }
@@ -85,6 +87,7 @@ impl ServerProcess {
         };
         ServerProcess {
             tcp: find("tcp://"),
+            tls: find("tls://"),
             unix: find("unix://"),
             admin: find("http://"),
             child,
@@ -95,14 +98,12 @@ impl ServerProcess {
     pub fn try_start(dir: &Path, extra: &[&str]) -> String {
         let output = Command::new(env!("CARGO_BIN_EXE_kvtier"))
             .args(["serve", "--data-dir", &dir.display().to_string()])
-            .args([
-                "--memory",
-                "16MiB",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin",
-                "off",
-            ])
+            .args(["--memory", "16MiB", "--admin", "off"])
+            .args(if extra.contains(&"--listen") {
+                &[][..]
+            } else {
+                &["--listen", "127.0.0.1:0"][..]
+            })
             .args(extra)
             .env_remove("KVTIER_AUTH_TOKEN")
             .output()
@@ -160,4 +161,77 @@ impl Drop for ServerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A CA and a server certificate for 127.0.0.1 signed by it, made with the
+/// `openssl` command (CI installs it): (ca.pem, server.pem, server.key).
+pub fn tls_files(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let run = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("the openssl command is needed for the TLS tests (apt-get install openssl)");
+        assert!(status.success(), "openssl {args:?} failed");
+    };
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvtier test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+    ]);
+    (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    )
 }

@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub admin: Option<SocketAddr>,
     /// Token clients present at hello (at least 16 bytes).
     pub auth_token: Option<String>,
+    /// TLS for the TCP listener (see `crate::tls::server_config`); required
+    /// off loopback, so the token never travels in the clear.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
     pub limits: Limits,
 }
 
@@ -56,6 +59,7 @@ impl Default for ServerConfig {
             socket: None,
             admin: Some(SocketAddr::from(([127, 0, 0, 1], 7701))),
             auth_token: None,
+            tls: None,
             limits: Limits::default(),
         }
     }
@@ -99,6 +103,18 @@ impl Server {
                         "refusing to listen on TCP {addr} without an auth token: any local user \
                          can reach a TCP port. Set --auth-token or KVTIER_AUTH_TOKEN (kvtier \
                          serve generates one in <data_dir>/{TOKEN_FILE}), or use only the Unix socket"
+                    ),
+                ));
+            }
+        }
+        if let Some(addr) = config.listen {
+            if !addr.ip().is_loopback() && config.tls.is_none() {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "refusing to listen on non-loopback {addr} without TLS: the token and \
+                         the values would cross the network in the clear. Give --tls-cert and \
+                         --tls-key"
                     ),
                 ));
             }
@@ -155,6 +171,8 @@ impl Server {
                 TcpListener::bind(addr).map_err(|e| annotate(e, format!("binding {addr}")))?;
             listener.set_nonblocking(true)?;
             bound.tcp = Some(listener.local_addr()?);
+            bound.tls = config.tls.is_some();
+            let tls = config.tls.clone();
             threads.push(spawn_accept(
                 "kvtier-tcp-accept",
                 shared,
@@ -162,7 +180,16 @@ impl Server {
                     Ok((stream, _)) => {
                         stream.set_nodelay(true)?;
                         stream.set_nonblocking(false)?;
-                        Ok(Some(Transport::Tcp(stream)))
+                        Ok(Some(match &tls {
+                            // The handshake runs on the connection's thread,
+                            // under the handshake deadline.
+                            Some(tls) => Transport::TlsServer(Box::new(rustls::StreamOwned::new(
+                                rustls::ServerConnection::new(Arc::clone(tls))
+                                    .map_err(io::Error::other)?,
+                                stream,
+                            ))),
+                            None => Transport::Tcp(stream),
+                        }))
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
                     Err(e) => Err(e),
@@ -239,6 +266,8 @@ fn bind_unix(path: &PathBuf) -> io::Result<UnixListener> {
 #[derive(Debug, Default, Clone)]
 pub struct BoundAddrs {
     pub tcp: Option<SocketAddr>,
+    /// Whether the TCP listener speaks TLS.
+    pub tls: bool,
     pub socket: Option<PathBuf>,
     pub admin: Option<SocketAddr>,
 }

@@ -68,7 +68,7 @@ impl<'a> Session<'a> {
     pub fn new(shared: &'a Shared, transport: Transport) -> Self {
         let (is_unix, unix_peer_trusted) = match &transport {
             Transport::Unix(stream) => (true, shared.auth.trusts_unix_peer(stream)),
-            Transport::Tcp(_) => (false, false),
+            Transport::Tcp(_) | Transport::TlsServer(_) | Transport::TlsClient(_) => (false, false),
         };
         Session {
             transport,
