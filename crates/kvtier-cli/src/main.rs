@@ -26,7 +26,7 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Serve the store to engine processes over TCP and a Unix socket, with
     /// admin HTTP.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency against raw-device and memcpy
     /// baselines run in the same process.
     Bench(Box<bench::BenchArgs>),

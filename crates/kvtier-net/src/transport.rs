@@ -144,9 +144,10 @@ impl Transport {
         }
     }
 
-    /// Reads one frame within `limits`. The body lands in `body`, which
-    /// grows as bytes arrive (never to more than the bytes received, rounded
-    /// up to a doubling) and is kept by the caller for the next frame.
+    /// Reads one frame within `limits`. The body is the first
+    /// `header.body_len` bytes of `body`, which grows as bytes arrive (never
+    /// past the bytes received, rounded up to a doubling) and is kept by
+    /// the caller for the next frame.
     pub fn read_frame(
         &mut self,
         body: &mut Vec<u8>,
@@ -190,7 +191,8 @@ impl Transport {
             let allowance = Duration::from_secs_f64(len as f64 / limits.min_rate as f64);
             deadline = deadline.map(|d| d + allowance);
         }
-        body.clear();
+        // `body` keeps its initialised length between frames (no zeroing
+        // per frame); it grows only as bytes arrive.
         let mut filled = 0usize;
         while filled < len {
             if body.len() == filled {
@@ -199,7 +201,8 @@ impl Transport {
                 let grow = filled.max(BODY_FIRST_CHUNK).min(len - filled);
                 body.resize(filled + grow, 0);
             }
-            match self.read_some(&mut body[filled..], &mut fd) {
+            let end = body.len().min(len);
+            match self.read_some(&mut body[filled..end], &mut fd) {
                 Ok(0) => return Err(eof("connection closed inside a frame body")),
                 Ok(n) => {
                     filled += n;
@@ -215,7 +218,6 @@ impl Transport {
                 return Err(too_slow());
             }
         }
-        body.truncate(len);
         Ok(FrameRead::Frame { header, fd })
     }
 }

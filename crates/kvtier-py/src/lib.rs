@@ -181,13 +181,16 @@ fn mapped_writable(ptr: usize, size: usize) -> PyResult<()> {
     )))
 }
 
+/// A raw `(address, length)` range and the registration it lies in.
+type PinnedRange = ((usize, usize), Arc<Registration>);
+
 /// Raw destinations or sources for a batch, each pinned in the registry
 /// for the call; `None` where a range is not registered.
 fn raw_slices(
     registered: &Registered,
     ptrs: &[usize],
     sizes: &[usize],
-) -> Vec<Option<((usize, usize), Arc<Registration>)>> {
+) -> Vec<Option<PinnedRange>> {
     ptrs.iter()
         .zip(sizes)
         .map(|(&p, &s)| {
@@ -356,7 +359,7 @@ impl Targets {
 /// The backend a Python object drives: an embedded store or a client.
 enum Backend {
     Store(Arc<Store>),
-    Client(Mutex<Option<Client>>),
+    Client(Box<Mutex<Option<Client>>>),
 }
 
 impl Backend {
@@ -790,10 +793,6 @@ struct Client_ {
 impl Client_ {
     #[new]
     #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None))]
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "the client's settings as keyword arguments"
-    )]
     fn new(
         py: Python<'_>,
         url: String,
@@ -828,7 +827,7 @@ impl Client_ {
             .map_err(to_py_err)?;
         let region = client.registered_region();
         let engine = Engine {
-            backend: Backend::Client(Mutex::new(Some(client))),
+            backend: Backend::Client(Box::new(Mutex::new(Some(client)))),
             registered: Registered::default(),
         };
         Ok(PyClassInitializer::from(engine).add_subclass(Client_ {

@@ -280,13 +280,10 @@ pub(crate) fn batch_get_shm<'b>(
         // not touch them until this reply arrives (a client that does
         // anyway only garbles its own bytes: the memfd is sealed against
         // shrinking, so no access can fault).
-        match unsafe { region.range_mut(offset, cap) } {
-            Some(slice) => {
-                keys.push(key);
-                slices.push(slice);
-                slots.push(i);
-            }
-            None => {}
+        if let Some(slice) = unsafe { region.range_mut(offset, cap) } {
+            keys.push(key);
+            slices.push(slice);
+            slots.push(i);
         }
         results.push(Err(kvtier::Error::invalid("range outside the buffer")));
     }

@@ -33,8 +33,8 @@ pub struct Limits {
     /// A reply that cannot be written for this long closes the connection.
     /// Default: 60 s.
     pub write_timeout: Duration,
-    /// Per-connection buffers larger than this are released when the
-    /// connection goes idle. Default: 1 MiB.
+    /// Per-connection buffers larger than this are released once the
+    /// connection has been idle for a second. Default: 1 MiB.
     pub retained_buffer_bytes: usize,
     /// Shared memory one connection may register, in bytes and buffers.
     /// Defaults: 64 GiB, 64.

@@ -1,0 +1,218 @@
+//! Soak load for a running `kvtier serve` (driven by `scripts/soak`): many
+//! clients, half over the Unix socket (shared memory), half over TCP, each
+//! mixing put, get, exists and remove on its own keys for a fixed time, and
+//! checking every answer against a model of what it wrote:
+//!
+//! - a get returns the last value put under the key, or a miss (the cache
+//!   may evict); any other bytes are *wrong bytes*;
+//! - after a remove, the key is absent until put again; a get or exists
+//!   that finds it is a *resurrection*;
+//! - any call that fails is an *error*.
+//!
+//! It samples the server's RSS after a warm-up (the first fifth of the
+//! run) and at every tenth after it, prints one
+//! JSON line, and exits non-zero if anything was wrong or RSS grew more
+//! than 10 %.
+//!
+//! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS]
+
+use kvtier_net::{Client, ClientOptions};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+struct Counts {
+    ops: AtomicU64,
+    errors: AtomicU64,
+    wrong_bytes: AtomicU64,
+    resurrected: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kib| kib.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// What a client believes about one of its keys.
+#[derive(Clone, Copy, PartialEq)]
+enum Known {
+    Version(u64),
+    Removed,
+}
+
+fn value(key: &[u8], version: u64, len: usize) -> Vec<u8> {
+    let mut named = key.to_vec();
+    named.extend_from_slice(&version.to_le_bytes());
+    kvtier::pattern::value(&named, len)
+}
+
+fn value_len(key: &[u8], version: u64) -> usize {
+    // 4 KiB to 1 MiB, fixed per (key, version) so a get knows the length.
+    let h = kvtier::pattern::value(&[key, &version.to_le_bytes()].concat(), 8);
+    4096 + (u64::from_le_bytes(h.try_into().unwrap()) % ((1 << 20) - 4096 + 1)) as usize
+}
+
+fn client_loop(id: usize, url: String, stop: &AtomicBool, counts: &Counts) {
+    let options = ClientOptions {
+        shm_size: if url.starts_with("unix://") {
+            8 << 20
+        } else {
+            0
+        },
+        namespace: format!("soak/{}", id % 4),
+        ..ClientOptions::default()
+    };
+    let mut client = match Client::connect_with(&url, options) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("client {id}: connect: {e}");
+            counts.errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    let mut model: HashMap<u64, Known> = HashMap::new();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (id as u64).wrapping_mul(0x2545_F491_4F6C_DD1D);
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut version = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    while !stop.load(Ordering::Relaxed) {
+        let k = next() % 64;
+        let key = format!("client-{id}/key-{k}").into_bytes();
+        let op = next() % 10;
+        let result: Result<(), String> = (|| {
+            match op {
+                0..=3 => {
+                    version += 1;
+                    let v = value(&key, version, value_len(&key, version));
+                    for r in client
+                        .batch_put(&[&key], &[&v])
+                        .map_err(|e| e.to_string())?
+                    {
+                        r.map_err(|e| e.to_string())?;
+                    }
+                    model.insert(k, Known::Version(version));
+                }
+                4..=7 => {
+                    let got = client
+                        .batch_get_into(&[&key], &mut [&mut buf[..]])
+                        .map_err(|e| e.to_string())?;
+                    match (got[0].as_ref().map_err(|e| e.to_string())?, model.get(&k)) {
+                        (Some(n), Some(Known::Version(v))) => {
+                            counts.hits.fetch_add(1, Ordering::Relaxed);
+                            let want = value(&key, *v, value_len(&key, *v));
+                            if buf[..*n] != want[..] {
+                                counts.wrong_bytes.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        (Some(_), _) => {
+                            counts.resurrected.fetch_add(1, Ordering::Relaxed);
+                        }
+                        (None, _) => {
+                            counts.misses.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                8 => {
+                    let present = client.batch_exists(&[&key]).map_err(|e| e.to_string())?;
+                    if present[0] && !matches!(model.get(&k), Some(Known::Version(_))) {
+                        counts.resurrected.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                _ => {
+                    client.remove(&key).map_err(|e| e.to_string())?;
+                    model.insert(k, Known::Removed);
+                }
+            }
+            Ok(())
+        })();
+        counts.ops.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = result {
+            if counts.errors.fetch_add(1, Ordering::Relaxed) < 10 {
+                eprintln!("client {id}: {e}");
+            }
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 5 {
+        eprintln!("usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS]");
+        std::process::exit(2);
+    }
+    let (unix, tcp) = (args[1].clone(), args[2].clone());
+    let pid: u32 = args[3].parse().expect("server pid");
+    let seconds: f64 = args[4].parse().expect("seconds");
+    let clients: usize = args.get(5).map_or(64, |c| c.parse().expect("clients"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts = Arc::new(Counts::default());
+    let threads: Vec<_> = (0..clients)
+        .map(|id| {
+            let url = if id % 2 == 0 {
+                unix.clone()
+            } else {
+                tcp.clone()
+            };
+            let (stop, counts) = (Arc::clone(&stop), Arc::clone(&counts));
+            std::thread::spawn(move || client_loop(id, url, &stop, &counts))
+        })
+        .collect();
+    let started = Instant::now();
+    let total = Duration::from_secs_f64(seconds);
+    // Warm-up: the first fifth (the pool and the index fill, every
+    // connection's buffers reach their working size).
+    std::thread::sleep(total / 5);
+    let rss_start = rss_bytes(pid);
+    // RSS at each further tenth, to tell a plateau from a leak.
+    let mut rss_samples = vec![rss_start];
+    let mut next_sample = 3;
+    while started.elapsed() < total {
+        std::thread::sleep(Duration::from_millis(200));
+        if started.elapsed() >= total * next_sample / 10 {
+            rss_samples.push(rss_bytes(pid));
+            next_sample += 1;
+        }
+    }
+    let rss_end = rss_bytes(pid);
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("client thread");
+    }
+    let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let growth = rss_end as f64 / rss_start.max(1) as f64 - 1.0;
+    let report = serde_json::json!({
+        "seconds": started.elapsed().as_secs_f64(),
+        "clients": clients,
+        "operations": c(&counts.ops),
+        "errors": c(&counts.errors),
+        "wrong_bytes": c(&counts.wrong_bytes),
+        "resurrected": c(&counts.resurrected),
+        "get_hits": c(&counts.hits),
+        "get_misses": c(&counts.misses),
+        "server_rss_start_bytes": rss_start,
+        "server_rss_end_bytes": rss_end,
+        "server_rss_growth": growth,
+        "server_rss_samples_mib": rss_samples.iter().map(|r| r >> 20).collect::<Vec<_>>(),
+    });
+    println!("{report}");
+    let bad = c(&counts.errors) + c(&counts.wrong_bytes) + c(&counts.resurrected);
+    if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 {
+        eprintln!("soak FAILED: {report}");
+        std::process::exit(1);
+    }
+}
