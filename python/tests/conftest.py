@@ -58,3 +58,42 @@ def engine(request, tmp_path):
         urls = request.getfixturevalue("server")
         with kvtier.Client(urls[request.param], shm_size="64MiB", auth_token=urls["token"]) as c:
             yield c
+
+
+def make_tls_files(directory):
+    """A CA and a server certificate for 127.0.0.1 signed by it, made with the
+    `openssl` command (CI installs it; the test fails, never skips, without
+    it). Returns (ca, cert, key) paths."""
+    d = pathlib.Path(directory)
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for args in (
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvtier test CA"],
+        ["req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.pem", "-days", "2", "-extfile", "server.ext"],
+    ):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    return str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
+
+
+@pytest.fixture(scope="module")
+def tls_server():
+    """A real `kvtier serve` whose TCP listener speaks TLS."""
+    directory = tempfile.mkdtemp(prefix="kvtier-py-tls-")
+    ca, cert, key = make_tls_files(directory)
+    process = subprocess.Popen(
+        [kvtier_binary(), "serve", "--data-dir", os.path.join(directory, "data"), "--memory", "128MiB",
+         "--disk", "256MiB", "--listen", "127.0.0.1:0", "--admin", "off", "--socket", "off",
+         "--tls-cert", cert, "--tls-key", key],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "RUST_LOG": "error"},
+        text=True,
+    )
+    line = process.stdout.readline()
+    assert line.startswith("kvtier serving"), line
+    url = next(p for p in line.replace(",", " ").split() if p.startswith("tls://"))
+    token = pathlib.Path(directory, "data", "auth-token").read_text().strip()
+    yield {"url": url, "token": token, "ca": ca}
+    process.terminate()
+    assert process.wait(timeout=30) == 0

@@ -310,3 +310,16 @@ def test_help_documents_the_methods():
     doc = kvtier.Client.batch_get_into.__doc__
     assert "bytes read" in doc and "NOT_FOUND" in doc
     assert "NOT_FOUND" in kvtier.errors.describe(kvtier.errors.NOT_FOUND)
+
+
+def test_tls_client_round_trip(tls_server):
+    keys = [f"tls-{i}".encode() for i in range(4)]
+    values = [pattern(k, 300_000) for k in keys]
+    with kvtier.Client(tls_server["url"], auth_token=tls_server["token"], tls_ca=tls_server["ca"]) as c:
+        assert c.batch_put_from(keys, values) == [0] * 4
+        dest = [np.zeros(300_000, dtype=np.uint8) for _ in keys]
+        assert c.batch_get_into(keys, dest) == [300_000] * 4
+        for d, v in zip(dest, values):
+            assert np.array_equal(d, v)
+    with pytest.raises(kvtier.KvtierError, match="CA certificate"):
+        kvtier.Client(tls_server["url"], auth_token=tls_server["token"], tls_ca=None)
