@@ -273,6 +273,12 @@ impl Metrics {
             "Batch writes that failed.",
             stats.flush_errors,
         );
+        gauge(
+            &mut out,
+            "kvtier_failed_writes",
+            "Writes given up after every retry: not durable.",
+            stats.failed_writes,
+        );
         out
     }
 
@@ -334,6 +340,7 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "removes": s.removes,
         "flushed_batches": s.flushed_batches,
         "flush_errors": s.flush_errors,
+        "failed_writes": s.failed_writes,
         "index_bytes": s.index_bytes,
         "io_engine": s.io_engine,
         "io_fixed_buffers": s.io_fixed_buffers,

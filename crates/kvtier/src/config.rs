@@ -100,6 +100,28 @@ pub struct Config {
     pub(crate) flush_batch_bytes: u64,
     pub(crate) put_wait: Duration,
     pub(crate) namespace: String,
+    /// Test seam: wraps the io engine (see `disk::faulty`).
+    pub(crate) engine_wrapper: Option<EngineWrapper>,
+    /// Test seam: write a batch's record without first syncing its values
+    /// (the protocol before format 2), to prove the tests catch it.
+    pub(crate) skip_value_sync: bool,
+}
+
+/// A function from the io engine the disk tier built to the one it uses.
+pub type WrapEngine = dyn Fn(
+        std::sync::Arc<dyn crate::disk::io::IoEngine>,
+    ) -> std::sync::Arc<dyn crate::disk::io::IoEngine>
+    + Send
+    + Sync;
+
+/// Wraps the io engine the disk tier would use (a test seam).
+#[derive(Clone)]
+pub struct EngineWrapper(pub std::sync::Arc<WrapEngine>);
+
+impl std::fmt::Debug for EngineWrapper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineWrapper(..)")
+    }
 }
 
 impl Config {
@@ -122,6 +144,8 @@ impl Config {
             flush_batch_bytes: 64 * MIB,
             put_wait: Duration::from_secs(5),
             namespace: String::new(),
+            engine_wrapper: None,
+            skip_value_sync: false,
         }
     }
 
@@ -225,6 +249,25 @@ impl Config {
     /// bytes, no control characters. Default: "" (the empty namespace).
     pub fn namespace(mut self, name: impl Into<String>) -> Self {
         self.namespace = name.into();
+        self
+    }
+
+    /// Test seam: the disk tier uses `wrap(engine)` instead of the engine
+    /// it built, e.g. a `disk::faulty::FaultyEngine` around it. Default:
+    /// none.
+    #[doc(hidden)]
+    pub fn wrap_io_engine(mut self, wrap: EngineWrapper) -> Self {
+        self.engine_wrapper = Some(wrap);
+        self
+    }
+
+    /// Test seam: write each batch's record in the same write as its values
+    /// with one sync for both (the protocol before data directory format
+    /// 2), so a power loss can leave a valid record over torn values. Only
+    /// for proving that the power-loss tests catch it. Default: false.
+    #[doc(hidden)]
+    pub fn unsafe_single_sync_batches(mut self, enabled: bool) -> Self {
+        self.skip_value_sync = enabled;
         self
     }
 

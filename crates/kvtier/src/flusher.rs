@@ -13,7 +13,7 @@ use crate::error::Error;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;
 use crate::store::{Inner, QueuedWrite};
-use crate::FlushPolicy;
+use crate::write_log::Work;
 
 /// Most record entries in one batch, which bounds a record to ~2.4 MiB.
 const MAX_BATCH_ENTRIES: usize = 8192;
@@ -26,73 +26,36 @@ impl Inner {
             .expect("the flusher runs with a disk tier");
         // A smaller configured capacity than the files on disk: shrink now.
         while disk.used() > disk.capacity() && self.reclaim_oldest(disk) {}
-        while self.wait_for_work() {
-            self.flush_one_batch(disk);
-        }
-    }
-
-    /// Blocks until there is a batch to write; false once shut down and
-    /// drained. Publishes progress whenever the queue is empty.
-    fn wait_for_work(&self) -> bool {
-        let mut state = self.flush.lock().unwrap();
-        loop {
-            let (pending, next_seq) = {
-                let queue = self.queue.lock().unwrap();
-                (!queue.items.is_empty(), queue.next_seq)
-            };
-            if !pending {
-                state.durable_seq = next_seq - 1;
-                state.requested = false;
-                self.progress_cv.notify_all();
-                if state.shutdown {
-                    return false;
-                }
-            } else if self.config.flush == FlushPolicy::WriteThrough
-                || state.requested
-                || state.shutdown
-            {
-                return true;
-            }
-            state = self.work_cv.wait(state).unwrap();
-        }
-    }
-
-    fn flush_one_batch(&self, disk: &DiskTier) {
         let limit = self.config.flush_batch_bytes.min(disk.max_batch_len());
-        let mut taken = Vec::new();
-        {
-            let mut queue = self.queue.lock().unwrap();
+        loop {
             let mut key_bytes = 0usize;
             let mut value_bytes = 0u64;
-            while let Some(item) = queue.items.front() {
-                let (key_len, padded) = match item {
-                    QueuedWrite::Put { key, slot, .. } => {
-                        (key.len(), slot.padded_bytes().len() as u64)
-                    }
-                    QueuedWrite::Tombstone { key, .. } => (key.len(), 0),
-                };
+            let work = self.log.next_batch(|item, taken| {
+                if taken.len() == 1 {
+                    (key_bytes, value_bytes) = queued_size(&taken[0]);
+                }
+                let (key_len, padded) = queued_size(item);
                 let record = page_round_up(
                     (format::record_len([])
                         + key_bytes
-                        + taken.len() * format::ENTRY_FIXED_LEN
-                        + format::ENTRY_FIXED_LEN
+                        + (taken.len() + 1) * format::ENTRY_FIXED_LEN
                         + key_len) as u64,
                 );
-                if !taken.is_empty()
-                    && (record + value_bytes + padded > limit || taken.len() >= MAX_BATCH_ENTRIES)
-                {
-                    break;
+                if record + value_bytes + padded > limit || taken.len() >= MAX_BATCH_ENTRIES {
+                    return false;
                 }
                 key_bytes += key_len;
                 value_bytes += padded;
-                taken.push(queue.items.pop_front().expect("front exists"));
+                true
+            });
+            match work {
+                Work::Batch(batch) => self.flush_one_batch(disk, batch),
+                Work::Stop => return,
             }
         }
-        let (Some(first), Some(last)) = (taken.first(), taken.last()) else {
-            return;
-        };
-        let (low, high) = (first.seq(), last.seq());
+    }
 
+    fn flush_one_batch(&self, disk: &DiskTier, taken: Vec<QueuedWrite>) {
         // Every queued put is written, even one replaced since: the newer
         // value may be memory-only (or already evicted), and a restart must
         // then bring back the newest write-through value. Recovery keeps the
@@ -131,55 +94,36 @@ impl Inner {
                 }),
             }
         }
-
-        let mut failure = None;
-        if !batch.entries.is_empty() {
-            let batch_len = batch.disk_len();
-            while disk.needs_reclaim(batch_len) && self.reclaim_oldest(disk) {}
-            let first_seq = self.queue.lock().unwrap().next_seq;
-            match disk.write_batch(&mut batch, first_seq) {
-                Ok(locs) => {
-                    for ((digest, seq, checksum, slot), loc) in written_puts.iter().zip(locs) {
-                        self.index
-                            .lock(*digest)
-                            .set_disk(*digest, *seq, loc, *checksum);
-                        slot.set_evictable();
-                    }
-                    Counters::add(&self.counters.flushed_batches, 1);
+        let batch_len = batch.disk_len();
+        while disk.needs_reclaim(batch_len) && self.reclaim_oldest(disk) {}
+        let first_seq = self.log.next_seq();
+        let outcome = match disk.write_batch(&mut batch, first_seq) {
+            Ok(locs) => {
+                for ((digest, seq, checksum, slot), loc) in written_puts.iter().zip(locs) {
+                    self.index
+                        .lock(*digest)
+                        .set_disk(*digest, *seq, loc, *checksum);
+                    slot.set_evictable();
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, entries = batch.entries.len(), "batch write failed; its values stay in memory only");
-                    Counters::add(&self.counters.flush_errors, 1);
-                    // Not durable, but still correct cache entries: let the
-                    // pool drop them rather than jam.
-                    for (_, _, _, slot) in &written_puts {
-                        slot.set_evictable();
-                    }
-                    failure = Some(e);
-                }
+                Counters::add(&self.counters.flushed_batches, 1);
+                Ok(())
             }
-        }
+            Err(e) => {
+                tracing::error!(error = %e, entries = batch.entries.len(), "batch write failed");
+                Counters::add(&self.counters.flush_errors, 1);
+                Err(e)
+            }
+        };
         drop(written_puts);
-        drop(taken);
-        self.publish_progress(low, high, failure);
-    }
-
-    fn publish_progress(&self, low: u64, high: u64, failure: Option<Error>) {
-        let mut state = self.flush.lock().unwrap();
-        if let Some(error) = failure {
-            state.failure_count += 1;
-            state.failures.push_back((low, high, error));
-            while state.failures.len() > 64 {
-                state.failures.pop_front();
+        drop(batch);
+        // A failed batch goes back to the queue for another attempt in a
+        // new region; after the last, its values stay in memory only (not
+        // durable, but correct cache entries: the pool may drop them).
+        for item in self.log.finish_batch(taken, outcome) {
+            if let QueuedWrite::Put { slot, .. } = item {
+                slot.set_evictable();
             }
         }
-        let queue = self.queue.lock().unwrap();
-        state.durable_seq = queue
-            .items
-            .front()
-            .map_or(queue.next_seq - 1, |item| item.seq() - 1);
-        drop(queue);
-        self.progress_cv.notify_all();
     }
 
     /// Reclaims the oldest region: entries read since they were written get
@@ -266,40 +210,41 @@ impl Inner {
         {
             // New sequence numbers keep log order equal to sequence order,
             // so a later remove's tombstone always outranks the copy.
-            let mut queue = self.queue.lock().unwrap();
-            for ((c, buf), outcome) in carry.iter().zip(&bufs).zip(outcomes) {
-                let e = &c.entry;
-                let valid = outcome.is_ok()
-                    && value_checksum(e.digest, &buf.as_slice()[..e.value_len as usize])
-                        == e.checksum;
-                let mut shard = self.index.lock(e.digest);
-                if !valid {
-                    Counters::add(&self.counters.checksum_failures, 1);
-                    tracing::warn!(
-                        region = from_region,
-                        page = c.loc.page(),
-                        "second-chance read failed verification; dropping the entry"
-                    );
-                    shard.clear_disk(e.digest, e.seq, c.loc);
-                    continue;
+            self.log.with_next_seq(|next_seq| {
+                for ((c, buf), outcome) in carry.iter().zip(&bufs).zip(outcomes) {
+                    let e = &c.entry;
+                    let valid = outcome.is_ok()
+                        && value_checksum(e.digest, &buf.as_slice()[..e.value_len as usize])
+                            == e.checksum;
+                    let mut shard = self.index.lock(e.digest);
+                    if !valid {
+                        Counters::add(&self.counters.checksum_failures, 1);
+                        tracing::warn!(
+                            region = from_region,
+                            page = c.loc.page(),
+                            "second-chance read failed verification; dropping the entry"
+                        );
+                        shard.clear_disk(e.digest, e.seq, c.loc);
+                        continue;
+                    }
+                    let new_seq = *next_seq;
+                    if !shard.renumber(e.digest, e.seq, c.loc, new_seq) {
+                        continue;
+                    }
+                    *next_seq += 1;
+                    batch.entries.push(RecordEntry {
+                        seq: new_seq,
+                        ..e.clone()
+                    });
+                    batch.values.push(buf.as_slice());
+                    renumbered.push((e.digest, new_seq, e.checksum));
                 }
-                let new_seq = queue.next_seq;
-                if !shard.renumber(e.digest, e.seq, c.loc, new_seq) {
-                    continue;
-                }
-                queue.next_seq += 1;
-                batch.entries.push(RecordEntry {
-                    seq: new_seq,
-                    ..e.clone()
-                });
-                batch.values.push(buf.as_slice());
-                renumbered.push((e.digest, new_seq, e.checksum));
-            }
+            });
         }
         if batch.entries.is_empty() {
             return 0;
         }
-        let first_seq = self.queue.lock().unwrap().next_seq;
+        let first_seq = self.log.next_seq();
         let locs = if disk.needs_reclaim(batch.disk_len()) {
             Err(Error::no_space("no room to carry entries forward"))
         } else {
@@ -322,5 +267,13 @@ impl Inner {
             }
         }
         carried
+    }
+}
+
+/// A queued write's key bytes and padded value bytes in a batch.
+fn queued_size(item: &QueuedWrite) -> (usize, u64) {
+    match item {
+        QueuedWrite::Put { key, slot, .. } => (key.len(), slot.padded_bytes().len() as u64),
+        QueuedWrite::Tombstone { key, .. } => (key.len(), 0),
     }
 }

@@ -36,8 +36,9 @@ pub mod pool;
 pub mod prefix;
 mod stats;
 mod store;
+mod write_log;
 
-pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
+pub use config::{Config, EngineWrapper, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::RecoveryReport;
 pub use error::{Error, ErrorKind, Result};

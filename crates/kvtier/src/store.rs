@@ -16,9 +16,10 @@ use crate::key::{validate_key, KeyDigest, KeySecret, Namespace, ValueChecksum};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
-use std::collections::{HashMap, VecDeque};
+use crate::write_log::WriteLog;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -66,28 +67,6 @@ impl QueuedWrite {
     }
 }
 
-/// Sequence numbers and the flusher's queue, under one lock so that queue
-/// order is sequence order.
-#[derive(Debug)]
-pub(crate) struct WriteQueue {
-    pub next_seq: u64,
-    pub items: VecDeque<QueuedWrite>,
-}
-
-#[derive(Debug)]
-pub(crate) struct FlushState {
-    /// Every queued write with a sequence number up to this one has been
-    /// written (durably) or has failed.
-    pub durable_seq: u64,
-    pub requested: bool,
-    pub shutdown: bool,
-    /// Failed batches, as (lowest seq, highest seq, error); the most recent
-    /// 64 are kept for durable puts to check against.
-    pub failures: VecDeque<(u64, u64, Error)>,
-    pub failure_count: u64,
-    pub reported_failures: u64,
-}
-
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub config: Config,
@@ -95,12 +74,8 @@ pub(crate) struct Inner {
     pub pool: Arc<PoolCore>,
     pub eviction: Mutex<EvictionQueues>,
     pub disk: Option<DiskTier>,
-    pub queue: Mutex<WriteQueue>,
-    pub flush: Mutex<FlushState>,
-    /// The flusher waits on this for work.
-    pub work_cv: Condvar,
-    /// Callers wait on this for the flusher's progress.
-    pub progress_cv: Condvar,
+    /// Sequence numbers, the flusher's queue and the durable watermark.
+    pub log: WriteLog,
     pub counters: Counters,
     pub closed: AtomicBool,
     lock: Mutex<Option<DirLock>>,
@@ -195,6 +170,7 @@ impl Store {
                 "opened kvtier store"
             );
         }
+        let write_through = config.flush == FlushPolicy::WriteThrough;
         let inner = Arc::new(Inner {
             max_put_len: AtomicU64::new(max_put_len(&config, disk.as_ref())),
             config,
@@ -202,20 +178,7 @@ impl Store {
             pool,
             eviction: Mutex::new(eviction),
             disk,
-            queue: Mutex::new(WriteQueue {
-                next_seq,
-                items: VecDeque::new(),
-            }),
-            flush: Mutex::new(FlushState {
-                durable_seq: next_seq - 1,
-                requested: false,
-                shutdown: false,
-                failures: VecDeque::new(),
-                failure_count: 0,
-                reported_failures: 0,
-            }),
-            work_cv: Condvar::new(),
-            progress_cv: Condvar::new(),
+            log: WriteLog::new(next_seq, write_through),
             counters: Counters::default(),
             closed: AtomicBool::new(false),
             lock: Mutex::new(Some(lock)),
@@ -228,7 +191,23 @@ impl Store {
             Some(
                 std::thread::Builder::new()
                     .name("kvtier-flusher".into())
-                    .spawn(move || worker.run_flusher())
+                    .spawn(move || {
+                        // A panic must not leave callers waiting for a
+                        // thread that is gone: the log turns every wait
+                        // into an error naming it.
+                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            worker.run_flusher()
+                        }));
+                        if let Err(panic) = run {
+                            let why = panic
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| panic.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "a panic".to_string());
+                            tracing::error!(%why, "the flusher thread died");
+                            worker.log.mark_dead(why);
+                        }
+                    })
                     .map_err(|e| Error::io("starting the flusher thread", e))?,
             )
         } else {
@@ -362,15 +341,18 @@ impl Store {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        {
-            let mut state = self.inner.flush.lock().unwrap();
-            state.shutdown = true;
-            self.inner.work_cv.notify_all();
-        }
-        if let Some(handle) = self.flusher.lock().unwrap().take() {
+        self.inner.log.shut_down();
+        let had_flusher = if let Some(handle) = self.flusher.lock().unwrap().take() {
             let _ = handle.join();
-        }
-        let result = self.inner.take_unreported_failure();
+            true
+        } else {
+            false
+        };
+        let result = if had_flusher {
+            self.inner.log.close_result()
+        } else {
+            Ok(())
+        };
         self.inner.index.clear();
         self.inner.lock.lock().unwrap().take();
         result
@@ -704,12 +686,8 @@ impl Inner {
         if !to_disk {
             slot.set_evictable();
         }
-        let seq;
-        let replaced;
-        {
-            let mut queue = self.queue.lock().unwrap();
-            seq = queue.next_seq;
-            queue.next_seq += 1;
+        let mut replaced = None;
+        let seq = self.log.append(|seq| {
             replaced = self.index.lock(digest).insert(
                 digest,
                 Entry {
@@ -721,15 +699,13 @@ impl Inner {
                     accessed: false,
                 },
             );
-            if to_disk {
-                queue.items.push_back(QueuedWrite::Put {
-                    digest,
-                    key: ns.qualify(key),
-                    seq,
-                    slot: Arc::clone(&slot),
-                });
-            }
-        }
+            to_disk.then(|| QueuedWrite::Put {
+                digest,
+                key: ns.qualify(key),
+                seq,
+                slot: Arc::clone(&slot),
+            })
+        })?;
         // Freed outside the queue lock.
         drop(replaced);
         self.eviction.lock().unwrap().insert(&slot);
@@ -766,9 +742,8 @@ impl Inner {
                 )));
             }
             self.wake_flusher(true);
-            let state = self.flush.lock().unwrap();
-            let wait = (deadline - now).min(Duration::from_millis(10));
-            let _unused = self.progress_cv.wait_timeout(state, wait).unwrap();
+            self.log
+                .wait_progress((deadline - now).min(Duration::from_millis(10)));
         }
     }
 
@@ -1015,25 +990,19 @@ impl Inner {
         self.check_open()?;
         validate_key(key)?;
         let digest = ns.digest(key);
-        let seq;
-        let removed;
-        {
-            let mut queue = self.queue.lock().unwrap();
+        let mut removed = None;
+        let seq = self.log.append(|seq| {
             removed = self.index.lock(digest).remove(digest);
-            seq = queue.next_seq;
-            queue.next_seq += 1;
-            if self.disk.is_some() {
-                // Logged even for a key the index does not know: an older
-                // durable value may still lie on disk (replaced by a
-                // memory-only put that was then evicted) and must not come
-                // back after a restart.
-                queue.items.push_back(QueuedWrite::Tombstone {
-                    digest,
-                    key: ns.qualify(key),
-                    seq,
-                });
-            }
-        }
+            // Logged even for a key the index does not know: an older
+            // durable value may still lie on disk (replaced by a
+            // memory-only put that was then evicted) and must not come
+            // back after a restart.
+            self.disk.is_some().then(|| QueuedWrite::Tombstone {
+                digest,
+                key: ns.qualify(key),
+                seq,
+            })
+        })?;
         let was_present = removed.is_some();
         drop(removed);
         if was_present {
@@ -1046,60 +1015,20 @@ impl Inner {
     }
 
     pub(crate) fn wake_flusher(&self, request: bool) {
-        let mut state = self.flush.lock().unwrap();
-        if request {
-            state.requested = true;
-        }
-        self.work_cv.notify_one();
+        self.log.wake(request);
     }
 
     fn flush_all(&self) -> Result<()> {
         if self.disk.is_none() {
             return Ok(());
         }
-        let target = self.queue.lock().unwrap().next_seq - 1;
-        self.wake_flusher(true);
-        self.wait_for(target);
-        self.take_unreported_failure()
+        self.log.flush()
     }
 
-    /// Waits until writes `low..=high` are processed; fails if any of them
-    /// was in a failed batch.
+    /// Waits until writes `low..=high` are durable; fails if any of them
+    /// failed (see `WriteLog::wait_durable`).
     fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
-        self.wake_flusher(true);
-        self.wait_for(high);
-        let state = self.flush.lock().unwrap();
-        for (lo, hi, error) in &state.failures {
-            if *lo <= high && low <= *hi {
-                return Err(error.duplicate());
-            }
-        }
-        Ok(())
-    }
-
-    fn wait_for(&self, target: u64) {
-        let mut state = self.flush.lock().unwrap();
-        while state.durable_seq < target {
-            state = self.progress_cv.wait(state).unwrap();
-        }
-    }
-
-    fn take_unreported_failure(&self) -> Result<()> {
-        let mut state = self.flush.lock().unwrap();
-        if state.failure_count > state.reported_failures {
-            let missed = state.failure_count - state.reported_failures;
-            state.reported_failures = state.failure_count;
-            let last = state
-                .failures
-                .back()
-                .map(|(_, _, e)| e.to_string())
-                .unwrap_or_default();
-            return Err(Error::new(
-                ErrorKind::Io,
-                format!("{missed} batch write(s) failed since the last flush; last: {last}"),
-            ));
-        }
-        Ok(())
+        self.log.wait_durable(low, high)
     }
 
     fn stats(&self) -> Stats {
@@ -1127,6 +1056,7 @@ impl Inner {
             removes: Counters::get(&c.removes),
             flushed_batches: Counters::get(&c.flushed_batches),
             flush_errors: Counters::get(&c.flush_errors),
+            failed_writes: self.log.failed_writes(),
             index_bytes: counts.table_bytes,
             io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
             io_fixed_buffers: self

@@ -7,6 +7,7 @@
 //! before anything in it is reported durable. Recovery reads only the
 //! records. See docs/design.md for the bytes and the crash protocol.
 
+pub mod faulty;
 pub mod format;
 pub mod io;
 pub mod uring;
@@ -122,6 +123,8 @@ pub struct DiskTier {
     bounce: BufferPool,
     /// Every record's digests are checked against it.
     secret: Arc<KeySecret>,
+    /// Test seam (`Config::unsafe_single_sync_batches`).
+    single_sync: bool,
 }
 
 /// Bytes of bounce buffers kept for reuse between reads.
@@ -154,9 +157,14 @@ impl DiskTier {
                 }
             }
         };
+        let engine = match &config.engine_wrapper {
+            Some(wrap) => (wrap.0)(engine),
+            None => engine,
+        };
         let tier = DiskTier {
             dir,
             engine,
+            single_sync: config.skip_value_sync,
             direct_io: AtomicBool::new(config.direct_io),
             capacity: config.disk_capacity,
             region_size: config.effective_region_size(),
@@ -408,13 +416,35 @@ impl DiskTier {
         debug_assert_eq!(offset, batch_len);
         let mut record = AlignedBuf::zeroed(record_pages as usize);
         format::encode_record(record.as_mut_slice(), region.id, batch_len, &batch.entries);
-        let mut iov = Vec::with_capacity(1 + batch.values.len());
-        iov.push(IoSlice::new(record.as_slice()));
-        iov.extend(batch.values.iter().map(|v| IoSlice::new(v)));
-        let written = self
-            .engine
-            .write_vectored_at(&region.file, start, &iov)
-            .and_then(|()| self.engine.sync_data(&region.file));
+        // The crash protocol (docs/design.md, section 4): values first,
+        // synced; only then the record that commits them, synced. A record
+        // that survives a power loss therefore names values that did too;
+        // a batch whose record did not survive was never acknowledged.
+        let values: Vec<IoSlice<'_>> = batch.values.iter().map(|v| IoSlice::new(v)).collect();
+        let written = if self.single_sync {
+            let mut iov = vec![IoSlice::new(record.as_slice())];
+            iov.extend(values.iter().copied());
+            self.engine
+                .write_vectored_at(&region.file, start, &iov)
+                .and_then(|()| self.engine.sync_data(&region.file))
+        } else {
+            let values_written = if values.is_empty() {
+                Ok(())
+            } else {
+                self.engine
+                    .write_vectored_at(&region.file, start + record_pages, &values)
+                    .and_then(|()| self.engine.sync_data(&region.file))
+            };
+            values_written
+                .and_then(|()| {
+                    self.engine.write_vectored_at(
+                        &region.file,
+                        start,
+                        &[IoSlice::new(record.as_slice())],
+                    )
+                })
+                .and_then(|()| self.engine.sync_data(&region.file))
+        };
         // Whatever happened, those bytes may be on disk now.
         region.len.store(start + batch_len, Ordering::Release);
         self.used.fetch_add(batch_len, Ordering::AcqRel);

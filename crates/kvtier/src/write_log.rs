@@ -1,0 +1,392 @@
+//! The write log: sequence numbers, the flusher's queue, the durable
+//! watermark and the record of failed writes, in one type with private
+//! fields. The `Store` appends and waits through it; the flusher takes
+//! batches from it and reports each batch's outcome to it. Nothing else
+//! touches these, so the failure accounting lives in one place:
+//!
+//! - a batch that fails goes back to the front of the queue and is retried
+//!   (in a new region) with a growing pause, up to `MAX_ATTEMPTS` times;
+//!   while it waits, its sequence numbers are *retrying*;
+//! - after the last attempt (or at shutdown) its writes are *failed* for
+//!   good: those values stay readable from memory while they last, but are
+//!   not durable, and stay reported as such;
+//! - a waiter for writes `low..=high` gets `Ok` once every one of them is
+//!   durable, and an error as soon as any of them is retrying or failed,
+//!   whoever else is waiting (nothing is "consumed" by the first caller);
+//! - if the flusher dies, every waiter and every later write gets an error
+//!   naming why, instead of waiting forever.
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::store::QueuedWrite;
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Attempts at writing one batch before its writes count as failed.
+pub(crate) const MAX_ATTEMPTS: u32 = 5;
+
+/// Pause before retry `n` (1-based): 20 ms doubling, at most 1 s.
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(20u64 << attempt.min(6)).min(Duration::from_secs(1))
+}
+
+/// Closed sequence-number ranges, kept merged.
+#[derive(Debug, Default)]
+struct Ranges(Vec<(u64, u64)>);
+
+impl Ranges {
+    fn add(&mut self, low: u64, high: u64) {
+        self.0.push((low, high));
+        self.0.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.0.len());
+        for (lo, hi) in self.0.drain(..) {
+            match merged.last_mut() {
+                Some(last) if lo <= last.1.saturating_add(1) => last.1 = last.1.max(hi),
+                _ => merged.push((lo, hi)),
+            }
+        }
+        self.0 = merged;
+    }
+
+    fn remove(&mut self, low: u64, high: u64) {
+        let mut kept = Vec::with_capacity(self.0.len() + 1);
+        for &(lo, hi) in &self.0 {
+            if hi < low || lo > high {
+                kept.push((lo, hi));
+                continue;
+            }
+            if lo < low {
+                kept.push((lo, low - 1));
+            }
+            if hi > high {
+                kept.push((high + 1, hi));
+            }
+        }
+        self.0 = kept;
+    }
+
+    fn intersects(&self, low: u64, high: u64) -> bool {
+        self.0.iter().any(|&(lo, hi)| lo <= high && low <= hi)
+    }
+
+    fn count(&self) -> u64 {
+        self.0.iter().map(|&(lo, hi)| hi - lo + 1).sum()
+    }
+}
+
+#[derive(Debug)]
+struct LogState {
+    next_seq: u64,
+    items: VecDeque<QueuedWrite>,
+    /// Every write with a sequence number up to this one is durable,
+    /// failed for good, or was never a disk write.
+    processed_seq: u64,
+    requested: bool,
+    shutdown: bool,
+    retrying: Ranges,
+    failed: Ranges,
+    /// The error behind `retrying` and `failed`, for messages.
+    last_error: Option<Error>,
+    /// Consecutive failed attempts at the batch at the queue's front.
+    attempts: u32,
+    retry_at: Option<Instant>,
+    /// Set when the flusher thread died.
+    dead: Option<String>,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub(crate) struct WriteLog {
+    state: Mutex<LogState>,
+    /// The flusher waits on this for work.
+    work: Condvar,
+    /// Callers wait on this for the flusher's progress.
+    progress: Condvar,
+    write_through: bool,
+}
+
+/// What the flusher should do next.
+pub(crate) enum Work {
+    Batch(Vec<QueuedWrite>),
+    Stop,
+}
+
+impl WriteLog {
+    pub fn new(next_seq: u64, write_through: bool) -> Self {
+        WriteLog {
+            state: Mutex::new(LogState {
+                next_seq,
+                items: VecDeque::new(),
+                processed_seq: next_seq - 1,
+                requested: false,
+                shutdown: false,
+                retrying: Ranges::default(),
+                failed: Ranges::default(),
+                last_error: None,
+                attempts: 0,
+                retry_at: None,
+                dead: None,
+            }),
+            work: Condvar::new(),
+            progress: Condvar::new(),
+            write_through,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LogState> {
+        self.state.lock().unwrap()
+    }
+
+    /// Runs `f` with the next sequence number, under the log's lock (so
+    /// index updates made in `f` happen in sequence order), and queues the
+    /// write it returns, if any. Returns the sequence number used.
+    pub fn append(&self, f: impl FnOnce(u64) -> Option<QueuedWrite>) -> Result<u64> {
+        let mut state = self.lock();
+        if let Some(why) = &state.dead {
+            return Err(dead_error(why));
+        }
+        let seq = state.next_seq;
+        state.next_seq += 1;
+        if let Some(item) = f(seq) {
+            state.items.push_back(item);
+        }
+        Ok(seq)
+    }
+
+    /// Runs `f` with the next sequence number to hand out, which `f` may
+    /// advance (the reclaimer renumbering carried entries).
+    pub fn with_next_seq<R>(&self, f: impl FnOnce(&mut u64) -> R) -> R {
+        f(&mut self.lock().next_seq)
+    }
+
+    pub fn next_seq(&self) -> u64 {
+        self.lock().next_seq
+    }
+
+    /// Wakes the flusher; with `request`, asks it to write even under the
+    /// on-demand policy.
+    pub fn wake(&self, request: bool) {
+        let mut state = self.lock();
+        if request {
+            state.requested = true;
+        }
+        self.work.notify_one();
+    }
+
+    /// Waits until writes `low..=high` are durable; an error as soon as any
+    /// of them is retrying or failed, or the flusher is dead.
+    pub fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
+        self.wake(true);
+        let mut state = self.lock();
+        loop {
+            if let Some(why) = &state.dead {
+                return Err(dead_error(why));
+            }
+            if state.failed.intersects(low, high) {
+                return Err(failure_error(&state, "could not be made durable"));
+            }
+            if state.retrying.intersects(low, high) {
+                return Err(failure_error(
+                    &state,
+                    "failed to reach the disk and is being retried",
+                ));
+            }
+            if state.processed_seq >= high {
+                return Ok(());
+            }
+            state = self.progress.wait(state).unwrap();
+        }
+    }
+
+    /// Waits until everything appended so far is durable (see
+    /// `wait_durable`).
+    pub fn flush(&self) -> Result<()> {
+        let target = self.lock().next_seq - 1;
+        if target == 0 {
+            return Ok(());
+        }
+        self.wait_durable(1, target)
+    }
+
+    /// Waits at most `timeout` for the flusher to make progress (a put
+    /// waiting for pool space).
+    pub fn wait_progress(&self, timeout: Duration) {
+        let state = self.lock();
+        let _unused = self.progress.wait_timeout(state, timeout).unwrap();
+    }
+
+    /// Asks the flusher to drain the queue and stop.
+    pub fn shut_down(&self) {
+        let mut state = self.lock();
+        state.shutdown = true;
+        self.work.notify_all();
+    }
+
+    /// Called (once) when the flusher thread dies: every waiter and every
+    /// later write gets an error naming why.
+    pub fn mark_dead(&self, why: String) {
+        let mut state = self.lock();
+        state.dead = Some(why);
+        self.progress.notify_all();
+    }
+
+    /// The state at close: an error if any write could not be made durable.
+    pub fn close_result(&self) -> Result<()> {
+        let state = self.lock();
+        if let Some(why) = &state.dead {
+            return Err(dead_error(why));
+        }
+        if state.failed.count() > 0 || !state.items.is_empty() {
+            return Err(failure_error(&state, "could not be made durable"));
+        }
+        Ok(())
+    }
+
+    /// Writes counted as failed for good since the store opened.
+    pub fn failed_writes(&self) -> u64 {
+        self.lock().failed.count()
+    }
+
+    // ---- the flusher's side ----
+
+    /// Blocks until there is a batch to write, and takes it: items from the
+    /// front while `fits(item, taken)` says so (the first always). Publishes
+    /// progress whenever the queue is empty. `Stop` once shut down and
+    /// drained.
+    pub fn next_batch(&self, mut fits: impl FnMut(&QueuedWrite, &[QueuedWrite]) -> bool) -> Work {
+        let mut state = self.lock();
+        loop {
+            if state.items.is_empty() {
+                state.processed_seq = state.next_seq - 1;
+                state.requested = false;
+                self.progress.notify_all();
+                if state.shutdown {
+                    return Work::Stop;
+                }
+            } else if self.write_through || state.requested || state.shutdown {
+                let wait = state
+                    .retry_at
+                    .filter(|_| !state.shutdown)
+                    .map(|at| at.saturating_duration_since(Instant::now()))
+                    .filter(|d| !d.is_zero());
+                match wait {
+                    Some(wait) => {
+                        state = self.work.wait_timeout(state, wait).unwrap().0;
+                        continue;
+                    }
+                    None => {
+                        let mut taken: Vec<QueuedWrite> = Vec::new();
+                        while let Some(item) = state.items.front() {
+                            if !taken.is_empty() && !fits(item, &taken) {
+                                break;
+                            }
+                            taken.push(state.items.pop_front().expect("front exists"));
+                        }
+                        return Work::Batch(taken);
+                    }
+                }
+            }
+            state = self.work.wait(state).unwrap();
+        }
+    }
+
+    /// Reports how a batch from `next_batch` went. On failure the batch
+    /// goes back to the queue's front for another attempt, or, after the
+    /// last one, is returned as given up (its writes count as failed).
+    pub fn finish_batch(
+        &self,
+        batch: Vec<QueuedWrite>,
+        outcome: std::result::Result<(), Error>,
+    ) -> Vec<QueuedWrite> {
+        let (Some(low), Some(high)) = (
+            batch.first().map(QueuedWrite::seq),
+            batch.last().map(QueuedWrite::seq),
+        ) else {
+            return Vec::new();
+        };
+        let mut state = self.lock();
+        let given_up = match outcome {
+            Ok(()) => {
+                state.retrying.remove(low, high);
+                state.attempts = 0;
+                state.retry_at = None;
+                Vec::new()
+            }
+            Err(error) => {
+                state.attempts += 1;
+                state.last_error = Some(error);
+                if state.attempts < MAX_ATTEMPTS && !state.shutdown {
+                    state.retrying.add(low, high);
+                    state.retry_at = Some(Instant::now() + backoff(state.attempts));
+                    for item in batch.into_iter().rev() {
+                        state.items.push_front(item);
+                    }
+                    Vec::new()
+                } else {
+                    state.retrying.remove(low, high);
+                    state.failed.add(low, high);
+                    state.attempts = 0;
+                    state.retry_at = None;
+                    batch
+                }
+            }
+        };
+        state.processed_seq = state
+            .items
+            .front()
+            .map_or(state.next_seq - 1, |item| item.seq() - 1);
+        self.progress.notify_all();
+        given_up
+    }
+}
+
+fn dead_error(why: &str) -> Error {
+    Error::new(
+        ErrorKind::Io,
+        format!("the flusher thread died ({why}): nothing more can be written to disk; reopen the store"),
+    )
+}
+
+fn failure_error(state: &LogState, what: &str) -> Error {
+    let last = state
+        .last_error
+        .as_ref()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    Error::new(
+        ErrorKind::Io,
+        format!("a write this call covers {what} (last error: {last})"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// `Ranges` agrees with a plain set of numbers under any adds and
+        /// removes.
+        #[test]
+        fn ranges_match_a_set(ops in proptest::collection::vec((any::<bool>(), 0u64..60, 0u64..8), 0..40)) {
+            let mut ranges = Ranges::default();
+            let mut set = std::collections::BTreeSet::new();
+            for (add, lo, len) in ops {
+                let hi = lo + len;
+                if add {
+                    ranges.add(lo, hi);
+                    set.extend(lo..=hi);
+                } else {
+                    ranges.remove(lo, hi);
+                    for n in lo..=hi {
+                        set.remove(&n);
+                    }
+                }
+                prop_assert_eq!(ranges.count(), set.len() as u64);
+                for probe in 0..70u64 {
+                    prop_assert_eq!(ranges.intersects(probe, probe), set.contains(&probe));
+                }
+            }
+        }
+    }
+}
