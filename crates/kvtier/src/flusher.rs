@@ -173,7 +173,11 @@ impl Inner {
         // still reads the unlinked region. A crash in between loses only
         // entries that reclaim was entitled to drop.
         if let Err(e) = disk.remove_region(region.id) {
-            tracing::error!(region = region.id, error = %e, "removing a reclaimed region");
+            // The region stays (as the oldest); nothing newer is reclaimed
+            // until its removal succeeds.
+            tracing::error!(region = region.id, error = %e, "removing a reclaimed region; will retry");
+            drop(carry);
+            return false;
         }
         let carried = self.carry_forward(disk, &region, carry);
         Counters::add(&self.counters.reclaimed_regions, 1);

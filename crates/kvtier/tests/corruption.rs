@@ -141,11 +141,11 @@ fn flipped_record_bytes_drop_batches_not_correctness() {
         flip(&files[0], offsets[1] + 40); // the first entry: every record has one
         let store = open(small_config(dir.path()));
         let report = store.recovery_report().clone();
-        assert_eq!(report.dropped_tails, 1, "{report:?}");
+        assert_eq!(report.damaged_regions, 1, "{report:?}");
         let hits = check_all(&store, n);
-        // The first batch (5 keys) survives; the damaged batch and those after
-        // it in that region are gone; other regions are intact.
-        assert!(hits >= 5 && hits < n, "{hits}");
+        // Only the damaged batch is gone: recovery resynchronises on the
+        // batches after it.
+        assert!(hits >= n - 5 && hits < n, "{hits}");
         assert_eq!(store.stats().checksum_failures, 0);
         still_serves(&store);
     });
@@ -169,8 +169,19 @@ fn torn_tail_and_garbage_files_are_dropped() {
         fs::write(dir.path().join("regions/000000fe.kvr"), vec![0; 100]).unwrap();
         let store = open(small_config(dir.path()));
         let report = store.recovery_report().clone();
-        assert_eq!(report.dropped_regions, 2, "{report:?}");
-        assert!(report.dropped_tails >= 1, "{report:?}");
+        // Unreadable headers are quarantined, never deleted.
+        assert_eq!(report.quarantined_regions, 2, "{report:?}");
+        assert!(report.damaged_regions >= 1, "{report:?}");
+        let quarantined: Vec<_> = fs::read_dir(dir.path().join("quarantine"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            quarantined.len(),
+            4,
+            "two files and their reasons: {quarantined:?}"
+        );
+        assert!(!dir.path().join("regions/000000ff.kvr").exists());
         let hits = check_all(&store, n);
         assert!(hits >= n - 5 && hits < n, "{hits}");
         still_serves(&store);
@@ -237,5 +248,37 @@ fn multi_piece_values_are_verified_whole() {
             }
         }
         assert_eq!(store.stats().checksum_failures, 1);
+    });
+}
+
+/// A damaged record does not take the batches after it down with it: a
+/// tombstone written after the damage still keeps its key removed.
+#[test]
+fn a_tombstone_after_a_damaged_record_still_holds() {
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(small_config(dir.path()));
+            store.put(b"removed", vec![9u8; 20_000]).unwrap();
+            store.flush().unwrap();
+            store.put(b"bystander", vec![8u8; 20_000]).unwrap();
+            store.flush().unwrap();
+            assert!(store.remove(b"removed").unwrap());
+            store.put(b"after", vec![7u8; 20_000]).unwrap();
+            store.close().unwrap();
+        }
+        let files = region_files(dir.path());
+        let offsets = batch_offsets(&files[0]);
+        assert!(offsets.len() >= 4, "{offsets:?}");
+        flip(&files[0], offsets[1] + 40); // the bystander's record
+        let store = open(small_config(dir.path()));
+        assert_eq!(store.recovery_report().damaged_regions, 1);
+        assert_eq!(
+            store.get(b"removed").unwrap(),
+            None,
+            "a removed key came back"
+        );
+        assert_eq!(store.get(b"bystander").unwrap(), None);
+        assert_eq!(store.get(b"after").unwrap().unwrap(), vec![7u8; 20_000]);
     });
 }

@@ -27,6 +27,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 pub(crate) const REGION_DIR: &str = "regions";
+/// Where recovery moves region files it cannot read (next to `regions/`).
+pub(crate) const QUARANTINE_DIR: &str = "quarantine";
 const REGION_SUFFIX: &str = ".kvr";
 
 #[derive(Debug)]
@@ -80,10 +82,16 @@ pub struct RecoveryReport {
     pub regions: u64,
     pub batches: u64,
     pub records: u64,
-    /// Batches dropped at a region's tail (torn or corrupt).
-    pub dropped_tails: u64,
-    /// Region files removed because their header was unreadable.
-    pub dropped_regions: u64,
+    /// Regions with pages where no valid batch starts (a torn tail after a
+    /// failed write, or damage), and how many such pages recovery skipped.
+    pub damaged_regions: u64,
+    pub skipped_pages: u64,
+    /// Region files moved to `quarantine/` because their header could not
+    /// be read or verified (kept for inspection, never deleted).
+    pub quarantined_regions: u64,
+    /// Empty region files removed (created, but their header never
+    /// written: they can hold nothing).
+    pub empty_regions_removed: u64,
     /// Highest sequence number seen in any header or record.
     pub max_seq: u64,
 }
@@ -266,13 +274,22 @@ impl DiskTier {
             };
             let header = match header {
                 Ok(header) => header,
-                Err(reason) => {
-                    // Nothing in it can be trusted; a region that never got
-                    // its header written holds nothing acknowledged.
-                    tracing::warn!(path = %path.display(), %reason, "dropping unreadable region file");
-                    report.dropped_regions += 1;
+                Err(_) if file_len == 0 => {
+                    // Created, but its header never written: it holds
+                    // nothing (headers are synced before any batch).
                     drop(file);
                     self.unlink(&path)?;
+                    report.empty_regions_removed += 1;
+                    continue;
+                }
+                Err(reason) => {
+                    // Never deleted on recovery's own judgement: a read
+                    // error may be transient, and the bytes may matter to
+                    // whoever investigates.
+                    drop(file);
+                    let moved = self.quarantine(&path, &reason)?;
+                    tracing::error!(path = %path.display(), quarantined = %moved.display(), %reason, "region header unreadable; moved the file to quarantine");
+                    report.quarantined_regions += 1;
                     continue;
                 }
             };
@@ -289,9 +306,10 @@ impl DiskTier {
                     apply(RecoveredEntry { entry, loc });
                 }
             })?;
-            if let Some(reason) = scan.stopped {
-                report.dropped_tails += 1;
-                tracing::warn!(region = id, offset = scan.end, file_len, %reason, "dropping the region's tail after the last valid batch");
+            if let Some((offset, reason)) = &scan.first_problem {
+                report.damaged_regions += 1;
+                report.skipped_pages += scan.skipped_pages;
+                tracing::warn!(region = id, offset, file_len, skipped_pages = scan.skipped_pages, %reason, "pages without a valid batch (a torn tail or damage); resynchronised past them");
             }
             self.used.fetch_add(file_len, Ordering::AcqRel);
             self.regions.write().unwrap().insert(id, Arc::new(region));
@@ -300,63 +318,80 @@ impl DiskTier {
         Ok(report)
     }
 
-    /// Visits each valid batch of `region` in order, stopping at the first
-    /// batch that is torn, corrupt or past `file_len`.
+    /// Visits each valid batch of `region` in order. A page where no valid
+    /// batch starts (torn, corrupt, unreadable, or past `file_len`) is
+    /// skipped and the scan resynchronises on the next page that starts a
+    /// valid batch, so one bad record never hides the good ones (or the
+    /// tombstones) after it. A record cannot be forged inside a value:
+    /// every entry's digest is keyed with the directory's secret.
     fn scan_region(
         &self,
         region: &Region,
         file_len: u64,
         mut visit: impl FnMut(u64, Vec<RecordEntry>),
     ) -> Result<ScanEnd> {
-        let mut offset = REGION_HEADER_LEN;
+        let mut scan = ScanEnd {
+            end: REGION_HEADER_LEN,
+            skipped_pages: 0,
+            first_problem: None,
+        };
         let mut buf = AlignedBuf::zeroed(PAGE_SIZE as usize);
-        while offset < file_len {
-            if offset + PAGE_SIZE > file_len {
-                return Ok(ScanEnd::stopped(
-                    offset,
-                    "partial page at the end of the file",
-                ));
-            }
-            if let Err(e) = pread_full(
-                &region.file,
-                offset,
-                &mut buf.as_mut_slice()[..PAGE_SIZE as usize],
-            ) {
-                return Ok(ScanEnd::stopped(offset, format!("read failed: {e}")));
-            }
-            let header = match BatchHeader::decode(buf.as_slice(), region.id) {
-                Ok(header) => header,
-                Err(reason) => return Ok(ScanEnd::stopped(offset, reason)),
-            };
-            if offset + header.batch_len > file_len {
-                return Ok(ScanEnd::stopped(
-                    offset,
-                    "batch extends past the end of the file",
-                ));
-            }
-            let padded = header.padded_record_len() as usize;
-            if padded > buf.len() {
-                let mut bigger = AlignedBuf::zeroed(padded);
-                bigger.as_mut_slice()[..PAGE_SIZE as usize]
-                    .copy_from_slice(&buf.as_slice()[..PAGE_SIZE as usize]);
-                buf = bigger;
-            }
-            if padded > PAGE_SIZE as usize {
-                let rest = &mut buf.as_mut_slice()[PAGE_SIZE as usize..padded];
-                if let Err(e) = pread_full(&region.file, offset + PAGE_SIZE, rest) {
-                    return Ok(ScanEnd::stopped(offset, format!("read failed: {e}")));
+        let mut offset = REGION_HEADER_LEN;
+        while offset + PAGE_SIZE <= file_len {
+            match self.read_batch_at(region, file_len, offset, &mut buf) {
+                Ok((batch_len, entries)) => {
+                    visit(offset, entries);
+                    offset += batch_len;
+                    scan.end = offset;
+                }
+                Err(reason) => {
+                    if scan.first_problem.is_none() {
+                        scan.first_problem = Some((offset, reason));
+                    }
+                    scan.skipped_pages += 1;
+                    offset += PAGE_SIZE;
                 }
             }
-            match format::decode_record(buf.as_slice(), &header, &self.secret) {
-                Ok(entries) => visit(offset, entries),
-                Err(reason) => return Ok(ScanEnd::stopped(offset, reason)),
-            }
-            offset += header.batch_len;
         }
-        Ok(ScanEnd {
-            end: offset,
-            stopped: None,
-        })
+        if offset < file_len && scan.first_problem.is_none() {
+            scan.first_problem = Some((offset, "partial page at the end of the file".into()));
+        }
+        Ok(scan)
+    }
+
+    /// Reads and verifies the batch starting at `offset`: its length and
+    /// record entries.
+    fn read_batch_at(
+        &self,
+        region: &Region,
+        file_len: u64,
+        offset: u64,
+        buf: &mut AlignedBuf,
+    ) -> std::result::Result<(u64, Vec<RecordEntry>), String> {
+        pread_full(
+            &region.file,
+            offset,
+            &mut buf.as_mut_slice()[..PAGE_SIZE as usize],
+        )
+        .map_err(|e| format!("read failed: {e}"))?;
+        let header = BatchHeader::decode(buf.as_slice(), region.id)?;
+        if offset + header.batch_len > file_len {
+            return Err("batch extends past the end of the file".into());
+        }
+        let padded = header.padded_record_len() as usize;
+        if padded > buf.len() {
+            let mut bigger = AlignedBuf::zeroed(padded);
+            bigger.as_mut_slice()[..PAGE_SIZE as usize]
+                .copy_from_slice(&buf.as_slice()[..PAGE_SIZE as usize]);
+            *buf = bigger;
+        }
+        if padded > PAGE_SIZE as usize {
+            let rest = &mut buf.as_mut_slice()[PAGE_SIZE as usize..padded];
+            pread_full(&region.file, offset + PAGE_SIZE, rest)
+                .map_err(|e| format!("read failed: {e}"))?;
+        }
+        let entries = format::decode_record(buf.as_slice(), &header, &self.secret)?;
+        Ok((header.batch_len, entries))
     }
 
     /// Every record entry of a region with its value's location, for the
@@ -522,9 +557,43 @@ impl DiskTier {
                 writer.active = None;
             }
         }
+        if let Err(e) = self.unlink(&region.path) {
+            // Keep it as the oldest region: reclaim retries its removal
+            // before any newer region goes. Removing a newer region first
+            // could drop a tombstone while the value it removed stays on
+            // disk, and bring the value back at the next restart.
+            self.regions.write().unwrap().insert(id, region);
+            return Err(e);
+        }
         self.used.fetch_sub(region.len(), Ordering::AcqRel);
-        self.unlink(&region.path)?;
         sync_dir(&self.dir).map_err(|e| Error::io(format!("syncing {}", self.dir.display()), e))
+    }
+
+    /// Moves a region file into `<data_dir>/quarantine/`, named by its
+    /// region file name and the time, and syncs both directories.
+    fn quarantine(&self, path: &Path, reason: &str) -> Result<PathBuf> {
+        let dir = self.dir.parent().unwrap_or(&self.dir).join(QUARANTINE_DIR);
+        fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let target = dir.join(format!("{name}.{stamp}"));
+        fs::rename(path, &target)
+            .map_err(|e| Error::io(format!("quarantining {} ({reason})", path.display()), e))?;
+        fs::write(
+            dir.join(format!("{name}.{stamp}.why")),
+            format!("{reason}\n"),
+        )
+        .map_err(|e| Error::io(format!("writing to {}", dir.display()), e))?;
+        sync_dir(&self.dir)
+            .and_then(|()| sync_dir(&dir))
+            .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))?;
+        Ok(target)
     }
 
     fn unlink(&self, path: &Path) -> Result<()> {
@@ -569,18 +638,14 @@ impl DiskTier {
 }
 
 #[derive(Debug)]
+/// How a region scan went.
 struct ScanEnd {
+    /// End of the last valid batch.
     end: u64,
-    stopped: Option<String>,
-}
-
-impl ScanEnd {
-    fn stopped(end: u64, reason: impl Into<String>) -> Self {
-        ScanEnd {
-            end,
-            stopped: Some(reason.into()),
-        }
-    }
+    /// Pages where no valid batch started (skipped by resynchronising).
+    skipped_pages: u64,
+    /// The first such page and why.
+    first_problem: Option<(u64, String)>,
 }
 
 fn parse_region_name(name: &str) -> Option<u32> {
