@@ -207,15 +207,21 @@ impl UringEngine {
         self.fixed.get()?.index_of(ptr, len)
     }
 
-    /// A ring for this call: a free one if any, else wait for one.
+    /// A ring for this call: a free one if any, else wait for one. A ring
+    /// whose last user panicked is still sound (`Drain` emptied it before
+    /// the lock was released), so poisoning is ignored.
     fn ring(&self) -> MutexGuard<'_, IoUring> {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         for i in 0..self.rings.len() {
-            if let Ok(ring) = self.rings[(start + i) % self.rings.len()].try_lock() {
-                return ring;
+            match self.rings[(start + i) % self.rings.len()].try_lock() {
+                Ok(ring) => return ring,
+                Err(std::sync::TryLockError::Poisoned(p)) => return p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {}
             }
         }
-        self.rings[start % self.rings.len()].lock().unwrap()
+        self.rings[start % self.rings.len()]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs transfers to completion on one ring. Each transfer is described
@@ -235,24 +241,27 @@ impl UringEngine {
         let mut done = vec![0usize; count];
         let mut queue: std::collections::VecDeque<usize> =
             (0..count).filter(|&i| len(i) > 0).collect();
-        let mut ring = self.ring();
-        // Handed to the kernel (or queued on the ring for it): their
-        // buffers are in use until they complete.
-        let mut in_flight = 0usize;
-        while in_flight > 0 || !queue.is_empty() {
-            while in_flight < self.depth {
+        // Operations handed to the kernel (or queued on the ring for it):
+        // their buffers are in use until they complete. `Drain` waits for
+        // them if this function unwinds.
+        let mut ring = Drain {
+            ring: self.ring(),
+            in_flight: 0,
+        };
+        while ring.in_flight > 0 || !queue.is_empty() {
+            while ring.in_flight < self.depth {
                 let Some(&i) = queue.front() else { break };
                 let entry = prepare(i, done[i]).user_data(i as u64);
                 // SAFETY: the SQE points into buffers that the caller keeps
                 // alive until this function returns, and it does not return
                 // while any queued operation is unfinished.
-                if unsafe { ring.submission().push(&entry) }.is_err() {
+                if unsafe { ring.ring.submission().push(&entry) }.is_err() {
                     break; // full: wait for completions first
                 }
                 queue.pop_front();
-                in_flight += 1;
+                ring.in_flight += 1;
             }
-            if let Err(e) = ring.submit_and_wait(1) {
+            if let Err(e) = ring.ring.submit_and_wait(1) {
                 match e.raw_os_error() {
                     // Interrupted, short of resources, or completions
                     // waiting to be reaped: reap and try again.
@@ -261,18 +270,24 @@ impl UringEngine {
                         // The ring is unusable while the kernel may still
                         // write into the callers' buffers: stopping the
                         // process is the only memory-safe answer.
-                        eprintln!("kvtier: io_uring submission failed with {in_flight} operations queued: {e}");
+                        eprintln!(
+                            "kvtier: io_uring submission failed with {} operations queued: {e}",
+                            ring.in_flight
+                        );
                         std::process::abort();
                     }
                 }
             }
             let completed: Vec<(u64, i32)> = ring
+                .ring
                 .completion()
                 .map(|cqe| (cqe.user_data(), cqe.result()))
                 .collect();
+            // Counted before any callback runs, so a panic in one leaves
+            // an exact count for `Drain`.
+            ring.in_flight -= completed.len();
             for (user_data, result) in completed {
                 let i = user_data as usize;
-                in_flight -= 1;
                 if result < 0 {
                     let errno = -result;
                     if errno == libc::EINTR || errno == libc::EAGAIN {
@@ -300,6 +315,37 @@ impl UringEngine {
             .into_iter()
             .map(|o| o.unwrap_or_else(|| Err(io::Error::other("transfer was never completed"))))
             .collect()
+    }
+}
+
+/// A ring in use by `run`, with the count of operations the kernel still
+/// holds. Dropped while unwinding (a panic in `prepare` or `on_complete`),
+/// it waits for every one of them, so no transfer outlives the buffers of
+/// the stack being unwound; if even that wait fails, the process aborts
+/// (the kernel could still write into freed memory).
+struct Drain<'a> {
+    ring: MutexGuard<'a, IoUring>,
+    in_flight: usize,
+}
+
+impl Drop for Drain<'_> {
+    fn drop(&mut self) {
+        while self.in_flight > 0 {
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if !matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+                ) {
+                    eprintln!(
+                        "kvtier: io_uring wait failed while unwinding with {} operations in flight: {e}",
+                        self.in_flight
+                    );
+                    std::process::abort();
+                }
+            }
+            let reaped = self.ring.completion().count();
+            self.in_flight -= reaped.min(self.in_flight);
+        }
     }
 }
 
@@ -540,6 +586,54 @@ mod tests {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
             .collect()
+    }
+
+    /// A panic in a completion callback unwinds only after every
+    /// operation still in the kernel completed: the ring comes back empty,
+    /// and the next batch on it reads the right bytes into the right
+    /// buffers (a leftover completion would be credited to the wrong one).
+    #[test]
+    fn a_panicking_callback_leaves_no_operation_in_flight() {
+        let engine = UringEngine::new(4, 1, false).expect("io_uring");
+        let dir = tempfile::tempdir().unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .unwrap();
+        let data = pattern(64 * 4096, 3);
+        engine
+            .write_vectored_at(&file, 0, &[IoSlice::new(&data)])
+            .unwrap();
+        for round in 0..3 {
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut bufs: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; 4096]).collect();
+                let mut ops: Vec<ReadOp<'_>> = bufs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, b)| ReadOp::new(&file, (i * 4096) as u64, b))
+                    .collect();
+                engine.read_batch_then(&mut ops, &|i, _| {
+                    if i == round {
+                        panic!("verification bug");
+                    }
+                });
+            }));
+            assert!(unwound.is_err(), "the callback's panic propagates");
+            let mut bufs: Vec<Vec<u8>> = (0..64).map(|_| vec![0u8; 4096]).collect();
+            let mut ops: Vec<ReadOp<'_>> = bufs
+                .iter_mut()
+                .enumerate()
+                .rev()
+                .map(|(i, b)| ReadOp::new(&file, (i * 4096) as u64, b))
+                .collect();
+            engine.read_batch(&mut ops);
+            assert!(ops.iter().all(|op| op.result.is_ok()));
+            drop(ops);
+            assert_eq!(bufs.concat(), data, "round {round}");
+        }
     }
 
     #[test]
