@@ -343,6 +343,7 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "failed_writes": s.failed_writes,
         "index_bytes": s.index_bytes,
         "io_engine": s.io_engine,
+        "direct_io": s.direct_io,
         "io_fixed_buffers": s.io_fixed_buffers,
         "io_registered_files": s.io_registered_files,
     })

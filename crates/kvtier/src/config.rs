@@ -271,6 +271,13 @@ impl Config {
         self
     }
 
+    /// The io engine asked for (the store falls back to psync, with a log
+    /// line, where io_uring is unavailable; `Stats::io_engine` says which
+    /// runs).
+    pub fn requested_io_engine(&self) -> IoEngineKind {
+        self.io_engine
+    }
+
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }

@@ -43,6 +43,9 @@ pub struct Stats {
     /// Bytes the index's hash tables occupy.
     pub index_bytes: u64,
     pub io_engine: &'static str,
+    /// Whether region files are read and written with O_DIRECT (false where
+    /// the file system refused it and buffered I/O is used).
+    pub direct_io: bool,
     /// Whether the io engine writes from the memory pool as io_uring fixed
     /// buffers (pinned once at open, not per write).
     pub io_fixed_buffers: bool,

@@ -1061,6 +1061,7 @@ impl Inner {
             failed_writes: self.log.failed_writes(),
             index_bytes: counts.table_bytes,
             io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
+            direct_io: self.disk.as_ref().is_some_and(|d| d.direct_io()),
             io_fixed_buffers: self
                 .disk
                 .as_ref()

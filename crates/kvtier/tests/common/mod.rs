@@ -26,8 +26,25 @@ pub fn small_config(dir: &Path) -> Config {
         .io_engine(engine())
 }
 
+/// Opens the store and checks that it runs on what the test asked for:
+/// the requested io engine (no silent fallback to psync) and O_DIRECT
+/// (no silent fallback to buffered I/O). Either fallback fails the test.
 pub fn open(config: Config) -> Store {
-    Store::open(config).expect("open store")
+    let requested = config.requested_io_engine();
+    let store = Store::open(config).expect("open store");
+    let stats = store.stats();
+    if stats.io_engine != "none" {
+        assert_eq!(
+            stats.io_engine,
+            requested.as_str(),
+            "the store fell back from the io engine the test asked for"
+        );
+        assert!(
+            stats.direct_io,
+            "O_DIRECT is not in effect: these tests need a file system with direct I/O"
+        );
+    }
+    store
 }
 
 pub fn key(i: u64) -> Vec<u8> {
