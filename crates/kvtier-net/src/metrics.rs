@@ -275,9 +275,9 @@ impl Metrics {
         );
         gauge(
             &mut out,
-            "kvtier_failed_writes",
-            "Writes given up after every retry: not durable.",
-            stats.failed_writes,
+            "kvtier_retrying_writes",
+            "Writes whose last disk attempt failed, waiting to be retried: not durable yet.",
+            stats.retrying_writes,
         );
         out
     }
@@ -340,7 +340,7 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "removes": s.removes,
         "flushed_batches": s.flushed_batches,
         "flush_errors": s.flush_errors,
-        "failed_writes": s.failed_writes,
+        "retrying_writes": s.retrying_writes,
         "index_bytes": s.index_bytes,
         "io_engine": s.io_engine,
         "direct_io": s.direct_io,

@@ -109,16 +109,28 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                tracing::error!(error = %e, entries = batch.entries.len(), "batch write failed");
+                tracing::error!(error = %e, entries = batch.entries.len(), "batch write failed; will retry");
                 Counters::add(&self.counters.flush_errors, 1);
                 Err(e)
             }
         };
         drop(written_puts);
         drop(batch);
+        // The file system is fuller than the configured capacity allows
+        // for: make room the way a cache does, by dropping the oldest
+        // region, before the retry. (Never the region being written.)
+        let full = outcome
+            .as_ref()
+            .err()
+            .and_then(|e| e.io_error())
+            .and_then(|e| e.raw_os_error())
+            == Some(libc::ENOSPC);
+        if full && disk.region_count() > 1 {
+            self.reclaim_oldest(disk);
+        }
         // A failed batch goes back to the queue for another attempt in a
-        // new region; after the last, its values stay in memory only (not
-        // durable, but correct cache entries: the pool may drop them).
+        // new region (its values stay pinned). Only at shutdown is a batch
+        // given up: its values then stay in memory only, evictable.
         for item in self.log.finish_batch(taken, outcome) {
             if let QueuedWrite::Put { slot, .. } = item {
                 slot.set_evictable();

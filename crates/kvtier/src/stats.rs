@@ -35,11 +35,11 @@ pub struct Stats {
     pub removes: u64,
     /// Batches written by the flusher, and those that failed.
     pub flushed_batches: u64,
-    /// Failed batch write attempts (each is retried, see `failed_writes`).
+    /// Failed batch write attempts (each batch is retried until it lands).
     pub flush_errors: u64,
-    /// Writes given up after every retry: not durable (their values stay
-    /// in memory while they last), and every later `flush` says so.
-    pub failed_writes: u64,
+    /// Writes whose last attempt failed and that wait for the next: not
+    /// durable yet; `flush` fails while any of its writes is among them.
+    pub retrying_writes: u64,
     /// Bytes the index's hash tables occupy.
     pub index_bytes: u64,
     pub io_engine: &'static str,

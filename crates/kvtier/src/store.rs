@@ -1058,7 +1058,7 @@ impl Inner {
             removes: Counters::get(&c.removes),
             flushed_batches: Counters::get(&c.flushed_batches),
             flush_errors: Counters::get(&c.flush_errors),
-            failed_writes: self.log.failed_writes(),
+            retrying_writes: self.log.retrying_writes(),
             index_bytes: counts.table_bytes,
             io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
             direct_io: self.disk.as_ref().is_some_and(|d| d.direct_io()),

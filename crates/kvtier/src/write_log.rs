@@ -5,11 +5,13 @@
 //! touches these, so the failure accounting lives in one place:
 //!
 //! - a batch that fails goes back to the front of the queue and is retried
-//!   (in a new region) with a growing pause, up to `MAX_ATTEMPTS` times;
-//!   while it waits, its sequence numbers are *retrying*;
-//! - after the last attempt (or at shutdown) its writes are *failed* for
-//!   good: those values stay readable from memory while they last, but are
-//!   not durable, and stay reported as such;
+//!   (in a new region) with a growing pause, for as long as the store is
+//!   open; its values stay pinned in the pool meanwhile (so a disk that
+//!   stays broken fills the pool, and puts then fail with `NoSpace` after
+//!   their bounded wait), and its sequence numbers are *retrying* until an
+//!   attempt succeeds;
+//! - at close, a batch whose last attempt fails is *failed* for good, and
+//!   `close` says so;
 //! - a waiter for writes `low..=high` gets `Ok` once every one of them is
 //!   durable, and an error as soon as any of them is retrying or failed,
 //!   whoever else is waiting (nothing is "consumed" by the first caller);
@@ -22,10 +24,7 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// Attempts at writing one batch before its writes count as failed.
-pub(crate) const MAX_ATTEMPTS: u32 = 5;
-
-/// Pause before retry `n` (1-based): 20 ms doubling, at most 1 s.
+/// Pause before retry `n` (1-based): 40 ms doubling, at most 1 s.
 fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(20u64 << attempt.min(6)).min(Duration::from_secs(1))
 }
@@ -242,9 +241,9 @@ impl WriteLog {
         Ok(())
     }
 
-    /// Writes counted as failed for good since the store opened.
-    pub fn failed_writes(&self) -> u64 {
-        self.lock().failed.count()
+    /// Writes that failed an attempt and are waiting for the next one.
+    pub fn retrying_writes(&self) -> u64 {
+        self.lock().retrying.count()
     }
 
     // ---- the flusher's side ----
@@ -291,8 +290,9 @@ impl WriteLog {
     }
 
     /// Reports how a batch from `next_batch` went. On failure the batch
-    /// goes back to the queue's front for another attempt, or, after the
-    /// last one, is returned as given up (its writes count as failed).
+    /// goes back to the queue's front for another attempt, or, once the
+    /// store is shutting down, is returned as given up (its writes count
+    /// as failed).
     pub fn finish_batch(
         &self,
         batch: Vec<QueuedWrite>,
@@ -315,7 +315,7 @@ impl WriteLog {
             Err(error) => {
                 state.attempts += 1;
                 state.last_error = Some(error);
-                if state.attempts < MAX_ATTEMPTS && !state.shutdown {
+                if !state.shutdown {
                     state.retrying.add(low, high);
                     state.retry_at = Some(Instant::now() + backoff(state.attempts));
                     for item in batch.into_iter().rev() {

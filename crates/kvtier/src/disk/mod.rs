@@ -529,7 +529,20 @@ impl DiskTier {
             .write_vectored_at(&region.file, 0, &[IoSlice::new(page.as_slice())])
             .and_then(|()| self.engine.sync_data(&region.file))
             .and_then(|()| sync_dir(&self.dir));
-        written.map_err(|e| Error::io(format!("creating region file {}", path.display()), e))?;
+        if let Err(e) = written {
+            // Nothing was committed to it: take it back out, so that a long
+            // outage (a retry a second) does not pile up files and
+            // descriptors. If the unlink fails too, recovery removes the
+            // file (an empty or header-less region holds nothing).
+            self.regions.write().unwrap().remove(&id);
+            self.used.fetch_sub(REGION_HEADER_LEN, Ordering::AcqRel);
+            drop(region);
+            let _ = fs::remove_file(&path);
+            return Err(Error::io(
+                format!("creating region file {}", path.display()),
+                e,
+            ));
+        }
         Ok(region)
     }
 
