@@ -13,7 +13,7 @@
 mod common;
 
 use common::*;
-use kvtier::{Config, ErrorKind, Store};
+use kvtier::{Config, ErrorKind};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
