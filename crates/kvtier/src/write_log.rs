@@ -13,8 +13,9 @@
 //! - at close, a batch whose last attempt fails is *failed* for good, and
 //!   `close` says so;
 //! - a waiter for writes `low..=high` gets `Ok` once every one of them is
-//!   durable, and an error as soon as any of them is retrying or failed,
-//!   whoever else is waiting (nothing is "consumed" by the first caller);
+//!   durable, and an error as soon as any of them failed, or any write up
+//!   to `high` is retrying (writes become durable in order), whoever else
+//!   is waiting (nothing is "consumed" by the first caller);
 //! - if the flusher dies, every waiter and every later write gets an error
 //!   naming why, instead of waiting forever.
 
@@ -184,10 +185,13 @@ impl WriteLog {
             if state.failed.intersects(low, high) {
                 return Err(failure_error(&state, "could not be made durable"));
             }
-            if state.retrying.intersects(low, high) {
+            // Writes become durable in sequence order, so one stuck in
+            // retries before `high` holds these back too: say so now
+            // rather than wait for a disk that may not heal.
+            if state.retrying.intersects(0, high) {
                 return Err(failure_error(
                     &state,
-                    "failed to reach the disk and is being retried",
+                    "(or one queued before it) failed to reach the disk and is being retried",
                 ));
             }
             if state.processed_seq >= high {

@@ -157,12 +157,19 @@ fn run_crash_cycles(reclaim: bool) {
             .spawn()
             .unwrap();
         let stdout = child.stdout.take().unwrap();
-        let kill_after = Duration::from_millis(10 + rng.below(250));
+        let kill_after = Duration::from_millis(5 + rng.below(100));
+        // The kill window starts once the child has opened the store, so
+        // recovery of a large directory does not eat it.
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
         let reader = std::thread::spawn(move || {
-            BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-                .collect::<Vec<String>>()
+            let mut lines = Vec::new();
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.ends_with("OPEN") {
+                    let _ = opened_tx.send(());
+                }
+                lines.push(line);
+            }
+            lines
         });
         let started = Instant::now();
         if cycle == 1 {
@@ -184,10 +191,9 @@ fn run_crash_cycles(reclaim: bool) {
             assert_eq!(err.kind(), kvtier::ErrorKind::Locked, "{err}");
             assert!(err.to_string().contains(&child_pid), "{err}");
         }
-        // Kill at a random moment.
-        while started.elapsed() < kill_after {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        // Kill at a random moment after the child opened the store.
+        let _ = opened_rx.recv_timeout(Duration::from_secs(60));
+        std::thread::sleep(kill_after);
         child.kill().unwrap();
         child.wait().unwrap();
         let lines = reader.join().unwrap();
@@ -234,7 +240,12 @@ fn run_crash_cycles(reclaim: bool) {
         // Verify with the other engine than the child used.
         let store = Store::open(config(dir.path(), engine_for(cycle + 1), reclaim)).unwrap();
         for k in 0..KEYS {
+            let said_present = store.exists(key(k));
             let got = store.get(key(k)).unwrap();
+            assert!(
+                !said_present || got.is_some(),
+                "cycle {cycle}: key {k} exists but its read misses (a phantom)"
+            );
             let observed: State = got.as_ref().map(|bytes| {
                 // Identify the version by matching the candidates' bytes.
                 let mut candidates = std::iter::once(durable.get(&k).copied().flatten())
