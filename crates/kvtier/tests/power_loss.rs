@@ -20,8 +20,7 @@ mod common;
 
 use common::*;
 use kvtier::disk::faulty::{Dice, FaultyEngine};
-use kvtier::disk::io::IoEngine;
-use kvtier::{Config, EngineWrapper, Store};
+use kvtier::{Config, Store};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -61,34 +60,24 @@ fn key_bytes(key: u64) -> Vec<u8> {
     format!("pl-key-{key}").into_bytes()
 }
 
-/// Opens the store over a fresh fault-injecting engine; returns both.
-fn open_faulty(dir: &Path, single_sync: bool, case: u64) -> (Store, Arc<FaultyEngine>) {
-    let slot: Arc<Mutex<Option<Arc<FaultyEngine>>>> = Arc::default();
-    let wrap_slot = Arc::clone(&slot);
-    let wrapper = EngineWrapper(Arc::new(move |inner: Arc<dyn IoEngine>| {
-        let faulty = FaultyEngine::new(inner);
-        *wrap_slot.lock().unwrap() = Some(Arc::clone(&faulty));
-        faulty as Arc<dyn IoEngine>
-    }));
-    let engine = if case % 2 == 0 {
-        kvtier::IoEngineKind::Uring
-    } else {
-        kvtier::IoEngineKind::Psync
-    };
+/// Opens the store for a case over a fresh fault-injecting engine.
+fn open_case(dir: &Path, single_sync: bool, case: u64) -> (Store, Arc<FaultyEngine>) {
     let config = Config::new(dir)
         .memory_capacity(4 * MIB)
         .disk_capacity(64 * MIB)
         .region_size(MIB)
-        .io_engine(engine)
-        .wrap_io_engine(wrapper)
+        .io_engine(engine_of_case(case))
         .unsafe_single_sync_batches(single_sync);
-    let store = Store::open(config).expect("open store");
-    let faulty = slot
-        .lock()
-        .unwrap()
-        .take()
-        .expect("the disk tier built an engine");
-    (store, faulty)
+    open_faulty(config)
+}
+
+/// Cases alternate io engines.
+fn engine_of_case(case: u64) -> kvtier::IoEngineKind {
+    if case % 2 == 0 {
+        kvtier::IoEngineKind::Uring
+    } else {
+        kvtier::IoEngineKind::Psync
+    }
 }
 
 /// Runs `cases` cases of `losses` power losses each.
@@ -103,7 +92,7 @@ fn run(cases: u64, losses: u64, single_sync: bool, seed: u64) -> Tally {
         let mut durable: HashMap<u64, State> = HashMap::new();
         let mut pending: HashMap<u64, Vec<State>> = HashMap::new();
         let mut version = 0u64;
-        let (mut store, mut faulty) = open_faulty(dir.path(), single_sync, case);
+        let (mut store, mut faulty) = open_case(dir.path(), single_sync, case);
         for loss in 0..losses {
             let ops = 5 + dice.below(25);
             // The power goes somewhere inside this round's disk writes.
@@ -165,7 +154,7 @@ fn run(cases: u64, losses: u64, single_sync: bool, seed: u64) -> Tally {
             drop(store);
             let lost = faulty.apply_power_loss(dice.roll()).unwrap();
             tally.power_losses += 1;
-            (store, faulty) = open_faulty(dir.path(), single_sync, case + loss + 1);
+            (store, faulty) = open_case(dir.path(), single_sync, case + loss + 1);
             if debug {
                 eprintln!(
                     "case {case} loss {loss}: {lost:?} recovered {:?}",
@@ -289,27 +278,14 @@ fn run_concurrent(cases: u64, losses: u64, seed: u64) -> (Tally, u64, u64) {
         tally.cases += 1;
         let dir = tempfile::tempdir().unwrap();
         let reopen = |dir: &Path, case: u64| {
-            let slot: Arc<Mutex<Option<Arc<FaultyEngine>>>> = Arc::default();
-            let wrap_slot = Arc::clone(&slot);
-            let wrapper = EngineWrapper(Arc::new(move |inner: Arc<dyn IoEngine>| {
-                let faulty = FaultyEngine::new(inner);
-                *wrap_slot.lock().unwrap() = Some(Arc::clone(&faulty));
-                faulty as Arc<dyn IoEngine>
-            }));
             let config = Config::new(dir)
                 .memory_capacity(MIB)
                 .disk_capacity(256 * KIB)
                 .region_size(64 * KIB)
                 .put_wait(std::time::Duration::from_millis(50))
-                .io_engine(if case % 2 == 0 {
-                    kvtier::IoEngineKind::Uring
-                } else {
-                    kvtier::IoEngineKind::Psync
-                })
-                .wrap_io_engine(wrapper);
-            let store = Arc::new(Store::open(config).expect("open store"));
-            let faulty = slot.lock().unwrap().take().unwrap();
-            (store, faulty)
+                .io_engine(engine_of_case(case));
+            let (store, faulty) = open_faulty(config);
+            (Arc::new(store), faulty)
         };
         let mut durable: HashMap<u64, State> = HashMap::new();
         let (mut store, mut faulty) = reopen(dir.path(), case);

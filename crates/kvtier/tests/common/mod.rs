@@ -1,9 +1,12 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
-use kvtier::{Config, IoEngineKind, Store};
+use kvtier::disk::faulty::FaultyEngine;
+use kvtier::disk::io::IoEngine;
+use kvtier::{Config, EngineWrapper, IoEngineKind, Store};
 use std::cell::Cell;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 pub const KIB: u64 = 1024;
 pub const MIB: u64 = 1024 * 1024;
@@ -67,4 +70,36 @@ pub fn for_each_engine(mut body: impl FnMut(IoEngineKind)) {
 /// The io engine of the current `for_each_engine` pass (uring otherwise).
 pub fn engine() -> IoEngineKind {
     ENGINE.with(Cell::get)
+}
+
+/// Where `faulty_wrapper` leaves the engine it built.
+pub type FaultySlot = Arc<Mutex<Option<Arc<FaultyEngine>>>>;
+
+/// A `Config::wrap_io_engine` argument that puts a fault-injecting engine
+/// around the disk tier's own (set up by `setup` before the store uses
+/// it), and the slot to take that engine from once the store is open.
+pub fn faulty_wrapper(
+    setup: impl Fn(&FaultyEngine) + Send + Sync + 'static,
+) -> (EngineWrapper, FaultySlot) {
+    let slot: FaultySlot = Arc::default();
+    let wrap_slot = Arc::clone(&slot);
+    let wrapper = EngineWrapper(Arc::new(move |inner: Arc<dyn IoEngine>| {
+        let faulty = FaultyEngine::new(inner);
+        setup(&faulty);
+        *wrap_slot.lock().unwrap() = Some(Arc::clone(&faulty));
+        faulty as Arc<dyn IoEngine>
+    }));
+    (wrapper, slot)
+}
+
+/// Opens `config` over a fault-injecting engine; returns both.
+pub fn open_faulty(config: Config) -> (Store, Arc<FaultyEngine>) {
+    let (wrapper, slot) = faulty_wrapper(|_| {});
+    let store = Store::open(config.wrap_io_engine(wrapper)).expect("open store");
+    let faulty = slot
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the disk tier built an engine");
+    (store, faulty)
 }

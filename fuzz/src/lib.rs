@@ -1,0 +1,52 @@
+//! What the fuzz targets share: seed inputs built with the store's own
+//! encoders.
+
+use kvtier::disk::format::{encode_record, RecordEntry, RecordKind, RegionHeader};
+use kvtier::{value_checksum, KeySecret, Namespace};
+use std::sync::Arc;
+
+/// A region file with a header and two batches, as the store writes it.
+pub fn sample_region(secret: &Arc<KeySecret>) -> Vec<u8> {
+    let ns = Namespace::new(Arc::clone(secret), "fuzz").unwrap();
+    let mut file = vec![0u8; 4096];
+    RegionHeader {
+        region: 0,
+        first_seq: 1,
+    }
+    .encode(&mut file);
+    for (batch, keys) in [[&b"k1"[..], b"k2"], [b"k3", b"k1"]].iter().enumerate() {
+        let mut entries = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let value = vec![batch as u8 + 1; 100];
+            let digest = ns.digest(key);
+            entries.push(RecordEntry {
+                kind: if batch == 1 && i == 1 {
+                    RecordKind::Tombstone
+                } else {
+                    RecordKind::Put
+                },
+                seq: (batch * 2 + i + 1) as u64,
+                digest,
+                value_offset: 4096 * (1 + i as u64),
+                value_len: if batch == 1 && i == 1 { 0 } else { 100 },
+                checksum: if batch == 1 && i == 1 {
+                    0
+                } else {
+                    value_checksum(digest, &value)
+                },
+                key: ns.qualify(key).into_vec(),
+            });
+        }
+        let batch_len = 4096 * 3;
+        let mut bytes = vec![0u8; batch_len];
+        encode_record(&mut bytes, 0, batch_len as u64, &entries);
+        for (i, e) in entries.iter().enumerate() {
+            if e.kind == RecordKind::Put {
+                let at = 4096 * (1 + i);
+                bytes[at..at + 100].fill(batch as u8 + 1);
+            }
+        }
+        file.extend_from_slice(&bytes);
+    }
+    file
+}
