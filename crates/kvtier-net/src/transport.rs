@@ -105,12 +105,6 @@ impl Transport {
         }
     }
 
-    /// Whether bytes travel over TCP (plain or TLS) rather than the Unix
-    /// socket.
-    pub fn is_unix(&self) -> bool {
-        matches!(self, Transport::Unix(_))
-    }
-
     pub fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
         match self {
             Transport::Tcp(s) => s.write_all(bytes),

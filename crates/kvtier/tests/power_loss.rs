@@ -15,6 +15,9 @@
 //! All four must be 0. The same run with the pre-format-2 protocol (record
 //! and values in one write, one sync: `unsafe_single_sync_batches`) must
 //! find failures, which proves the test can catch a skipped sync.
+//!
+//! `KVTIER_POWER_LOSS_DEBUG=1` prints each case's operations, losses and
+//! recovery reports, to replay a failing seed by hand.
 
 mod common;
 

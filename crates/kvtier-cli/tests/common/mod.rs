@@ -181,14 +181,14 @@ pub fn tls_files(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::pa
         "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
     )
     .unwrap();
-    run(&[
-        "req",
-        "-x509",
+    let ec_key = [
         "-newkey",
         "ec",
         "-pkeyopt",
         "ec_paramgen_curve:prime256v1",
         "-nodes",
+    ];
+    let ca = [
         "-keyout",
         "ca.key",
         "-out",
@@ -197,21 +197,17 @@ pub fn tls_files(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::pa
         "2",
         "-subj",
         "/CN=kvtier test CA",
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
+    ];
+    run(&[&["req", "-x509"][..], &ec_key, &ca].concat());
+    let csr = [
         "-keyout",
         "server.key",
         "-out",
         "server.csr",
         "-subj",
         "/CN=127.0.0.1",
-    ]);
+    ];
+    run(&[&["req"][..], &ec_key, &csr].concat());
     run(&[
         "x509",
         "-req",

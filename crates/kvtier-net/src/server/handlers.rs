@@ -280,12 +280,15 @@ pub(crate) fn batch_get_shm<'b>(
         // not touch them until this reply arrives (a client that does
         // anyway only garbles its own bytes: the memfd is sealed against
         // shrinking, so no access can fault).
-        if let Some(slice) = unsafe { region.range_mut(offset, cap) } {
-            keys.push(key);
-            slices.push(slice);
-            slots.push(i);
+        match unsafe { region.range_mut(offset, cap) } {
+            Some(slice) => {
+                keys.push(key);
+                slices.push(slice);
+                slots.push(i);
+                results.push(Ok(None)); // replaced by the read's result
+            }
+            None => results.push(Err(kvtier::Error::invalid("range outside the buffer"))),
         }
-        results.push(Err(kvtier::Error::invalid("range outside the buffer")));
     }
     let got = store.batch_get_into(&keys, &mut slices);
     for (slot, result) in slots.into_iter().zip(got) {

@@ -582,6 +582,17 @@ mod tests {
         ]
     }
 
+    /// An empty read-write file in `dir`.
+    fn scratch_file(dir: &tempfile::TempDir) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .unwrap()
+    }
+
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -596,13 +607,7 @@ mod tests {
     fn a_panicking_callback_leaves_no_operation_in_flight() {
         let engine = UringEngine::new(4, 1, false).expect("io_uring");
         let dir = tempfile::tempdir().unwrap();
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.path().join("f"))
-            .unwrap();
+        let file = scratch_file(&dir);
         let data = pattern(64 * 4096, 3);
         engine
             .write_vectored_at(&file, 0, &[IoSlice::new(&data)])
@@ -640,13 +645,7 @@ mod tests {
     fn vectored_writes_and_batched_reads_round_trip() {
         for engine in engines() {
             let dir = tempfile::tempdir().unwrap();
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(dir.path().join("f"))
-                .unwrap();
+            let file = scratch_file(&dir);
             // 1,500 small buffers (past IOV_MAX and past one write chunk),
             // then a 9 MiB one.
             let small: Vec<Vec<u8>> = (0..1500).map(|i| pattern(4096, i as u8)).collect();
