@@ -10,7 +10,7 @@
 //! - any call that fails is an *error*.
 //!
 //! It samples the server's RSS after a warm-up (the first fifth of the
-//! run) and at every tenth after it, prints one
+//! run, at least 30 s) and at every tenth after it, prints one
 //! JSON line, and exits non-zero if anything was wrong or RSS grew more
 //! than 10 %.
 //!
@@ -174,9 +174,10 @@ fn main() {
         .collect();
     let started = Instant::now();
     let total = Duration::from_secs_f64(seconds);
-    // Warm-up: the first fifth (the pool and the index fill, every
-    // connection's buffers reach their working size).
-    std::thread::sleep(total / 5);
+    // Warm-up: the first fifth, and at least 30 s (half of a short run):
+    // the pool and the index fill and every connection's buffers reach
+    // their working size, which a 60 s run's first fifth does not cover.
+    std::thread::sleep((total / 5).max(Duration::from_secs(30).min(total / 2)));
     let rss_start = rss_bytes(pid);
     // RSS at each further tenth, to tell a plateau from a leak.
     let mut rss_samples = vec![rss_start];
