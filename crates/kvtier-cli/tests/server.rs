@@ -576,3 +576,125 @@ fn a_live_servers_socket_is_never_taken_over() {
     let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
     client.flush().unwrap();
 }
+
+/// Multi-buffer puts and gets: one value gathered from (or scattered to)
+/// segments, through the registered buffer and over the socket; what one
+/// path writes the other reads back byte for byte.
+#[test]
+fn segment_values_round_trip_through_shared_memory_and_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let shm_options = ClientOptions {
+        shm_size: 8 << 20,
+        ..options()
+    };
+    let mut local = Client::connect_with(&server.unix_url(), shm_options).unwrap();
+    let mut remote = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    // Three values of 5, 1 and 40 segments of uneven sizes.
+    let layouts: [&[usize]; 3] = [&[4096, 100, 70_000, 1, 12_345], &[300_000], &[2048; 40]];
+    let keys: Vec<Vec<u8>> = (0..3).map(|i| format!("seg-{i}").into_bytes()).collect();
+    let values: Vec<Vec<u8>> = keys
+        .iter()
+        .zip(layouts)
+        .map(|(k, l)| value_for(k, l.iter().sum()))
+        .collect();
+    // Segments placed at scattered offsets of the shared buffer.
+    let mut at = 0u64;
+    let mut place = |lens: &[usize]| -> Vec<(u64, u64)> {
+        lens.iter()
+            .map(|&n| {
+                at += 4096 + 13;
+                let segment = (at, n as u64);
+                at += n as u64;
+                segment
+            })
+            .collect()
+    };
+    let put_segments: Vec<Vec<(u64, u64)>> = layouts.iter().map(|l| place(l)).collect();
+    let get_segments: Vec<Vec<(u64, u64)>> = layouts.iter().map(|l| place(l)).collect();
+    let shm = local.registered_buffer().unwrap();
+    for (value, segments) in values.iter().zip(&put_segments) {
+        let mut rest = &value[..];
+        for &(offset, len) in segments {
+            let (head, tail) = rest.split_at(len as usize);
+            shm[offset as usize..(offset + len) as usize].copy_from_slice(head);
+            rest = tail;
+        }
+    }
+    for r in local
+        .batch_put_registered_segments(&keys, &put_segments, &Default::default())
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    // Read back over TCP into differently split buffers.
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut splits: Vec<Vec<&mut [u8]>> = bufs
+        .iter_mut()
+        .map(|b| {
+            let third = b.len() / 3;
+            let (a, rest) = b.split_at_mut(third);
+            let (c, d) = rest.split_at_mut(rest.len() / 2);
+            vec![a, c, d]
+        })
+        .collect();
+    let mut dests: Vec<&mut [&mut [u8]]> = splits.iter_mut().map(|s| &mut s[..]).collect();
+    let got = remote.batch_get_segments(&keys, &mut dests).unwrap();
+    for ((r, buf), value) in got.iter().zip(&bufs).zip(&values) {
+        assert_eq!(r.as_ref().unwrap(), &Some(value.len()));
+        assert_eq!(buf, value);
+    }
+    // Put over TCP as segments, scatter back through shared memory.
+    let other: Vec<Vec<u8>> = keys.iter().map(|k| [&k[..], b"/tcp"].concat()).collect();
+    let pieces: Vec<Vec<&[u8]>> = values
+        .iter()
+        .map(|v| v.chunks(777).collect::<Vec<_>>())
+        .collect();
+    let refs: Vec<&[&[u8]]> = pieces.iter().map(|p| &p[..]).collect();
+    for r in remote
+        .batch_put_segments(&other, &refs, &Default::default())
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let got = local
+        .batch_get_registered_segments(&other, &get_segments)
+        .unwrap();
+    let shm = local.registered_buffer().unwrap();
+    for ((r, value), segments) in got.iter().zip(&values).zip(&get_segments) {
+        assert_eq!(r.as_ref().unwrap(), &Some(value.len()));
+        let gathered: Vec<u8> = segments
+            .iter()
+            .flat_map(|&(o, l)| shm[o as usize..(o + l) as usize].to_vec())
+            .collect();
+        assert_eq!(&gathered, value);
+    }
+    // Overlapping destinations are refused whole; a segment outside the
+    // buffer fails its key alone; too little room is BUFFER_TOO_SMALL.
+    let overlap = vec![vec![(0, 100), (50, 100)]];
+    assert!(local
+        .batch_get_registered_segments(&keys[..1], &overlap)
+        .is_err());
+    let outside = vec![vec![(0, 10), (u64::MAX - 4, 8)], vec![(0, 300_000)]];
+    let got = local
+        .batch_put_registered_segments(&keys[..2], &outside, &Default::default())
+        .unwrap();
+    assert_eq!(
+        got[0].as_ref().unwrap_err().kind(),
+        kvtier::ErrorKind::InvalidArgument
+    );
+    got[1].as_ref().unwrap();
+    let small = vec![vec![(0, 1000), (2000, 1000)]];
+    let got = local
+        .batch_get_registered_segments(&keys[2..], &small)
+        .unwrap();
+    assert_eq!(
+        got[0].as_ref().unwrap_err().kind(),
+        kvtier::ErrorKind::BufferTooSmall
+    );
+    let metrics = server.http("/metrics");
+    assert!(
+        metrics.contains("kvtier_requests_total{op=\"batch_get_shm_segments\"} 3"),
+        "{metrics}"
+    );
+}

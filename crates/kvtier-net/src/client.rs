@@ -334,6 +334,19 @@ impl Client {
         values: &[V],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
+        let values: Vec<[&[u8]; 1]> = values.iter().map(|v| [v.as_ref()]).collect();
+        let values: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
+        self.batch_put_segments(keys, &values, options)
+    }
+
+    /// Puts each value given as segments laid end to end (gathered into
+    /// the frame as it is built). Per-key results.
+    pub fn batch_put_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
         self.check_batch_pairs(keys.len(), values.len(), "values")?;
         // The request buffer is reused: a large batch costs no fresh pages.
         let mut w = Writer {
@@ -342,9 +355,15 @@ impl Client {
         w.buf.clear();
         w.u8(flags(options)).u32(keys.len() as u32);
         for (k, v) in keys.iter().zip(values) {
-            w.key(check_key(k.as_ref())?)
-                .u64(v.as_ref().len() as u64)
-                .bytes(v.as_ref());
+            if let Err(e) = check_key(k.as_ref()) {
+                self.request = w.buf;
+                return Err(e);
+            }
+            w.key(k.as_ref())
+                .u64(v.iter().map(|s| s.len() as u64).sum());
+            for segment in v.iter() {
+                w.bytes(segment);
+            }
         }
         let sent = self.call(Op::BatchPut, &w.buf, None);
         self.request = w.buf;
@@ -384,11 +403,23 @@ impl Client {
         keys: &[K],
         bufs: &mut [&mut [u8]],
     ) -> Result<Vec<Result<Option<usize>>>> {
+        let mut one: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
+        let mut segments: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
+        self.batch_get_segments(keys, &mut segments)
+    }
+
+    /// Gets each value scattered across its segments, in order.
+    pub fn batch_get_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
         self.check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
         let mut w = Writer::default();
         w.u32(keys.len() as u32);
         for (k, b) in keys.iter().zip(bufs.iter()) {
-            w.key(check_key(k.as_ref())?).u64(b.len() as u64);
+            let capacity: usize = b.iter().map(|s| s.len()).sum();
+            w.key(check_key(k.as_ref())?).u64(capacity as u64);
         }
         let len = self.call(Op::BatchGet, &w.buf, None)?;
         let body = &self.response[..len];
@@ -405,14 +436,19 @@ impl Client {
         for ((c, len), buf) in table.into_iter().zip(bufs.iter_mut()) {
             out.push(match c {
                 code::OK => {
-                    let bytes = r.bytes(len as usize).map_err(|e| protocol_error(e.0))?;
-                    if bytes.len() > buf.len() {
+                    let mut bytes = r.bytes(len as usize).map_err(|e| protocol_error(e.0))?;
+                    let got = bytes.len();
+                    for segment in buf.iter_mut() {
+                        let n = segment.len().min(bytes.len());
+                        segment[..n].copy_from_slice(&bytes[..n]);
+                        bytes = &bytes[n..];
+                    }
+                    if !bytes.is_empty() {
                         return Err(protocol_error(
                             "server returned more bytes than the buffer holds",
                         ));
                     }
-                    buf[..bytes.len()].copy_from_slice(bytes);
-                    Ok(Some(bytes.len()))
+                    Ok(Some(got))
                 }
                 code::NOT_FOUND => Ok(None),
                 c => Err(code_error(c, "")),
@@ -458,6 +494,25 @@ impl Client {
         put_results(body, keys.len())
     }
 
+    /// Puts values gathered by the server from `(offset, len)` segments of
+    /// the registered buffer (Mooncake's multi-buffer put, no client copy).
+    pub fn batch_put_registered_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let id = self.shm_id()?;
+        self.check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
+        let items = segment_items(keys, segments)?;
+        let mut w = Writer::default();
+        w.u32(id).u8(flags(options));
+        protocol::write_segment_items(&mut w, &items);
+        let len = self.call(Op::BatchPutShmSegments, &w.buf, None)?;
+        let body = &self.response[..len];
+        put_results(body, keys.len())
+    }
+
     /// Gets values into the registered buffer at `(offset, capacity)`
     /// ranges; the server copies from its pool (or reads the disk) straight
     /// into them.
@@ -474,23 +529,24 @@ impl Client {
             w.key(check_key(k.as_ref())?).u64(*offset).u64(*cap);
         }
         let len = self.call(Op::BatchGetShm, &w.buf, None)?;
-        let body = &self.response[..len];
-        let mut r = Reader::new(body);
-        let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
-        if n != keys.len() {
-            return Err(protocol_error("response has the wrong number of results"));
-        }
-        (0..n)
-            .map(|_| {
-                let c = r.i32().map_err(|e| protocol_error(e.0))?;
-                let len = r.u64().map_err(|e| protocol_error(e.0))?;
-                Ok(match c {
-                    code::OK => Ok(Some(len as usize)),
-                    code::NOT_FOUND => Ok(None),
-                    c => Err(code_error(c, "")),
-                })
-            })
-            .collect()
+        get_shm_results(&self.response[..len], keys.len())
+    }
+
+    /// Gets values scattered by the server across `(offset, capacity)`
+    /// segments of the registered buffer, in order.
+    pub fn batch_get_registered_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let id = self.shm_id()?;
+        self.check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
+        let items = segment_items(keys, segments)?;
+        let mut w = Writer::default();
+        w.u32(id);
+        protocol::write_segment_items(&mut w, &items);
+        let len = self.call(Op::BatchGetShmSegments, &w.buf, None)?;
+        get_shm_results(&self.response[..len], keys.len())
     }
 
     fn shm_id(&mut self) -> Result<u32> {
@@ -596,5 +652,45 @@ fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {
     }
     (0..n)
         .map(|_| r.i32().map_err(|e| protocol_error(e.0)))
+        .collect()
+}
+
+/// Checked keys paired with their segments, for the segment ops.
+fn segment_items<'k, K: AsRef<[u8]>>(
+    keys: &'k [K],
+    segments: &[Vec<(u64, u64)>],
+) -> Result<Vec<(&'k [u8], Vec<(u64, u64)>)>> {
+    keys.iter()
+        .zip(segments)
+        .map(|(k, s)| {
+            if s.len() > protocol::MAX_SEGMENTS as usize {
+                return Err(Error::invalid(format!(
+                    "value of {} segments: at most {} are allowed",
+                    s.len(),
+                    protocol::MAX_SEGMENTS
+                )));
+            }
+            Ok((check_key(k.as_ref())?, s.clone()))
+        })
+        .collect()
+}
+
+/// The per-key table of a shared-memory get: `u32 n, n × (i32, u64 len)`.
+fn get_shm_results(body: &[u8], keys: usize) -> Result<Vec<Result<Option<usize>>>> {
+    let mut r = Reader::new(body);
+    let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+    if n != keys {
+        return Err(protocol_error("response has the wrong number of results"));
+    }
+    (0..n)
+        .map(|_| {
+            let c = r.i32().map_err(|e| protocol_error(e.0))?;
+            let len = r.u64().map_err(|e| protocol_error(e.0))?;
+            Ok(match c {
+                code::OK => Ok(Some(len as usize)),
+                code::NOT_FOUND => Ok(None),
+                c => Err(code_error(c, "")),
+            })
+        })
         .collect()
 }

@@ -10,7 +10,7 @@ const BUCKETS_US: [u64; 12] = [
     50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 100_000, 1_000_000, 10_000_000,
 ];
 
-pub const OPS: [&str; 11] = [
+pub const OPS: [&str; 13] = [
     "hello",
     "batch_put",
     "batch_get",
@@ -22,6 +22,8 @@ pub const OPS: [&str; 11] = [
     "register_buffer",
     "batch_put_shm",
     "batch_get_shm",
+    "batch_put_shm_segments",
+    "batch_get_shm_segments",
 ];
 
 #[derive(Debug, Default)]

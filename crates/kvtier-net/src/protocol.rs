@@ -13,6 +13,10 @@ pub const HEADER_LEN: usize = 24;
 /// Longest auth token a hello may carry.
 pub const MAX_TOKEN_LEN: usize = 512;
 
+/// Most segments one value may have in the segment ops: a block's K and V
+/// pages across the layers of the deepest models, with room to spare.
+pub const MAX_SEGMENTS: u32 = 4096;
+
 /// Default limits, announced by the server at hello.
 pub const DEFAULT_MAX_FRAME: u64 = 1 << 30;
 pub const DEFAULT_MAX_BATCH: u32 = 4096;
@@ -32,6 +36,8 @@ pub enum Op {
     RegisterBuffer = 9,
     BatchPutShm = 10,
     BatchGetShm = 11,
+    BatchPutShmSegments = 12,
+    BatchGetShmSegments = 13,
 }
 
 impl Op {
@@ -48,6 +54,8 @@ impl Op {
             9 => Op::RegisterBuffer,
             10 => Op::BatchPutShm,
             11 => Op::BatchGetShm,
+            12 => Op::BatchPutShmSegments,
+            13 => Op::BatchGetShmSegments,
             _ => return None,
         })
     }
@@ -342,6 +350,17 @@ pub enum Request<'a> {
         buffer: u32,
         items: Vec<(&'a [u8], u64, u64)>,
     },
+    /// Each value is the concatenation of `(offset, len)` segments.
+    BatchPutShmSegments {
+        buffer: u32,
+        flags: u8,
+        items: Vec<(&'a [u8], Vec<(u64, u64)>)>,
+    },
+    /// Each value is scattered across `(offset, capacity)` segments, in order.
+    BatchGetShmSegments {
+        buffer: u32,
+        items: Vec<(&'a [u8], Vec<(u64, u64)>)>,
+    },
 }
 
 impl Request<'_> {
@@ -359,6 +378,8 @@ impl Request<'_> {
             Request::RegisterBuffer { .. } => Op::RegisterBuffer,
             Request::BatchPutShm { .. } => Op::BatchPutShm,
             Request::BatchGetShm { .. } => Op::BatchGetShm,
+            Request::BatchPutShmSegments { .. } => Op::BatchPutShmSegments,
+            Request::BatchGetShmSegments { .. } => Op::BatchGetShmSegments,
         }
     }
 
@@ -416,8 +437,31 @@ impl Request<'_> {
                     w.key(k).u64(*offset).u64(*len);
                 }
             }
+            Request::BatchPutShmSegments {
+                buffer,
+                flags,
+                items,
+            } => {
+                w.u32(*buffer).u8(*flags);
+                write_segment_items(&mut w, items);
+            }
+            Request::BatchGetShmSegments { buffer, items } => {
+                w.u32(*buffer);
+                write_segment_items(&mut w, items);
+            }
         }
         w.buf
+    }
+}
+
+/// `u32 n, n × (key, u32 count, count × (u64 offset, u64 len))`.
+pub fn write_segment_items<K: AsRef<[u8]>>(w: &mut Writer, items: &[(K, Vec<(u64, u64)>)]) {
+    w.u32(items.len() as u32);
+    for (k, segments) in items {
+        w.key(k.as_ref()).u32(segments.len() as u32);
+        for (offset, len) in segments {
+            w.u64(*offset).u64(*len);
+        }
     }
 }
 
@@ -508,6 +552,40 @@ pub fn decode_request<'a>(
                 Request::BatchGetShm { buffer, items }
             }
         }
+        Op::BatchPutShmSegments | Op::BatchGetShmSegments => {
+            let buffer = r.u32()?;
+            let flags = if op == Op::BatchPutShmSegments {
+                r.u8()?
+            } else {
+                0
+            };
+            // Key (3 bytes at least) and a count: a value may have no
+            // segments here and be refused per key by the handler.
+            let n = r.count(max_batch, 7)?;
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                let key = r.key()?;
+                let count = r.u32()?;
+                if count > MAX_SEGMENTS || count as usize * 16 > r.remaining() {
+                    return Err(ProtocolError::new(format!(
+                        "value of {count} segments: at most {MAX_SEGMENTS}, and all in the frame"
+                    )));
+                }
+                let segments = (0..count)
+                    .map(|_| Ok((r.u64()?, r.u64()?)))
+                    .collect::<Result<Vec<_>, ProtocolError>>()?;
+                items.push((key, segments));
+            }
+            if op == Op::BatchPutShmSegments {
+                Request::BatchPutShmSegments {
+                    buffer,
+                    flags,
+                    items,
+                }
+            } else {
+                Request::BatchGetShmSegments { buffer, items }
+            }
+        }
     };
     r.finish()?;
     Ok(request)
@@ -522,7 +600,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(2048))]
         /// Arbitrary bytes never panic the decoders, whatever the op.
         #[test]
-        fn garbage_never_panics(op in 0u16..14, body in proptest::collection::vec(any::<u8>(), 0..512), header in proptest::collection::vec(any::<u8>(), 24)) {
+        fn garbage_never_panics(op in 0u16..16, body in proptest::collection::vec(any::<u8>(), 0..512), header in proptest::collection::vec(any::<u8>(), 24)) {
             let _ = decode_request(op, &body, 64);
             let mut h = [0u8; HEADER_LEN];
             h.copy_from_slice(&header);
@@ -533,7 +611,7 @@ mod tests {
         /// (bodies built from fragments that often decode).
         #[test]
         fn decoded_requests_encode_back_to_their_bytes(
-            op in 1u16..12,
+            op in 1u16..14,
             parts in proptest::collection::vec((0u8..4, proptest::collection::vec(any::<u8>(), 0..24)), 0..8),
         ) {
             let mut body = Vec::new();
@@ -566,6 +644,36 @@ mod tests {
             let cut = cut % w.buf.len();
             prop_assert!(decode_request(Op::BatchPut as u16, &w.buf[..cut], 64).is_err());
         }
+    }
+
+    proptest! {
+        /// Segment requests round-trip; any truncation is an error.
+        #[test]
+        fn segment_requests_round_trip(
+            items in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 1..40), proptest::collection::vec((any::<u64>(), any::<u64>()), 0..6)), 0..6),
+            cut in any::<usize>(),
+        ) {
+            let items: Vec<(&[u8], Vec<(u64, u64)>)> = items.iter().map(|(k, s)| (&k[..], s.clone())).collect();
+            for request in [
+                Request::BatchPutShmSegments { buffer: 3, flags: put_flags::MEMORY_ONLY, items: items.clone() },
+                Request::BatchGetShmSegments { buffer: 3, items: items.clone() },
+            ] {
+                let body = request.encode();
+                let op = request.op() as u16;
+                prop_assert_eq!(decode_request(op, &body, 64).unwrap(), request);
+                let cut = cut % body.len();
+                prop_assert!(decode_request(op, &body[..cut], 64).is_err());
+            }
+        }
+    }
+
+    #[test]
+    fn too_many_segments_are_refused() {
+        let mut w = Writer::default();
+        w.u32(1).u32(1).key(b"k").u32(MAX_SEGMENTS + 1);
+        w.bytes(&vec![0; 16 * (MAX_SEGMENTS as usize + 1)]);
+        let err = decode_request(Op::BatchGetShmSegments as u16, &w.buf, 64).unwrap_err();
+        assert!(err.0.contains("4096"), "{err}");
     }
 
     #[test]

@@ -305,6 +305,26 @@ impl Store {
         self.default_view().batch_get_into(keys, bufs)
     }
 
+    /// See [`NamespacedStore::batch_put_segments`].
+    pub fn batch_put_segments<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
+        self.default_view()
+            .batch_put_segments(keys, values, options)
+    }
+
+    /// See [`NamespacedStore::batch_get_segments`].
+    pub fn batch_get_segments<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Vec<Result<Option<usize>>> {
+        self.default_view().batch_get_segments(keys, bufs)
+    }
+
     pub fn exists(&self, key: impl AsRef<[u8]>) -> bool {
         self.default_view().exists(key)
     }
@@ -411,13 +431,27 @@ impl NamespacedStore<'_> {
         values: &[V],
         options: &PutOptions,
     ) -> Vec<Result<()>> {
+        let values: Vec<[&[u8]; 1]> = values.iter().map(|v| [v.as_ref()]).collect();
+        let values: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
+        self.batch_put_segments(keys, &values, options)
+    }
+
+    /// Stores each value given as segments laid end to end (Mooncake's
+    /// multi-buffer form: one block's pages scattered across layers become
+    /// one value). The segments are copied once, straight into the pool.
+    pub fn batch_put_segments<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
         if keys.len() != values.len() {
             return mismatched(keys.len(), "values", values.len());
         }
         if keys.len() > 1 {
             let pages = values
                 .iter()
-                .map(|v| (v.as_ref().len() as u64).div_ceil(PAGE_SIZE).max(1))
+                .map(|v| (segments_len(v) as u64).div_ceil(PAGE_SIZE).max(1))
                 .sum();
             self.inner.eviction.lock().unwrap().note_batch(pages);
         }
@@ -426,7 +460,7 @@ impl NamespacedStore<'_> {
         for (key, value) in keys.iter().zip(values) {
             let result = self
                 .inner
-                .put_one(self.namespace, key.as_ref(), value.as_ref(), options);
+                .put_one(self.namespace, key.as_ref(), value, options);
             if let Ok(Some(seq)) = &result {
                 seqs = (seqs.0.min(*seq), seqs.1.max(*seq));
             }
@@ -489,6 +523,18 @@ impl NamespacedStore<'_> {
         &self,
         keys: &[K],
         bufs: &mut [&mut [u8]],
+    ) -> Vec<Result<Option<usize>>> {
+        self.inner.get_into(self.namespace, keys, bufs)
+    }
+
+    /// Reads each key's value across its segments, in order (the inverse
+    /// of [`batch_put_segments`](Self::batch_put_segments)). Per key:
+    /// `Ok(Some(n))` with the bytes written, `Ok(None)` for a miss, or
+    /// `BufferTooSmall` when the segments together hold less than the value.
+    pub fn batch_get_segments<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
     ) -> Vec<Result<Option<usize>>> {
         self.inner.get_into(self.namespace, keys, bufs)
     }
@@ -649,13 +695,14 @@ impl Inner {
         &self,
         ns: &Namespace,
         key: &[u8],
-        value: &[u8],
+        value: &[&[u8]],
         options: &PutOptions,
     ) -> Result<Option<u64>> {
         self.check_open()?;
         validate_key(key)?;
-        let len = value.len() as u64;
-        if value.is_empty() {
+        let value_len = segments_len(value);
+        let len = value_len as u64;
+        if value_len == 0 {
             return Err(Error::invalid(format!(
                 "value is empty: values are 1 to {} bytes",
                 self.config.max_value_size
@@ -679,8 +726,13 @@ impl Inner {
         if options.skip_existing && self.index.lock(digest).get(digest).is_some() {
             return Ok(None);
         }
-        let mut slot = self.allocate_slot(value.len(), digest)?;
-        slot.bytes_mut().copy_from_slice(value);
+        let mut slot = self.allocate_slot(value_len, digest)?;
+        let mut at = 0;
+        let bytes = slot.bytes_mut();
+        for segment in value {
+            bytes[at..at + segment.len()].copy_from_slice(segment);
+            at += segment.len();
+        }
         // The page padding goes to disk with the value and comes back with
         // direct reads: it must not hold an earlier value's bytes.
         slot.zero_padding();
@@ -697,7 +749,7 @@ impl Inner {
                     checksum: 0,
                     mem: Some(Arc::clone(&slot)),
                     disk: None,
-                    len: value.len() as u32,
+                    len: value_len as u32,
                     accessed: false,
                 },
             );
@@ -793,11 +845,11 @@ impl Inner {
         found
     }
 
-    pub(crate) fn get_into<K: AsRef<[u8]>>(
+    pub(crate) fn get_into<K: AsRef<[u8]>, D: Destination>(
         &self,
         ns: &Namespace,
         keys: &[K],
-        bufs: &mut [&mut [u8]],
+        bufs: &mut [D],
     ) -> Vec<Result<Option<usize>>> {
         if keys.len() != bufs.len() {
             return mismatched(keys.len(), "buffers", bufs.len());
@@ -819,8 +871,8 @@ impl Inner {
                         Ok(None)
                     }
                     Found::Memory(slot) => {
-                        check_buffer(slot.len(), buf.len())?;
-                        buf[..slot.len()].copy_from_slice(slot.bytes());
+                        check_buffer(slot.len(), buf.capacity())?;
+                        buf.fill_from(slot.bytes());
                         Counters::add(&self.counters.memory_hits, 1);
                         Ok(Some(slot.len()))
                     }
@@ -831,13 +883,16 @@ impl Inner {
                         checksum,
                         seq,
                     } => {
-                        check_buffer(len, buf.len())?;
+                        check_buffer(len, buf.capacity())?;
                         let padded = page_round_up(len as u64) as usize;
-                        // Straight into the caller's buffer when O_DIRECT
-                        // allows it; through a bounce buffer otherwise.
-                        let fits_direct =
-                            buf.len() >= padded && is_direct_io_aligned(&buf[..padded]);
-                        let bounce = if !direct || fits_direct {
+                        // Straight into the caller's buffer when it is one
+                        // slice and O_DIRECT allows it; through a bounce
+                        // buffer otherwise.
+                        let contiguous = buf.contiguous();
+                        let fits_direct = contiguous.as_ref().is_some_and(|b| {
+                            b.len() >= padded && is_direct_io_aligned(&b[..padded])
+                        });
+                        let bounce = if contiguous.is_some() && (!direct || fits_direct) {
                             None
                         } else {
                             self.disk.as_ref().map(|d| d.bounce_buffers().take(padded))
@@ -871,9 +926,9 @@ impl Inner {
     /// by piece as its pieces complete, in order, so verification runs while
     /// later reads are in flight instead of after the last one (reads of a
     /// batch share the device and tend to finish together).
-    fn read_from_disk(
+    fn read_from_disk<D: Destination>(
         &self,
-        bufs: &mut [&mut [u8]],
+        bufs: &mut [D],
         reads: &mut [Option<DiskRead>],
         results: &mut [Result<Option<usize>>],
     ) {
@@ -889,7 +944,12 @@ impl Inner {
                 let offset = u64::from(read.loc.page()) * PAGE_SIZE;
                 let target: &mut [u8] = match &mut read.bounce {
                     Some(bounce) => &mut bounce.as_mut_slice()[..read.read_len],
-                    None => &mut buf[..read.read_len],
+                    None => match buf.contiguous() {
+                        Some(b) => &mut b[..read.read_len],
+                        None => unreachable!(
+                            "scattered destinations always read through a bounce buffer"
+                        ),
+                    },
                 };
                 let mut pieces = Vec::new();
                 for (k, piece) in target.chunks_mut(VERIFY_PIECE).enumerate() {
@@ -956,7 +1016,7 @@ impl Inner {
             match verdict {
                 Ok(()) => {
                     if let Some(bounce) = &read.bounce {
-                        buf[..read.len].copy_from_slice(&bounce.as_slice()[..read.len]);
+                        buf.fill_from(&bounce.as_slice()[..read.len]);
                     }
                     Counters::add(&self.counters.disk_hits, 1);
                 }
@@ -970,7 +1030,9 @@ impl Inner {
                     );
                     if read.bounce.is_none() {
                         // What landed there is not this key's value.
-                        buf[..read.read_len].fill(0);
+                        if let Some(b) = buf.contiguous() {
+                            b[..read.read_len].fill(0);
+                        }
                     }
                     Counters::add(&self.counters.checksum_failures, 1);
                     Counters::add(&self.counters.misses, 1);
@@ -1131,6 +1193,55 @@ struct DiskRead {
     seq: u64,
     bounce: Option<AlignedBuf>,
     outcome: std::io::Result<()>,
+}
+
+fn segments_len(segments: &[&[u8]]) -> usize {
+    segments.iter().map(|s| s.len()).sum()
+}
+
+/// Where a get writes one value: a single buffer, or segments filled in
+/// order (the multi-buffer form).
+pub(crate) trait Destination {
+    /// Bytes the destination holds in all.
+    fn capacity(&self) -> usize;
+    /// The destination as one slice, when it is one (direct reads need it).
+    fn contiguous(&mut self) -> Option<&mut [u8]>;
+    /// Copies `bytes` (at most `capacity()`) to the front of the destination.
+    fn fill_from(&mut self, bytes: &[u8]);
+}
+
+impl Destination for &mut [u8] {
+    fn capacity(&self) -> usize {
+        self.len()
+    }
+    fn contiguous(&mut self) -> Option<&mut [u8]> {
+        Some(&mut self[..])
+    }
+    fn fill_from(&mut self, bytes: &[u8]) {
+        self[..bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+impl Destination for &mut [&mut [u8]] {
+    fn capacity(&self) -> usize {
+        self.iter().map(|s| s.len()).sum()
+    }
+    fn contiguous(&mut self) -> Option<&mut [u8]> {
+        match self {
+            [only] => Some(&mut only[..]),
+            _ => None,
+        }
+    }
+    fn fill_from(&mut self, mut bytes: &[u8]) {
+        for segment in self.iter_mut() {
+            if bytes.is_empty() {
+                break;
+            }
+            let n = segment.len().min(bytes.len());
+            segment[..n].copy_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+        }
+    }
 }
 
 fn check_buffer(len: usize, buf_len: usize) -> Result<()> {

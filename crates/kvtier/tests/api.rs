@@ -547,3 +547,88 @@ fn direct_reads_expose_no_stale_padding() {
         }
     });
 }
+
+/// Splits `len` bytes into segments at `cuts` (positions taken modulo len).
+fn split_points(len: usize, cuts: &[usize]) -> Vec<usize> {
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % len).filter(|&c| c > 0).collect();
+    points.push(0);
+    points.push(len);
+    points.sort_unstable();
+    points.dedup();
+    points
+}
+
+mod segments {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// A value put as segments reads back whole, as the same or other
+        /// segments, from memory and from disk (where scattered reads go
+        /// through a bounce buffer); too little room is BufferTooSmall.
+        #[test]
+        fn any_split_round_trips_from_memory_and_disk(
+            lens in proptest::collection::vec(1usize..300_000, 1..4),
+            put_cuts in proptest::collection::vec(any::<usize>(), 0..6),
+            get_cuts in proptest::collection::vec(any::<usize>(), 0..6),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let keys: Vec<Vec<u8>> = (0..lens.len() as u64).map(key).collect();
+            let values: Vec<Vec<u8>> = keys.iter().zip(&lens).map(|(k, &n)| value_for(k, 7, n)).collect();
+            let mut check = |store: &Store| {
+                for (value, k) in values.iter().zip(&keys) {
+                    let points = split_points(value.len(), &get_cuts);
+                    let mut buf = vec![0u8; value.len() + 5];
+                    let (front, tail) = buf.split_at_mut(value.len());
+                    let mut rest = front;
+                    let mut segs: Vec<&mut [u8]> = Vec::new();
+                    for w in points.windows(2) {
+                        let (a, b) = rest.split_at_mut(w[1] - w[0]);
+                        segs.push(a);
+                        rest = b;
+                    }
+                    segs.push(tail);
+                    let got = store.batch_get_segments(&[k], &mut [&mut segs[..]]);
+                    prop_assert_eq!(got[0].as_ref().unwrap(), &Some(value.len()));
+                    prop_assert_eq!(&buf[..value.len()], &value[..]);
+                    let mut short = vec![0u8; value.len() - 1];
+                    let got = store.batch_get_segments(&[k], &mut [&mut [&mut short[..]][..]]);
+                    prop_assert_eq!(got[0].as_ref().unwrap_err().kind(), ErrorKind::BufferTooSmall);
+                }
+                Ok(())
+            };
+            {
+                let store = open(small_config(dir.path()));
+                let segmented: Vec<Vec<&[u8]>> = values.iter().map(|v| {
+                    split_points(v.len(), &put_cuts).windows(2).map(|w| &v[w[0]..w[1]]).collect()
+                }).collect();
+                let refs: Vec<&[&[u8]]> = segmented.iter().map(|s| &s[..]).collect();
+                for r in store.batch_put_segments(&keys, &refs, &PutOptions::default()) {
+                    r.unwrap();
+                }
+                for (k, v) in keys.iter().zip(&values) {
+                    prop_assert_eq!(&store.get(k).unwrap().unwrap(), v);
+                }
+                check(&store)?;
+                store.flush().unwrap();
+            }
+            let store = open(small_config(dir.path()));
+            check(&store)?;
+            prop_assert!(store.stats().disk_hits >= values.len() as u64);
+        }
+    }
+
+    #[test]
+    fn empty_segments_are_an_empty_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(small_config(dir.path()));
+        let empty: &[&[u8]] = &[&[], &[]];
+        let r = store.batch_put_segments(&[b"k"], &[empty], &PutOptions::default());
+        assert_eq!(
+            r[0].as_ref().unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+    }
+}

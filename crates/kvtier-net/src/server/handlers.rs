@@ -74,7 +74,7 @@ pub(crate) fn put_options(flags: u8) -> PutOptions {
 }
 
 /// The reply to a batch put: a code per key.
-fn put_reply<'b>(codes: &[i32], values: &[&[u8]]) -> Reply<'b> {
+fn put_reply<'b>(codes: &[i32], bytes_in: u64) -> Reply<'b> {
     let mut w = Writer::with_capacity(4 + 4 * codes.len());
     w.u32(codes.len() as u32);
     for &c in codes {
@@ -82,7 +82,7 @@ fn put_reply<'b>(codes: &[i32], values: &[&[u8]]) -> Reply<'b> {
     }
     Reply::ok(w.buf).with_sample(Sample {
         keys: codes.len() as u64,
-        bytes_in: values.iter().map(|v| v.len() as u64).sum(),
+        bytes_in,
         error: codes.iter().any(|&c| c != code::OK),
         ..Sample::default()
     })
@@ -119,7 +119,7 @@ pub(crate) fn batch_put<'b>(
     let values: Vec<&[u8]> = items.iter().map(|i| i.1).collect();
     let results = store.batch_put_with(&keys, &values, &put_options(flags));
     let codes: Vec<i32> = results.iter().map(result_code).collect();
-    put_reply(&codes, &values)
+    put_reply(&codes, values.iter().map(|v| v.len() as u64).sum())
 }
 
 /// Values come back after the per-key table, straight from page-aligned
@@ -228,69 +228,82 @@ pub(crate) fn flush<'b>(store: &kvtier::Store) -> Reply<'b> {
     }
 }
 
-/// Puts values read from `(offset, len)` ranges of a registered buffer.
+/// Puts values gathered from `(offset, len)` segments of a registered
+/// buffer (the single-range op passes one segment per value).
 pub(crate) fn batch_put_shm<'b>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
     flags: u8,
-    items: &[(&[u8], u64, u64)],
+    items: &[(&[u8], Vec<(u64, u64)>)],
 ) -> Reply<'b> {
     let mut codes = vec![code::OK; items.len()];
     let mut keys = Vec::with_capacity(items.len());
-    let mut values = Vec::with_capacity(items.len());
+    let mut values: Vec<Vec<&[u8]>> = Vec::with_capacity(items.len());
     let mut slots = Vec::with_capacity(items.len());
-    for (i, &(key, offset, len)) in items.iter().enumerate() {
-        match region.range(offset, len) {
-            Some(bytes) => {
+    for (i, (key, segments)) in items.iter().enumerate() {
+        let key: &[u8] = key;
+        let gathered: Option<Vec<&[u8]>> = segments
+            .iter()
+            .map(|&(offset, len)| region.range(offset, len))
+            .collect();
+        match gathered {
+            Some(parts) => {
                 keys.push(key);
-                values.push(bytes);
+                values.push(parts);
                 slots.push(i);
             }
             None => codes[i] = code::INVALID_ARGUMENT,
         }
     }
-    let results = store.batch_put_with(&keys, &values, &put_options(flags));
+    let refs: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
+    let results = store.batch_put_segments(&keys, &refs, &put_options(flags));
     for (slot, result) in slots.into_iter().zip(&results) {
         codes[slot] = result_code(result);
     }
-    put_reply(&codes, &values)
+    let bytes_in = values.iter().flatten().map(|v| v.len() as u64).sum();
+    put_reply(&codes, bytes_in)
 }
 
-/// Gets values into `(offset, capacity)` ranges of a registered buffer;
-/// the ranges must not overlap.
+/// Gets values scattered into `(offset, capacity)` segments of a registered
+/// buffer, in order; no two segments of the batch may overlap.
 pub(crate) fn batch_get_shm<'b>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
-    items: &[(&[u8], u64, u64)],
+    items: &[(&[u8], Vec<(u64, u64)>)],
 ) -> Reply<'b> {
-    let mut order: Vec<usize> = (0..items.len()).collect();
-    order.sort_by_key(|&i| items[i].1);
-    for pair in order.windows(2) {
-        let (a, b) = (&items[pair[0]], &items[pair[1]]);
-        if a.1.saturating_add(a.2) > b.1 {
+    let mut all: Vec<(u64, u64)> = items.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+    all.sort_unstable();
+    for pair in all.windows(2) {
+        if pair[0].0.saturating_add(pair[0].1) > pair[1].0 {
             return Reply::error(code::INVALID_ARGUMENT, "destination ranges overlap");
         }
     }
     let mut results: Vec<kvtier::Result<Option<usize>>> = Vec::with_capacity(items.len());
     let mut keys = Vec::with_capacity(items.len());
-    let mut slices: Vec<&mut [u8]> = Vec::with_capacity(items.len());
+    let mut dests: Vec<Vec<&mut [u8]>> = Vec::with_capacity(items.len());
     let mut slots = Vec::with_capacity(items.len());
-    for (i, &(key, offset, cap)) in items.iter().enumerate() {
-        // SAFETY: ranges were checked disjoint above, and the client does
+    for (i, (key, segments)) in items.iter().enumerate() {
+        let key: &[u8] = key;
+        // SAFETY: segments were checked disjoint above, and the client does
         // not touch them until this reply arrives (a client that does
         // anyway only garbles its own bytes: the memfd is sealed against
         // shrinking, so no access can fault).
-        match unsafe { region.range_mut(offset, cap) } {
-            Some(slice) => {
+        let scattered: Option<Vec<&mut [u8]>> = segments
+            .iter()
+            .map(|&(offset, cap)| unsafe { region.range_mut(offset, cap) })
+            .collect();
+        match scattered {
+            Some(parts) => {
                 keys.push(key);
-                slices.push(slice);
+                dests.push(parts);
                 slots.push(i);
                 results.push(Ok(None)); // replaced by the read's result
             }
             None => results.push(Err(kvtier::Error::invalid("range outside the buffer"))),
         }
     }
-    let got = store.batch_get_into(&keys, &mut slices);
+    let mut refs: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(|d| &mut d[..]).collect();
+    let got = store.batch_get_segments(&keys, &mut refs);
     for (slot, result) in slots.into_iter().zip(got) {
         results[slot] = result;
     }

@@ -266,10 +266,22 @@ impl State<'_> {
                 flags,
                 items,
             } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_put_shm(store, &b.region, flags, &items),
+                Some(b) => handlers::batch_put_shm(store, &b.region, flags, &one_segment(&items)),
                 None => unknown_buffer(buffer),
             },
             Request::BatchGetShm { buffer, items } => match self.buffers.get(&buffer) {
+                Some(b) => handlers::batch_get_shm(store, &b.region, &one_segment(&items)),
+                None => unknown_buffer(buffer),
+            },
+            Request::BatchPutShmSegments {
+                buffer,
+                flags,
+                items,
+            } => match self.buffers.get(&buffer) {
+                Some(b) => handlers::batch_put_shm(store, &b.region, flags, &items),
+                None => unknown_buffer(buffer),
+            },
+            Request::BatchGetShmSegments { buffer, items } => match self.buffers.get(&buffer) {
                 Some(b) => handlers::batch_get_shm(store, &b.region, &items),
                 None => unknown_buffer(buffer),
             },
@@ -428,4 +440,12 @@ fn send(
         transport.write_all(piece)?;
     }
     transport.flush()
+}
+
+/// The single-range shared-memory ops in the segment ops' form.
+fn one_segment<'a>(items: &[(&'a [u8], u64, u64)]) -> Vec<(&'a [u8], Vec<(u64, u64)>)> {
+    items
+        .iter()
+        .map(|&(key, offset, len)| (key, vec![(offset, len)]))
+        .collect()
 }
