@@ -54,6 +54,17 @@ class _Engine:
     @overload
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer], sizes: None = None) -> list[int]:
         """Writable, C-contiguous, non-overlapping buffers."""
+    def batch_put_from_multi_buffers(
+        self, keys: Sequence[Key], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]], *,
+        memory_only: bool = False, skip_existing: bool = False, durable: bool = False,
+    ) -> list[int]:
+        """One value per key gathered from registered ranges laid end to end
+        (a block's pages across layers). A code per key (0 = stored)."""
+    def batch_get_into_multi_buffers(
+        self, keys: Sequence[Key], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]],
+    ) -> list[int]:
+        """Each value scattered across its registered ranges, in order. Per
+        key: bytes read, or a negative code (NOT_FOUND for a miss)."""
     def get_into(self, key: Key, buffer: Buffer) -> int: ...
     def batch_is_exist(self, keys: Sequence[Key]) -> list[int]: ...
     def is_exist(self, key: Key) -> int: ...

@@ -323,3 +323,63 @@ def test_tls_client_round_trip(tls_server):
             assert np.array_equal(d, v)
     with pytest.raises(kvtier.KvtierError, match="CA certificate"):
         kvtier.Client(tls_server["url"], auth_token=tls_server["token"], tls_ca=None)
+
+
+def _layer_segments(base, layers, blocks, block_bytes):
+    """Pointers and sizes per block across `layers` layer arrays of
+    `blocks` blocks each, laid out [layer][block] from `base`."""
+    ptrs = [[base + (layer * blocks + b) * block_bytes for layer in range(layers)] for b in range(blocks)]
+    return ptrs, [[block_bytes] * layers for _ in range(blocks)]
+
+
+def test_multi_buffers_gather_and_scatter(engine):
+    layers, blocks, block_bytes = 5, 6, 4096 + 123
+    keys = [unique("mb") for _ in range(blocks)]
+    source = np.concatenate([pattern(k, layers * block_bytes) for k in keys]).reshape(blocks, layers, block_bytes)
+    # The engine's layout: [layer][block]; kvtier stores block-major values.
+    by_layer = np.ascontiguousarray(source.transpose(1, 0, 2))
+    dest = np.zeros_like(by_layer)
+    assert engine.register_buffer(by_layer) == 0
+    assert engine.register_buffer(dest) == 0
+    ptrs, sizes = _layer_segments(by_layer.ctypes.data, layers, blocks, block_bytes)
+    assert engine.batch_put_from_multi_buffers(keys, ptrs, sizes) == [0] * blocks
+    # Each key's value is its block's pages, layer after layer.
+    assert engine.get(keys[2]) == source[2].tobytes()
+    dptrs, dsizes = _layer_segments(dest.ctypes.data, layers, blocks, block_bytes)
+    assert engine.batch_get_into_multi_buffers(keys, dptrs, dsizes) == [layers * block_bytes] * blocks
+    assert np.array_equal(dest, by_layer)
+    # Per key: a miss, too little room, an unregistered segment.
+    scratch = np.zeros(block_bytes, dtype=np.uint8)
+    got = engine.batch_get_into_multi_buffers(
+        [unique("miss"), keys[0], keys[1]],
+        [dptrs[0], dptrs[1][:2], [dptrs[2][0], scratch.ctypes.data]],
+        [dsizes[0], dsizes[1][:2], [block_bytes, block_bytes]],
+    )
+    assert got == [errors.NOT_FOUND, errors.BUFFER_TOO_SMALL, errors.INVALID_ARGUMENT]
+    with pytest.raises(ValueError, match="overlap"):
+        engine.batch_get_into_multi_buffers(keys[:2], [dptrs[0], dptrs[0]], [dsizes[0], dsizes[0]])
+    with pytest.raises(ValueError, match="one size per pointer"):
+        engine.batch_put_from_multi_buffers(keys[:1], [ptrs[0]], [sizes[0][:1]])
+    assert engine.unregister_buffer(dest.ctypes.data) == 0
+    assert engine.unregister_buffer(by_layer.ctypes.data) == 0
+
+
+def test_multi_buffers_in_shared_memory_move_no_bytes_through_the_socket(server):
+    layers, blocks, block_bytes = 4, 8, 16384
+    with kvtier.Client(server["unix"], shm_size="8MiB") as c:
+        buf = c.alloc_buffer(2 * layers * blocks * block_bytes)
+        view = np.frombuffer(buf, dtype=np.uint8).reshape(2, layers, blocks, block_bytes)
+        keys = [unique("shm-mb") for _ in range(blocks)]
+        for b, k in enumerate(keys):
+            view[0, :, b, :] = pattern(k, layers * block_bytes).reshape(layers, block_bytes)
+        ptrs, sizes = _layer_segments(buf.ptr, layers, blocks, block_bytes)
+        before = c.stats()["server"]
+        assert c.batch_put_from_multi_buffers(keys, ptrs, sizes) == [0] * blocks
+        half = layers * blocks * block_bytes
+        dptrs, dsizes = _layer_segments(buf.ptr + half, layers, blocks, block_bytes)
+        assert c.batch_get_into_multi_buffers(keys, dptrs, dsizes) == [layers * block_bytes] * blocks
+        assert np.array_equal(view[1], view[0])
+        ops = c.stats()["server"]["ops"]
+        assert ops["batch_put_shm_segments"]["requests"] >= 1, ops
+        assert ops["batch_get_shm_segments"]["requests"] >= 1, ops
+        assert ops["batch_put"]["requests"] == before["ops"]["batch_put"]["requests"]

@@ -356,6 +356,58 @@ impl Targets {
     }
 }
 
+/// The registered segments of a multi-buffer batch, pinned for the call.
+struct SegmentTargets {
+    /// Per key, `(address, length)` per segment; meaningful where `usable`.
+    ranges: Vec<Vec<(usize, usize)>>,
+    usable: Vec<bool>,
+    _pins: Vec<Arc<Registration>>,
+}
+
+impl SegmentTargets {
+    fn resolve(
+        registered: &Registered,
+        keys: &[Vec<u8>],
+        ptrs: &[Vec<usize>],
+        sizes: &[Vec<usize>],
+    ) -> PyResult<SegmentTargets> {
+        check_lengths(keys.len(), ptrs.len(), "pointer lists")?;
+        check_lengths(keys.len(), sizes.len(), "size lists")?;
+        let mut pins = Vec::new();
+        let mut ranges = Vec::with_capacity(keys.len());
+        let mut usable = Vec::with_capacity(keys.len());
+        for ((key, p), s) in keys.iter().zip(ptrs).zip(sizes) {
+            if p.len() != s.len() {
+                return Err(PyValueError::new_err(format!(
+                    "{} pointers but {} sizes for one key: one size per pointer is required",
+                    p.len(),
+                    s.len()
+                )));
+            }
+            let raw = raw_slices(registered, p, s);
+            let ok = !raw.is_empty()
+                && raw.iter().all(Option::is_some)
+                && kvtier::validate_key(key).is_ok();
+            let mut key_ranges = Vec::with_capacity(raw.len());
+            for (range, pin) in raw.into_iter().flatten() {
+                key_ranges.push(range);
+                pins.push(pin);
+            }
+            ranges.push(key_ranges);
+            usable.push(ok);
+        }
+        Ok(SegmentTargets {
+            ranges,
+            usable,
+            _pins: pins,
+        })
+    }
+
+    fn picked(&self) -> Vec<usize> {
+        (0..self.usable.len()).filter(|&i| self.usable[i]).collect()
+    }
+}
+
 /// The backend a Python object drives: an embedded store or a client.
 enum Backend {
     Store(Arc<Store>),
@@ -403,6 +455,42 @@ impl Backend {
                     }
                 }
                 c.batch_get_into(keys, bufs)
+            }),
+        }
+    }
+
+    fn put_segments(
+        &self,
+        keys: &[Vec<u8>],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> kvtier::Result<Vec<kvtier::Result<()>>> {
+        match self {
+            Backend::Store(store) => Ok(store.batch_put_segments(keys, values, options)),
+            Backend::Client(client) => with_client(client, |c| {
+                // Segments inside the registered shared region are read by
+                // the server in place; others travel in the frame.
+                if let Some(segments) = shm_segments(c, values.iter().map(|v| v.iter().copied())) {
+                    return c.batch_put_registered_segments(keys, &segments, options);
+                }
+                c.batch_put_segments(keys, values, options)
+            }),
+        }
+    }
+
+    fn get_segments(
+        &self,
+        keys: &[Vec<u8>],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> kvtier::Result<Vec<kvtier::Result<Option<usize>>>> {
+        match self {
+            Backend::Store(store) => Ok(store.batch_get_segments(keys, bufs)),
+            Backend::Client(client) => with_client(client, |c| {
+                let in_shm = shm_segments(c, bufs.iter().map(|b| b.iter().map(|s| &s[..])));
+                if let Some(segments) = in_shm {
+                    return c.batch_get_registered_segments(keys, &segments);
+                }
+                c.batch_get_segments(keys, bufs)
             }),
         }
     }
@@ -459,6 +547,28 @@ impl Backend {
             Backend::Client(client) => with_client(client, |c| c.stats()),
         }
     }
+}
+
+/// Every value's segments as `(offset, len)` in the client's registered
+/// shared region, or `None` if any segment lies outside it.
+fn shm_segments<'a, V, S>(client: &Client, values: V) -> Option<Vec<Vec<(u64, u64)>>>
+where
+    V: Iterator<Item = S>,
+    S: Iterator<Item = &'a [u8]>,
+{
+    let region = client.registered_region()?;
+    let base = region.as_ptr() as usize;
+    let end = base + region.len();
+    values
+        .map(|segments| {
+            segments
+                .map(|s| {
+                    let p = s.as_ptr() as usize;
+                    (p >= base && p + s.len() <= end).then(|| ((p - base) as u64, s.len() as u64))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 fn with_client<T>(
@@ -649,6 +759,87 @@ impl Engine {
         let mut bufs = unsafe { as_mut_slices(&pick_ranges) };
         let results = py
             .detach(|| self.backend.get(&pick_keys, &mut bufs))
+            .map_err(to_py_err)?;
+        let mut out = vec![i64::from(code::INVALID_ARGUMENT); keys.len()];
+        for (&i, c) in picked.iter().zip(get_codes(results)) {
+            out[i] = c;
+        }
+        Ok(out)
+    }
+
+    /// Stores each key's value gathered from several registered ranges, laid
+    /// end to end (Mooncake's multi-buffer put: one key for a block's pages
+    /// scattered across layers). `ptrs_per_key[i]` and `sizes_per_key[i]`
+    /// list key i's segments. A code per key (0 = stored); a key with an
+    /// unregistered segment gets `INVALID_ARGUMENT` alone.
+    #[pyo3(signature = (keys, ptrs_per_key, sizes_per_key, *, memory_only=false, skip_existing=false, durable=false))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "Mooncake's positional form plus keyword options"
+    )]
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        ptrs_per_key: Vec<Vec<usize>>,
+        sizes_per_key: Vec<Vec<usize>>,
+        memory_only: bool,
+        skip_existing: bool,
+        durable: bool,
+    ) -> PyResult<Vec<i32>> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let options = put_options(memory_only, skip_existing, durable);
+        let targets =
+            SegmentTargets::resolve(&self.registered, &keys, &ptrs_per_key, &sizes_per_key)?;
+        let picked = targets.picked();
+        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        // SAFETY: every range is registered and pinned by `targets`.
+        let values: Vec<Vec<&[u8]>> = picked
+            .iter()
+            .map(|&i| unsafe { as_slices(&targets.ranges[i]) })
+            .collect();
+        let refs: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
+        let results = py
+            .detach(|| self.backend.put_segments(&pick_keys, &refs, &options))
+            .map_err(to_py_err)?;
+        let mut codes = vec![code::INVALID_ARGUMENT; keys.len()];
+        for (&i, c) in picked.iter().zip(put_codes(results)) {
+            codes[i] = c;
+        }
+        Ok(codes)
+    }
+
+    /// Reads each key's value scattered across several registered ranges, in
+    /// order (the inverse of `batch_put_from_multi_buffers`). Per key: bytes
+    /// read, or a negative code (`NOT_FOUND`, `BUFFER_TOO_SMALL` when the
+    /// segments hold less than the value, `INVALID_ARGUMENT`).
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        ptrs_per_key: Vec<Vec<usize>>,
+        sizes_per_key: Vec<Vec<usize>>,
+    ) -> PyResult<Vec<i64>> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let targets =
+            SegmentTargets::resolve(&self.registered, &keys, &ptrs_per_key, &sizes_per_key)?;
+        let picked = targets.picked();
+        let all: Vec<(usize, usize)> = picked
+            .iter()
+            .flat_map(|&i| targets.ranges[i].iter().copied())
+            .collect();
+        if overlapping(&all) {
+            return Err(PyValueError::new_err("destination buffers overlap"));
+        }
+        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        // SAFETY: registered, pinned, writable, and no two overlap (checked).
+        let mut dests: Vec<Vec<&mut [u8]>> = picked
+            .iter()
+            .map(|&i| unsafe { as_mut_slices(&targets.ranges[i]) })
+            .collect();
+        let mut refs: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(|d| &mut d[..]).collect();
+        let results = py
+            .detach(|| self.backend.get_segments(&pick_keys, &mut refs))
             .map_err(to_py_err)?;
         let mut out = vec![i64::from(code::INVALID_ARGUMENT); keys.len()];
         for (&i, c) in picked.iter().zip(get_codes(results)) {
