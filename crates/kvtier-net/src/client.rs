@@ -67,7 +67,12 @@ pub struct Client {
     max_frame: u64,
     max_batch: u32,
     max_value: u64,
-    shm: Option<(u32, Arc<SharedRegion>)>,
+    /// The shared buffer, created once and registered again on every
+    /// reconnect, so views of it handed out stay on the zero-copy path
+    /// across a server restart.
+    shm_region: Option<Arc<SharedRegion>>,
+    /// Its id on the current connection.
+    shm_id: Option<u32>,
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
@@ -143,7 +148,8 @@ impl Client {
             max_frame: protocol::DEFAULT_MAX_FRAME,
             max_batch: protocol::DEFAULT_MAX_BATCH,
             max_value: 0,
-            shm: None,
+            shm_region: None,
+            shm_id: None,
             request: Vec::new(),
             response: Vec::new(),
         };
@@ -153,7 +159,7 @@ impl Client {
 
     fn reconnect(&mut self) -> Result<()> {
         self.transport = None;
-        self.shm = None;
+        self.shm_id = None;
         let transport = match &self.endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = TcpStream::connect(addr)
@@ -208,14 +214,20 @@ impl Client {
         self.max_batch = max_batch;
         self.max_value = max_value;
         if matches!(self.endpoint, Endpoint::Unix(_)) && self.options.shm_size > 0 {
-            let region = SharedRegion::create(self.options.shm_size)
-                .map_err(|e| Error::io("creating the shared buffer", e))?;
+            let region = match &self.shm_region {
+                Some(region) => Arc::clone(region),
+                None => Arc::new(
+                    SharedRegion::create(self.options.shm_size)
+                        .map_err(|e| Error::io("creating the shared buffer", e))?,
+                ),
+            };
+            self.shm_region = Some(Arc::clone(&region));
             let mut w = Writer::default();
             w.u64(region.len() as u64);
             let len = self.call(Op::RegisterBuffer, &w.buf, Some(region.fd()))?;
             let body = &self.response[..len];
             let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
-            self.shm = Some((id, Arc::new(region)));
+            self.shm_id = Some(id);
         }
         Ok(())
     }
@@ -225,17 +237,47 @@ impl Client {
     /// Sends one request and returns the response body's length; the body
     /// is `self.response[..len]`.
     fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
-        if self.transport.is_none() {
+        let fresh = self.transport.is_none();
+        if fresh {
             self.reconnect()?;
         }
         let result = self.exchange(op, body, fd);
-        if let Err(e) = &result {
-            if e.kind() == ErrorKind::Io && e.message().starts_with("transport") {
+        match &result {
+            Err(e) if is_transport_error(e) => {
                 self.transport = None;
-                self.shm = None;
+                self.shm_id = None;
+                // A connection that had been idle may have died with its
+                // server (a restart): reconnect and send once more. Every
+                // operation is safe to repeat (a put stores the same bytes
+                // again); a hello or buffer registration is part of
+                // reconnecting itself. Shared-memory requests start with the
+                // buffer's id, which the new connection assigns afresh.
+                if fresh || matches!(op, Op::Hello | Op::RegisterBuffer) {
+                    return result;
+                }
+                self.reconnect()?;
+                let shm_op = matches!(
+                    op,
+                    Op::BatchPutShm
+                        | Op::BatchGetShm
+                        | Op::BatchPutShmSegments
+                        | Op::BatchGetShmSegments
+                );
+                let retried = if shm_op {
+                    let mut again = body.to_vec();
+                    again[..4].copy_from_slice(&self.shm_id()?.to_le_bytes());
+                    self.exchange(op, &again, fd)
+                } else {
+                    self.exchange(op, body, fd)
+                };
+                if retried.as_ref().is_err_and(is_transport_error) {
+                    self.transport = None;
+                    self.shm_id = None;
+                }
+                retried
             }
+            _ => result,
         }
-        result
     }
 
     fn exchange(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
@@ -460,7 +502,7 @@ impl Client {
     /// The registered shared buffer (Unix sockets only): place values here
     /// and use the `_registered` calls to move them without socket copies.
     pub fn registered_buffer(&mut self) -> Option<&mut [u8]> {
-        let (_, region) = self.shm.as_ref()?;
+        let region = self.shm_region.as_ref()?;
         // SAFETY: the whole region, borrowed mutably through `&mut self`;
         // other handles from `registered_region` share the memory by
         // design (it is shared with the server too), as documented there.
@@ -471,7 +513,7 @@ impl Client {
     /// of it (the Python binding's `alloc_buffer`). Writes through such views
     /// race with this client's calls unless the caller orders them.
     pub fn registered_region(&self) -> Option<Arc<SharedRegion>> {
-        self.shm.as_ref().map(|(_, region)| Arc::clone(region))
+        self.shm_region.clone()
     }
 
     /// Puts values already in the registered buffer, given as
@@ -553,7 +595,7 @@ impl Client {
         if self.transport.is_none() {
             self.reconnect()?;
         }
-        self.shm.as_ref().map(|(id, _)| *id).ok_or_else(|| {
+        self.shm_id.ok_or_else(|| {
             Error::invalid("no registered buffer: connect over unix:// with shm_size > 0")
         })
     }
@@ -693,4 +735,9 @@ fn get_shm_results(body: &[u8], keys: usize) -> Result<Vec<Result<Option<usize>>
             })
         })
         .collect()
+}
+
+/// A failure of the connection itself (it is dropped and made again).
+fn is_transport_error(e: &Error) -> bool {
+    e.kind() == ErrorKind::Io && e.message().starts_with("transport")
 }

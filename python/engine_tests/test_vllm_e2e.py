@@ -1,0 +1,134 @@
+"""vLLM end to end on CPU: a real engine (scheduler and worker in separate
+processes) with the kvtier connector against a real `kvtier serve`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import kvtier
+
+SCRIPT = pathlib.Path(__file__).with_name("vllm_engine_run.py")
+# 6 full blocks of 32 tokens (192 tokens the store can serve) and 8 more.
+PROMPT = [(i * 37 + 11) % 509 + 1 for i in range(200)]
+BLOCKS = 6
+
+
+class Engine:
+    """A vLLM engine process running `steps` (see vllm_engine_run.py)."""
+
+    def __init__(self, model: str, url: str, steps: list[str]):
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        args = json.dumps({"model": model, "url": url, "prompt": PROMPT, "steps": steps})
+        self.process = subprocess.Popen(
+            [sys.executable, str(SCRIPT), args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        self.log: list[str] = []
+
+    def result(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+            self.log.append(line)
+        self.process.wait()
+        raise AssertionError(f"engine exited {self.process.returncode}:\n" + "".join(self.log[-60:]))
+
+    def resume(self) -> None:
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+
+    def finish(self) -> str:
+        rest = self.process.stdout.read()
+        self.log.append(rest)
+        assert self.process.wait(timeout=120) == 0, "".join(self.log[-60:])
+        return "".join(self.log)
+
+
+def same_output(a: dict, b: dict) -> bool:
+    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def test_a_kvtier_hit_matches_a_local_hit_exactly_and_wrong_kv_would_show(kvtier_server, tiny_llama):
+    engine = Engine(tiny_llama, kvtier_server.url,
+                    ["run", "run", "reset", "run", "keys", "pause", "reset", "run", "pause", "reset", "run"])
+    cold, local, hit, keys = engine.result(), engine.result(), engine.result(), engine.result()
+    assert cold["cached"] == 0
+    assert local["cached"] == BLOCKS * 32, local
+    # vLLM's own cache was reset: the 192 cached tokens came from kvtier.
+    assert hit["cached"] == BLOCKS * 32, hit
+    assert same_output(hit, local), (hit, local)
+    loads = kvtier_server.op("batch_get_shm_segments")
+    assert loads["keys"] == BLOCKS and loads["errors"] == 0, loads
+    assert kvtier_server.op("batch_put")["requests"] == 0  # every byte went through shared memory
+
+    # The test can fail: the same blocks' keys holding other blocks' (valid,
+    # verified) bytes change the output.
+    assert engine.result() == {"paused": True}
+    names = [bytes.fromhex(k) for k in keys["keys"][:BLOCKS]]
+    with kvtier.Client(kvtier_server.url, namespace=keys["namespace"]) as client:
+        originals = [client.get(k) for k in names]
+        assert all(len(v) == len(originals[0]) > 0 for v in originals)
+        for i, k in enumerate(names):
+            assert client.put(k, originals[(i + 1) % BLOCKS]) == 0
+        engine.resume()
+        wrong = engine.result()
+        assert wrong["cached"] == BLOCKS * 32
+        assert not same_output(wrong, local), "output does not depend on the loaded KV: the test would prove nothing"
+        assert engine.result() == {"paused": True}
+        for k, v in zip(names, originals):
+            assert client.put(k, v) == 0
+    engine.resume()
+    restored = engine.result()
+    assert same_output(restored, local)
+    engine.finish()
+
+
+def flip_value_on_disk(data_dir: pathlib.Path, value: bytes) -> None:
+    """Flips one byte of `value` where it lies in a region file."""
+    probe = value[:4096]
+    for region in sorted((data_dir / "regions").glob("*.kvr")):
+        data = bytearray(region.read_bytes())
+        at = data.find(probe)
+        if at >= 0:
+            data[at + 100] ^= 0xFF
+            region.write_bytes(bytes(data))
+            return
+    raise AssertionError("value not found in any region file")
+
+
+def test_a_second_engine_hits_and_a_corrupt_block_is_recomputed(kvtier_server, tiny_llama):
+    first = Engine(tiny_llama, kvtier_server.url, ["run", "run", "keys"])
+    _cold, reference, keys = first.result(), first.result(), first.result()
+    first.finish()
+
+    # Another engine process, started afterwards, hits what the first saved.
+    second = Engine(tiny_llama, kvtier_server.url, ["run", "pause", "reset", "run"])
+    hit = second.result()
+    assert hit["cached"] == BLOCKS * 32, hit
+    assert same_output(hit, reference)
+
+    # Restart the server (memory empty: loads come from disk) with one
+    # block's bytes corrupted on disk, under the running engine.
+    assert second.result() == {"paused": True}
+    names = [bytes.fromhex(k) for k in keys["keys"][:BLOCKS]]
+    with kvtier.Client(kvtier_server.url, namespace=keys["namespace"]) as client:
+        victim = client.get(names[2])
+        client.flush()
+    kvtier_server.stop()
+    flip_value_on_disk(kvtier_server.data_dir, victim)
+    kvtier_server.start()
+    assert kvtier_server.stats()["store"]["memory_entries"] == 0
+    second.resume()
+    recomputed = second.result()
+    log = second.finish()
+    # The lookup still finds all 6 blocks; the load of block 2 fails its
+    # checksum, vLLM is told and recomputes: the output is unchanged.
+    assert recomputed["cached"] == BLOCKS * 32, recomputed
+    assert same_output(recomputed, reference)
+    stats = kvtier_server.stats()
+    assert stats["store"]["checksum_failures"] == 1, stats["store"]
+    assert "missing or corrupt, vLLM recomputes them" in log
+    # The reconnected client kept using its shared memory.
+    assert stats["server"]["ops"]["batch_get_shm_segments"]["keys"] == BLOCKS
