@@ -22,6 +22,18 @@ fn write_seeds(dir: &str) {
             buffer: 1,
             items: vec![(b"block-1", 0, 4096), (b"block-2", 4096, 4096)],
         },
+        Request::BatchPutShmSegments {
+            buffer: 1,
+            flags: 1,
+            items: vec![
+                (b"block-1", vec![(0, 4096), (65536, 4096)]),
+                (b"block-2", vec![(8192, 100)]),
+            ],
+        },
+        Request::BatchGetShmSegments {
+            buffer: 2,
+            items: vec![(b"block-3", vec![(0, 4096), (4096, 4096), (1 << 20, 7)])],
+        },
         Request::PrefixLen {
             keys: vec![b"a", b"bb", b"ccc"],
         },
