@@ -701,7 +701,7 @@ fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {
 fn segment_items<'k, K: AsRef<[u8]>>(
     keys: &'k [K],
     segments: &[Vec<(u64, u64)>],
-) -> Result<Vec<(&'k [u8], Vec<(u64, u64)>)>> {
+) -> Result<Vec<protocol::SegmentItem<'k>>> {
     keys.iter()
         .zip(segments)
         .map(|(k, s)| {

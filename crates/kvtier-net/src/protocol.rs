@@ -13,6 +13,12 @@ pub const HEADER_LEN: usize = 24;
 /// Longest auth token a hello may carry.
 pub const MAX_TOKEN_LEN: usize = 512;
 
+/// `(offset, len)` ranges of a shared buffer that one value is laid across.
+pub type Segments = Vec<(u64, u64)>;
+
+/// A key and its segments, in a segment op.
+pub type SegmentItem<'a> = (&'a [u8], Segments);
+
 /// Most segments one value may have in the segment ops: a block's K and V
 /// pages across the layers of the deepest models, with room to spare.
 pub const MAX_SEGMENTS: u32 = 4096;
@@ -354,12 +360,12 @@ pub enum Request<'a> {
     BatchPutShmSegments {
         buffer: u32,
         flags: u8,
-        items: Vec<(&'a [u8], Vec<(u64, u64)>)>,
+        items: Vec<SegmentItem<'a>>,
     },
     /// Each value is scattered across `(offset, capacity)` segments, in order.
     BatchGetShmSegments {
         buffer: u32,
-        items: Vec<(&'a [u8], Vec<(u64, u64)>)>,
+        items: Vec<SegmentItem<'a>>,
     },
 }
 
@@ -653,7 +659,7 @@ mod tests {
             items in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 1..40), proptest::collection::vec((any::<u64>(), any::<u64>()), 0..6)), 0..6),
             cut in any::<usize>(),
         ) {
-            let items: Vec<(&[u8], Vec<(u64, u64)>)> = items.iter().map(|(k, s)| (&k[..], s.clone())).collect();
+            let items: Vec<SegmentItem<'_>> = items.iter().map(|(k, s)| (&k[..], s.clone())).collect();
             for request in [
                 Request::BatchPutShmSegments { buffer: 3, flags: put_flags::MEMORY_ONLY, items: items.clone() },
                 Request::BatchGetShmSegments { buffer: 3, items: items.clone() },

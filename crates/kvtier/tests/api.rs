@@ -577,7 +577,7 @@ mod segments {
             let dir = tempfile::tempdir().unwrap();
             let keys: Vec<Vec<u8>> = (0..lens.len() as u64).map(key).collect();
             let values: Vec<Vec<u8>> = keys.iter().zip(&lens).map(|(k, &n)| value_for(k, 7, n)).collect();
-            let mut check = |store: &Store| {
+            let check = |store: &Store| {
                 for (value, k) in values.iter().zip(&keys) {
                     let points = split_points(value.len(), &get_cuts);
                     let mut buf = vec![0u8; value.len() + 5];

@@ -3,7 +3,7 @@
 //! here knows about sockets, sessions or limits other than those passed in.
 
 use crate::metrics::Sample;
-use crate::protocol::{code, put_flags, Writer};
+use crate::protocol::{code, put_flags, SegmentItem, Writer};
 use crate::shm::SharedRegion;
 use kvtier::disk::io::AlignedBuf;
 use kvtier::{NamespacedStore, PutOptions, PutTier};
@@ -234,7 +234,7 @@ pub(crate) fn batch_put_shm<'b>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
     flags: u8,
-    items: &[(&[u8], Vec<(u64, u64)>)],
+    items: &[SegmentItem<'_>],
 ) -> Reply<'b> {
     let mut codes = vec![code::OK; items.len()];
     let mut keys = Vec::with_capacity(items.len());
@@ -269,7 +269,7 @@ pub(crate) fn batch_put_shm<'b>(
 pub(crate) fn batch_get_shm<'b>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
-    items: &[(&[u8], Vec<(u64, u64)>)],
+    items: &[SegmentItem<'_>],
 ) -> Reply<'b> {
     let mut all: Vec<(u64, u64)> = items.iter().flat_map(|(_, s)| s.iter().copied()).collect();
     all.sort_unstable();

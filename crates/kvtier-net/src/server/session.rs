@@ -6,7 +6,7 @@ use super::handlers::{self, Reply};
 use super::limits::Permit;
 use super::{Shared, POLL};
 use crate::metrics::Metrics;
-use crate::protocol::{self, code, decode_request, Header, Request, Writer};
+use crate::protocol::{self, code, decode_request, Header, Request, SegmentItem, Writer};
 use crate::shm::SharedRegion;
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use kvtier::disk::io::AlignedBuf;
@@ -443,7 +443,7 @@ fn send(
 }
 
 /// The single-range shared-memory ops in the segment ops' form.
-fn one_segment<'a>(items: &[(&'a [u8], u64, u64)]) -> Vec<(&'a [u8], Vec<(u64, u64)>)> {
+fn one_segment<'a>(items: &[(&'a [u8], u64, u64)]) -> Vec<SegmentItem<'a>> {
     items
         .iter()
         .map(|&(key, offset, len)| (key, vec![(offset, len)]))
