@@ -12,11 +12,27 @@ import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+
+try:  # vLLM 0.33 moved the planner out of kv_cache_utils and made the groups explicit.
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as _configs
+
+    def get_kv_cache_configs(config, specs, memory):
+        return _configs(config, specs, memory, get_global_kv_cache_groups(config, specs))
+except ImportError:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -41,7 +57,7 @@ def distributed():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      local_rank=0, backend="gloo")
         ensure_model_parallel_initialized(1, 1)
@@ -54,8 +70,10 @@ def make_config(model_path: str, url: str, dtype: str = "float32", batched_token
         kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"kvtier_url": url},
     )
+    # The scheduler and the KV tensors live on the CPU here; naming the
+    # device lets the official (CUDA) wheel build its config without a GPU.
     config = VllmConfig(
-        model_config=model, cache_config=CacheConfig(block_size=BS),
+        model_config=model, cache_config=CacheConfig(block_size=BS), device_config=DeviceConfig(device="cpu"),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=8,
                                          max_model_len=1024, is_encoder_decoder=False),
         kv_transfer_config=transfer,
