@@ -698,3 +698,51 @@ fn segment_values_round_trip_through_shared_memory_and_the_socket() {
         "{metrics}"
     );
 }
+
+/// A server restart under a connected client: the next call of every kind
+/// succeeds on its first try (the client reconnects and repeats it once),
+/// and the shared buffer handed out before is registered again, so it stays
+/// on the shared-memory path.
+#[test]
+fn a_client_carries_on_across_a_server_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = ServerProcess::start(dir.path(), &[]);
+    let options = ClientOptions {
+        shm_size: 1 << 20,
+        ..options()
+    };
+    let mut client = Client::connect_with(&server.unix_url(), options).unwrap();
+    let before = client.registered_buffer().unwrap().as_ptr();
+    let value = value_for(b"restart", 100_000);
+    client.registered_buffer().unwrap()[..value.len()].copy_from_slice(&value);
+    let put = client
+        .batch_put_registered(
+            &[b"restart"],
+            &[(0, value.len() as u64)],
+            &Default::default(),
+        )
+        .unwrap();
+    put[0].as_ref().unwrap();
+    client.flush().unwrap();
+
+    // SIGKILL: the flushed value survives; the connection dies.
+    drop(server);
+    server = ServerProcess::start(dir.path(), &[]);
+    assert_eq!(client.prefix_len(&[b"restart"]).unwrap(), 1);
+    drop(server);
+    server = ServerProcess::start(dir.path(), &[]);
+    let got = client
+        .batch_get_registered(&[b"restart"], &[(1 << 19, value.len() as u64)])
+        .unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(value.len()));
+    let shm = client.registered_buffer().unwrap();
+    assert_eq!(shm.as_ptr(), before, "the same shared buffer");
+    assert_eq!(&shm[1 << 19..(1 << 19) + value.len()], &value[..]);
+    let stats = client.stats().unwrap();
+    assert_eq!(
+        stats["server"]["ops"]["batch_get_shm"]["requests"], 1,
+        "{stats}"
+    );
+    assert_eq!(stats["server"]["registered_buffers"], 1, "{stats}");
+    drop(server);
+}
