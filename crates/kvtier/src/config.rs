@@ -50,6 +50,13 @@ impl IoEngineKind {
 /// already durable on disk (or put as memory-only) are ever dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EvictionPolicy {
+    /// The default: LRU or S3-FIFO, whichever wins on the current workload.
+    /// Miniature simulations of both run on a hash-sampled 1/N of the keys
+    /// (at most 16,384 pages each) and the pool follows the one with more
+    /// hits over the last two simulated caches' worth of accesses (2%
+    /// margin to switch). Long-gap reuse (multi-turn chat, agent loops)
+    /// favours LRU; floods of one-time blocks (RAG suffixes) favour S3-FIFO.
+    Adaptive,
     /// S3-FIFO: new entries enter a small FIFO (10% of the pool); those hit
     /// while there move to the main FIFO, the rest leave early. Resists scans,
     /// and hits never take a lock.
@@ -59,13 +66,29 @@ pub enum EvictionPolicy {
     Lru,
 }
 
+impl Default for EvictionPolicy {
+    fn default() -> Self {
+        EvictionPolicy::Adaptive
+    }
+}
+
 impl EvictionPolicy {
+    /// The name `parse` accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Adaptive => "adaptive",
+            EvictionPolicy::S3Fifo => "s3fifo",
+            EvictionPolicy::Lru => "lru",
+        }
+    }
+
     pub fn parse(name: &str) -> Result<Self> {
         match name.to_ascii_lowercase().as_str() {
+            "adaptive" => Ok(EvictionPolicy::Adaptive),
             "s3fifo" | "s3-fifo" => Ok(EvictionPolicy::S3Fifo),
             "lru" => Ok(EvictionPolicy::Lru),
             other => Err(Error::invalid(format!(
-                "unknown eviction policy {other:?}: expected s3fifo or lru"
+                "unknown eviction policy {other:?}: expected adaptive, s3fifo or lru"
             ))),
         }
     }
@@ -139,7 +162,7 @@ impl Config {
             io_depth: 64,
             direct_io: true,
             io_registration: true,
-            eviction: EvictionPolicy::S3Fifo,
+            eviction: EvictionPolicy::default(),
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
             put_wait: Duration::from_secs(5),
@@ -218,7 +241,7 @@ impl Config {
         self
     }
 
-    /// The memory pool's eviction policy. Default: `EvictionPolicy::S3Fifo`.
+    /// The memory pool's eviction policy. Default: `EvictionPolicy::Adaptive`.
     pub fn eviction(mut self, policy: EvictionPolicy) -> Self {
         self.eviction = policy;
         self

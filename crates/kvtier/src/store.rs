@@ -73,6 +73,9 @@ pub(crate) struct Inner {
     pub index: Index,
     pub pool: Arc<PoolCore>,
     pub eviction: Mutex<EvictionQueues>,
+    /// The adaptive policy's simulations, fed by reads without the
+    /// eviction lock.
+    shadow: Option<Arc<crate::pool::Shadow>>,
     pub disk: Option<DiskTier>,
     /// Sequence numbers, the flusher's queue and the durable watermark.
     pub log: WriteLog,
@@ -178,6 +181,7 @@ impl Store {
             config,
             index,
             pool,
+            shadow: eviction.shadow(),
             eviction: Mutex::new(eviction),
             disk,
             log: WriteLog::new(next_seq, write_through),
@@ -457,7 +461,11 @@ impl NamespacedStore<'_> {
         }
         let mut results: Vec<Result<()>> = Vec::with_capacity(keys.len());
         let mut seqs = (u64::MAX, 0u64);
-        for (key, value) in keys.iter().zip(values) {
+        // Last key first: engines put a prompt's blocks in prefix order,
+        // and a prefix hit needs every earlier block, so the eviction order
+        // should reach a block's descendants before the block itself.
+        // Entering the queues deepest-first does that for both policies.
+        for (key, value) in keys.iter().zip(values).rev() {
             let result = self
                 .inner
                 .put_one(self.namespace, key.as_ref(), value, options);
@@ -466,6 +474,7 @@ impl NamespacedStore<'_> {
             }
             results.push(result.map(|_| ()));
         }
+        results.reverse();
         if options.durable && seqs.1 > 0 {
             if let Err(e) = self.inner.wait_durable(seqs.0, seqs.1) {
                 for result in results.iter_mut().filter(|r| r.is_ok()) {
@@ -556,8 +565,15 @@ impl NamespacedStore<'_> {
         if self.inner.check_open().is_err() {
             return 0;
         }
+        // An engine's lookup of a prompt: the adaptive policy's sample.
+        let shadow = self.inner.shadow.as_deref();
         self.inner
-            .contains_many(self.namespace, keys)
+            .contains_many_then(self.namespace, keys, |digests| {
+                if let Some(shadow) = shadow {
+                    let raw: Vec<u128> = digests.iter().map(|d| d.0).collect();
+                    shadow.on_request(&raw);
+                }
+            })
             .into_iter()
             .take_while(|&present| present)
             .count()
@@ -678,11 +694,22 @@ impl Inner {
 
     /// Presence of each key; invalid keys are absent.
     fn contains_many<K: AsRef<[u8]>>(&self, ns: &Namespace, keys: &[K]) -> Vec<bool> {
+        self.contains_many_then(ns, keys, |_| {})
+    }
+
+    /// `contains_many`, handing the digests to `seen` first.
+    fn contains_many_then<K: AsRef<[u8]>>(
+        &self,
+        ns: &Namespace,
+        keys: &[K],
+        seen: impl FnOnce(&[KeyDigest]),
+    ) -> Vec<bool> {
         let valid: Vec<bool> = keys
             .iter()
             .map(|k| validate_key(k.as_ref()).is_ok())
             .collect();
         let digests: Vec<KeyDigest> = keys.iter().map(|k| ns.digest(k.as_ref())).collect();
+        seen(&digests);
         let mut found = self.index.contains_many(&digests);
         for (present, valid) in found.iter_mut().zip(valid) {
             *present &= valid;

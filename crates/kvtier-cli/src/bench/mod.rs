@@ -19,6 +19,7 @@ mod index;
 mod remote;
 mod report;
 mod trace;
+mod workload;
 
 use crate::size::{format_size, parse_size};
 use hdrhistogram::Histogram;
@@ -88,8 +89,9 @@ pub struct BenchArgs {
     /// (default: 0,auto).
     #[arg(long, value_delimiter = ',')]
     pub disk: Vec<String>,
-    /// Memory eviction policies (lru, s3fifo). Default: s3fifo; with
-    /// --trace, each is replayed (default: lru,s3fifo).
+    /// Memory eviction policies (lru, s3fifo, adaptive; `default` is the
+    /// store's default, adaptive). Default: the store's; with --trace or
+    /// --workload, each is replayed (default: lru,s3fifo,default).
     #[arg(long, value_delimiter = ',')]
     pub eviction: Vec<String>,
     /// Run the cases through the client against a running server
@@ -101,6 +103,22 @@ pub struct BenchArgs {
     /// FAST'25 traces) instead of the synthetic cases.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Replay synthesised workloads instead of a trace file, each in turn:
+    /// conversation, agent, rag (docs/benchmarks.md describes each). The
+    /// --trace options apply.
+    #[arg(long, value_delimiter = ',', conflicts_with = "trace")]
+    pub workload: Vec<String>,
+    /// With --workload: requests per workload.
+    #[arg(long, default_value_t = 20_000)]
+    pub workload_requests: usize,
+    /// With --workload: the generator's seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// With --workload: write each generated trace here as Mooncake-format
+    /// JSON lines (`PATH` gets the workload's name before its extension)
+    /// and replay nothing.
+    #[arg(long)]
+    pub write_trace: Option<PathBuf>,
     /// With --trace: memory capacities given in tokens (1M, 3M, ...),
     /// each turned into whole blocks of the trace's value size.
     #[arg(long, value_delimiter = ',', value_parser = parse_count)]
@@ -269,7 +287,33 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
     }
     let engine = IoEngineKind::parse(&args.io_engine)?;
     if let Some(path) = &args.trace {
-        let rows = trace::run(args, path, engine)?;
+        let requests = trace::load(path, args.limit)?;
+        let mut rows = trace::run(args, &path.display().to_string(), &requests, engine)?;
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        for row in &mut rows {
+            row.workload = name.clone().unwrap_or_default();
+        }
+        return trace::write_outputs(args, &rows);
+    }
+    if !args.workload.is_empty() {
+        let mut rows = Vec::new();
+        for name in &args.workload {
+            let mut requests = workload::generate(name, args.workload_requests, args.seed)?;
+            if let Some(limit) = args.limit {
+                requests.truncate(limit);
+            }
+            if let Some(path) = &args.write_trace {
+                let target = trace::named_path(path, name);
+                trace::save(&target, &requests)?;
+                println!("wrote {} ({} requests)", target.display(), requests.len());
+                continue;
+            }
+            let mut replayed = trace::run(args, name, &requests, engine)?;
+            for row in &mut replayed {
+                row.workload = name.clone();
+            }
+            rows.extend(replayed);
+        }
         return trace::write_outputs(args, &rows);
     }
     if let Some(url) = &args.connect {
@@ -386,9 +430,9 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
         Some(text) => parse_size(text)?,
         None => 16 << 30,
     };
-    let eviction = match args.eviction.first() {
+    let eviction = match args.eviction.first().map(String::as_str) {
+        None | Some("default") => EvictionPolicy::default(),
         Some(name) => EvictionPolicy::parse(name)?,
-        None => EvictionPolicy::S3Fifo,
     };
     let mut rows = Vec::new();
     let cases_per_size = [

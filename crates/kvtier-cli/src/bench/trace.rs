@@ -25,15 +25,20 @@ pub const BLOCK_TOKENS: u64 = 512;
 
 /// The fields a replay uses (`input_length` and `output_length` are
 /// implied by the blocks for hit rates counted in whole blocks).
-#[derive(Debug, Deserialize)]
-struct Request {
-    timestamp: u64,
-    hash_ids: Vec<u64>,
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct Request {
+    /// Arrival, in ms from the trace's start.
+    pub timestamp: u64,
+    /// One id per 512-token block of the prompt.
+    pub hash_ids: Vec<u64>,
 }
 
 /// One replay: a memory capacity, a disk capacity and a policy.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TraceRow {
+    /// The trace file or the synthesised workload replayed.
+    #[serde(default)]
+    pub workload: String,
     pub memory: u64,
     pub memory_tokens: u64,
     pub disk: u64,
@@ -62,7 +67,38 @@ pub struct TraceRow {
     pub io_engine: String,
 }
 
-fn load(path: &Path, limit: Option<usize>) -> BenchResult<Vec<Request>> {
+/// `path` with `name` before its extension: `traces.jsonl` -> `traces-agent.jsonl`.
+pub fn named_path(path: &Path, name: &str) -> std::path::PathBuf {
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let file = match path.extension() {
+        Some(ext) => format!("{stem}-{name}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{name}"),
+    };
+    path.with_file_name(file)
+}
+
+/// Writes requests as Mooncake-format JSON lines (`input_length` counts
+/// the blocks' tokens; `output_length` is not modelled and written as 0).
+pub fn save(path: &Path, requests: &[Request]) -> BenchResult<()> {
+    use std::io::Write as _;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for r in requests {
+        let line = serde_json::json!({
+            "timestamp": r.timestamp,
+            "input_length": r.hash_ids.len() as u64 * BLOCK_TOKENS,
+            "output_length": 0,
+            "hash_ids": r.hash_ids,
+        });
+        writeln!(out, "{line}")?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+pub fn load(path: &Path, limit: Option<usize>) -> BenchResult<Vec<Request>> {
     let file =
         std::fs::File::open(path).map_err(|e| format!("opening trace {}: {e}", path.display()))?;
     let mut requests = Vec::new();
@@ -113,14 +149,18 @@ fn max_hit_rate(requests: &[Request]) -> (f64, u64) {
     (hits as f64 / blocks.max(1) as f64, seen.len() as u64)
 }
 
-pub fn run(args: &BenchArgs, path: &Path, engine: IoEngineKind) -> BenchResult<Vec<TraceRow>> {
-    let requests = load(path, args.limit)?;
+pub fn run(
+    args: &BenchArgs,
+    source: &str,
+    requests: &[Request],
+    engine: IoEngineKind,
+) -> BenchResult<Vec<TraceRow>> {
     let value_size = args.bytes_per_token * BLOCK_TOKENS;
     if value_size == 0 {
         return Err("--bytes-per-token must be at least 1".into());
     }
     let padded = value_size.div_ceil(4096) * 4096;
-    let (max_rate, distinct) = max_hit_rate(&requests);
+    let (max_rate, distinct) = max_hit_rate(requests);
     let mut memories: Vec<u64> = args.memory.clone();
     memories.extend(
         args.memory_tokens
@@ -148,16 +188,24 @@ pub fn run(args: &BenchArgs, path: &Path, engine: IoEngineKind) -> BenchResult<V
             .collect::<Result<_, _>>()?
     };
     let policies: Vec<EvictionPolicy> = if args.eviction.is_empty() {
-        vec![EvictionPolicy::Lru, EvictionPolicy::S3Fifo]
+        vec![
+            EvictionPolicy::Lru,
+            EvictionPolicy::S3Fifo,
+            EvictionPolicy::default(),
+        ]
     } else {
         args.eviction
             .iter()
-            .map(|p| EvictionPolicy::parse(p))
+            .map(|p| match p.as_str() {
+                // Whatever the store does when not told.
+                "default" => Ok(EvictionPolicy::default()),
+                p => EvictionPolicy::parse(p),
+            })
             .collect::<Result<_, _>>()?
     };
     println!(
         "trace {}: {} requests, {} blocks of {} tokens, {} distinct; value {} per block; max token hit rate {:.4}",
-        path.display(),
+        source,
         requests.len(),
         requests.iter().map(|r| r.hash_ids.len()).sum::<usize>(),
         BLOCK_TOKENS,
@@ -174,7 +222,7 @@ pub fn run(args: &BenchArgs, path: &Path, engine: IoEngineKind) -> BenchResult<V
         for &memory in &memories {
             for &policy in &policies {
                 match replay(
-                    args, &requests, memory, disk, policy, engine, value_size, max_rate,
+                    args, requests, memory, disk, policy, engine, value_size, max_rate,
                 ) {
                     Ok(row) => {
                         println!("{}", row.line());
@@ -314,13 +362,11 @@ fn replay(
     };
     let token_hit_rate = hit_blocks as f64 / blocks.max(1) as f64;
     Ok(TraceRow {
+        workload: String::new(),
         memory,
         memory_tokens: memory / (value_size.div_ceil(4096) * 4096) * BLOCK_TOKENS,
         disk,
-        eviction: match policy {
-            EvictionPolicy::Lru => "lru".into(),
-            EvictionPolicy::S3Fifo => "s3fifo".into(),
-        },
+        eviction: policy.name().into(),
         requests: requests.len() as u64,
         blocks,
         token_hit_rate,

@@ -1,10 +1,13 @@
-//! Eviction order for the memory pool: S3-FIFO or CLOCK-approximated LRU.
+//! Eviction order for the memory pool: S3-FIFO, CLOCK-approximated LRU, or
+//! the adaptive default, which runs whichever of the two its miniature
+//! simulations (`shadow`) find better on the current workload.
 //!
 //! Queues hold `Weak` references, so a value removed or overwritten
 //! elsewhere frees its extent at once; its stale queue item is skipped when
 //! it reaches the head. Hits only bump a counter in the slot, so the read
 //! path never takes this structure's lock.
 
+use super::shadow::{Mode, Shadow};
 use super::PoolSlot;
 use crate::config::EvictionPolicy;
 use std::collections::{HashSet, VecDeque};
@@ -19,6 +22,10 @@ struct QueueItem {
 #[derive(Debug)]
 pub struct EvictionQueues {
     policy: EvictionPolicy,
+    /// What the queues do now: the policy's, or the shadow's pick.
+    mode: Mode,
+    /// The adaptive policy's simulations (`None` for a fixed policy).
+    shadow: Option<Arc<Shadow>>,
     capacity_pages: u64,
     /// S3-FIFO's probation queue; unused by LRU.
     small: VecDeque<QueueItem>,
@@ -41,8 +48,16 @@ const RECENT_BATCHES: usize = 16;
 
 impl EvictionQueues {
     pub fn new(policy: EvictionPolicy, capacity_pages: u64) -> Self {
+        let shadow =
+            (policy == EvictionPolicy::Adaptive).then(|| Arc::new(Shadow::new(capacity_pages)));
         EvictionQueues {
             policy,
+            mode: match &shadow {
+                Some(shadow) => shadow.preferred(),
+                None if policy == EvictionPolicy::Lru => Mode::Lru,
+                None => Mode::S3Fifo(10),
+            },
+            shadow,
             capacity_pages,
             small: VecDeque::new(),
             small_pages: 0,
@@ -63,15 +78,42 @@ impl EvictionQueues {
         self.recent_batches.push_back(pages);
     }
 
-    /// S3-FIFO's probation queue size: 10% of the pool, or the largest
-    /// recent batch if that is more (at most half the pool).
+    /// S3-FIFO's probation queue size: its share of the pool (10% for the
+    /// fixed policy, the shadow's pick for the adaptive one), or the
+    /// largest recent batch if that is more (at most half the pool).
     fn small_target(&self) -> u64 {
+        let percent = match self.mode {
+            Mode::S3Fifo(percent) => percent,
+            Mode::Lru => 10,
+        };
         let largest = self.recent_batches.iter().copied().max().unwrap_or(0);
-        (self.capacity_pages / 10).max(largest.min(self.capacity_pages / 2))
+        (self.capacity_pages * percent / 100).max(largest.min(self.capacity_pages / 2))
     }
 
     pub fn policy(&self) -> EvictionPolicy {
         self.policy
+    }
+
+    /// The adaptive policy's simulations, for the read path to feed.
+    pub fn shadow(&self) -> Option<Arc<Shadow>> {
+        self.shadow.clone()
+    }
+
+    /// Follows the shadow's pick. To LRU: the probation queue joins the
+    /// clock behind main (its entries are the newer ones). To S3-FIFO: new
+    /// entries start going through probation.
+    fn follow_shadow(&mut self) {
+        let Some(shadow) = &self.shadow else { return };
+        let want = shadow.preferred();
+        if want == self.mode {
+            return;
+        }
+        if want == Mode::Lru {
+            self.main.extend(self.small.drain(..));
+            self.small_pages = 0;
+        }
+        // Between S3-FIFO sizes only the probation target moves.
+        self.mode = want;
     }
 
     pub fn insert(&mut self, slot: &Arc<PoolSlot>) {
@@ -79,9 +121,13 @@ impl EvictionQueues {
             slot: Arc::downgrade(slot),
             pages: slot.pages(),
         };
-        match self.policy {
-            EvictionPolicy::Lru => self.main.push_back(item),
-            EvictionPolicy::S3Fifo => {
+        if let Some(shadow) = &self.shadow {
+            shadow.on_write(slot.digest().0, item.pages);
+        }
+        self.follow_shadow();
+        match self.mode {
+            Mode::Lru => self.main.push_back(item),
+            Mode::S3Fifo(_) => {
                 if self.ghost.remove(&slot.digest().0) {
                     self.main.push_back(item);
                 } else {
@@ -96,10 +142,11 @@ impl EvictionQueues {
     /// The next slot the policy would drop that may be dropped (durable or
     /// memory-only). `None` when nothing in the pool may be dropped now.
     pub fn next_victim(&mut self) -> Option<Arc<PoolSlot>> {
+        self.follow_shadow();
         let mut budget = 2 * (self.small.len() + self.main.len()) + 2;
         while budget > 0 {
             budget -= 1;
-            let from_small = self.policy == EvictionPolicy::S3Fifo
+            let from_small = matches!(self.mode, Mode::S3Fifo(_))
                 && !self.small.is_empty()
                 && (self.main.is_empty() || self.small_pages >= self.small_target());
             let item = if from_small {
@@ -128,9 +175,9 @@ impl EvictionQueues {
             }
             if hits > 0 {
                 // LRU (CLOCK) clears the mark; S3-FIFO ages it by one.
-                let next = match self.policy {
-                    EvictionPolicy::Lru => 0,
-                    EvictionPolicy::S3Fifo => hits - 1,
+                let next = match self.mode {
+                    Mode::Lru => 0,
+                    Mode::S3Fifo(_) => hits - 1,
                 };
                 slot.set_hits(next);
                 self.main.push_back(item);
@@ -162,7 +209,10 @@ impl EvictionQueues {
         if self.ghost.insert(digest) {
             self.ghost_order.push_back(digest);
         }
-        while self.ghost_order.len() > self.ghost_capacity {
+        // As many ghosts as the pool holds entries (S3-FIFO's sizing), at
+        // least the configured floor.
+        let limit = self.ghost_capacity.max(self.small.len() + self.main.len());
+        while self.ghost_order.len() > limit {
             if let Some(old) = self.ghost_order.pop_front() {
                 self.ghost.remove(&old);
             }

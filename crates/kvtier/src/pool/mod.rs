@@ -9,9 +9,11 @@
 
 mod allocator;
 mod eviction;
+mod shadow;
 
 pub use allocator::ExtentAllocator;
 pub use eviction::EvictionQueues;
+pub use shadow::Shadow;
 
 use crate::config::PAGE_SIZE;
 use crate::error::{Error, Result};
