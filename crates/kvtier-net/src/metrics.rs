@@ -344,6 +344,8 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "flush_errors": s.flush_errors,
         "retrying_writes": s.retrying_writes,
         "index_bytes": s.index_bytes,
+        "policy_bytes": s.policy_bytes,
+        "eviction_mode": s.eviction_mode,
         "io_engine": s.io_engine,
         "direct_io": s.direct_io,
         "io_fixed_buffers": s.io_fixed_buffers,

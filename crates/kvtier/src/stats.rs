@@ -42,6 +42,15 @@ pub struct Stats {
     pub retrying_writes: u64,
     /// Bytes the index's hash tables occupy.
     pub index_bytes: u64,
+    /// Bytes the eviction policy's queues, ghosts and (adaptive) miniature
+    /// simulations occupy.
+    pub policy_bytes: u64,
+    /// What the pool's eviction does now: `lru`, or `s3fifo-N` (S3-FIFO with
+    /// an N% probation queue); the adaptive policy moves between them.
+    pub eviction_mode: String,
+    /// Nanoseconds spent in the eviction policy (queue updates, victim
+    /// choice, simulations); counted only with `Config::time_policy`.
+    pub policy_ns: u64,
     pub io_engine: &'static str,
     /// Whether region files are read and written with O_DIRECT (false where
     /// the file system refused it and buffered I/O is used).
@@ -55,6 +64,7 @@ pub struct Stats {
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    pub policy_ns: AtomicU64,
     pub memory_hits: AtomicU64,
     pub disk_hits: AtomicU64,
     pub misses: AtomicU64,

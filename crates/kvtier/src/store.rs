@@ -566,12 +566,14 @@ impl NamespacedStore<'_> {
             return 0;
         }
         // An engine's lookup of a prompt: the adaptive policy's sample.
-        let shadow = self.inner.shadow.as_deref();
-        self.inner
+        let inner = self.inner;
+        inner
             .contains_many_then(self.namespace, keys, |digests| {
-                if let Some(shadow) = shadow {
-                    let raw: Vec<u128> = digests.iter().map(|d| d.0).collect();
-                    shadow.on_request(&raw);
+                if let Some(shadow) = &inner.shadow {
+                    inner.timed(|| {
+                        let raw: Vec<u128> = digests.iter().map(|d| d.0).collect();
+                        shadow.on_request(&raw);
+                    });
                 }
             })
             .into_iter()
@@ -789,7 +791,7 @@ impl Inner {
         })?;
         // Freed outside the queue lock.
         drop(replaced);
-        self.eviction.lock().unwrap().insert(&slot);
+        self.timed(|| self.eviction.lock().unwrap().insert(&slot));
         Counters::add(&self.counters.puts, 1);
         if to_disk && self.config.flush == FlushPolicy::WriteThrough {
             self.wake_flusher(false);
@@ -830,9 +832,20 @@ impl Inner {
 
     /// Drops one memory value the policy picks. Returns false when nothing
     /// in the pool may be dropped right now.
+    /// Runs `f`, counting its time as the eviction policy's when asked to.
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        if !self.config.time_policy {
+            return f();
+        }
+        let start = Instant::now();
+        let result = f();
+        Counters::add(&self.counters.policy_ns, start.elapsed().as_nanos() as u64);
+        result
+    }
+
     fn evict_one(&self) -> bool {
         let mut queues = self.eviction.lock().unwrap();
-        let Some(slot) = queues.next_victim() else {
+        let Some(slot) = self.timed(|| queues.next_victim()) else {
             return false;
         };
         let digest = slot.digest();
@@ -1125,6 +1138,10 @@ impl Inner {
     fn stats(&self) -> Stats {
         let counts = self.index.counts();
         let c = &self.counters;
+        let (policy_bytes, eviction_mode) = {
+            let queues = self.eviction.lock().unwrap();
+            (queues.heap_bytes(), queues.mode_name())
+        };
         Stats {
             entries: counts.entries,
             memory_entries: self.pool.live_entries(),
@@ -1149,6 +1166,9 @@ impl Inner {
             flush_errors: Counters::get(&c.flush_errors),
             retrying_writes: self.log.retrying_writes(),
             index_bytes: counts.table_bytes,
+            policy_bytes,
+            eviction_mode,
+            policy_ns: Counters::get(&c.policy_ns),
             io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
             direct_io: self.disk.as_ref().is_some_and(|d| d.direct_io()),
             io_fixed_buffers: self

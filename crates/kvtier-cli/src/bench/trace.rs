@@ -65,6 +65,18 @@ pub struct TraceRow {
     pub value_size: u64,
     pub seconds: f64,
     pub io_engine: String,
+    /// The policy's time per block of the replay (lookups, inserts,
+    /// victims, simulations), in ns.
+    #[serde(default)]
+    pub policy_ns_per_block: f64,
+    /// Index and policy memory per entry at the end of the replay.
+    #[serde(default)]
+    pub index_bytes_per_entry: f64,
+    #[serde(default)]
+    pub policy_bytes_per_entry: f64,
+    /// What the eviction did at the end (the adaptive policy's pick).
+    #[serde(default)]
+    pub eviction_mode: String,
 }
 
 /// `path` with `name` before its extension: `traces.jsonl` -> `traces-agent.jsonl`.
@@ -263,6 +275,7 @@ fn replay(
         .memory_capacity(memory)
         .disk_capacity(disk)
         .eviction(policy)
+        .time_policy(true)
         .io_engine(engine)
         .max_value_size(value_size);
     if disk > 0 {
@@ -337,6 +350,7 @@ fn replay(
     }
     let seconds = started.elapsed().as_secs_f64();
     let stats = store.stats();
+    let per_entry = |bytes: u64| bytes as f64 / stats.entries.max(1) as f64;
     store.close()?;
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
@@ -393,6 +407,10 @@ fn replay(
         value_size,
         seconds,
         io_engine: engine_name.into(),
+        policy_ns_per_block: stats.policy_ns as f64 / blocks.max(1) as f64,
+        index_bytes_per_entry: per_entry(stats.index_bytes),
+        policy_bytes_per_entry: per_entry(stats.policy_bytes),
+        eviction_mode: stats.eviction_mode.clone(),
     })
 }
 
@@ -419,7 +437,7 @@ fn hex(key: &[u8]) -> String {
 impl TraceRow {
     pub fn header() -> String {
         format!(
-            "{:>10} {:>10} {:>9} {:>7} {:>8} {:>8} {:>7} {:>8} {:>8} {:>9} {:>9} {:>6} {:>8} {:>8}",
+            "{:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8} {:>9} {:>9} {:>6} {:>8} {:>8} {:>7} {:>7} {:>10}",
             "memory",
             "tokens",
             "disk",
@@ -433,13 +451,16 @@ impl TraceRow {
             "base MB/s",
             "ratio",
             "p50 us",
-            "p99 us"
+            "p99 us",
+            "ns/blk",
+            "B/entry",
+            "ends in"
         )
     }
 
     pub fn line(&self) -> String {
         format!(
-            "{:>10} {:>10} {:>9} {:>7} {:>8.4} {:>8.4} {:>7.3} {:>8} {:>8} {:>9.0} {:>9.0} {:>6.2} {:>8} {:>8}",
+            "{:>10} {:>10} {:>9} {:>8} {:>8.4} {:>8.4} {:>7.3} {:>8} {:>8} {:>9.0} {:>9.0} {:>6.2} {:>8} {:>8} {:>7.0} {:>7.1} {:>10}",
             format_size(self.memory).replace(".00 ", ""),
             self.memory_tokens,
             if self.disk == 0 { "none".to_string() } else { format_size(self.disk).replace(".00 ", "") },
@@ -453,7 +474,10 @@ impl TraceRow {
             self.baseline_mb_per_s,
             self.ratio,
             self.p50_us,
-            self.p99_us
+            self.p99_us,
+            self.policy_ns_per_block,
+            self.policy_bytes_per_entry,
+            self.eviction_mode
         )
     }
 }

@@ -7,10 +7,10 @@
 //! it reaches the head. Hits only bump a counter in the slot, so the read
 //! path never takes this structure's lock.
 
-use super::shadow::{Mode, Shadow};
+use super::shadow::{DigestSet, Mode, Shadow};
 use super::PoolSlot;
 use crate::config::EvictionPolicy;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 
 #[derive(Debug)]
@@ -34,7 +34,7 @@ pub struct EvictionQueues {
     main: VecDeque<QueueItem>,
     /// Digests recently evicted from `small` (S3-FIFO): re-inserted keys go
     /// straight to `main`.
-    ghost: HashSet<u128>,
+    ghost: DigestSet,
     ghost_order: VecDeque<u128>,
     ghost_capacity: usize,
     /// Pages of the most recent batch puts: the probation queue is kept at
@@ -62,7 +62,7 @@ impl EvictionQueues {
             small: VecDeque::new(),
             small_pages: 0,
             main: VecDeque::new(),
-            ghost: HashSet::new(),
+            ghost: DigestSet::default(),
             ghost_order: VecDeque::new(),
             // One ghost per 16 pages (64 KiB, the smallest typical value).
             ghost_capacity: (capacity_pages / 16).max(64) as usize,
@@ -92,6 +92,23 @@ impl EvictionQueues {
 
     pub fn policy(&self) -> EvictionPolicy {
         self.policy
+    }
+
+    /// Heap bytes of the queues, the ghosts and the simulations.
+    pub fn heap_bytes(&self) -> u64 {
+        let item = std::mem::size_of::<QueueItem>();
+        let queues = (self.small.capacity() + self.main.capacity()) * item;
+        // A hash set slot is the value plus a control byte.
+        let ghosts = self.ghost.capacity() * 17 + self.ghost_order.capacity() * 16;
+        (queues + ghosts) as u64 + self.shadow.as_ref().map_or(0, |s| s.heap_bytes())
+    }
+
+    /// The live mode's name (see `Stats::eviction_mode`).
+    pub fn mode_name(&self) -> String {
+        match self.mode {
+            Mode::Lru => "lru".into(),
+            Mode::S3Fifo(percent) => format!("s3fifo-{percent}"),
+        }
     }
 
     /// The adaptive policy's simulations, for the read path to feed.

@@ -19,8 +19,32 @@
 //! probation queue.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
+
+/// Digests are keyed BLAKE3 output, already uniform: folding the halves is
+/// hash enough, and far cheaper than SipHash on every simulated access.
+#[derive(Debug, Default)]
+pub struct FoldHasher(u64);
+
+impl Hasher for FoldHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, value: u128) {
+        self.0 = value as u64 ^ (value >> 64) as u64;
+    }
+}
+
+/// Sets and maps keyed by digests.
+pub type DigestSet = HashSet<u128, BuildHasherDefault<FoldHasher>>;
+type DigestMap<V> = HashMap<u128, V, BuildHasherDefault<FoldHasher>>;
 
 /// Pages each simulation holds at most: every pool up to 128 MiB is
 /// simulated whole; larger ones are sampled down to this.
@@ -146,6 +170,24 @@ impl Shadow {
         }
     }
 
+    /// Heap bytes of the simulations (bounded by `SAMPLED_PAGES`).
+    pub fn heap_bytes(&self) -> u64 {
+        let sims = self.sims.lock().unwrap();
+        let map = |entries: usize, value: usize| entries * (16 + value + 1);
+        sims.sims
+            .iter()
+            .map(|sim| match sim {
+                Sim::Lru(l) => map(l.entries.capacity(), 16) + l.queue.capacity() * 24,
+                Sim::S3(s) => {
+                    map(s.entries.capacity(), std::mem::size_of::<S3Entry>())
+                        + (s.small.capacity() + s.main.capacity()) * 24
+                        + s.ghost.capacity() * 17
+                        + s.ghost_order.capacity() * 16
+                }
+            })
+            .sum::<usize>() as u64
+    }
+
     pub fn preferred(&self) -> Mode {
         CANDIDATES[usize::from(self.preferred.load(Ordering::Relaxed)) % CANDIDATES.len()]
     }
@@ -220,7 +262,7 @@ struct LruSim {
     capacity: u64,
     used: u64,
     /// digest -> (stamp of its latest queue entry, pages)
-    entries: HashMap<u128, (u64, u64)>,
+    entries: DigestMap<(u64, u64)>,
     queue: VecDeque<(u128, u64)>,
     stamp: u64,
 }
@@ -230,7 +272,7 @@ impl LruSim {
         LruSim {
             capacity,
             used: 0,
-            entries: HashMap::new(),
+            entries: DigestMap::default(),
             queue: VecDeque::new(),
             stamp: 0,
         }
@@ -299,10 +341,10 @@ struct S3Sim {
     small_used: u64,
     main_used: u64,
     /// digest -> entry
-    entries: HashMap<u128, S3Entry>,
+    entries: DigestMap<S3Entry>,
     small: VecDeque<(u128, u64)>,
     main: VecDeque<(u128, u64)>,
-    ghost: HashSet<u128>,
+    ghost: DigestSet,
     ghost_order: VecDeque<u128>,
     stamp: u64,
 }
@@ -322,10 +364,10 @@ impl S3Sim {
             small_percent,
             small_used: 0,
             main_used: 0,
-            entries: HashMap::new(),
+            entries: DigestMap::default(),
             small: VecDeque::new(),
             main: VecDeque::new(),
-            ghost: HashSet::new(),
+            ghost: DigestSet::default(),
             ghost_order: VecDeque::new(),
             stamp: 0,
         }
