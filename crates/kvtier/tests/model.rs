@@ -25,6 +25,11 @@ enum Op {
     Get {
         key: u8,
     },
+    /// An engine's lookup of a run of keys (feeds the adaptive policy).
+    PrefixLen {
+        first: u8,
+        count: u8,
+    },
     Remove {
         key: u8,
     },
@@ -39,6 +44,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(key, len, memory_only)| Op::Put { key, len, memory_only }),
         2 => (0u8..24, 1u8..6, len).prop_map(|(first, count, len)| Op::BatchPut { first, count, len }),
         5 => (0u8..24).prop_map(|key| Op::Get { key }),
+        2 => (0u8..24, 1u8..8).prop_map(|(first, count)| Op::PrefixLen { first, count }),
         2 => (0u8..24).prop_map(|key| Op::Remove { key }),
         1 => Just(Op::Flush),
         1 => Just(Op::Reopen),
@@ -151,6 +157,24 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy, engine: IoEngineKind) -> Result<(),
                 let expected = model.get(&k).cloned().unwrap_or_default();
                 check_key(&store, &k, &expected, false)?;
             }
+            Op::PrefixLen { first, count } => {
+                let keys: Vec<Vec<u8>> = (first..first.saturating_add(count))
+                    .map(|k| key(u64::from(k % 24)))
+                    .collect();
+                let n = store.prefix_len(&keys);
+                prop_assert!(n <= keys.len());
+                for k in &keys[..n] {
+                    // Counted keys exist, and never one the model removed.
+                    let latest = model.get(k).and_then(|e| e.latest.as_ref());
+                    prop_assert!(latest.is_some(), "prefix_len counted a removed key");
+                }
+                if n < keys.len() {
+                    prop_assert!(
+                        !store.exists(&keys[n]),
+                        "prefix_len stopped at a present key"
+                    );
+                }
+            }
             Op::Remove { key: k } => {
                 let k = key(u64::from(k));
                 let was_present = store.exists(&k);
@@ -196,6 +220,11 @@ proptest! {
     #[test]
     fn store_matches_model_s3fifo(ops in prop::collection::vec(op(), 1..80), uring in any::<bool>()) {
         run(ops, EvictionPolicy::S3Fifo, if uring { IoEngineKind::Uring } else { IoEngineKind::Psync })?;
+    }
+
+    #[test]
+    fn store_matches_model_adaptive(ops in prop::collection::vec(op(), 1..80), uring in any::<bool>()) {
+        run(ops, EvictionPolicy::Adaptive, if uring { IoEngineKind::Uring } else { IoEngineKind::Psync })?;
     }
 
     #[test]

@@ -248,3 +248,81 @@ impl EvictionQueues {
         self.main.retain(|item| item.slot.strong_count() > 0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::KeyDigest;
+    use crate::pool::PoolCore;
+
+    /// The adaptive queues switching between LRU and every S3-FIFO size in
+    /// the middle of inserts, hits and evictions: every victim is a live,
+    /// evictable slot; the probation accounting matches the queue; and
+    /// everything evictable can still be evicted.
+    #[test]
+    fn switching_modes_keeps_the_queues_consistent() {
+        let pool = PoolCore::new(4 << 20).unwrap();
+        let mut queues = EvictionQueues::new(EvictionPolicy::Adaptive, pool.capacity_pages());
+        let shadow = queues.shadow().unwrap();
+        let modes = [
+            Mode::Lru,
+            Mode::S3Fifo(10),
+            Mode::S3Fifo(50),
+            Mode::S3Fifo(25),
+        ];
+        let mut live: Vec<Arc<PoolSlot>> = Vec::new();
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for step in 0..20_000u64 {
+            if step % 997 == 0 {
+                shadow.force(modes[(step / 997) as usize % modes.len()]);
+            }
+            let len = 4096 * (1 + (next() % 3) as usize);
+            let slot = loop {
+                if let Some(slot) = pool.try_allocate(len, KeyDigest(u128::from(step))) {
+                    break slot;
+                }
+                let victim = queues
+                    .next_victim()
+                    .expect("a full pool of evictable slots has a victim");
+                assert!(victim.is_evictable());
+                live.retain(|s| !Arc::ptr_eq(s, &victim));
+            };
+            let slot = Arc::new(slot);
+            slot.set_evictable();
+            queues.insert(&slot);
+            live.push(Arc::clone(&slot));
+            // Hits on random live slots; some slots dropped by their owner.
+            for _ in 0..2 {
+                if !live.is_empty() {
+                    live[(next() % live.len() as u64) as usize].record_hit();
+                }
+            }
+            if next() % 10 == 0 && !live.is_empty() {
+                live.swap_remove((next() % live.len() as u64) as usize);
+            }
+            let counted: u64 = queues.small.iter().map(|item| item.pages).sum();
+            assert_eq!(
+                counted, queues.small_pages,
+                "probation pages at step {step}"
+            );
+        }
+        // Everything still held can be evicted.
+        let mut evicted = 0;
+        while let Some(victim) = queues.next_victim() {
+            live.retain(|s| !Arc::ptr_eq(s, &victim));
+            evicted += 1;
+            assert!(evicted < 100_000, "the queues never run dry");
+        }
+        assert!(
+            live.is_empty(),
+            "{} live slots were never offered",
+            live.len()
+        );
+    }
+}

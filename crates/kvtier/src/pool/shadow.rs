@@ -188,6 +188,16 @@ impl Shadow {
             .sum::<usize>() as u64
     }
 
+    /// Makes `mode` the pick, for tests of the live queues' switches.
+    #[cfg(test)]
+    pub fn force(&self, mode: Mode) {
+        let index = CANDIDATES
+            .iter()
+            .position(|m| *m == mode)
+            .expect("a candidate");
+        self.preferred.store(index as u8, Ordering::Relaxed);
+    }
+
     pub fn preferred(&self) -> Mode {
         CANDIDATES[usize::from(self.preferred.load(Ordering::Relaxed)) % CANDIDATES.len()]
     }
