@@ -48,14 +48,17 @@ impl IoEngineKind {
 
 /// How the memory pool picks entries to drop when it is full. Only entries
 /// already durable on disk (or put as memory-only) are ever dropped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum EvictionPolicy {
-    /// The default: LRU or S3-FIFO, whichever wins on the current workload.
-    /// Miniature simulations of both run on a hash-sampled 1/N of the keys
-    /// (at most 16,384 pages each) and the pool follows the one with more
-    /// hits over the last two simulated caches' worth of accesses (2%
-    /// margin to switch). Long-gap reuse (multi-turn chat, agent loops)
-    /// favours LRU; floods of one-time blocks (RAG suffixes) favour S3-FIFO.
+    /// The default: LRU or S3-FIFO with a 10%, 25% or 50% probation queue,
+    /// whichever wins on the current workload. Miniature simulations of all
+    /// four run on a hash-sampled 1/N of the keys (at most 32,768 pages
+    /// each), scored on the prefix each `prefix_len` request would have hit,
+    /// and the pool follows the best by a margin (docs/design.md,
+    /// "Eviction"). Long-gap reuse (multi-turn chat, agent loops) favours
+    /// recency; floods of one-time blocks (RAG suffixes) favour a short
+    /// probation queue.
+    #[default]
     Adaptive,
     /// S3-FIFO: new entries enter a small FIFO (10% of the pool); those hit
     /// while there move to the main FIFO, the rest leave early. Resists scans,
@@ -64,12 +67,6 @@ pub enum EvictionPolicy {
     /// Least recently used, approximated CLOCK-style: a hit only marks the
     /// entry, and the marked entries at the old end get another round.
     Lru,
-}
-
-impl Default for EvictionPolicy {
-    fn default() -> Self {
-        EvictionPolicy::Adaptive
-    }
 }
 
 impl EvictionPolicy {
