@@ -149,12 +149,12 @@ fn conversation(rng: &mut Rng, requests: usize) -> Vec<Request> {
     let mut ids = Ids(0);
     let systems: Vec<Vec<u64>> = (0..8).map(|i| ids.many(1 + i % 3)).collect();
     let system_pick = Zipf::new(systems.len(), 1.0);
-    let sessions = requests / 5 + 1;
-    // Arrivals spread so that about 2,000 sessions are open at a time.
-    let horizon_ms = sessions as f64 * 370.0;
     let mut out = Vec::with_capacity(requests + 64);
-    for _ in 0..sessions {
-        let mut at = rng.unit() * horizon_ms;
+    // A session starts about every 0.37 s, so about 2,000 are open at once.
+    let mut start = 0.0;
+    while out.len() < requests {
+        start += rng.exp(370.0);
+        let mut at = start;
         let mut context = Context::new(&systems[system_pick.sample(rng)]);
         context.append(rng.lognormal(600.0, 0.8) as u64, &mut ids);
         loop {
