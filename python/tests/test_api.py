@@ -244,7 +244,12 @@ def test_alloc_buffer_zero_copy_path(server):
         for i, k in enumerate(keys):
             view[i * 65536:(i + 1) * 65536] = pattern(k, 65536)
         slices = [memoryview(buf)[i * 65536:(i + 1) * 65536] for i in range(4)]
+        before = c.stats()["server"]["ops"]
         assert c.batch_put_from(keys, slices) == [0] * 4
+        # Values in shared memory are read by the server in place.
+        ops = c.stats()["server"]["ops"]
+        assert ops["batch_put_shm"]["keys"] - before["batch_put_shm"]["keys"] == 4, ops
+        assert ops["batch_put"]["requests"] == before["batch_put"]["requests"], ops
         view[:] = 0
         # Raw pointers into the allocated buffer are registered too.
         ptrs = [buf.ptr + i * 65536 for i in range(4)]

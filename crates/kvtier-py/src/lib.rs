@@ -423,9 +423,15 @@ impl Backend {
     ) -> kvtier::Result<Vec<kvtier::Result<()>>> {
         match self {
             Backend::Store(store) => Ok(store.batch_put_with(keys, values, options)),
-            Backend::Client(client) => {
-                with_client(client, |c| c.batch_put_with(keys, values, options))
-            }
+            Backend::Client(client) => with_client(client, |c| {
+                // Values inside the registered shared region are read by
+                // the server in place, as gets are written there.
+                if let Some(segments) = shm_segments(c, values.iter().map(|v| std::iter::once(*v))) {
+                    let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
+                    return c.batch_put_registered(keys, &ranges, options);
+                }
+                c.batch_put_with(keys, values, options)
+            }),
         }
     }
 
@@ -439,20 +445,10 @@ impl Backend {
             Backend::Client(client) => with_client(client, |c| {
                 // Destinations inside the registered shared region go
                 // through it (the server writes there directly).
-                if let Some(region) = c.registered_region() {
-                    let base = region.as_ptr() as usize;
-                    let end = base + region.len();
-                    let ranges: Option<Vec<(u64, u64)>> = bufs
-                        .iter()
-                        .map(|b| {
-                            let p = b.as_ptr() as usize;
-                            (p >= base && p + b.len() <= end)
-                                .then(|| ((p - base) as u64, b.len() as u64))
-                        })
-                        .collect();
-                    if let Some(ranges) = ranges {
-                        return c.batch_get_registered(keys, &ranges);
-                    }
+                let in_shm = shm_segments(c, bufs.iter().map(|b| std::iter::once(&b[..])));
+                if let Some(segments) = in_shm {
+                    let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
+                    return c.batch_get_registered(keys, &ranges);
                 }
                 c.batch_get_into(keys, bufs)
             }),
