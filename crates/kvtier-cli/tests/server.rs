@@ -746,3 +746,66 @@ fn a_client_carries_on_across_a_server_restart() {
     assert_eq!(stats["server"]["registered_buffers"], 1, "{stats}");
     drop(server);
 }
+
+/// Batches larger than one frame or than the server's key limit are split
+/// by the client: the caller sees one batch with per-key results in order,
+/// and a value too large for any frame fails alone.
+#[test]
+fn the_client_splits_batches_the_server_would_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("limits.toml");
+    std::fs::write(&config, "max_frame = \"4MiB\"\nmax_batch = 64\n").unwrap();
+    let data = dir.path().join("data");
+    let server = ServerProcess::start(&data, &["--config", config.to_str().unwrap()]);
+    for url in [server.tcp_url(), server.unix_url()] {
+        let shm = ClientOptions {
+            shm_size: 64 << 20,
+            ..options()
+        };
+        let mut client = Client::connect_with(&url, shm).unwrap();
+        let tag = url.split(':').next().unwrap().to_string();
+        // 200 keys (over the 64-key limit) of 100 KiB (20 MiB: over the
+        // 4 MiB frame), one of them 5 MiB (over any frame).
+        let keys: Vec<Vec<u8>> = (0..200)
+            .map(|i| format!("{tag}-split-{i}").into_bytes())
+            .collect();
+        let values: Vec<Vec<u8>> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| value_for(k, if i == 150 { 5 << 20 } else { 100 << 10 }))
+            .collect();
+        let put = client.batch_put(&keys, &values).unwrap();
+        for (i, r) in put.iter().enumerate() {
+            if i == 150 {
+                assert_eq!(
+                    r.as_ref().unwrap_err().kind(),
+                    kvtier::ErrorKind::InvalidArgument
+                );
+            } else {
+                r.as_ref().unwrap();
+            }
+        }
+        assert_eq!(client.prefix_len(&keys).unwrap(), 150);
+        let exists = client.batch_exists(&keys).unwrap();
+        assert_eq!(exists.iter().filter(|e| **e).count(), 199);
+        let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let got = client.batch_get_into(&keys, &mut slices).unwrap();
+        for (i, (r, (b, v))) in got.iter().zip(bufs.iter().zip(&values)).enumerate() {
+            if i == 150 {
+                assert_eq!(r.as_ref().unwrap(), &None);
+            } else {
+                assert_eq!(r.as_ref().unwrap(), &Some(v.len()));
+                assert_eq!(b, v);
+            }
+        }
+        if url.starts_with("unix") {
+            // 100 shared-memory ranges: over the key limit, split too.
+            let ranges: Vec<(u64, u64)> = (0..100).map(|i| (i * 4096, 4096)).collect();
+            let got = client.batch_get_registered(&keys[..100], &ranges).unwrap();
+            assert!(got
+                .iter()
+                .all(|r| matches!(r, Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall)));
+        }
+    }
+}

@@ -336,24 +336,44 @@ impl Client {
         }
     }
 
-    /// One item per key, and not more keys than the server takes.
+    /// One item per key.
     fn check_batch_pairs(&self, keys: usize, items: usize, what: &str) -> Result<()> {
         if keys != items {
             return Err(Error::invalid(format!(
                 "batch has {keys} keys but {items} {what}"
             )));
         }
-        self.check_batch(keys)
+        Ok(())
     }
 
-    fn check_batch(&self, n: usize) -> Result<()> {
-        if n > self.max_batch as usize {
-            return Err(Error::invalid(format!(
-                "batch of {n} keys exceeds the server's {}-key limit",
-                self.max_batch
-            )));
+    /// Splits a batch into runs the server takes in one frame each: at most
+    /// `max_batch` items, and `fixed` plus the items' `sizes` within
+    /// `max_frame`. An item too large for a frame alone gets a run of its
+    /// own (and fails on its own). Callers see one batch: results come back
+    /// per key, in order.
+    fn runs(&self, sizes: impl Iterator<Item = u64>, fixed: u64) -> Vec<std::ops::Range<usize>> {
+        let mut runs = Vec::new();
+        let (mut start, mut bytes, mut end) = (0usize, fixed, 0usize);
+        for (i, size) in sizes.enumerate() {
+            let full = i - start >= self.max_batch as usize
+                || (i > start && bytes.saturating_add(size) > self.max_frame);
+            if full {
+                runs.push(start..i);
+                start = i;
+                bytes = fixed;
+            }
+            bytes = bytes.saturating_add(size);
+            end = i + 1;
         }
-        Ok(())
+        if end > start {
+            runs.push(start..end);
+        }
+        runs
+    }
+
+    /// Whether a run of one item is too large for any frame.
+    fn oversized(&self, size: u64, fixed: u64) -> bool {
+        size.saturating_add(fixed) > self.max_frame
     }
 
     /// Largest value the server accepts.
@@ -390,6 +410,35 @@ impl Client {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         self.check_batch_pairs(keys.len(), values.len(), "values")?;
+        let sizes: Vec<u64> = keys
+            .iter()
+            .zip(values)
+            .map(|(k, v)| {
+                10 + k.as_ref().len() as u64 + v.iter().map(|s| s.len() as u64).sum::<u64>()
+            })
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(sizes.iter().copied(), 5) {
+            if run.len() == 1 && self.oversized(sizes[run.start], 5) {
+                out.push(Err(Error::invalid(format!(
+                    "value of {} bytes does not fit the server's {}-byte frame",
+                    sizes[run.start] - 10 - keys[run.start].as_ref().len() as u64,
+                    self.max_frame
+                ))));
+                continue;
+            }
+            out.extend(self.put_frame(&keys[run.clone()], &values[run], options)?);
+        }
+        Ok(out)
+    }
+
+    /// One BatchPut frame.
+    fn put_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
         // The request buffer is reused: a large batch costs no fresh pages.
         let mut w = Writer {
             buf: std::mem::take(&mut self.request),
@@ -457,6 +506,28 @@ impl Client {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         self.check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
+        // Each reply carries up to its buffers' capacity in values.
+        let sizes: Vec<u64> = bufs
+            .iter()
+            .zip(keys)
+            .map(|(b, k)| {
+                let capacity: u64 = b.iter().map(|s| s.len() as u64).sum();
+                (12 + capacity).max(10 + k.as_ref().len() as u64)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(sizes.iter().copied(), 5) {
+            out.extend(self.get_frame(&keys[run.clone()], &mut bufs[run])?);
+        }
+        Ok(out)
+    }
+
+    /// One BatchGet frame.
+    fn get_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
         let mut w = Writer::default();
         w.u32(keys.len() as u32);
         for (k, b) in keys.iter().zip(bufs.iter()) {
@@ -524,8 +595,21 @@ impl Client {
         ranges: &[(u64, u64)],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        let id = self.shm_id()?;
         self.check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(keys.iter().map(|k| 18 + k.as_ref().len() as u64), 9) {
+            out.extend(self.put_registered_frame(&keys[run.clone()], &ranges[run], options)?);
+        }
+        Ok(out)
+    }
+
+    fn put_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let id = self.shm_id()?;
         let mut w = Writer::default();
         w.u32(id).u8(flags(options)).u32(keys.len() as u32);
         for (k, (offset, len)) in keys.iter().zip(ranges) {
@@ -544,8 +628,29 @@ impl Client {
         segments: &[Vec<(u64, u64)>],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        let id = self.shm_id()?;
         self.check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
+        let sizes = keys
+            .iter()
+            .zip(segments)
+            .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64);
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(sizes, 9) {
+            out.extend(self.put_segments_registered_frame(
+                &keys[run.clone()],
+                &segments[run],
+                options,
+            )?);
+        }
+        Ok(out)
+    }
+
+    fn put_segments_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let id = self.shm_id()?;
         let items = segment_items(keys, segments)?;
         let mut w = Writer::default();
         w.u32(id).u8(flags(options));
@@ -563,8 +668,20 @@ impl Client {
         keys: &[K],
         ranges: &[(u64, u64)],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        let id = self.shm_id()?;
         self.check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(keys.iter().map(|k| 18 + k.as_ref().len() as u64), 8) {
+            out.extend(self.get_registered_frame(&keys[run.clone()], &ranges[run])?);
+        }
+        Ok(out)
+    }
+
+    fn get_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let id = self.shm_id()?;
         let mut w = Writer::default();
         w.u32(id).u32(keys.len() as u32);
         for (k, (offset, cap)) in keys.iter().zip(ranges) {
@@ -581,8 +698,24 @@ impl Client {
         keys: &[K],
         segments: &[Vec<(u64, u64)>],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        let id = self.shm_id()?;
         self.check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
+        let sizes = keys
+            .iter()
+            .zip(segments)
+            .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64);
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(sizes, 8) {
+            out.extend(self.get_segments_registered_frame(&keys[run.clone()], &segments[run])?);
+        }
+        Ok(out)
+    }
+
+    fn get_segments_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let id = self.shm_id()?;
         let items = segment_items(keys, segments)?;
         let mut w = Writer::default();
         w.u32(id);
@@ -601,7 +734,15 @@ impl Client {
     }
 
     pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
-        self.check_batch(keys.len())?;
+        let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
+        let mut out = Vec::with_capacity(keys.len());
+        for run in self.runs(sizes, 4) {
+            out.extend(self.exists_frame(&keys[run])?);
+        }
+        Ok(out)
+    }
+
+    fn exists_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         let len = self.call(Op::BatchExists, &encode_keys(keys)?, None)?;
         let body = &self.response[..len];
         let mut r = Reader::new(body);
@@ -614,8 +755,24 @@ impl Client {
             .collect()
     }
 
+    /// How many leading keys are present (over several frames when the
+    /// batch needs them: the count stops at the first run not wholly
+    /// present).
     pub fn prefix_len<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
-        self.check_batch(keys.len())?;
+        let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
+        let mut total = 0;
+        for run in self.runs(sizes, 4) {
+            let len = run.len();
+            let hit = self.prefix_frame(&keys[run])?;
+            total += hit;
+            if hit < len {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    fn prefix_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
         let len = self.call(Op::PrefixLen, &encode_keys(keys)?, None)?;
         let body = &self.response[..len];
         Reader::new(body)

@@ -426,7 +426,8 @@ impl Backend {
             Backend::Client(client) => with_client(client, |c| {
                 // Values inside the registered shared region are read by
                 // the server in place, as gets are written there.
-                if let Some(segments) = shm_segments(c, values.iter().map(|v| std::iter::once(*v))) {
+                if let Some(segments) = shm_segments(c, values.iter().map(|v| std::iter::once(*v)))
+                {
                     let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
                     return c.batch_put_registered(keys, &ranges, options);
                 }
