@@ -291,16 +291,24 @@ impl RegionFiles {
 
 /// memcpy of `batch` values of `value_size` bytes per call into distinct
 /// (pre-touched) destinations, from sources cycling over a working set as
-/// large as the store case's, so neither side runs from cache alone.
+/// large as the store case's, so neither side runs from cache alone. With
+/// `threads` > 1, as many threads copy their shares of a round at once
+/// (each with its own destinations), as the store case's callers do, and
+/// the round counts the busiest thread's time, as theirs does.
 pub struct Memcpy {
     sources: Vec<Vec<u8>>,
-    dests: Vec<AlignedBuf>,
+    /// `batch` destinations per thread.
+    dests: Vec<Vec<AlignedBuf>>,
     value_size: usize,
-    next: usize,
 }
 
 impl Memcpy {
-    pub fn new(value_size: usize, batch: usize, working_set_values: usize) -> Memcpy {
+    pub fn new(
+        value_size: usize,
+        batch: usize,
+        working_set_values: usize,
+        threads: usize,
+    ) -> Memcpy {
         Memcpy {
             sources: (0..working_set_values.max(batch))
                 .map(|i| {
@@ -309,28 +317,58 @@ impl Memcpy {
                     v
                 })
                 .collect(),
-            dests: (0..batch)
-                .map(|_| super::data::touched_buffer(value_size))
+            dests: (0..threads.max(1))
+                .map(|_| {
+                    (0..batch)
+                        .map(|_| super::data::touched_buffer(value_size))
+                        .collect()
+                })
                 .collect(),
             value_size,
-            next: 0,
         }
     }
 
     pub fn run(&mut self, range: std::ops::Range<u64>, m: &mut Measurement) {
-        let started = Instant::now();
-        for _ in range.clone() {
-            let call = Instant::now();
-            for dst in self.dests.iter_mut() {
-                dst.as_mut_slice()[..self.value_size].copy_from_slice(&self.sources[self.next]);
-                self.next = (self.next + 1) % self.sources.len();
-            }
-            std::hint::black_box(&mut self.dests);
-            m.record_call(call.elapsed());
+        let threads = self.dests.len();
+        let sources = &self.sources;
+        let value_size = self.value_size;
+        let bytes_per_call = (self.dests[0].len() * value_size) as u64;
+        let parts: Vec<(Measurement, std::time::Duration)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = super::shares(range.clone(), threads)
+                .into_iter()
+                .zip(self.dests.iter_mut())
+                .map(|(share, dests)| {
+                    scope.spawn(move || {
+                        let mut calls = Measurement::new();
+                        let mut busy = std::time::Duration::ZERO;
+                        // Each call copies the values the store case's call
+                        // for the same batch numbers reads.
+                        for b in share {
+                            let call = Instant::now();
+                            let mut next = (b as usize * dests.len()) % sources.len();
+                            for dst in dests.iter_mut() {
+                                dst.as_mut_slice()[..value_size].copy_from_slice(&sources[next]);
+                                next = (next + 1) % sources.len();
+                            }
+                            std::hint::black_box(&mut *dests);
+                            let elapsed = call.elapsed();
+                            busy += elapsed;
+                            calls.record_call(elapsed);
+                        }
+                        (calls, busy)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("memcpy thread"))
+                .collect()
+        });
+        let mut busiest = std::time::Duration::ZERO;
+        for (calls, busy) in &parts {
+            m.merge_calls(calls);
+            busiest = busiest.max(*busy);
         }
-        m.add_span(
-            started.elapsed(),
-            (range.end - range.start) * (self.dests.len() * self.value_size) as u64,
-        );
+        m.add_span(busiest, (range.end - range.start) * bytes_per_call);
     }
 }

@@ -385,7 +385,7 @@ fn rounds(batches: u64, most: u64) -> Vec<std::ops::Range<u64>> {
 }
 
 /// Splits a round's batches among `threads`.
-fn shares(range: std::ops::Range<u64>, threads: usize) -> Vec<std::ops::Range<u64>> {
+pub(crate) fn shares(range: std::ops::Range<u64>, threads: usize) -> Vec<std::ops::Range<u64>> {
     let len = range.end - range.start;
     let threads = threads as u64;
     (0..threads)
@@ -635,6 +635,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     value_size as usize,
                     batch,
                     keys_in_set.min(case.batches * batch as u64) as usize,
+                    args.threads,
                 );
                 progress.case(&format!("put memory {} x{batch}", format_size(value_size)));
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());

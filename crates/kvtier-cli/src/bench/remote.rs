@@ -259,10 +259,12 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 };
                 let (mut put, mut get, mut base) =
                     (Measurement::new(), Measurement::new(), Measurement::new());
+                // One client connection: one copying thread.
                 let mut memcpy = Memcpy::new(
                     value_size,
                     batch,
                     (set as usize * batch).min(batches as usize * batch),
+                    1,
                 );
                 let mut verified = 0;
                 {
