@@ -376,6 +376,14 @@ const PUT_ROUNDS: u64 = 8;
 /// or a few per round) to meet the same conditions.
 const GET_ROUNDS: u64 = 64;
 
+/// A case's rounds: up to `most`, but at least `--threads` batches each,
+/// so that every caller thread has work in every round (a round of one
+/// batch would leave the other threads idle and measure one).
+fn case_rounds(case: &Case<'_>, most: u64) -> Vec<std::ops::Range<u64>> {
+    let threads = case.args.threads.max(1) as u64;
+    rounds(case.batches, most.min(case.batches / threads).max(1))
+}
+
 /// Splits `0..batches` into up to `most` rounds.
 fn rounds(batches: u64, most: u64) -> Vec<std::ops::Range<u64>> {
     let n = batches.min(most);
@@ -491,7 +499,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 let mut raw =
                     baseline::RawFile::create(&scratch(batch), value_size as usize, batch)?;
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());
-                for (r, round) in rounds(case.batches, PUT_ROUNDS).into_iter().enumerate() {
+                for (r, round) in case_rounds(&case, PUT_ROUNDS).into_iter().enumerate() {
                     // Who goes first alternates, so neither side's data is
                     // systematically fresher in a cache below the VM.
                     // The twin gets the same prepared batches, untimed.
@@ -559,7 +567,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let mut hosts = host_buffers(&case);
-                    let round_list = rounds(case.batches, GET_ROUNDS);
+                    let round_list = case_rounds(&case, GET_ROUNDS);
                     let count = round_list.len();
                     for (r, round) in round_list.into_iter().enumerate() {
                         let store_copy = r % 2;
@@ -639,7 +647,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 );
                 progress.case(&format!("put memory {} x{batch}", format_size(value_size)));
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());
-                for round in rounds(case.batches, PUT_ROUNDS) {
+                for round in case_rounds(&case, PUT_ROUNDS) {
                     put_memory(&store, &case, round.clone(), keys_in_set, &mut put)?;
                     memcpy.run(round, &mut base);
                 }
@@ -664,7 +672,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let mut verified = 0;
                     let resident = keys_in_set.min(case.batches * batch as u64);
                     let mut hosts = host_buffers(&case);
-                    for (r, round) in rounds(case.batches, GET_ROUNDS).into_iter().enumerate() {
+                    for (r, round) in case_rounds(&case, GET_ROUNDS).into_iter().enumerate() {
                         if r % 2 == 1 {
                             memcpy.run(round.clone(), &mut base);
                         }
@@ -864,8 +872,9 @@ fn get_round(
     Ok(verified)
 }
 
-/// Memory-only puts over a working set of `keys_in_set` keys; only the
-/// calls are timed.
+/// Memory-only puts over a working set of `keys_in_set` keys, the round's
+/// batches split among `--threads` callers; only the calls are timed (the
+/// busiest thread's total, as for gets).
 fn put_memory(
     store: &Store,
     case: &Case<'_>,
@@ -877,24 +886,45 @@ fn put_memory(
         tier: PutTier::MemoryOnly,
         ..Default::default()
     };
-    let mut values: Vec<Vec<u8>> = (0..case.batch)
-        .map(|_| vec![0u8; case.value_size as usize])
-        .collect();
-    let mut busy = Duration::ZERO;
-    for b in round.clone() {
-        let keys = case.keys("memory", b, keys_in_set);
-        for (k, v) in keys.iter().zip(values.iter_mut()) {
-            data::fill(k, v);
-        }
-        let call = Instant::now();
-        let results = store.batch_put_with(&keys, &values, &options);
-        let elapsed = call.elapsed();
-        busy += elapsed;
-        m.record_call(elapsed);
-        if let Some(e) = results.into_iter().find_map(Result::err) {
-            return Err(format!("memory put failed: {e}").into());
-        }
+    let parts: Vec<Result<(Measurement, Duration), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = shares(round.clone(), case.args.threads)
+            .into_iter()
+            .map(|share| {
+                scope.spawn(move || {
+                    let mut values: Vec<Vec<u8>> = (0..case.batch)
+                        .map(|_| vec![0u8; case.value_size as usize])
+                        .collect();
+                    let mut calls = Measurement::new();
+                    let mut busy = Duration::ZERO;
+                    for b in share {
+                        let keys = case.keys("memory", b, keys_in_set);
+                        for (k, v) in keys.iter().zip(values.iter_mut()) {
+                            data::fill(k, v);
+                        }
+                        let call = Instant::now();
+                        let results = store.batch_put_with(&keys, &values, &options);
+                        let elapsed = call.elapsed();
+                        busy += elapsed;
+                        calls.record_call(elapsed);
+                        if let Some(e) = results.into_iter().find_map(Result::err) {
+                            return Err(format!("memory put failed: {e}"));
+                        }
+                    }
+                    Ok((calls, busy))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench thread"))
+            .collect()
+    });
+    let mut busiest = Duration::ZERO;
+    for part in parts {
+        let (calls, busy) = part?;
+        m.merge_calls(&calls);
+        busiest = busiest.max(busy);
     }
-    m.add_span(busy, case.bytes(&round));
+    m.add_span(busiest, case.bytes(&round));
     Ok(())
 }
