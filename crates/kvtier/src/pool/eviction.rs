@@ -7,7 +7,7 @@
 //! it reaches the head. Hits only bump a counter in the slot, so the read
 //! path never takes this structure's lock.
 
-use super::shadow::{DigestSet, Mode, Shadow};
+use super::shadow::{Ghosts, Mode, Shadow};
 use super::PoolSlot;
 use crate::config::EvictionPolicy;
 use std::collections::VecDeque;
@@ -34,8 +34,7 @@ pub struct EvictionQueues {
     main: VecDeque<QueueItem>,
     /// Digests recently evicted from `small` (S3-FIFO): re-inserted keys go
     /// straight to `main`.
-    ghost: DigestSet,
-    ghost_order: VecDeque<u128>,
+    ghosts: Ghosts,
     ghost_capacity: usize,
     /// Pages of the most recent batch puts: the probation queue is kept at
     /// least as large as the largest, so a batch never pushes out its own
@@ -62,8 +61,7 @@ impl EvictionQueues {
             small: VecDeque::new(),
             small_pages: 0,
             main: VecDeque::new(),
-            ghost: DigestSet::default(),
-            ghost_order: VecDeque::new(),
+            ghosts: Ghosts::default(),
             // One ghost per 16 pages (64 KiB, the smallest typical value).
             ghost_capacity: (capacity_pages / 16).max(64) as usize,
             recent_batches: VecDeque::new(),
@@ -99,7 +97,7 @@ impl EvictionQueues {
         let item = std::mem::size_of::<QueueItem>();
         let queues = (self.small.capacity() + self.main.capacity()) * item;
         // A hash set slot is the value plus a control byte.
-        let ghosts = self.ghost.capacity() * 17 + self.ghost_order.capacity() * 16;
+        let ghosts = self.ghosts.heap_bytes();
         (queues + ghosts) as u64 + self.shadow.as_ref().map_or(0, |s| s.heap_bytes())
     }
 
@@ -145,7 +143,7 @@ impl EvictionQueues {
         match self.mode {
             Mode::Lru => self.main.push_back(item),
             Mode::S3Fifo(_) => {
-                if self.ghost.remove(&slot.digest().0) {
+                if self.ghosts.take(slot.digest().0) {
                     self.main.push_back(item);
                 } else {
                     self.small_pages += item.pages;
@@ -223,17 +221,10 @@ impl EvictionQueues {
     }
 
     fn remember_ghost(&mut self, digest: u128) {
-        if self.ghost.insert(digest) {
-            self.ghost_order.push_back(digest);
-        }
         // As many ghosts as the pool holds entries (S3-FIFO's sizing), at
         // least the configured floor.
         let limit = self.ghost_capacity.max(self.small.len() + self.main.len());
-        while self.ghost_order.len() > limit {
-            if let Some(old) = self.ghost_order.pop_front() {
-                self.ghost.remove(&old);
-            }
-        }
+        self.ghosts.remember(digest, limit);
     }
 
     /// Drops queue items whose slots are gone once they outnumber live ones,

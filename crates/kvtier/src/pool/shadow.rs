@@ -42,8 +42,43 @@ impl Hasher for FoldHasher {
     }
 }
 
-/// Sets and maps keyed by digests.
-pub type DigestSet = HashSet<u128, BuildHasherDefault<FoldHasher>>;
+/// A ghost list: the 64-bit fingerprints of recently evicted digests, in
+/// eviction order (half the memory of whole digests; two digests sharing a
+/// fingerprint only makes one re-insert skip probation).
+#[derive(Debug, Default)]
+pub struct Ghosts {
+    set: HashSet<u64, BuildHasherDefault<FoldHasher>>,
+    order: VecDeque<u64>,
+}
+
+impl Ghosts {
+    fn fingerprint(digest: u128) -> u64 {
+        digest as u64 ^ (digest >> 64) as u64
+    }
+
+    /// Remembers `digest`, then forgets the oldest beyond `limit`.
+    pub fn remember(&mut self, digest: u128, limit: usize) {
+        let f = Self::fingerprint(digest);
+        if self.set.insert(f) {
+            self.order.push_back(f);
+        }
+        while self.order.len() > limit {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    /// Whether `digest` was evicted recently; forgets it either way.
+    pub fn take(&mut self, digest: u128) -> bool {
+        self.set.remove(&Self::fingerprint(digest))
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.set.capacity() * 9 + self.order.capacity() * 8
+    }
+}
+/// Maps keyed by digests.
 type DigestMap<V> = HashMap<u128, V, BuildHasherDefault<FoldHasher>>;
 
 /// Pages each simulation holds at most: every pool up to 128 MiB is
@@ -181,8 +216,7 @@ impl Shadow {
                 Sim::S3(s) => {
                     map(s.entries.capacity(), std::mem::size_of::<S3Entry>())
                         + (s.small.capacity() + s.main.capacity()) * 24
-                        + s.ghost.capacity() * 17
-                        + s.ghost_order.capacity() * 16
+                        + s.ghosts.heap_bytes()
                 }
             })
             .sum::<usize>() as u64
@@ -354,8 +388,7 @@ struct S3Sim {
     entries: DigestMap<S3Entry>,
     small: VecDeque<(u128, u64)>,
     main: VecDeque<(u128, u64)>,
-    ghost: DigestSet,
-    ghost_order: VecDeque<u128>,
+    ghosts: Ghosts,
     stamp: u64,
 }
 
@@ -377,8 +410,7 @@ impl S3Sim {
             entries: DigestMap::default(),
             small: VecDeque::new(),
             main: VecDeque::new(),
-            ghost: DigestSet::default(),
-            ghost_order: VecDeque::new(),
+            ghosts: Ghosts::default(),
             stamp: 0,
         }
     }
@@ -426,14 +458,8 @@ impl S3Sim {
                 let pages = entry.pages;
                 self.entries.remove(&digest);
                 self.small_used -= pages;
-                if self.ghost.insert(digest) {
-                    self.ghost_order.push_back(digest);
-                }
-                while self.ghost_order.len() > self.entries.len().max(64) {
-                    if let Some(old) = self.ghost_order.pop_front() {
-                        self.ghost.remove(&old);
-                    }
-                }
+                let limit = self.entries.len().max(64);
+                self.ghosts.remember(digest, limit);
                 return true;
             }
             if entry.freq > 0 {
@@ -477,7 +503,7 @@ impl SimPolicy for S3Sim {
         }
         while self.small_used + self.main_used + pages > self.capacity && self.evict() {}
         self.stamp += 1;
-        let in_small = !self.ghost.remove(&digest);
+        let in_small = !self.ghosts.take(digest);
         self.entries.insert(
             digest,
             S3Entry {
