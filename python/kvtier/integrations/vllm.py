@@ -120,6 +120,13 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._url = resolve_url(extra.get("kvtier_url"))
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            logger.warning(
+                "kvtier: kv_load_failure_policy is %r: a block evicted or found corrupt between lookup and "
+                "load fails its request instead of being recomputed; set it to \"recompute\"",
+                policy,
+            )
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
