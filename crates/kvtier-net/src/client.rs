@@ -376,6 +376,21 @@ impl Client {
         size.saturating_add(fixed) > self.max_frame
     }
 
+    /// Sends a batch as `runs` of it, one `frame` call each, and joins the
+    /// per-key results in order.
+    fn in_runs<T>(
+        &mut self,
+        sizes: impl Iterator<Item = u64>,
+        fixed: u64,
+        mut frame: impl FnMut(&mut Self, std::ops::Range<usize>) -> Result<Vec<T>>,
+    ) -> Result<Vec<T>> {
+        let mut out = Vec::new();
+        for run in self.runs(sizes, fixed) {
+            out.extend(frame(self, run)?);
+        }
+        Ok(out)
+    }
+
     /// Largest value the server accepts.
     pub fn max_value(&self) -> u64 {
         self.max_value
@@ -417,19 +432,16 @@ impl Client {
                 10 + k.as_ref().len() as u64 + v.iter().map(|s| s.len() as u64).sum::<u64>()
             })
             .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(sizes.iter().copied(), 5) {
-            if run.len() == 1 && self.oversized(sizes[run.start], 5) {
-                out.push(Err(Error::invalid(format!(
+        self.in_runs(sizes.iter().copied(), 5, |c, run| {
+            if run.len() == 1 && c.oversized(sizes[run.start], 5) {
+                return Ok(vec![Err(Error::invalid(format!(
                     "value of {} bytes does not fit the server's {}-byte frame",
                     sizes[run.start] - 10 - keys[run.start].as_ref().len() as u64,
-                    self.max_frame
-                ))));
-                continue;
+                    c.max_frame
+                )))]);
             }
-            out.extend(self.put_frame(&keys[run.clone()], &values[run], options)?);
-        }
-        Ok(out)
+            c.put_frame(&keys[run.clone()], &values[run], options)
+        })
     }
 
     /// One BatchPut frame.
@@ -515,11 +527,9 @@ impl Client {
                 (12 + capacity).max(10 + k.as_ref().len() as u64)
             })
             .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(sizes.iter().copied(), 5) {
-            out.extend(self.get_frame(&keys[run.clone()], &mut bufs[run])?);
-        }
-        Ok(out)
+        self.in_runs(sizes.into_iter(), 5, |c, run| {
+            c.get_frame(&keys[run.clone()], &mut bufs[run])
+        })
     }
 
     /// One BatchGet frame.
@@ -596,11 +606,9 @@ impl Client {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         self.check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(keys.iter().map(|k| 18 + k.as_ref().len() as u64), 9) {
-            out.extend(self.put_registered_frame(&keys[run.clone()], &ranges[run], options)?);
-        }
-        Ok(out)
+        self.in_runs(range_sizes(keys), 9, |c, run| {
+            c.put_registered_frame(&keys[run.clone()], &ranges[run], options)
+        })
     }
 
     fn put_registered_frame<K: AsRef<[u8]>>(
@@ -629,19 +637,9 @@ impl Client {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         self.check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
-        let sizes = keys
-            .iter()
-            .zip(segments)
-            .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64);
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(sizes, 9) {
-            out.extend(self.put_segments_registered_frame(
-                &keys[run.clone()],
-                &segments[run],
-                options,
-            )?);
-        }
-        Ok(out)
+        self.in_runs(segment_sizes(keys, segments), 9, |c, run| {
+            c.put_segments_registered_frame(&keys[run.clone()], &segments[run], options)
+        })
     }
 
     fn put_segments_registered_frame<K: AsRef<[u8]>>(
@@ -669,11 +667,9 @@ impl Client {
         ranges: &[(u64, u64)],
     ) -> Result<Vec<Result<Option<usize>>>> {
         self.check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(keys.iter().map(|k| 18 + k.as_ref().len() as u64), 8) {
-            out.extend(self.get_registered_frame(&keys[run.clone()], &ranges[run])?);
-        }
-        Ok(out)
+        self.in_runs(range_sizes(keys), 8, |c, run| {
+            c.get_registered_frame(&keys[run.clone()], &ranges[run])
+        })
     }
 
     fn get_registered_frame<K: AsRef<[u8]>>(
@@ -699,15 +695,9 @@ impl Client {
         segments: &[Vec<(u64, u64)>],
     ) -> Result<Vec<Result<Option<usize>>>> {
         self.check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
-        let sizes = keys
-            .iter()
-            .zip(segments)
-            .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64);
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(sizes, 8) {
-            out.extend(self.get_segments_registered_frame(&keys[run.clone()], &segments[run])?);
-        }
-        Ok(out)
+        self.in_runs(segment_sizes(keys, segments), 8, |c, run| {
+            c.get_segments_registered_frame(&keys[run.clone()], &segments[run])
+        })
     }
 
     fn get_segments_registered_frame<K: AsRef<[u8]>>(
@@ -735,11 +725,7 @@ impl Client {
 
     pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
-        let mut out = Vec::with_capacity(keys.len());
-        for run in self.runs(sizes, 4) {
-            out.extend(self.exists_frame(&keys[run])?);
-        }
-        Ok(out)
+        self.in_runs(sizes, 4, |c, run| c.exists_frame(&keys[run]))
     }
 
     fn exists_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
@@ -852,6 +838,21 @@ fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {
     (0..n)
         .map(|_| r.i32().map_err(|e| protocol_error(e.0)))
         .collect()
+}
+
+/// Request bytes per key of a single-range shared-memory op.
+fn range_sizes<K: AsRef<[u8]>>(keys: &[K]) -> impl Iterator<Item = u64> + '_ {
+    keys.iter().map(|k| 18 + k.as_ref().len() as u64)
+}
+
+/// Request bytes per key of a segment op.
+fn segment_sizes<'a, K: AsRef<[u8]>>(
+    keys: &'a [K],
+    segments: &'a [Vec<(u64, u64)>],
+) -> impl Iterator<Item = u64> + 'a {
+    keys.iter()
+        .zip(segments)
+        .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64)
 }
 
 /// Checked keys paired with their segments, for the segment ops.

@@ -352,8 +352,27 @@ impl Targets {
 
     /// Indices of the usable keys.
     fn picked(&self) -> Vec<usize> {
-        (0..self.usable.len()).filter(|&i| self.usable[i]).collect()
+        usable_indices(&self.usable)
     }
+}
+
+fn usable_indices(usable: &[bool]) -> Vec<usize> {
+    (0..usable.len()).filter(|&i| usable[i]).collect()
+}
+
+/// The keys at `picked`, for the backend call.
+fn pick_keys(keys: &[Vec<u8>], picked: &[usize]) -> Vec<Vec<u8>> {
+    picked.iter().map(|&i| keys[i].clone()).collect()
+}
+
+/// A result per key: the backend's for the picked keys, in order, and
+/// `INVALID_ARGUMENT` for the keys that were not sent.
+fn per_key<T: Copy + From<i32>>(n: usize, picked: &[usize], results: Vec<T>) -> Vec<T> {
+    let mut out = vec![T::from(code::INVALID_ARGUMENT); n];
+    for (&i, c) in picked.iter().zip(results) {
+        out[i] = c;
+    }
+    out
 }
 
 /// The registered segments of a multi-buffer batch, pinned for the call.
@@ -404,7 +423,7 @@ impl SegmentTargets {
     }
 
     fn picked(&self) -> Vec<usize> {
-        (0..self.usable.len()).filter(|&i| self.usable[i]).collect()
+        usable_indices(&self.usable)
     }
 }
 
@@ -717,7 +736,7 @@ impl Engine {
         let options = put_options(memory_only, skip_existing, durable);
         let targets = Targets::resolve(&self.registered, &keys, items, sizes, false)?;
         let picked = targets.picked();
-        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        let pick_keys = pick_keys(&keys, &picked);
         let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
         // SAFETY: registered ranges (caller's promise) or live buffer views
         // held by `targets` until the call returns.
@@ -725,11 +744,7 @@ impl Engine {
         let results = py
             .detach(|| self.backend.put(&pick_keys, &values, &options))
             .map_err(to_py_err)?;
-        let mut codes = vec![code::INVALID_ARGUMENT; keys.len()];
-        for (&i, c) in picked.iter().zip(put_codes(results)) {
-            codes[i] = c;
-        }
-        Ok(codes)
+        Ok(per_key(keys.len(), &picked, put_codes(results)))
     }
 
     /// Reads each value into its destination. With `sizes`, `items` are raw
@@ -751,17 +766,13 @@ impl Engine {
         if overlapping(&pick_ranges) {
             return Err(PyValueError::new_err("destination buffers overlap"));
         }
-        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        let pick_keys = pick_keys(&keys, &picked);
         // SAFETY: registered or live, writable, non-overlapping (checked).
         let mut bufs = unsafe { as_mut_slices(&pick_ranges) };
         let results = py
             .detach(|| self.backend.get(&pick_keys, &mut bufs))
             .map_err(to_py_err)?;
-        let mut out = vec![i64::from(code::INVALID_ARGUMENT); keys.len()];
-        for (&i, c) in picked.iter().zip(get_codes(results)) {
-            out[i] = c;
-        }
-        Ok(out)
+        Ok(per_key(keys.len(), &picked, get_codes(results)))
     }
 
     /// Stores each key's value gathered from several registered ranges, laid
@@ -789,7 +800,7 @@ impl Engine {
         let targets =
             SegmentTargets::resolve(&self.registered, &keys, &ptrs_per_key, &sizes_per_key)?;
         let picked = targets.picked();
-        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        let pick_keys = pick_keys(&keys, &picked);
         // SAFETY: every range is registered and pinned by `targets`.
         let values: Vec<Vec<&[u8]>> = picked
             .iter()
@@ -799,11 +810,7 @@ impl Engine {
         let results = py
             .detach(|| self.backend.put_segments(&pick_keys, &refs, &options))
             .map_err(to_py_err)?;
-        let mut codes = vec![code::INVALID_ARGUMENT; keys.len()];
-        for (&i, c) in picked.iter().zip(put_codes(results)) {
-            codes[i] = c;
-        }
-        Ok(codes)
+        Ok(per_key(keys.len(), &picked, put_codes(results)))
     }
 
     /// Reads each key's value scattered across several registered ranges, in
@@ -828,7 +835,7 @@ impl Engine {
         if overlapping(&all) {
             return Err(PyValueError::new_err("destination buffers overlap"));
         }
-        let pick_keys: Vec<Vec<u8>> = picked.iter().map(|&i| keys[i].clone()).collect();
+        let pick_keys = pick_keys(&keys, &picked);
         // SAFETY: registered, pinned, writable, and no two overlap (checked).
         let mut dests: Vec<Vec<&mut [u8]>> = picked
             .iter()
@@ -838,11 +845,7 @@ impl Engine {
         let results = py
             .detach(|| self.backend.get_segments(&pick_keys, &mut refs))
             .map_err(to_py_err)?;
-        let mut out = vec![i64::from(code::INVALID_ARGUMENT); keys.len()];
-        for (&i, c) in picked.iter().zip(get_codes(results)) {
-            out[i] = c;
-        }
-        Ok(out)
+        Ok(per_key(keys.len(), &picked, get_codes(results)))
     }
 
     /// Reads one value into a writable buffer: bytes read or a negative code.

@@ -101,6 +101,10 @@ impl Hasher for DigestHasher {
     fn write_u64(&mut self, value: u64) {
         self.0 = value;
     }
+
+    fn write_u128(&mut self, value: u128) {
+        self.0 = value as u64;
+    }
 }
 
 type DigestMap = HashMap<DigestKey, Entry, BuildHasherDefault<DigestHasher>>;

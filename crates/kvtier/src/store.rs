@@ -571,8 +571,7 @@ impl NamespacedStore<'_> {
             .contains_many_then(self.namespace, keys, |digests| {
                 if let Some(shadow) = &inner.shadow {
                     inner.timed(|| {
-                        let raw: Vec<u128> = digests.iter().map(|d| d.0).collect();
-                        shadow.on_request(&raw);
+                        shadow.on_request(digests.iter().map(|d| d.0));
                     });
                 }
             })

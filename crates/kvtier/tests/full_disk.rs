@@ -125,14 +125,7 @@ fn a_full_disk_fails_puts_cleanly_and_recovers_by_itself() {
 
         // Space returns: the store catches up by itself.
         std::fs::remove_file(&filler).unwrap();
-        let mut caught_up = false;
-        for _ in 0..500 {
-            if store.flush().is_ok() {
-                caught_up = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let caught_up = flush_succeeds_within(&store, 500);
         assert!(caught_up, "the store did not recover when space returned");
         store
             .put(key(1000), value_for(&key(1000), 3, VALUE))

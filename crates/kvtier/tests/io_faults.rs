@@ -24,14 +24,7 @@ fn a_transient_write_error_is_retried_until_durable() {
         store.put(key(1), value_for(&key(1), 1, 50_000)).unwrap();
         // Flushes may report the failure while the retry is pending, but
         // one succeeds once the retry lands.
-        let mut ok = false;
-        for _ in 0..200 {
-            if store.flush().is_ok() {
-                ok = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let ok = flush_succeeds_within(&store, 200);
         assert!(ok, "the retried write never became durable");
         assert!(store.stats().flush_errors >= 1);
         assert_eq!(store.stats().retrying_writes, 0);
@@ -80,14 +73,7 @@ fn a_lasting_write_error_reaches_every_caller_it_concerns() {
         );
         // The disk heals: the retries land, and every later flush is Ok.
         faulty.clear_faults();
-        let mut healed = false;
-        for _ in 0..300 {
-            if store.flush().is_ok() {
-                healed = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let healed = flush_succeeds_within(&store, 300);
         assert!(healed, "the store did not recover when the disk did");
         assert_eq!(store.stats().retrying_writes, 0);
         Arc::into_inner(store).unwrap().close().unwrap();

@@ -329,46 +329,21 @@ impl Memcpy {
     }
 
     pub fn run(&mut self, range: std::ops::Range<u64>, m: &mut Measurement) {
-        let threads = self.dests.len();
         let sources = &self.sources;
         let value_size = self.value_size;
-        let bytes_per_call = (self.dests[0].len() * value_size) as u64;
-        let parts: Vec<(Measurement, std::time::Duration)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = super::shares(range.clone(), threads)
-                .into_iter()
-                .zip(self.dests.iter_mut())
-                .map(|(share, dests)| {
-                    scope.spawn(move || {
-                        let mut calls = Measurement::new();
-                        let mut busy = std::time::Duration::ZERO;
-                        // Each call copies the values the store case's call
-                        // for the same batch numbers reads.
-                        for b in share {
-                            let call = Instant::now();
-                            let mut next = (b as usize * dests.len()) % sources.len();
-                            for dst in dests.iter_mut() {
-                                dst.as_mut_slice()[..value_size].copy_from_slice(&sources[next]);
-                                next = (next + 1) % sources.len();
-                            }
-                            std::hint::black_box(&mut *dests);
-                            let elapsed = call.elapsed();
-                            busy += elapsed;
-                            calls.record_call(elapsed);
-                        }
-                        (calls, busy)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("memcpy thread"))
-                .collect()
+        let bytes = (range.end - range.start) * (self.dests[0].len() * value_size) as u64;
+        // Each call copies the values the store case's call for the same
+        // batch number reads.
+        let copied = super::on_callers(range, &mut self.dests, m, bytes, |b, dests| {
+            let call = Instant::now();
+            let mut next = (b as usize * dests.len()) % sources.len();
+            for dst in dests.iter_mut() {
+                dst.as_mut_slice()[..value_size].copy_from_slice(&sources[next]);
+                next = (next + 1) % sources.len();
+            }
+            std::hint::black_box(&mut *dests);
+            Ok((call.elapsed(), 0))
         });
-        let mut busiest = std::time::Duration::ZERO;
-        for (calls, busy) in &parts {
-            m.merge_calls(calls);
-            busiest = busiest.max(*busy);
-        }
-        m.add_span(busiest, (range.end - range.start) * bytes_per_call);
+        copied.expect("memcpy cannot fail");
     }
 }

@@ -392,6 +392,53 @@ fn rounds(batches: u64, most: u64) -> Vec<std::ops::Range<u64>> {
         .collect()
 }
 
+/// Runs a round on one caller thread per entry of `states` at once, each
+/// over its share of the round's batches with its own state. `call` does
+/// one batch and returns the time of its timed part and a tally (bytes
+/// verified, say). The calls merge into `m`; the round counts the busiest
+/// thread's time for `bytes`. Returns the tallies' sum.
+pub(crate) fn on_callers<S: Send>(
+    round: std::ops::Range<u64>,
+    states: &mut [S],
+    m: &mut Measurement,
+    bytes: u64,
+    call: impl Fn(u64, &mut S) -> Result<(Duration, u64), String> + Sync,
+) -> Result<u64, String> {
+    let call = &call;
+    let parts: Vec<Result<(Measurement, Duration, u64), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = shares(round, states.len())
+            .into_iter()
+            .zip(states.iter_mut())
+            .map(|(share, state)| {
+                scope.spawn(move || {
+                    let mut calls = Measurement::new();
+                    let (mut busy, mut tally) = (Duration::ZERO, 0u64);
+                    for b in share {
+                        let (elapsed, t) = call(b, state)?;
+                        busy += elapsed;
+                        tally += t;
+                        calls.record_call(elapsed);
+                    }
+                    Ok((calls, busy, tally))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("caller thread"))
+            .collect()
+    });
+    let (mut busiest, mut tally) = (Duration::ZERO, 0);
+    for part in parts {
+        let (calls, busy, t) = part?;
+        m.merge_calls(&calls);
+        busiest = busiest.max(busy);
+        tally += t;
+    }
+    m.add_span(busiest, bytes);
+    Ok(tally)
+}
+
 /// Splits a round's batches among `threads`.
 pub(crate) fn shares(range: std::ops::Range<u64>, threads: usize) -> Vec<std::ops::Range<u64>> {
     let len = range.end - range.start;
@@ -821,54 +868,31 @@ fn get_round(
     hosts: &mut [AlignedBuf],
     m: &mut Measurement,
 ) -> BenchResult<u64> {
-    let parts: Vec<Result<(Measurement, Duration, u64), String>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = shares(round.clone(), case.args.threads)
-            .into_iter()
-            .zip(hosts.iter_mut())
-            .map(|(share, host)| {
-                scope.spawn(move || {
-                    let mut calls = Measurement::new();
-                    let mut busy = Duration::ZERO;
-                    let mut verified = 0u64;
-                    let slot = (case.value_size as usize).div_ceil(4096) * 4096;
-                    for b in share {
-                        let keys = case.keys(tier, b, modulo);
-                        let call = Instant::now();
-                        let results = {
-                            let mut slices: Vec<&mut [u8]> = host.as_mut_slice().chunks_mut(slot).collect();
-                            store.batch_get_into(&keys, &mut slices)
-                        };
-                        let elapsed = call.elapsed();
-                        busy += elapsed;
-                        calls.record_call(elapsed);
-                        for ((key, result), buffer) in keys.iter().zip(results).zip(host.as_slice().chunks(slot)) {
-                            let name = String::from_utf8_lossy(key);
-                            match result {
-                                Ok(Some(n)) if data::verify(key, &buffer[..n]) => verified += n as u64,
-                                Ok(Some(_)) => return Err(format!("wrong bytes for {name}")),
-                                Ok(None) => return Err(format!("miss for {name}: evicted or reclaimed? raise --memory or --disk")),
-                                Err(e) => return Err(format!("get of {name} failed: {e}")),
-                            }
-                        }
-                    }
-                    Ok((calls, busy, verified))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("bench thread"))
-            .collect()
-    });
-    let mut busiest = Duration::ZERO;
-    let mut verified = 0;
-    for part in parts {
-        let (calls, busy, v) = part?;
-        m.merge_calls(&calls);
-        busiest = busiest.max(busy);
-        verified += v;
-    }
-    m.add_span(busiest, case.bytes(&round));
+    let slot = (case.value_size as usize).div_ceil(4096) * 4096;
+    let verified = on_callers(round.clone(), hosts, m, case.bytes(&round), |b, host| {
+        let keys = case.keys(tier, b, modulo);
+        let call = Instant::now();
+        let results = {
+            let mut slices: Vec<&mut [u8]> = host.as_mut_slice().chunks_mut(slot).collect();
+            store.batch_get_into(&keys, &mut slices)
+        };
+        let elapsed = call.elapsed();
+        let mut verified = 0u64;
+        for ((key, result), buffer) in keys.iter().zip(results).zip(host.as_slice().chunks(slot)) {
+            let name = String::from_utf8_lossy(key);
+            match result {
+                Ok(Some(n)) if data::verify(key, &buffer[..n]) => verified += n as u64,
+                Ok(Some(_)) => return Err(format!("wrong bytes for {name}")),
+                Ok(None) => {
+                    return Err(format!(
+                        "miss for {name}: evicted or reclaimed? raise --memory or --disk"
+                    ))
+                }
+                Err(e) => return Err(format!("get of {name} failed: {e}")),
+            }
+        }
+        Ok((elapsed, verified))
+    })?;
     Ok(verified)
 }
 
@@ -886,45 +910,31 @@ fn put_memory(
         tier: PutTier::MemoryOnly,
         ..Default::default()
     };
-    let parts: Vec<Result<(Measurement, Duration), String>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = shares(round.clone(), case.args.threads)
-            .into_iter()
-            .map(|share| {
-                scope.spawn(move || {
-                    let mut values: Vec<Vec<u8>> = (0..case.batch)
-                        .map(|_| vec![0u8; case.value_size as usize])
-                        .collect();
-                    let mut calls = Measurement::new();
-                    let mut busy = Duration::ZERO;
-                    for b in share {
-                        let keys = case.keys("memory", b, keys_in_set);
-                        for (k, v) in keys.iter().zip(values.iter_mut()) {
-                            data::fill(k, v);
-                        }
-                        let call = Instant::now();
-                        let results = store.batch_put_with(&keys, &values, &options);
-                        let elapsed = call.elapsed();
-                        busy += elapsed;
-                        calls.record_call(elapsed);
-                        if let Some(e) = results.into_iter().find_map(Result::err) {
-                            return Err(format!("memory put failed: {e}"));
-                        }
-                    }
-                    Ok((calls, busy))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("bench thread"))
-            .collect()
-    });
-    let mut busiest = Duration::ZERO;
-    for part in parts {
-        let (calls, busy) = part?;
-        m.merge_calls(&calls);
-        busiest = busiest.max(busy);
-    }
-    m.add_span(busiest, case.bytes(&round));
+    let mut values: Vec<Vec<Vec<u8>>> = (0..case.args.threads)
+        .map(|_| {
+            (0..case.batch)
+                .map(|_| vec![0u8; case.value_size as usize])
+                .collect()
+        })
+        .collect();
+    on_callers(
+        round.clone(),
+        &mut values,
+        m,
+        case.bytes(&round),
+        |b, values| {
+            let keys = case.keys("memory", b, keys_in_set);
+            for (k, v) in keys.iter().zip(values.iter_mut()) {
+                data::fill(k, v);
+            }
+            let call = Instant::now();
+            let results = store.batch_put_with(&keys, values, &options);
+            let elapsed = call.elapsed();
+            if let Some(e) = results.into_iter().find_map(Result::err) {
+                return Err(format!("memory put failed: {e}"));
+            }
+            Ok((elapsed, 0))
+        },
+    )?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! here knows about sockets, sessions or limits other than those passed in.
 
 use crate::metrics::Sample;
-use crate::protocol::{code, put_flags, SegmentItem, Writer};
+use crate::protocol::{code, put_flags, Writer};
 use crate::shm::SharedRegion;
 use kvtier::disk::io::AlignedBuf;
 use kvtier::{NamespacedStore, PutOptions, PutTier};
@@ -230,11 +230,11 @@ pub(crate) fn flush<'b>(store: &kvtier::Store) -> Reply<'b> {
 
 /// Puts values gathered from `(offset, len)` segments of a registered
 /// buffer (the single-range op passes one segment per value).
-pub(crate) fn batch_put_shm<'b>(
+pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
     flags: u8,
-    items: &[SegmentItem<'_>],
+    items: &[(&[u8], S)],
 ) -> Reply<'b> {
     let mut codes = vec![code::OK; items.len()];
     let mut keys = Vec::with_capacity(items.len());
@@ -243,6 +243,7 @@ pub(crate) fn batch_put_shm<'b>(
     for (i, (key, segments)) in items.iter().enumerate() {
         let key: &[u8] = key;
         let gathered: Option<Vec<&[u8]>> = segments
+            .as_ref()
             .iter()
             .map(|&(offset, len)| region.range(offset, len))
             .collect();
@@ -266,12 +267,15 @@ pub(crate) fn batch_put_shm<'b>(
 
 /// Gets values scattered into `(offset, capacity)` segments of a registered
 /// buffer, in order; no two segments of the batch may overlap.
-pub(crate) fn batch_get_shm<'b>(
+pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
-    items: &[SegmentItem<'_>],
+    items: &[(&[u8], S)],
 ) -> Reply<'b> {
-    let mut all: Vec<(u64, u64)> = items.iter().flat_map(|(_, s)| s.iter().copied()).collect();
+    let mut all: Vec<(u64, u64)> = items
+        .iter()
+        .flat_map(|(_, s)| s.as_ref().iter().copied())
+        .collect();
     all.sort_unstable();
     for pair in all.windows(2) {
         if pair[0].0.saturating_add(pair[0].1) > pair[1].0 {
@@ -289,6 +293,7 @@ pub(crate) fn batch_get_shm<'b>(
         // anyway only garbles its own bytes: the memfd is sealed against
         // shrinking, so no access can fault).
         let scattered: Option<Vec<&mut [u8]>> = segments
+            .as_ref()
             .iter()
             .map(|&(offset, cap)| unsafe { region.range_mut(offset, cap) })
             .collect();

@@ -6,7 +6,7 @@ use super::handlers::{self, Reply};
 use super::limits::Permit;
 use super::{Shared, POLL};
 use crate::metrics::Metrics;
-use crate::protocol::{self, code, decode_request, Header, Request, SegmentItem, Writer};
+use crate::protocol::{self, code, decode_request, Header, Request, Writer};
 use crate::shm::SharedRegion;
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use kvtier::disk::io::AlignedBuf;
@@ -442,10 +442,13 @@ fn send(
     transport.flush()
 }
 
+/// A key with its one `(offset, len)` range, held inline.
+type OneSegment<'a> = (&'a [u8], [(u64, u64); 1]);
+
 /// The single-range shared-memory ops in the segment ops' form.
-fn one_segment<'a>(items: &[(&'a [u8], u64, u64)]) -> Vec<SegmentItem<'a>> {
+fn one_segment<'a>(items: &[(&'a [u8], u64, u64)]) -> Vec<OneSegment<'a>> {
     items
         .iter()
-        .map(|&(key, offset, len)| (key, vec![(offset, len)]))
+        .map(|&(key, offset, len)| (key, [(offset, len)]))
         .collect()
 }

@@ -18,36 +18,18 @@
 //! `prefix_len` leave the pool in its starting mode, S3-FIFO with a 25%
 //! probation queue.
 
+use crate::index::DigestHasher;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
-
-/// Digests are keyed BLAKE3 output, already uniform: folding the halves is
-/// hash enough, and far cheaper than SipHash on every simulated access.
-#[derive(Debug, Default)]
-pub struct FoldHasher(u64);
-
-impl Hasher for FoldHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u128(&mut self, value: u128) {
-        self.0 = value as u64 ^ (value >> 64) as u64;
-    }
-}
 
 /// A ghost list: the 64-bit fingerprints of recently evicted digests, in
 /// eviction order (half the memory of whole digests; two digests sharing a
 /// fingerprint only makes one re-insert skip probation).
 #[derive(Debug, Default)]
 pub struct Ghosts {
-    set: HashSet<u64, BuildHasherDefault<FoldHasher>>,
+    set: HashSet<u64, BuildHasherDefault<DigestHasher>>,
     order: VecDeque<u64>,
 }
 
@@ -79,7 +61,7 @@ impl Ghosts {
     }
 }
 /// Maps keyed by digests.
-type DigestMap<V> = HashMap<u128, V, BuildHasherDefault<FoldHasher>>;
+type DigestMap<V> = HashMap<u128, V, BuildHasherDefault<DigestHasher>>;
 
 /// Pages each simulation holds at most: every pool up to 128 MiB is
 /// simulated whole; larger ones are sampled down to this.
@@ -172,18 +154,14 @@ impl Shadow {
     }
 
     /// A request for a prompt's blocks, in prefix order (`prefix_len`).
-    pub fn on_request(&self, digests: &[u128]) {
-        let Ok(mut sims) = self.sims.try_lock() else {
-            return;
-        };
-        let sampled: Vec<u128> = digests
-            .iter()
-            .copied()
-            .filter(|d| self.sampled(*d))
-            .collect();
+    pub fn on_request(&self, digests: impl IntoIterator<Item = u128>) {
+        let sampled: Vec<u128> = digests.into_iter().filter(|d| self.sampled(*d)).collect();
         if sampled.is_empty() {
             return;
         }
+        let Ok(mut sims) = self.sims.try_lock() else {
+            return;
+        };
         sims.request(&sampled);
         self.preferred.store(sims.current as u8, Ordering::Relaxed);
     }
@@ -538,7 +516,7 @@ mod tests {
         let mut next = 0u128;
         for _ in 0..200 {
             let hot: Vec<u128> = (0..300).collect();
-            shadow.on_request(&hot);
+            shadow.on_request(hot);
             for _ in 0..20 {
                 let flood: Vec<u128> = (0..100)
                     .map(|_| {
@@ -546,7 +524,7 @@ mod tests {
                         1_000_000 + next
                     })
                     .collect();
-                shadow.on_request(&flood);
+                shadow.on_request(flood);
             }
         }
         assert!(
@@ -558,7 +536,7 @@ mod tests {
             let keys: Vec<u128> = (0..900)
                 .map(|i| 5_000_000_000 + (round / 2) * 1_000 + i)
                 .collect();
-            shadow.on_request(&keys);
+            shadow.on_request(keys);
         }
         assert_eq!(shadow.preferred(), Mode::Lru);
     }

@@ -103,3 +103,15 @@ pub fn open_faulty(config: Config) -> (Store, Arc<FaultyEngine>) {
         .expect("the disk tier built an engine");
     (store, faulty)
 }
+
+/// Flushes until one succeeds, up to `tries` times 10 ms apart: whether the
+/// store became durable again (after a fault cleared, space returned, ...).
+pub fn flush_succeeds_within(store: &Store, tries: usize) -> bool {
+    for _ in 0..tries {
+        if store.flush().is_ok() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    false
+}
