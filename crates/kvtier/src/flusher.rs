@@ -168,11 +168,11 @@ impl Inner {
             let Some(current) = shard.get(entry.digest) else {
                 continue;
             };
-            if current.seq != entry.seq || current.disk != Some(recovered.loc) {
+            if current.seq() != entry.seq || current.disk() != Some(recovered.loc) {
                 continue;
             }
             let padded = page_round_up(u64::from(entry.value_len));
-            if current.accessed && (carried_bytes == 0 || carried_bytes + padded <= budget) {
+            if current.accessed() && (carried_bytes == 0 || carried_bytes + padded <= budget) {
                 carried_bytes += padded;
                 drop(shard);
                 carry.push(recovered);

@@ -10,6 +10,7 @@ use crate::key::KeyDigest;
 use crate::pool::PoolSlot;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::mem::ManuallyDrop;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -46,18 +47,152 @@ impl DiskLoc {
     }
 }
 
-#[derive(Debug)]
+/// One index entry: 32 bytes, so a hash-table slot with its key is 48
+/// (plus hashbrown's control byte). At 10 million entries every byte here
+/// is 10 MB of resident memory, so fields are packed:
+/// - the sequence number shares a word with the `accessed` flag;
+/// - the value length lives in the pool slot while there is a memory copy,
+///   and in the memory-copy word (tagged) while there is none.
 pub struct Entry {
-    /// Sequence number of the put that wrote this value; higher wins.
-    pub seq: u64,
+    /// `seq << 1 | accessed`. Sequence numbers stay below 2^63.
+    seq_accessed: u64,
     /// `value_checksum` of the value; meaningful once `disk` is set.
-    pub checksum: u64,
-    pub mem: Option<Arc<PoolSlot>>,
-    pub disk: Option<DiskLoc>,
-    pub len: u32,
+    checksum: u64,
+    mem_or_len: MemOrLen,
+    disk: Option<DiskLoc>,
+}
+
+impl Entry {
+    /// A new entry of put `seq`. With a memory copy, `len` must be the
+    /// slot's length.
+    pub fn new(
+        seq: u64,
+        checksum: u64,
+        mem: Option<Arc<PoolSlot>>,
+        disk: Option<DiskLoc>,
+        len: u32,
+    ) -> Self {
+        debug_assert!(seq < 1 << 63, "sequence numbers stay below 2^63");
+        debug_assert!(mem.as_ref().is_none_or(|m| m.len() == len as usize));
+        Entry {
+            seq_accessed: seq << 1,
+            checksum,
+            mem_or_len: MemOrLen::new(mem, len),
+            disk,
+        }
+    }
+
+    /// Sequence number of the put that wrote this value; higher wins.
+    pub fn seq(&self) -> u64 {
+        self.seq_accessed >> 1
+    }
+
     /// Read since written or last carried: earns a second chance when its
     /// region is reclaimed.
-    pub accessed: bool,
+    pub fn accessed(&self) -> bool {
+        self.seq_accessed & 1 == 1
+    }
+
+    pub fn checksum(&self) -> u64 {
+        self.checksum
+    }
+
+    pub fn mem(&self) -> Option<&Arc<PoolSlot>> {
+        self.mem_or_len.slot()
+    }
+
+    pub fn disk(&self) -> Option<DiskLoc> {
+        self.disk
+    }
+
+    pub fn len(&self) -> u32 {
+        self.mem_or_len.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entry")
+            .field("seq", &self.seq())
+            .field("accessed", &self.accessed())
+            .field("checksum", &self.checksum)
+            .field("mem", &self.mem())
+            .field("disk", &self.disk)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+/// Either the memory copy (an `Arc<PoolSlot>`, whose pointer is 8-aligned,
+/// so its low bit is 0) or, without one, `len << 1 | 1`.
+union MemOrLen {
+    slot: ManuallyDrop<Arc<PoolSlot>>,
+    tagged_len: usize,
+}
+
+// SAFETY: a `MemOrLen` is an `Option<Arc<PoolSlot>>` plus a length, and
+// `Arc<PoolSlot>` is `Send + Sync`.
+unsafe impl Send for MemOrLen {}
+// SAFETY: as above; shared access only reads the word or clones the `Arc`.
+unsafe impl Sync for MemOrLen {}
+
+const _: () = assert!(std::mem::align_of::<PoolSlot>() >= 2);
+const _: () = assert!(std::mem::size_of::<Arc<PoolSlot>>() == std::mem::size_of::<usize>());
+
+impl MemOrLen {
+    fn new(mem: Option<Arc<PoolSlot>>, len: u32) -> Self {
+        match mem {
+            Some(slot) => MemOrLen {
+                slot: ManuallyDrop::new(slot),
+            },
+            None => MemOrLen {
+                tagged_len: (len as usize) << 1 | 1,
+            },
+        }
+    }
+
+    fn bits(&self) -> usize {
+        // SAFETY: both variants are one machine word with no padding, so
+        // the word can always be read as an integer.
+        unsafe { self.tagged_len }
+    }
+
+    fn slot(&self) -> Option<&Arc<PoolSlot>> {
+        if self.bits() & 1 == 1 {
+            None
+        } else {
+            // SAFETY: an untagged word is the `Arc` written by `new`.
+            Some(unsafe { &self.slot })
+        }
+    }
+
+    fn len(&self) -> u32 {
+        match self.slot() {
+            Some(slot) => slot.len() as u32,
+            None => (self.bits() >> 1) as u32,
+        }
+    }
+
+    /// Drops the memory copy, keeping the length.
+    fn clear_slot(&mut self) {
+        if let Some(slot) = self.slot() {
+            let len = slot.len() as u32;
+            // SAFETY: the word holds an `Arc` (checked above); it is
+            // replaced right after, so it is dropped exactly once.
+            unsafe { ManuallyDrop::drop(&mut self.slot) };
+            self.tagged_len = (len as usize) << 1 | 1;
+        }
+    }
+}
+
+impl Drop for MemOrLen {
+    fn drop(&mut self) {
+        self.clear_slot();
+    }
 }
 
 /// The map key: the digest as two u64 halves, so a slot is 8-aligned
@@ -123,7 +258,7 @@ impl Shard {
 
     pub fn mark_accessed(&mut self, digest: KeyDigest) {
         if let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) {
-            entry.accessed = true;
+            entry.seq_accessed |= 1;
         }
     }
 
@@ -150,12 +285,12 @@ impl Shard {
         let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
             return false;
         };
-        if entry.seq != seq {
+        if entry.seq() != seq {
             return false;
         }
         if entry.disk.is_none() {
             self.disk_entries += 1;
-            self.disk_bytes += u64::from(entry.len);
+            self.disk_bytes += u64::from(entry.len());
         }
         entry.disk = Some(loc);
         entry.checksum = checksum;
@@ -168,18 +303,19 @@ impl Shard {
         let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
             return false;
         };
-        if entry.seq != seq || entry.disk != Some(loc) {
+        if entry.seq() != seq || entry.disk != Some(loc) {
             return false;
         }
         entry.disk = None;
         self.disk_entries -= 1;
-        self.disk_bytes -= u64::from(entry.len);
-        if entry.mem.is_none() {
-            self.map.remove(&DigestKey::from(digest));
-        } else if let Some(slot) = &entry.mem {
+        self.disk_bytes -= u64::from(entry.len());
+        match entry.mem() {
             // Its only durable copy is gone: from now on the memory copy
             // is a droppable cache entry.
-            slot.set_evictable();
+            Some(slot) => slot.set_evictable(),
+            None => {
+                self.map.remove(&DigestKey::from(digest));
+            }
         }
         true
     }
@@ -187,7 +323,7 @@ impl Shard {
     /// Points put `seq` at a new disk location (a carried value).
     pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
         match self.map.get_mut(&DigestKey::from(digest)) {
-            Some(entry) if entry.seq == seq && entry.disk.is_some() => {
+            Some(entry) if entry.seq() == seq && entry.disk.is_some() => {
                 entry.disk = Some(loc);
                 true
             }
@@ -198,7 +334,7 @@ impl Shard {
     /// Forgets put `seq`'s disk copy wherever it is.
     pub fn forget_disk(&mut self, digest: KeyDigest, seq: u64) -> bool {
         let loc = match self.map.get(&DigestKey::from(digest)) {
-            Some(entry) if entry.seq == seq => entry.disk,
+            Some(entry) if entry.seq() == seq => entry.disk,
             _ => None,
         };
         loc.is_some_and(|loc| self.clear_disk(digest, seq, loc))
@@ -214,9 +350,9 @@ impl Shard {
         new_seq: u64,
     ) -> bool {
         match self.map.get_mut(&DigestKey::from(digest)) {
-            Some(entry) if entry.seq == old_seq && entry.disk == Some(loc) => {
-                entry.seq = new_seq;
-                entry.accessed = false;
+            Some(entry) if entry.seq() == old_seq && entry.disk == Some(loc) => {
+                debug_assert!(new_seq < 1 << 63);
+                entry.seq_accessed = new_seq << 1;
                 true
             }
             _ => false,
@@ -229,10 +365,10 @@ impl Shard {
         let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
             return false;
         };
-        if !entry.mem.as_ref().is_some_and(|m| Arc::ptr_eq(m, slot)) {
+        if !entry.mem().is_some_and(|m| Arc::ptr_eq(m, slot)) {
             return false;
         }
-        entry.mem = None;
+        entry.mem_or_len.clear_slot();
         if entry.disk.is_none() {
             self.map.remove(&DigestKey::from(digest));
         }
@@ -242,14 +378,14 @@ impl Shard {
     fn count_in(&mut self, entry: &Entry) {
         if entry.disk.is_some() {
             self.disk_entries += 1;
-            self.disk_bytes += u64::from(entry.len);
+            self.disk_bytes += u64::from(entry.len());
         }
     }
 
     fn count_out(&mut self, entry: &Entry) {
         if entry.disk.is_some() {
             self.disk_entries -= 1;
-            self.disk_bytes -= u64::from(entry.len);
+            self.disk_bytes -= u64::from(entry.len());
         }
     }
 }
@@ -342,6 +478,45 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::PoolCore;
+
+    /// The packed entry holds the memory copy's `Arc` exactly once: cloned
+    /// out on reads, released when the copy is dropped or the entry goes,
+    /// and the length survives the memory copy.
+    #[test]
+    fn packed_entry_owns_its_memory_copy() {
+        assert_eq!(std::mem::size_of::<Entry>(), 32);
+        assert_eq!(SLOT_BYTES, 49);
+        let pool = PoolCore::new(1 << 20).unwrap();
+        let digest = crate::key::test_namespace("").digest(b"k");
+        let slot = Arc::new(pool.try_allocate(5000, digest).unwrap());
+        let mut shard = Shard::default();
+        shard.insert(digest, Entry::new(7, 0, Some(Arc::clone(&slot)), None, 5000));
+        assert_eq!(Arc::strong_count(&slot), 2);
+        let entry = shard.get(digest).unwrap();
+        assert_eq!((entry.seq(), entry.len(), entry.accessed()), (7, 5000, false));
+        assert!(Arc::ptr_eq(entry.mem().unwrap(), &slot));
+        shard.mark_accessed(digest);
+        assert!(shard.get(digest).unwrap().accessed());
+        assert_eq!(shard.get(digest).unwrap().seq(), 7);
+        // Durable on disk, then the memory copy goes: the length stays.
+        assert!(shard.set_disk(digest, 7, DiskLoc::new(3, 9), 0xABCD));
+        assert!(shard.drop_mem(digest, &slot));
+        assert_eq!(Arc::strong_count(&slot), 1);
+        let entry = shard.get(digest).unwrap();
+        assert!(entry.mem().is_none());
+        assert_eq!((entry.len(), entry.checksum()), (5000, 0xABCD));
+        assert_eq!(entry.disk(), Some(DiskLoc::new(3, 9)));
+        // An entry dropped with its memory copy releases it.
+        let other = crate::key::test_namespace("").digest(b"other");
+        shard.insert(other, Entry::new(8, 0, Some(Arc::clone(&slot)), None, 5000));
+        assert_eq!(Arc::strong_count(&slot), 2);
+        drop(shard.remove(other));
+        assert_eq!(Arc::strong_count(&slot), 1);
+        shard.insert(other, Entry::new(9, 0, Some(Arc::clone(&slot)), None, 5000));
+        drop(shard);
+        assert_eq!(Arc::strong_count(&slot), 1);
+    }
 
     /// Measures the index's memory per entry across a range of sizes (the
     /// hash table doubles, so bytes per entry swing with the load factor).
@@ -355,14 +530,7 @@ mod tests {
                 let digest = crate::key::test_namespace("").digest(&inserted.to_le_bytes());
                 index.lock(digest).insert(
                     digest,
-                    Entry {
-                        seq: inserted,
-                        checksum: 0,
-                        mem: None,
-                        disk: Some(DiskLoc::new(1, 1)),
-                        len: 65536,
-                        accessed: false,
-                    },
+                    Entry::new(inserted, 0, None, Some(DiskLoc::new(1, 1)), 65536),
                 );
                 inserted += 1;
             }

@@ -522,7 +522,7 @@ impl NamespacedStore<'_> {
             .index
             .lock(digest)
             .get(digest)
-            .map(|e| e.len as usize))
+            .map(|e| e.len() as usize))
     }
 
     /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
@@ -639,7 +639,7 @@ fn apply_recovered(
     let entry = recovered.entry;
     let digest = entry.digest;
     let mut shard = index.lock(digest);
-    let current = shard.get(digest).map(|e| e.seq);
+    let current = shard.get(digest).map(|e| e.seq());
     let newest_removal = tombstones.get(&digest.0).copied();
     if current.is_some_and(|s| s >= entry.seq) || newest_removal.is_some_and(|s| s >= entry.seq) {
         return;
@@ -652,14 +652,13 @@ fn apply_recovered(
         RecordKind::Put => {
             shard.insert(
                 digest,
-                Entry {
-                    seq: entry.seq,
-                    checksum: entry.checksum,
-                    mem: None,
-                    disk: Some(recovered.loc),
-                    len: entry.value_len,
-                    accessed: false,
-                },
+                Entry::new(
+                    entry.seq,
+                    entry.checksum,
+                    None,
+                    Some(recovered.loc),
+                    entry.value_len,
+                ),
             );
         }
     }
@@ -772,14 +771,7 @@ impl Inner {
         let seq = self.log.append(|seq| {
             replaced = self.index.lock(digest).insert(
                 digest,
-                Entry {
-                    seq,
-                    checksum: 0,
-                    mem: Some(Arc::clone(&slot)),
-                    disk: None,
-                    len: value_len as u32,
-                    accessed: false,
-                },
+                Entry::new(seq, 0, Some(Arc::clone(&slot)), None, value_len as u32),
             );
             to_disk.then(|| QueuedWrite::Put {
                 digest,
@@ -861,17 +853,17 @@ impl Inner {
         let Some(entry) = shard.get(digest) else {
             return Found::Miss;
         };
-        let found = if let Some(slot) = &entry.mem {
+        let found = if let Some(slot) = entry.mem() {
             slot.record_hit();
             Found::Memory(Arc::clone(slot))
-        } else if let Some(loc) = entry.disk {
+        } else if let Some(loc) = entry.disk() {
             match self.disk.as_ref().and_then(|d| d.region(loc.region())) {
                 Some(region) => Found::Disk {
                     region,
                     loc,
-                    len: entry.len as usize,
-                    checksum: entry.checksum,
-                    seq: entry.seq,
+                    len: entry.len() as usize,
+                    checksum: entry.checksum(),
+                    seq: entry.seq(),
                 },
                 None => Found::Miss,
             }
@@ -1326,15 +1318,8 @@ mod tests {
         let entry = {
             let shard = store.inner.index.lock(victim);
             let e = shard.get(victim).unwrap();
-            assert!(e.disk.is_some() && e.mem.is_none());
-            Entry {
-                seq: e.seq,
-                checksum: e.checksum,
-                mem: None,
-                disk: e.disk,
-                len: e.len,
-                accessed: false,
-            }
+            assert!(e.disk().is_some() && e.mem().is_none());
+            Entry::new(e.seq(), e.checksum(), None, e.disk(), e.len())
         };
         store.inner.index.lock(forged).insert(forged, entry);
         assert_eq!(store.get(b"attacker").unwrap(), None);

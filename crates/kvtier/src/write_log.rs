@@ -146,6 +146,12 @@ impl WriteLog {
             return Err(dead_error(why));
         }
         let seq = state.next_seq;
+        if seq > crate::disk::format::MAX_SEQ {
+            return Err(crate::Error::new(
+                crate::ErrorKind::Corruption,
+                "sequence numbers exhausted (2^63 puts)",
+            ));
+        }
         state.next_seq += 1;
         if let Some(item) = f(seq) {
             state.items.push_back(item);

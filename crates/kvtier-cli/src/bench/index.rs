@@ -30,6 +30,8 @@ fn empty_row(op: &str, tier: &str, engine: &str) -> Row {
         io_engine: engine.into(),
         index_entries: None,
         index_bytes_per_entry: None,
+        policy_bytes: None,
+        pool_entries: None,
     }
 }
 
@@ -38,7 +40,7 @@ fn empty_row(op: &str, tier: &str, engine: &str) -> Row {
 /// batch taking each shard lock once), on an index filled directly with
 /// disk-resident entries, since writing that many values through the
 /// store would need tens of GiB of disk.
-pub fn exists_case(entries: u64) -> Result<Row, Box<dyn std::error::Error>> {
+pub fn exists_case(entries: u64, dir: &Path) -> Result<Row, Box<dyn std::error::Error>> {
     let index = Index::default();
     let namespace = Namespace::new(
         std::sync::Arc::new(KeySecret::generate()?),
@@ -49,14 +51,13 @@ pub fn exists_case(entries: u64) -> Result<Row, Box<dyn std::error::Error>> {
         let digest = namespace.digest(&key(i));
         index.lock(digest).insert(
             digest,
-            Entry {
-                seq: i + 1,
-                checksum: i,
-                mem: None,
-                disk: Some(DiskLoc::new((i >> 16) as u32, (i & 0xffff) as u32)),
-                len: 1 << 20,
-                accessed: false,
-            },
+            Entry::new(
+                i + 1,
+                i,
+                None,
+                Some(DiskLoc::new((i >> 16) as u32, (i & 0xffff) as u32)),
+                1 << 20,
+            ),
         );
     }
     let counts = index.counts();
@@ -94,7 +95,39 @@ pub fn exists_case(entries: u64) -> Result<Row, Box<dyn std::error::Error>> {
     row.batches_per_s = 1e6 / histogram.mean();
     row.index_entries = Some(counts.entries);
     row.index_bytes_per_entry = Some(counts.table_bytes as f64 / counts.entries as f64);
+    let (policy_bytes, pool_entries) = policy_probe(dir)?;
+    row.policy_bytes = Some(policy_bytes);
+    row.pool_entries = Some(pool_entries);
     Ok(row)
+}
+
+/// The default eviction policy's metadata for a full pool: a memory-only
+/// store with a 1 GiB pool of 64 KiB values (16,384 entries, the smallest
+/// value size kvtier is built for, so the most entries per byte of pool),
+/// written three times over with every third key read back, so that the
+/// queues, the ghosts and the simulations all hold what they hold in
+/// steady state. Returns (policy bytes, pool entries).
+pub fn policy_probe(dir: &Path) -> Result<(u64, u64), Box<dyn std::error::Error>> {
+    let _ = std::fs::remove_dir_all(dir);
+    let pool = 1u64 << 30;
+    let value = 64usize << 10;
+    let store = Store::open(Config::new(dir).memory_capacity(pool).disk_capacity(0))?;
+    let payload = vec![0x3Cu8; value];
+    let per_pool = pool / value as u64;
+    for i in 0..3 * per_pool {
+        store.put(format!("probe/{i}"), &payload)?;
+        if i % 3 == 0 && i >= 64 {
+            store.get(format!("probe/{}", i - 64))?;
+        }
+    }
+    let stats = store.stats();
+    if stats.evictions == 0 {
+        return Err("the policy probe never filled its pool".into());
+    }
+    store.close()?;
+    drop(store);
+    let _ = std::fs::remove_dir_all(dir);
+    Ok((stats.policy_bytes, stats.memory_entries))
 }
 
 /// Writes `entries` 4 KiB values through a store, closes it cleanly, and

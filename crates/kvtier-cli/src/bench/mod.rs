@@ -765,7 +765,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
         eprint!("\r\x1b[2K");
     }
     if args.index_entries > 0 {
-        let row = index::exists_case(args.index_entries)?;
+        let row = index::exists_case(args.index_entries, &store_dir)?;
         println!("{}", row.line());
         rows.push(row);
     }

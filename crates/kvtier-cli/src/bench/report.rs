@@ -34,9 +34,31 @@ pub struct Row {
     pub index_entries: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index_bytes_per_entry: Option<f64>,
+    /// For the index row: the default eviction policy's metadata (queues,
+    /// ghosts, simulations) for a full pool of `pool_entries` values, from
+    /// a real store (see `index::policy_probe`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_entries: Option<u64>,
 }
 
 impl Row {
+    /// "; policy ..." for an index row that carries the policy probe.
+    fn policy_line(&self) -> String {
+        let (Some(policy), Some(pool), Some(entries)) =
+            (self.policy_bytes, self.pool_entries, self.index_entries)
+        else {
+            return String::new();
+        };
+        format!(
+            "; policy {:.1} B per pool entry ({pool} entries, {:.2} MiB), +{:.2} B per index entry",
+            policy as f64 / pool.max(1) as f64,
+            policy as f64 / (1u64 << 20) as f64,
+            policy as f64 / entries.max(1) as f64
+        )
+    }
+
     #[expect(
         clippy::too_many_arguments,
         reason = "one row's identity plus its two measurements"
@@ -84,6 +106,8 @@ impl Row {
             io_engine: io_engine.into(),
             index_entries: None,
             index_bytes_per_entry: None,
+            policy_bytes: None,
+            pool_entries: None,
         }
     }
 
@@ -138,7 +162,10 @@ impl Row {
             self.p999_us,
             format_size(self.verified_bytes).replace(".00 ", ""),
             match (self.index_entries, self.index_bytes_per_entry) {
-                (Some(n), Some(b)) => format!("  ({n} entries, {b:.1} B/entry)"),
+                (Some(n), Some(b)) => format!(
+                    "  ({n} entries, {b:.1} B/entry{})",
+                    self.policy_line()
+                ),
                 (Some(n), None) => format!("  ({n} entries)"),
                 _ => String::new(),
             }
@@ -178,14 +205,15 @@ pub fn markdown(rows: &[Row]) -> String {
             "exists" => {
                 let _ = writeln!(
                     out,
-                    "\n`batch_exists` of {} keys on an index of {} entries: p50 {} µs, p90 {} µs, p99 {} µs, p99.9 {} µs; index memory {:.1} bytes per entry.",
+                    "\n`batch_exists` of {} keys on an index of {} entries: p50 {} µs, p90 {} µs, p99 {} µs, p99.9 {} µs; index memory {:.1} bytes per entry{}.",
                     r.batch,
                     r.index_entries.unwrap_or(0),
                     r.p50_us,
                     r.p90_us,
                     r.p99_us,
                     r.p999_us,
-                    r.index_bytes_per_entry.unwrap_or(0.0)
+                    r.index_bytes_per_entry.unwrap_or(0.0),
+                    r.policy_line()
                 );
             }
             "open" => {

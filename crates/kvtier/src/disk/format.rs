@@ -16,6 +16,8 @@ const REGION_HEADER_CHECKED: usize = 24;
 
 pub const BATCH_HEADER_LEN: usize = 32;
 pub const ENTRY_FIXED_LEN: usize = 48;
+/// Sequence numbers stay below 2^63: the index packs a flag beside them.
+pub const MAX_SEQ: u64 = (1 << 63) - 1;
 const TRAILER_LEN: usize = 8;
 /// Upper bound on a record, so a corrupt length cannot make recovery
 /// allocate without limit.
@@ -56,9 +58,13 @@ impl RegionHeader {
         if version != FORMAT_VERSION {
             return Err(format!("unsupported region format version {version}"));
         }
+        let first_seq = u64_at(page, 16);
+        if first_seq > MAX_SEQ + 1 {
+            return Err(format!("region first_seq {first_seq} is out of range"));
+        }
         Ok(RegionHeader {
             region: u32_at(page, 12),
-            first_seq: u64_at(page, 16),
+            first_seq,
         })
     }
 }
@@ -217,6 +223,12 @@ pub fn decode_record(
             key: Vec::new(),
         };
         at += ENTRY_FIXED_LEN;
+        if entry.seq > MAX_SEQ {
+            return Err(format!(
+                "record sequence number {} is out of range",
+                entry.seq
+            ));
+        }
         if at + key_len > body.len() || split_qualified(&body[at..at + key_len]).is_none() {
             return Err(format!("bad qualified key of {key_len} bytes in record"));
         }
@@ -264,7 +276,7 @@ mod tests {
         (
             "[a-z0-9/]{0,128}",
             proptest::collection::vec(any::<u8>(), 1..=256),
-            any::<u64>(),
+            0..=MAX_SEQ,
             any::<bool>(),
             1u32..100_000,
             any::<u64>(),
