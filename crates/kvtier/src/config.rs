@@ -307,6 +307,16 @@ impl Config {
         self.io_engine
     }
 
+    /// `io_depth` as configured (default 64).
+    pub fn configured_io_depth(&self) -> u32 {
+        self.io_depth
+    }
+
+    /// `flush_batch_bytes` as configured (default 64 MiB).
+    pub fn configured_flush_batch_bytes(&self) -> u64 {
+        self.flush_batch_bytes
+    }
+
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }

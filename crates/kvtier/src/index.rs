@@ -491,10 +491,16 @@ mod tests {
         let digest = crate::key::test_namespace("").digest(b"k");
         let slot = Arc::new(pool.try_allocate(5000, digest).unwrap());
         let mut shard = Shard::default();
-        shard.insert(digest, Entry::new(7, 0, Some(Arc::clone(&slot)), None, 5000));
+        shard.insert(
+            digest,
+            Entry::new(7, 0, Some(Arc::clone(&slot)), None, 5000),
+        );
         assert_eq!(Arc::strong_count(&slot), 2);
         let entry = shard.get(digest).unwrap();
-        assert_eq!((entry.seq(), entry.len(), entry.accessed()), (7, 5000, false));
+        assert_eq!(
+            (entry.seq(), entry.len(), entry.accessed()),
+            (7, 5000, false)
+        );
         assert!(Arc::ptr_eq(entry.mem().unwrap(), &slot));
         shard.mark_accessed(digest);
         assert!(shard.get(digest).unwrap().accessed());

@@ -43,12 +43,12 @@ pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::RecoveryReport;
 pub use error::{Error, ErrorKind, Result};
 pub use key::{
-    validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace, MAX_KEY_LEN,
-    MAX_NAMESPACE_LEN,
+    validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace,
+    ValueChecksum, MAX_KEY_LEN, MAX_NAMESPACE_LEN,
 };
 pub use prefix::{block_keys, BlockKey};
 pub use stats::Stats;
-pub use store::{NamespacedStore, PutOptions, PutTier, Store};
+pub use store::{DiskLocation, NamespacedStore, PutOptions, PutTier, Store};
 
 /// Bytes one index entry occupies, for capacity planning: the hash table
 /// slot (digest and entry) plus its control byte, before load-factor slack.

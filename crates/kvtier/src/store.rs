@@ -92,6 +92,20 @@ pub(crate) struct Inner {
 
 /// The embedded tiered KV-cache store. `Send + Sync`: share it with an
 /// `Arc` and call it from any number of threads.
+/// Where a value's durable copy lies (see [`NamespacedStore::disk_location`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskLocation {
+    /// The region file.
+    pub path: std::path::PathBuf,
+    /// Byte offset of the value in the file (a multiple of 4096).
+    pub offset: u64,
+    pub len: u32,
+    /// The key's digest, which seeds the value checksum.
+    pub digest: KeyDigest,
+    /// `value_checksum(digest, value)`.
+    pub checksum: u64,
+}
+
 #[derive(Debug)]
 pub struct Store {
     inner: Arc<Inner>,
@@ -296,6 +310,12 @@ impl Store {
     /// Length of the value under `key`, without reading it.
     pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
         self.default_view().value_len(key)
+    }
+
+    /// Where the durable copy of `key` lies in the default namespace; see
+    /// [`NamespacedStore::disk_location`].
+    pub fn disk_location(&self, key: impl AsRef<[u8]>) -> Result<Option<DiskLocation>> {
+        self.default_view().disk_location(key)
     }
 
     /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
@@ -523,6 +543,42 @@ impl NamespacedStore<'_> {
             .lock(digest)
             .get(digest)
             .map(|e| e.len() as usize))
+    }
+
+    /// Where the durable copy of `key` lies: its region file, byte offset
+    /// and length, with the digest and checksum that verify it. `None` for
+    /// a missing key or one not yet on disk. For tools and benchmarks that
+    /// read the files themselves (`kvtier bench`'s shape-matched reader).
+    pub fn disk_location(&self, key: impl AsRef<[u8]>) -> Result<Option<DiskLocation>> {
+        self.inner.check_open()?;
+        let key = key.as_ref();
+        validate_key(key)?;
+        let digest = self.namespace.digest(key);
+        let (loc, len, checksum) = {
+            let shard = self.inner.index.lock(digest);
+            match shard
+                .get(digest)
+                .and_then(|e| Some((e.disk()?, e.len(), e.checksum())))
+            {
+                Some(found) => found,
+                None => return Ok(None),
+            }
+        };
+        let Some(region) = self
+            .inner
+            .disk
+            .as_ref()
+            .and_then(|d| d.region(loc.region()))
+        else {
+            return Ok(None);
+        };
+        Ok(Some(DiskLocation {
+            path: region.path().to_path_buf(),
+            offset: u64::from(loc.page()) * PAGE_SIZE,
+            len,
+            digest,
+            checksum,
+        }))
     }
 
     /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
@@ -1295,6 +1351,43 @@ fn check_buffer(len: usize, buf_len: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `disk_location` names the bytes a raw reader finds verified at
+    /// that place in the file, and nothing before the value is durable.
+    #[test]
+    fn disk_location_names_the_durable_bytes() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(
+            Config::new(dir.path())
+                .memory_capacity(4 << 20)
+                .disk_capacity(32 << 20)
+                .region_size(1 << 20),
+        )
+        .unwrap();
+        let value: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        store.put(b"k", &value).unwrap();
+        store.flush().unwrap();
+        assert_eq!(store.disk_location(b"missing").unwrap(), None);
+        let at = store
+            .disk_location(b"k")
+            .unwrap()
+            .expect("durable after flush");
+        assert_eq!((at.len, at.offset % PAGE_SIZE), (70_000, 0));
+        let mut raw = vec![0u8; at.len as usize];
+        std::fs::File::open(&at.path)
+            .unwrap()
+            .read_exact_at(&mut raw, at.offset)
+            .unwrap();
+        assert_eq!(raw, value);
+        assert_eq!(crate::value_checksum(at.digest, &raw), at.checksum);
+        let memory_only = PutOptions {
+            tier: PutTier::MemoryOnly,
+            ..Default::default()
+        };
+        store.put_with(b"m", b"x", &memory_only).unwrap();
+        assert_eq!(store.disk_location(b"m").unwrap(), None);
+    }
 
     /// The checksum is bound to the digest: an index entry that names one
     /// key's bytes for another key (what a digest collision would do with

@@ -32,6 +32,14 @@ fn empty_row(op: &str, tier: &str, engine: &str) -> Row {
         index_bytes_per_entry: None,
         policy_bytes: None,
         pool_entries: None,
+        ceiling_mb_per_s: None,
+        ceiling_shape: None,
+        ratio_to_ceiling: None,
+        shape_mb_per_s: None,
+        ratio_to_shape: None,
+        runs: None,
+        min: None,
+        max: None,
     }
 }
 

@@ -15,6 +15,7 @@
 
 mod baseline;
 mod data;
+mod device;
 mod index;
 mod remote;
 mod report;
@@ -138,6 +139,10 @@ pub struct BenchArgs {
     /// (the default).
     #[arg(long)]
     pub max_rate: bool,
+    /// Run every case this many times, each on fresh files, and report
+    /// each figure's median with its min and max (local cases only).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Bytes each case moves (rounded to whole batches, at least one).
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub bytes_per_case: u64,
@@ -242,6 +247,21 @@ impl Measurement {
     }
 }
 
+/// The sides of a disk case, each timed in every round.
+#[derive(Debug, Clone, Copy)]
+enum Side {
+    Store,
+    Shape,
+    Ceiling,
+}
+
+/// The order of the sides in round `r`: each goes first, second and
+/// third equally often, so drift in the device's speed favours none.
+fn rotation(r: usize) -> [Side; 3] {
+    const SIDES: [Side; 3] = [Side::Store, Side::Shape, Side::Ceiling];
+    [SIDES[r % 3], SIDES[(r + 1) % 3], SIDES[(r + 2) % 3]]
+}
+
 /// Progress on a terminal, one line per case otherwise.
 struct Progress {
     terminal: bool,
@@ -252,6 +272,13 @@ struct Progress {
 impl Progress {
     fn case(&mut self, label: &str) {
         self.done += 1;
+        if self.terminal {
+            eprint!("\r\x1b[2K[{}/{}] {label}", self.done, self.total);
+        }
+    }
+
+    /// Work between cases (the ceiling sweeps).
+    fn note(&self, label: &str) {
         if self.terminal {
             eprint!("\r\x1b[2K[{}/{}] {label}", self.done, self.total);
         }
@@ -286,6 +313,13 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
         return Err("threads, batch counts and value sizes must be at least 1".into());
     }
     let engine = IoEngineKind::parse(&args.io_engine)?;
+    if args.repeat > 1
+        && (args.trace.is_some() || !args.workload.is_empty() || args.connect.is_some())
+    {
+        return Err(
+            "--repeat applies to the local cases, not to --trace, --workload or --connect".into(),
+        );
+    }
     if let Some(path) = &args.trace {
         let requests = trace::load(path, args.limit)?;
         let mut rows = trace::run(args, &path.display().to_string(), &requests, engine)?;
@@ -327,9 +361,25 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
     if args.memory.len() > 1 || args.disk.len() > 1 || args.eviction.len() > 1 {
         return Err("lists of --memory, --disk or --eviction are for --trace replays".into());
     }
+    if args.repeat == 0 {
+        return Err("--repeat must be at least 1".into());
+    }
     let created = !args.data_dir.exists();
     std::fs::create_dir_all(&args.data_dir)?;
-    let result = run_cases(args, engine);
+    let mut runs = Vec::new();
+    let mut result = Ok(());
+    for run in 0..args.repeat {
+        if args.repeat > 1 {
+            println!("== run {} of {}", run + 1, args.repeat);
+        }
+        match run_cases(args, engine) {
+            Ok(rows) => runs.push(rows),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
     // Clean up whatever happened.
     if created {
         let _ = std::fs::remove_dir_all(&args.data_dir);
@@ -343,7 +393,18 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
             }
         }
     }
-    let rows = result?;
+    result?;
+    let rows = if args.repeat > 1 {
+        let merged = report::merge_runs(&runs);
+        println!("== medians of {} runs", args.repeat);
+        println!("{}", Row::header());
+        for row in &merged {
+            println!("{}", row.line());
+        }
+        merged
+    } else {
+        runs.pop().unwrap_or_default()
+    };
     write_outputs(args, &rows)
 }
 
@@ -507,10 +568,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
     println!("{}", Row::header());
     let store_dir = args.data_dir.join("store");
     for &value_size in &args.value_sizes {
-        let scratch = |batch: usize| {
-            args.data_dir
-                .join(format!("baseline-{value_size}-{batch}.scratch"))
-        };
+        let scratch = |name: &str| args.data_dir.join(format!("{name}-{value_size}.scratch"));
         let _ = std::fs::remove_dir_all(&store_dir);
         let config_in = |dir: PathBuf| {
             Config::new(dir)
@@ -531,6 +589,19 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
             let case_config = |batch: usize| config_in(store_dir.join(format!("x{batch}")));
             let twin_config = |batch: usize| config_in(store_dir.join(format!("x{batch}-twin")));
             let mut engine_name = "";
+            // The write ceiling: a size x depth sweep on a scratch file,
+            // whose best shape is re-measured in every put round.
+            let sweep_budget = (2 * args.bytes_per_case).max(16 << 20);
+            let write_ceiling = if wants(args, "put", "disk") {
+                progress.note(&format!("write ceiling sweep {}", format_size(value_size)));
+                let points = device::sweep_writes(&scratch("ceiling-sweep"), sweep_budget)?;
+                points[0].0
+            } else {
+                device::Shape {
+                    size: 4 << 20,
+                    depth: 16,
+                }
+            };
             for &batch in &args.batches {
                 let case = Case {
                     args,
@@ -541,41 +612,61 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 progress.case(&format!("put disk {} x{batch}", format_size(value_size)));
                 let store = Store::open(case_config(batch))?;
                 let twin = Store::open(twin_config(batch))?;
-                engine_name = store.stats().io_engine;
-                // The baseline writes the same bytes to its own fresh file.
-                let mut raw =
-                    baseline::RawFile::create(&scratch(batch), value_size as usize, batch)?;
-                let (mut put, mut base) = (Measurement::new(), Measurement::new());
+                let stats = store.stats();
+                engine_name = stats.io_engine;
+                if !stats.direct_io {
+                    return Err("the store is not using O_DIRECT: the bench refuses to report disk cases through the page cache".into());
+                }
+                let qualified = |key: &[u8]| store.default_namespace().qualify(key).len();
+                let mut shape_writer = device::ShapeWriter::create(
+                    &scratch("shape"),
+                    store.config().configured_io_depth() as usize,
+                    store.config().configured_flush_batch_bytes(),
+                )?;
+                let mut ceiling_writer =
+                    device::CeilingWriter::create(&scratch("ceiling"), write_ceiling)?;
+                let (mut put, mut shape, mut ceiling) =
+                    (Measurement::new(), Measurement::new(), Measurement::new());
                 for (r, round) in case_rounds(&case, PUT_ROUNDS).into_iter().enumerate() {
-                    // Who goes first alternates, so neither side's data is
-                    // systematically fresher in a cache below the VM.
-                    // The twin gets the same prepared batches, untimed.
+                    // The twin and the raw sides get the same prepared
+                    // values, laid out before any timing; who goes first
+                    // rotates, so no side is systematically fresher in a
+                    // cache below the VM.
                     let prepared = prepare_round(&case, round.clone());
                     let bytes = case.bytes(&round);
-                    if r % 2 == 0 {
-                        put_disk(&store, &prepared, bytes, &mut put)?;
-                        put_disk(&twin, &prepared, bytes, &mut Measurement::new())?;
-                        raw.write(round, &mut base)?;
-                    } else {
-                        raw.write(round, &mut base)?;
-                        put_disk(&twin, &prepared, bytes, &mut Measurement::new())?;
-                        put_disk(&store, &prepared, bytes, &mut put)?;
+                    let flat: Vec<(usize, &[u8])> = prepared
+                        .iter()
+                        .flatten()
+                        .flat_map(|(keys, values)| {
+                            keys.iter()
+                                .zip(values)
+                                .map(|(k, v)| (qualified(k), v.as_slice()))
+                        })
+                        .collect();
+                    let flushes = shape_writer.prepare(&flat);
+                    for side in rotation(r) {
+                        match side {
+                            Side::Store => {
+                                put_disk(&store, &prepared, bytes, &mut put)?;
+                                put_disk(&twin, &prepared, bytes, &mut Measurement::new())?;
+                            }
+                            Side::Shape => shape_writer.write(&flushes, bytes, &mut shape)?,
+                            Side::Ceiling => ceiling_writer.write(bytes, &mut ceiling)?,
+                        }
                     }
                 }
                 store.close()?;
                 twin.close()?;
-                drop(twin);
-                drop(raw);
-                let _ = std::fs::remove_file(scratch(batch));
+                drop((twin, shape_writer, ceiling_writer));
                 if wants(args, "put", "disk") {
-                    let row = Row::new(
+                    let row = Row::against_device(
                         "put",
-                        "disk",
                         value_size,
                         batch,
                         &put,
-                        &base,
-                        "raw O_DIRECT io_uring write",
+                        &shape,
+                        &ceiling,
+                        write_ceiling.to_string(),
                         engine_name,
                         0,
                     );
@@ -584,6 +675,15 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 }
             }
             if wants(args, "get", "disk") {
+                // The read ceiling: a sweep over the first case's two
+                // copies (the same kind of files every case reads).
+                progress.note(&format!("read ceiling sweep {}", format_size(value_size)));
+                let first = args.batches[0];
+                let read_ceiling = {
+                    let (a, b) = (case_config(first), twin_config(first));
+                    let set = device::FileSet::regions_of(&[a.data_dir(), b.data_dir()])?;
+                    device::sweep_reads(&set, sweep_budget)?[0].0
+                };
                 for &batch in &args.batches {
                     let case = Case {
                         args,
@@ -594,69 +694,106 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     progress.case(&format!("get disk {} x{batch}", format_size(value_size)));
                     // Reopen both copies: the pools start empty, so every get
                     // reads the disk. In even rounds the store reads its copy
-                    // and the baseline the twin's files; in odd rounds the
-                    // other way round. Each side reads half of each copy and
-                    // no block twice, so where the host placed each copy
-                    // (which on this disk decides its speed) weighs the same
-                    // on both sides.
+                    // and the raw sides the twin's files; in odd rounds the
+                    // other way round. Each side reads half of each copy, so
+                    // where the host placed each copy (which on this disk
+                    // decides its speed) weighs the same on every side.
                     let copies = [case_config(batch), twin_config(batch)];
                     let mut stores = Vec::new();
-                    let mut raws = Vec::new();
+                    let mut sets = Vec::new();
+                    let mut located = Vec::new();
+                    let keys = case.batches * batch as u64;
                     for copy in &copies {
-                        stores.push(Store::open(copy.clone())?);
-                        let regions = copy.data_dir().join("regions");
-                        raws.push(baseline::RegionFiles::open(
-                            &regions,
-                            value_size as usize,
-                            batch,
-                        )?);
-                    }
-                    let (mut get, mut base) = (Measurement::new(), Measurement::new());
-                    let mut verified = 0;
-                    let mut hosts = host_buffers(&case);
-                    let round_list = case_rounds(&case, GET_ROUNDS);
-                    let count = round_list.len();
-                    for (r, round) in round_list.into_iter().enumerate() {
-                        let store_copy = r % 2;
-                        let raw = &mut raws[1 - store_copy];
-                        // Who goes first alternates too, on its own period.
-                        let raw_first = (r / 2) % 2 == 1;
-                        if raw_first {
-                            raw.read_round(r, count, &mut base)?;
+                        let store = Store::open(copy.clone())?;
+                        if !store.stats().direct_io {
+                            return Err("the store is not using O_DIRECT: the bench refuses to report disk cases through the page cache".into());
                         }
-                        verified += get_round(
-                            &stores[store_copy],
-                            &case,
-                            "disk",
-                            round,
-                            u64::MAX,
-                            &mut hosts,
-                            &mut get,
-                        )?;
-                        if !raw_first {
-                            raw.read_round(r, count, &mut base)?;
+                        located.push(device::locations(
+                            &store,
+                            (0..keys).map(|i| data::key("disk", value_size, batch, i)),
+                        )?);
+                        sets.push(device::FileSet::regions_of(&[copy.data_dir()])?);
+                        stores.push(store);
+                    }
+                    let depth = stores[0].config().configured_io_depth() as usize;
+                    let shapes: Vec<device::ShapeReader<'_>> = sets
+                        .iter()
+                        .zip(&located)
+                        .map(|(set, at)| device::ShapeReader::new(set, at, depth))
+                        .collect();
+                    let mut ceilings = sets
+                        .iter()
+                        .map(|set| device::CeilingReader::new(set, read_ceiling))
+                        .collect::<std::io::Result<Vec<_>>>()?;
+                    let slot = (value_size as usize).div_ceil(4096) * 4096;
+                    let mut callers = (0..args.threads)
+                        .map(|_| device::ShapeCaller::new(depth, slot * batch))
+                        .collect::<std::io::Result<Vec<_>>>()?;
+                    let (mut get, mut shape, mut ceiling) =
+                        (Measurement::new(), Measurement::new(), Measurement::new());
+                    let mut verified = 0;
+                    let mut shape_verified = 0;
+                    let mut hosts = host_buffers(&case);
+                    for (r, round) in case_rounds(&case, GET_ROUNDS).into_iter().enumerate() {
+                        let store_copy = r % 2;
+                        let raw_copy = 1 - store_copy;
+                        let bytes = case.bytes(&round);
+                        for side in rotation(r / 2) {
+                            match side {
+                                Side::Store => {
+                                    verified += get_round(
+                                        &stores[store_copy],
+                                        &case,
+                                        "disk",
+                                        round.clone(),
+                                        u64::MAX,
+                                        &mut hosts,
+                                        &mut get,
+                                    )?;
+                                }
+                                Side::Shape => {
+                                    let reader = &shapes[raw_copy];
+                                    shape_verified += on_callers(
+                                        round.clone(),
+                                        &mut callers,
+                                        &mut shape,
+                                        bytes,
+                                        |b, caller| {
+                                            let first = b * batch as u64;
+                                            reader.read_batch(first..first + batch as u64, caller)
+                                        },
+                                    )?;
+                                }
+                                Side::Ceiling => ceilings[raw_copy].read(bytes, &mut ceiling)?,
+                            }
                         }
                     }
                     if stores.iter().any(|s| s.stats().memory_hits > 0) {
                         return Err("a disk get was served from memory: the case is invalid".into());
                     }
-                    let row = Row::new(
+                    if shape_verified != verified {
+                        return Err(format!(
+                            "the shape-matched reader verified {shape_verified} bytes, the store {verified}"
+                        )
+                        .into());
+                    }
+                    let row = Row::against_device(
                         "get",
-                        "disk",
                         value_size,
                         batch,
                         &get,
-                        &base,
-                        "raw O_DIRECT io_uring read of region files (store and twin swapped each round)",
+                        &shape,
+                        &ceiling,
+                        read_ceiling.to_string(),
                         engine_name,
                         verified,
                     );
                     progress.row(&row);
                     rows.push(row);
+                    drop((ceilings, shapes));
                     for store in stores {
                         store.close()?;
                     }
-                    drop(raws);
                     let _ = std::fs::remove_dir_all(copies[0].data_dir());
                     let _ = std::fs::remove_dir_all(copies[1].data_dir());
                 }

@@ -41,9 +41,87 @@ pub struct Row {
     pub policy_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_entries: Option<u64>,
+    /// Disk rows: the device ceiling (the best rate raw transfers reached
+    /// on the same files, re-measured beside the store at the sweep's best
+    /// shape; never below any side's rate in the case), its shape, and the
+    /// store's ratio to it (= `ratio`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling_mb_per_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling_shape: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio_to_ceiling: Option<f64>,
+    /// Disk rows: the shape-matched raw stream (the store's own requests)
+    /// and the store's ratio to it: its software overhead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape_mb_per_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio_to_shape: Option<f64>,
+    /// With `--repeat N`: the runs behind this row (its figures are their
+    /// medians) and each figure's minimum and maximum over them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runs: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl Row {
+    /// A disk row: the store against the device ceiling (`ratio`) and the
+    /// shape-matched stream. The ceiling is the best rate of the case:
+    /// the ceiling shape's, or the shape-matched stream's or the store's
+    /// if either went faster (the device did it, so it can), which keeps
+    /// `ratio_to_ceiling` at most 1 by construction; `ceiling_shape` says
+    /// which. Latency of the baseline is the shape-matched stream's per
+    /// call, comparable with the store's calls.
+    #[expect(clippy::too_many_arguments, reason = "one row's worth of facts")]
+    pub fn against_device(
+        op: &str,
+        value_size: u64,
+        batch: usize,
+        store: &Measurement,
+        shape: &Measurement,
+        ceiling: &Measurement,
+        ceiling_shape: String,
+        io_engine: &str,
+        verified_bytes: u64,
+    ) -> Row {
+        let mut row = Row::new(
+            op,
+            "disk",
+            value_size,
+            batch,
+            store,
+            ceiling,
+            "device ceiling: raw O_DIRECT io_uring at the best size x depth of a sweep over the same files, re-measured each round; shape-matched: the store's own requests, raw",
+            io_engine,
+            verified_bytes,
+        );
+        let candidates = [
+            (ceiling.mb_per_s(), ceiling_shape),
+            (
+                shape.mb_per_s(),
+                "the store's request stream, raw".to_string(),
+            ),
+            (store.mb_per_s(), "the store's own run".to_string()),
+        ];
+        let (best, best_shape) = candidates
+            .into_iter()
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .expect("three candidates");
+        let ratio = |base: f64| if base > 0.0 { row.mb_per_s / base } else { 0.0 };
+        row.baseline_mb_per_s = best;
+        row.ratio = ratio(best);
+        row.ceiling_mb_per_s = Some(best);
+        row.ceiling_shape = Some(best_shape);
+        row.ratio_to_ceiling = Some(ratio(best));
+        row.shape_mb_per_s = Some(shape.mb_per_s());
+        row.ratio_to_shape = Some(ratio(shape.mb_per_s()));
+        row.baseline_p50_us = shape.latency_us.value_at_quantile(0.50);
+        row
+    }
+
     /// "; policy ..." for an index row that carries the policy probe.
     fn policy_line(&self) -> String {
         let (Some(policy), Some(pool), Some(entries)) =
@@ -108,6 +186,14 @@ impl Row {
             index_bytes_per_entry: None,
             policy_bytes: None,
             pool_entries: None,
+            ceiling_mb_per_s: None,
+            ceiling_shape: None,
+            ratio_to_ceiling: None,
+            shape_mb_per_s: None,
+            ratio_to_shape: None,
+            runs: None,
+            min: None,
+            max: None,
         }
     }
 
@@ -167,36 +253,119 @@ impl Row {
                     self.policy_line()
                 ),
                 (Some(n), None) => format!("  ({n} entries)"),
-                _ => String::new(),
+                _ => match (&self.ceiling_shape, self.ratio_to_shape, self.shape_mb_per_s) {
+                    (Some(ceiling), Some(to_shape), Some(shape)) => format!(
+                        "  (ceiling: {ceiling}; shape-matched {shape:.0} MB/s, ratio {to_shape:.2})"
+                    ),
+                    _ => String::new(),
+                },
             }
         )
+    }
+}
+
+/// Rows of `--repeat` runs merged case by case (op, tier, value size,
+/// batch; in the first run's order): every numeric figure becomes the
+/// median of the runs (the mean of the middle two for an even count,
+/// rounded for integer fields), `min` and `max` hold each figure's extremes,
+/// and text fields come from the first run. A case missing from some run
+/// is merged over the runs that have it.
+pub fn merge_runs(runs: &[Vec<Row>]) -> Vec<Row> {
+    use serde_json::{Map, Value};
+    let case = |r: &Row| (r.op.clone(), r.tier.clone(), r.value_size, r.batch);
+    let mut order = Vec::new();
+    for row in runs.iter().flatten() {
+        if !order.contains(&case(row)) {
+            order.push(case(row));
+        }
+    }
+    order
+        .into_iter()
+        .map(|key| {
+            let group: Vec<Map<String, Value>> = runs
+                .iter()
+                .flatten()
+                .filter(|r| case(r) == key)
+                .map(|r| match serde_json::to_value(r).expect("rows serialize") {
+                    Value::Object(map) => map,
+                    _ => unreachable!("a row is an object"),
+                })
+                .collect();
+            let mut merged = group[0].clone();
+            let (mut low, mut high) = (Map::new(), Map::new());
+            for (field, first) in &group[0] {
+                if !first.is_number() || matches!(field.as_str(), "value_size" | "batch") {
+                    continue;
+                }
+                let mut values: Vec<f64> = group
+                    .iter()
+                    .filter_map(|m| m.get(field).and_then(Value::as_f64))
+                    .collect();
+                values.sort_by(f64::total_cmp);
+                let n = values.len();
+                let median = if n % 2 == 1 {
+                    values[n / 2]
+                } else {
+                    (values[n / 2 - 1] + values[n / 2]) / 2.0
+                };
+                let number = |x: f64| {
+                    if first.is_u64() {
+                        Value::from(x.round() as u64)
+                    } else {
+                        Value::from(x)
+                    }
+                };
+                merged.insert(field.clone(), number(median));
+                low.insert(field.clone(), number(values[0]));
+                high.insert(field.clone(), number(values[n - 1]));
+            }
+            let mut row: Row =
+                serde_json::from_value(Value::Object(merged)).expect("merged rows deserialize");
+            row.runs = Some(group.len());
+            row.min = Some(low);
+            row.max = Some(high);
+            row
+        })
+        .collect()
+}
+
+/// "m (lo-hi)" for a figure of a merged row, or just the figure.
+fn spread(r: &Row, field: &str, value: f64, digits: usize) -> String {
+    let bound = |m: &Option<serde_json::Map<String, serde_json::Value>>| {
+        m.as_ref()
+            .and_then(|m| m.get(field))
+            .and_then(serde_json::Value::as_f64)
+    };
+    match (bound(&r.min), bound(&r.max)) {
+        (Some(lo), Some(hi)) => format!("{value:.digits$} ({lo:.digits$}-{hi:.digits$})"),
+        _ => format!("{value:.digits$}"),
     }
 }
 
 /// The rows as a Markdown table (store rows, then index and reopen rows).
 pub fn markdown(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | median round ratio | batches/s | p50 µs | p90 µs | p99 µs | p99.9 µs | verified |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | ceiling shape | shape-matched MB/s | ratio to shape | p50 µs | p99 µs | verified |\n\
+         |---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n",
     );
     for r in rows.iter().filter(|r| r.value_size > 0) {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.2} | {} | {:.1} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.op,
             r.tier,
             format_size(r.value_size).replace(".00 ", " "),
             r.batch,
-            r.mb_per_s,
-            r.baseline_mb_per_s,
-            r.ratio,
-            r.ratio_median
-                .map_or("-".to_string(), |m| format!("{m:.2}")),
-            r.batches_per_s,
+            spread(r, "mb_per_s", r.mb_per_s, 0),
+            spread(r, "baseline_mb_per_s", r.baseline_mb_per_s, 0),
+            spread(r, "ratio", r.ratio, 2),
+            r.ceiling_shape.as_deref().unwrap_or(&r.baseline),
+            r.shape_mb_per_s
+                .map_or("-".to_string(), |v| spread(r, "shape_mb_per_s", v, 0)),
+            r.ratio_to_shape
+                .map_or("-".to_string(), |v| spread(r, "ratio_to_shape", v, 2)),
             r.p50_us,
-            r.p90_us,
             r.p99_us,
-            r.p999_us,
             format_size(r.verified_bytes).replace(".00 ", " ")
         );
     }

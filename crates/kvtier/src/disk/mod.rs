@@ -49,6 +49,10 @@ impl Drop for Region {
 }
 
 impl Region {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     fn new(id: u32, file: File, path: PathBuf, len: u64, engine: &Arc<dyn IoEngine>) -> Region {
         engine.register_file(&file);
         Region {

@@ -1,0 +1,753 @@
+//! The device's side of every disk case, measured over the same files in
+//! the same run, with raw O_DIRECT io_uring transfers written against the
+//! io_uring crate directly (no kvtier engine code):
+//!
+//! - the **ceiling**: a sweep of transfer size x queue depth, as fio
+//!   would run it, whose best shape is then re-measured round by round
+//!   beside the store; nothing can read or write the device faster, so the
+//!   store's ratio to it is at most 1 (the ceiling is the best rate any side
+//!   reached in the case, the store's included);
+//! - the **shape-matched** stream: exactly the store's requests (same
+//!   offsets, piece size and depth; for puts, the flusher's batches, writes
+//!   and syncs), verified as the store verifies (reads are checksummed
+//!   piece by piece as they complete, inside the timed region); the store's
+//!   ratio to it is its software overhead.
+//!
+//! Every descriptor is checked for O_DIRECT: a file system that refuses it
+//! makes the bench fail instead of reporting page-cache speed.
+
+use super::Measurement;
+use io_uring::{opcode, squeue, types, IoUring};
+use kvtier::disk::io::AlignedBuf;
+use kvtier::{DiskLocation, ValueChecksum};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::{AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+/// The store's read piece (`store::VERIFY_PIECE`).
+pub const STORE_READ_PIECE: usize = 2 * MIB;
+/// The io_uring engine's write chunk (`disk::uring::WRITE_CHUNK`).
+pub const STORE_WRITE_CHUNK: usize = 4 * MIB;
+/// Transfer sizes and depths the ceiling sweep tries.
+const SWEEP_SIZES: [usize; 10] = [
+    128 * KIB,
+    256 * KIB,
+    512 * KIB,
+    MIB,
+    2 * MIB,
+    4 * MIB,
+    8 * MIB,
+    16 * MIB,
+    32 * MIB,
+    64 * MIB,
+];
+const SWEEP_DEPTHS: [usize; 8] = [1, 2, 4, 8, 16, 32, 64, 128];
+/// At most this many bytes in flight (and in buffers) at one sweep point.
+const SWEEP_MAX_IN_FLIGHT: usize = 256 * MIB;
+
+/// Fails unless O_DIRECT is in effect on `file`.
+pub fn require_direct(file: &File, path: &Path) -> io::Result<()> {
+    // SAFETY: F_GETFL reads the descriptor's flags; `file` keeps it open.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if flags & libc::O_DIRECT == 0 {
+        return Err(io::Error::other(format!(
+            "O_DIRECT is not in effect on {}: the bench refuses to report a disk baseline through the page cache",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+fn open_direct(path: &Path, write: bool, create: bool) -> io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(write).custom_flags(libc::O_DIRECT);
+    if create {
+        options.create(true).truncate(true);
+    }
+    let file = options.open(path).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("opening {} with O_DIRECT: {e}", path.display()),
+        )
+    })?;
+    require_direct(&file, path)?;
+    Ok(file)
+}
+
+/// A transfer size and queue depth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub size: usize,
+    pub depth: usize,
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.size >= MIB {
+            write!(f, "{}MiB x {}", self.size / MIB, self.depth)
+        } else {
+            write!(f, "{}KiB x {}", self.size / KIB, self.depth)
+        }
+    }
+}
+
+/// Runs `count` transfers on `ring`, at most `depth` in flight, refilling
+/// as each completes (fio's `iodepth`). `prepare(i, done, slot)` builds the
+/// SQE for the rest of transfer `i` after `done` bytes, in buffer slot
+/// `slot` (a slot is free again once its transfer completes); `len(i)` is
+/// its length; `on_done(i)` runs when it completes, in completion order.
+///
+/// # Safety
+/// The SQEs must point into buffers that stay valid until this returns,
+/// and no two transfers in flight at once may share bytes of a buffer
+/// (slots exist for that).
+unsafe fn run(
+    ring: &mut IoUring,
+    count: usize,
+    depth: usize,
+    len: impl Fn(usize) -> usize,
+    prepare: impl Fn(usize, usize, usize) -> squeue::Entry,
+    mut on_done: impl FnMut(usize),
+) -> io::Result<()> {
+    let mut done = vec![0usize; count];
+    let mut slot_of = vec![usize::MAX; count];
+    let mut free: Vec<usize> = (0..depth).rev().collect();
+    let mut queue: std::collections::VecDeque<usize> = (0..count).collect();
+    let mut in_flight = 0usize;
+    let mut finished = 0usize;
+    let mut failure = None;
+    while finished < count && failure.is_none() || in_flight > 0 {
+        while failure.is_none() && in_flight < depth {
+            let Some(&i) = queue.front() else { break };
+            if slot_of[i] == usize::MAX {
+                match free.pop() {
+                    Some(slot) => slot_of[i] = slot,
+                    None => break,
+                }
+            }
+            let entry = prepare(i, done[i], slot_of[i]).user_data(i as u64);
+            // SAFETY: the caller's contract; this function returns only
+            // after every submitted transfer has completed.
+            if unsafe { ring.submission().push(&entry) }.is_err() {
+                break;
+            }
+            queue.pop_front();
+            in_flight += 1;
+        }
+        if let Err(e) = ring.submit_and_wait(1) {
+            if !matches!(
+                e.raw_os_error(),
+                Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+            ) {
+                // Buffers may still be in the kernel's hands: stop here.
+                eprintln!("kvtier bench: io_uring submission failed: {e}");
+                std::process::abort();
+            }
+        }
+        let completed: Vec<(usize, i32)> = ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result()))
+            .collect();
+        in_flight -= completed.len();
+        for (i, result) in completed {
+            if result == -libc::EINTR || result == -libc::EAGAIN {
+                queue.push_front(i);
+            } else if result < 0 {
+                failure.get_or_insert(io::Error::from_raw_os_error(-result));
+            } else if result == 0 {
+                failure.get_or_insert(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "raw transfer made no progress",
+                ));
+            } else {
+                done[i] += result as usize;
+                if done[i] < len(i) {
+                    queue.push_front(i);
+                } else {
+                    finished += 1;
+                    free.push(slot_of[i]);
+                    on_done(i);
+                }
+            }
+        }
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn ring_for(depth: usize) -> io::Result<IoUring> {
+    IoUring::new(depth.next_power_of_two().max(2) as u32)
+}
+
+/// A set of files (a store's region files) opened O_DIRECT for reading.
+pub struct FileSet {
+    files: Vec<(PathBuf, File, u64)>,
+}
+
+impl FileSet {
+    pub fn open(paths: &[PathBuf]) -> io::Result<FileSet> {
+        let mut files = Vec::with_capacity(paths.len());
+        for path in paths {
+            let file = open_direct(path, false, false)?;
+            let len = file.metadata()?.len() / 4096 * 4096;
+            if len > 0 {
+                files.push((path.clone(), file, len));
+            }
+        }
+        if files.is_empty() {
+            return Err(io::Error::other("no data to read for the device ceiling"));
+        }
+        Ok(FileSet { files })
+    }
+
+    /// Every `*.kvr` region file under each store directory's `regions`.
+    pub fn regions_of(dirs: &[&Path]) -> io::Result<FileSet> {
+        let mut paths = Vec::new();
+        for dir in dirs {
+            let mut found: Vec<PathBuf> = std::fs::read_dir(dir.join("regions"))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "kvr"))
+                .collect();
+            found.sort();
+            paths.extend(found);
+        }
+        FileSet::open(&paths)
+    }
+
+    pub fn total(&self) -> u64 {
+        self.files.iter().map(|f| f.2).sum()
+    }
+
+    fn fd(&self, path: &Path) -> Option<RawFd> {
+        self.files
+            .iter()
+            .find(|f| f.0 == path)
+            .map(|f| f.1.as_raw_fd())
+    }
+}
+
+/// Raw reads of `shape` front to back over a file set, wrapping around,
+/// from where the last call stopped.
+pub struct CeilingReader<'a> {
+    set: &'a FileSet,
+    shape: Shape,
+    ring: IoUring,
+    bufs: Vec<AlignedBuf>,
+    file: usize,
+    offset: u64,
+}
+
+impl<'a> CeilingReader<'a> {
+    pub fn new(set: &'a FileSet, shape: Shape) -> io::Result<Self> {
+        Ok(CeilingReader {
+            set,
+            shape,
+            ring: ring_for(shape.depth)?,
+            bufs: (0..shape.depth)
+                .map(|_| super::data::touched_buffer(shape.size))
+                .collect(),
+            file: 0,
+            offset: 0,
+        })
+    }
+
+    /// Reads at least `bytes` (whole transfers), timed into `m` as one span.
+    pub fn read(&mut self, bytes: u64, m: &mut Measurement) -> io::Result<()> {
+        let mut plan: Vec<(RawFd, u64, usize)> = Vec::new();
+        let mut planned = 0u64;
+        while planned < bytes {
+            let (_, file, len) = &self.set.files[self.file];
+            let take = (len - self.offset).min(self.shape.size as u64) as usize;
+            plan.push((file.as_raw_fd(), self.offset, take));
+            planned += take as u64;
+            self.offset += take as u64;
+            if self.offset >= *len {
+                self.offset = 0;
+                self.file = (self.file + 1) % self.set.files.len();
+            }
+        }
+        let ptrs: Vec<*mut u8> = self
+            .bufs
+            .iter_mut()
+            .map(|b| b.as_mut_slice().as_mut_ptr())
+            .collect();
+        let started = Instant::now();
+        // SAFETY: each transfer reads into its own slot's buffer, which
+        // lives in `self` across the call; slots are never shared in flight.
+        unsafe {
+            run(
+                &mut self.ring,
+                plan.len(),
+                self.shape.depth,
+                |i| plan[i].2,
+                |i, done, slot| {
+                    let (fd, offset, len) = plan[i];
+                    opcode::Read::new(types::Fd(fd), ptrs[slot].add(done), (len - done) as u32)
+                        .offset(offset + done as u64)
+                        .build()
+                },
+                |_| {},
+            )?;
+        }
+        let elapsed = started.elapsed();
+        m.add_span(elapsed, planned);
+        m.record_call(elapsed);
+        Ok(())
+    }
+}
+
+/// Bytes each sweep point moves: enough to fill the queue several times,
+/// within `budget`.
+fn point_bytes(shape: Shape, budget: u64) -> u64 {
+    ((4 * shape.size * shape.depth) as u64)
+        .clamp(32 << 20, 512 << 20)
+        .min(budget)
+}
+
+/// The sweep's shapes: every size and depth with at most
+/// `SWEEP_MAX_IN_FLIGHT` (and no more than `data` bytes) in flight.
+fn sweep_shapes(data: u64) -> Vec<Shape> {
+    let mut shapes = Vec::new();
+    for &size in &SWEEP_SIZES {
+        for &depth in &SWEEP_DEPTHS {
+            let in_flight = size * depth;
+            if in_flight <= SWEEP_MAX_IN_FLIGHT && in_flight as u64 <= data.max(size as u64) {
+                shapes.push(Shape { size, depth });
+            }
+        }
+    }
+    shapes
+}
+
+/// The read sweep over `set`: each shape's MB/s, best first.
+pub fn sweep_reads(set: &FileSet, budget: u64) -> io::Result<Vec<(Shape, f64)>> {
+    let mut points = Vec::new();
+    for shape in sweep_shapes(set.total()) {
+        let mut reader = CeilingReader::new(set, shape)?;
+        let mut m = Measurement::new();
+        reader.read(point_bytes(shape, budget), &mut m)?;
+        points.push((shape, m.mb_per_s()));
+    }
+    points.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Ok(points)
+}
+
+/// Raw writes of `shape`, appended to a scratch file, then `fdatasync`.
+pub struct CeilingWriter {
+    path: PathBuf,
+    file: File,
+    shape: Shape,
+    ring: IoUring,
+    bufs: Vec<AlignedBuf>,
+    offset: u64,
+}
+
+impl CeilingWriter {
+    pub fn create(path: &Path, shape: Shape) -> io::Result<Self> {
+        Ok(CeilingWriter {
+            path: path.to_path_buf(),
+            file: open_direct(path, true, true)?,
+            shape,
+            ring: ring_for(shape.depth)?,
+            bufs: (0..shape.depth)
+                .map(|_| {
+                    let mut buf = AlignedBuf::zeroed(shape.size);
+                    super::data::fill(b"ceiling", buf.as_mut_slice());
+                    buf
+                })
+                .collect(),
+            offset: 0,
+        })
+    }
+
+    /// Writes at least `bytes` (whole transfers) and syncs them, timed
+    /// into `m` as one span.
+    pub fn write(&mut self, bytes: u64, m: &mut Measurement) -> io::Result<()> {
+        let count = bytes.div_ceil(self.shape.size as u64) as usize;
+        let size = self.shape.size;
+        let fd = self.file.as_raw_fd();
+        let base = self.offset;
+        let ptrs: Vec<*const u8> = self.bufs.iter().map(|b| b.as_slice().as_ptr()).collect();
+        let started = Instant::now();
+        // SAFETY: writes only read their slot's buffer, owned by `self`.
+        unsafe {
+            run(
+                &mut self.ring,
+                count,
+                self.shape.depth,
+                |_| size,
+                |i, done, slot| {
+                    opcode::Write::new(types::Fd(fd), ptrs[slot].add(done), (size - done) as u32)
+                        .offset(base + (i * size + done) as u64)
+                        .build()
+                },
+                |_| {},
+            )?;
+        }
+        self.file.sync_data()?;
+        let elapsed = started.elapsed();
+        m.add_span(elapsed, (count * size) as u64);
+        m.record_call(elapsed);
+        self.offset += (count * size) as u64;
+        Ok(())
+    }
+
+    /// Starts over at offset 0 of an emptied file.
+    fn rewind(&mut self) -> io::Result<()> {
+        self.file.set_len(0)?;
+        self.offset = 0;
+        Ok(())
+    }
+}
+
+impl Drop for CeilingWriter {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The write sweep on a scratch file at `path`: each shape's MB/s
+/// (writes plus the final `fdatasync`), best first.
+pub fn sweep_writes(path: &Path, budget: u64) -> io::Result<Vec<(Shape, f64)>> {
+    let mut points = Vec::new();
+    for shape in sweep_shapes(u64::MAX) {
+        let mut writer = CeilingWriter::create(path, shape)?;
+        writer.rewind()?;
+        let mut m = Measurement::new();
+        writer.write(point_bytes(shape, budget), &mut m)?;
+        points.push((shape, m.mb_per_s()));
+    }
+    points.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Ok(points)
+}
+
+/// The store's read stream replayed raw: per batch call, every value of
+/// the batch cut into `STORE_READ_PIECE` pieces at the value's offset in
+/// its region file, all queued at once with at most `depth` in flight (the
+/// store's `io_depth`), into a page-aligned host buffer; each value is
+/// checksummed piece by piece, in order, as its pieces complete, and
+/// compared with the checksum the store's index holds, as the store does.
+pub struct ShapeReader<'a> {
+    set: &'a FileSet,
+    /// Per key number of the case: where its value lies.
+    locations: &'a [DiskLocation],
+    depth: usize,
+}
+
+/// One caller thread's ring and host buffer for a `ShapeReader`.
+pub struct ShapeCaller {
+    ring: IoUring,
+    host: AlignedBuf,
+}
+
+impl ShapeCaller {
+    pub fn new(depth: usize, host_len: usize) -> io::Result<ShapeCaller> {
+        Ok(ShapeCaller {
+            ring: ring_for(depth)?,
+            host: super::data::touched_buffer(host_len),
+        })
+    }
+}
+
+/// Pieces of one value still to be checksummed, in order.
+struct PieceCheck {
+    checksum: ValueChecksum,
+    done: Vec<bool>,
+    next: usize,
+}
+
+impl<'a> ShapeReader<'a> {
+    pub fn new(set: &'a FileSet, locations: &'a [DiskLocation], depth: usize) -> Self {
+        ShapeReader {
+            set,
+            locations,
+            depth,
+        }
+    }
+
+    /// Reads the values of key numbers `keys` into `caller`'s host buffer
+    /// (one page-rounded slot each) and verifies them. Returns the call's
+    /// time and the bytes verified.
+    pub fn read_batch(
+        &self,
+        keys: std::ops::Range<u64>,
+        caller: &mut ShapeCaller,
+    ) -> Result<(Duration, u64), String> {
+        struct Piece {
+            fd: RawFd,
+            offset: u64,
+            at: usize,
+            len: usize,
+            value: usize,
+            index: usize,
+        }
+        let values: Vec<&DiskLocation> = keys.map(|k| &self.locations[k as usize]).collect();
+        let mut pieces = Vec::new();
+        let mut slot_start = 0usize;
+        for (v, location) in values.iter().enumerate() {
+            let fd = self
+                .set
+                .fd(&location.path)
+                .ok_or_else(|| format!("{} is not in the file set", location.path.display()))?;
+            let read_len = (location.len as usize).div_ceil(4096) * 4096;
+            for (index, start) in (0..read_len).step_by(STORE_READ_PIECE).enumerate() {
+                pieces.push(Piece {
+                    fd,
+                    offset: location.offset + start as u64,
+                    at: slot_start + start,
+                    len: (read_len - start).min(STORE_READ_PIECE),
+                    value: v,
+                    index,
+                });
+            }
+            slot_start += read_len;
+        }
+        if slot_start > caller.host.len() {
+            return Err("host buffer too small for the batch".into());
+        }
+        let mut checks: Vec<PieceCheck> = values
+            .iter()
+            .map(|l| PieceCheck {
+                checksum: ValueChecksum::new(l.digest),
+                done: vec![
+                    false;
+                    ((l.len as usize).div_ceil(4096) * 4096).div_ceil(STORE_READ_PIECE)
+                ],
+                next: 0,
+            })
+            .collect();
+        let host = caller.host.as_mut_slice().as_mut_ptr();
+        let value_start: Vec<usize> = {
+            let mut starts = Vec::with_capacity(values.len());
+            let mut at = 0;
+            for l in &values {
+                starts.push(at);
+                at += (l.len as usize).div_ceil(4096) * 4096;
+            }
+            starts
+        };
+        let started = Instant::now();
+        // SAFETY: pieces read into disjoint ranges of the host buffer,
+        // which `caller` owns for the whole call.
+        unsafe {
+            run(
+                &mut caller.ring,
+                pieces.len(),
+                self.depth,
+                |i| pieces[i].len,
+                |i, done, _slot| {
+                    let p = &pieces[i];
+                    opcode::Read::new(
+                        types::Fd(p.fd),
+                        host.add(p.at + done),
+                        (p.len - done) as u32,
+                    )
+                    .offset(p.offset + done as u64)
+                    .build()
+                },
+                |i| {
+                    let p = &pieces[i];
+                    let check = &mut checks[p.value];
+                    check.done[p.index] = true;
+                    let len = values[p.value].len as usize;
+                    while check.done.get(check.next).copied().unwrap_or(false) {
+                        let from = check.next * STORE_READ_PIECE;
+                        let to = ((check.next + 1) * STORE_READ_PIECE).min(len);
+                        if from < to {
+                            // SAFETY: this piece's read has completed and
+                            // nothing else writes its range now.
+                            let bytes = std::slice::from_raw_parts(
+                                host.add(value_start[p.value] + from),
+                                to - from,
+                            );
+                            check.checksum.update(bytes);
+                        }
+                        check.next += 1;
+                    }
+                },
+            )
+        }
+        .map_err(|e| format!("shape-matched read failed: {e}"))?;
+        let mut verified = 0u64;
+        for (check, location) in checks.into_iter().zip(&values) {
+            if check.checksum.finish() != location.checksum {
+                return Err(format!(
+                    "shape-matched read of {} at {} failed its checksum",
+                    location.path.display(),
+                    location.offset
+                ));
+            }
+            verified += u64::from(location.len);
+        }
+        Ok((started.elapsed(), verified))
+    }
+}
+
+/// The flusher's write stream replayed raw on a scratch file: values
+/// grouped into batches as the flusher groups them (record pages plus
+/// padded values within `flush_batch_bytes`), each batch's values written
+/// as chunks of at most `STORE_WRITE_CHUNK` (never splitting a value), all
+/// in flight at once up to `depth`, then `fdatasync`, then the record
+/// pages, then `fdatasync` again: the crash protocol's two phases.
+pub struct ShapeWriter {
+    path: PathBuf,
+    file: File,
+    ring: IoUring,
+    depth: usize,
+    flush_batch_bytes: u64,
+    offset: u64,
+}
+
+/// One flush batch, laid out as the store lays it out, ready to write.
+pub struct PreparedFlush {
+    buf: AlignedBuf,
+    record_len: usize,
+    /// (start, len) of each value chunk in `buf`.
+    chunks: Vec<(usize, usize)>,
+}
+
+impl ShapeWriter {
+    pub fn create(path: &Path, depth: usize, flush_batch_bytes: u64) -> io::Result<ShapeWriter> {
+        Ok(ShapeWriter {
+            path: path.to_path_buf(),
+            file: open_direct(path, true, true)?,
+            ring: ring_for(depth)?,
+            depth,
+            flush_batch_bytes,
+            offset: 0,
+        })
+    }
+
+    /// Lays out values (with their qualified key lengths) as the flusher
+    /// would batch them. Untimed: the store's values are in its pool
+    /// already when the flusher writes them.
+    pub fn prepare(&self, values: &[(usize, &[u8])]) -> Vec<PreparedFlush> {
+        let pad = |n: usize| n.div_ceil(4096) * 4096;
+        let mut flushes = Vec::new();
+        let mut i = 0;
+        while i < values.len() {
+            let mut take = 1;
+            loop {
+                if take == values.len() - i {
+                    break;
+                }
+                let next = &values[i..i + take + 1];
+                let record = pad(kvtier::disk::format::record_len(next.iter().map(|v| v.0)));
+                let bytes: usize = next.iter().map(|v| pad(v.1.len())).sum();
+                if (record + bytes) as u64 > self.flush_batch_bytes || take >= 8192 {
+                    break;
+                }
+                take += 1;
+            }
+            let batch = &values[i..i + take];
+            let record_len = pad(kvtier::disk::format::record_len(batch.iter().map(|v| v.0)));
+            let total = record_len + batch.iter().map(|v| pad(v.1.len())).sum::<usize>();
+            let mut buf = AlignedBuf::zeroed(total);
+            let mut chunks: Vec<(usize, usize)> = Vec::new();
+            let mut at = record_len;
+            for (_, value) in batch {
+                buf.as_mut_slice()[at..at + value.len()].copy_from_slice(value);
+                let len = pad(value.len());
+                match chunks.last_mut() {
+                    Some(chunk) if chunk.1 + len <= STORE_WRITE_CHUNK => chunk.1 += len,
+                    _ => chunks.push((at, len)),
+                }
+                at += len;
+            }
+            flushes.push(PreparedFlush {
+                buf,
+                record_len,
+                chunks,
+            });
+            i += take;
+        }
+        flushes
+    }
+
+    /// Writes prepared batches, timed into `m` as one span of `bytes`
+    /// (the values' bytes, as the store's side counts).
+    pub fn write(
+        &mut self,
+        flushes: &[PreparedFlush],
+        bytes: u64,
+        m: &mut Measurement,
+    ) -> io::Result<()> {
+        let fd = self.file.as_raw_fd();
+        let started = Instant::now();
+        for flush in flushes {
+            let base = self.offset;
+            let ptr = flush.buf.as_slice().as_ptr();
+            let chunks = &flush.chunks;
+            // SAFETY: writes read disjoint ranges of `flush.buf`, which
+            // outlives the call.
+            unsafe {
+                run(
+                    &mut self.ring,
+                    chunks.len(),
+                    self.depth,
+                    |i| chunks[i].1,
+                    |i, done, _| {
+                        let (at, len) = chunks[i];
+                        opcode::Write::new(types::Fd(fd), ptr.add(at + done), (len - done) as u32)
+                            .offset(base + (at + done) as u64)
+                            .build()
+                    },
+                    |_| {},
+                )?;
+            }
+            self.file.sync_data()?;
+            let record_len = flush.record_len;
+            // SAFETY: as above.
+            unsafe {
+                run(
+                    &mut self.ring,
+                    1,
+                    1,
+                    |_| record_len,
+                    |_, done, _| {
+                        opcode::Write::new(types::Fd(fd), ptr.add(done), (record_len - done) as u32)
+                            .offset(base + done as u64)
+                            .build()
+                    },
+                    |_| {},
+                )?;
+            }
+            self.file.sync_data()?;
+            self.offset += flush.buf.len() as u64;
+        }
+        let elapsed = started.elapsed();
+        m.add_span(elapsed, bytes);
+        m.record_call(elapsed);
+        Ok(())
+    }
+}
+
+impl Drop for ShapeWriter {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Each key's disk location in `store`, by key number.
+pub fn locations(
+    store: &kvtier::Store,
+    keys: impl Iterator<Item = Vec<u8>>,
+) -> Result<Vec<DiskLocation>, String> {
+    keys.map(|key| {
+        store
+            .disk_location(&key)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("{} is not on disk", String::from_utf8_lossy(&key)))
+    })
+    .collect()
+}
