@@ -430,7 +430,18 @@ impl Index {
     /// Whether each digest is present, taking each shard's lock once for
     /// the whole batch.
     pub fn contains_many(&self, digests: &[KeyDigest]) -> Vec<bool> {
-        let mut found = vec![false; digests.len()];
+        self.map_many(digests, false, |_| true)
+    }
+
+    /// `look(entry)` for each digest present, `missing` for the others,
+    /// taking each shard's lock once for the whole batch.
+    pub fn map_many<T: Clone>(
+        &self,
+        digests: &[KeyDigest],
+        missing: T,
+        look: impl Fn(&Entry) -> T,
+    ) -> Vec<T> {
+        let mut found = vec![missing; digests.len()];
         let mut order: Vec<(usize, usize)> = digests
             .iter()
             .enumerate()
@@ -440,7 +451,9 @@ impl Index {
         for group in order.chunk_by(|a, b| a.0 == b.0) {
             let shard = self.lock_shard(group[0].0);
             for &(_, i) in group {
-                found[i] = shard.get(digests[i]).is_some();
+                if let Some(entry) = shard.get(digests[i]) {
+                    found[i] = look(entry);
+                }
             }
         }
         found

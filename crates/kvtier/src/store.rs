@@ -363,6 +363,12 @@ impl Store {
         self.default_view().prefix_len(keys)
     }
 
+    /// Whether each key has a memory copy now; see
+    /// [`NamespacedStore::batch_in_memory`].
+    pub fn batch_in_memory<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        self.default_view().batch_in_memory(keys)
+    }
+
     /// Removes `key` from every tier; durable on return (a tombstone is
     /// always written, so no older value can come back after a restart).
     /// Returns whether the key was present.
@@ -634,6 +640,27 @@ impl NamespacedStore<'_> {
             .into_iter()
             .take_while(|&present| present)
             .count()
+    }
+
+    /// Whether each key has a memory copy now (a get of it would be served
+    /// from the pool, unless it is evicted first). Touches no policy state;
+    /// for tools and benchmarks that report memory and disk hits apart.
+    pub fn batch_in_memory<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        if self.inner.check_open().is_err() {
+            return vec![false; keys.len()];
+        }
+        let digests: Vec<KeyDigest> = keys
+            .iter()
+            .map(|k| self.namespace.digest(k.as_ref()))
+            .collect();
+        let mut found = self
+            .inner
+            .index
+            .map_many(&digests, false, |e| e.mem().is_some());
+        for (resident, key) in found.iter_mut().zip(keys) {
+            *resident &= validate_key(key.as_ref()).is_ok();
+        }
+        found
     }
 
     /// Removes `key` from every tier; durable on return (a tombstone is
@@ -1369,6 +1396,10 @@ mod tests {
         store.put(b"k", &value).unwrap();
         store.flush().unwrap();
         assert_eq!(store.disk_location(b"missing").unwrap(), None);
+        assert_eq!(
+            store.batch_in_memory(&[&b"k"[..], b"missing"]),
+            vec![true, false]
+        );
         let at = store
             .disk_location(b"k")
             .unwrap()

@@ -54,9 +54,18 @@ pub struct TraceRow {
     pub bytes_written: u64,
     /// Bytes read per second of time spent loading hit blocks.
     pub mb_per_s: f64,
-    /// Raw O_DIRECT reads of the same value size at the replay's mean hit
-    /// depth, measured right after a replay with a disk tier (0 otherwise).
+    /// The same for the memory hits alone (loaded in their own call)...
+    #[serde(default)]
+    pub memory_load_mb_per_s: f64,
+    /// ...and for the disk hits alone.
+    #[serde(default)]
+    pub disk_load_mb_per_s: f64,
+    /// The device ceiling at the replay's own disk transfer size and depth
+    /// (raw O_DIRECT io_uring reads of the value size, or 2 MiB pieces, at
+    /// the mean disk hits per load call), measured right after a replay
+    /// with disk hits (0 otherwise).
     pub baseline_mb_per_s: f64,
+    /// `disk_load_mb_per_s / baseline_mb_per_s`.
     pub ratio: f64,
     /// Per-request load latency (prefix_len plus batch_get_into).
     pub p50_us: u64,
@@ -288,8 +297,9 @@ fn replay(
     let mut host = super::data::touched_buffer(slot * most_blocks.max(1));
     let mut latency = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
     let (mut hit_blocks, mut blocks, mut verified, mut written) = (0u64, 0u64, 0u64, 0u64);
-    let mut load_busy = Duration::ZERO;
-    let mut hit_requests = 0u64;
+    // Loads are split by tier: the hit blocks with a memory copy are read
+    // in one call, the rest (disk hits) in another, each timed on its own.
+    let (mut memory_load, mut disk_load) = (Load::default(), Load::default());
     let started = Instant::now();
     for request in requests {
         if let Some(speed) = args.speed.filter(|s| *s > 0.0) {
@@ -303,26 +313,45 @@ fn replay(
         let cached = store.prefix_len(&keys);
         let mut loaded = 0;
         if cached > 0 {
-            let results = {
-                let mut slices: Vec<&mut [u8]> =
-                    host.as_mut_slice().chunks_mut(slot).take(cached).collect();
-                store.batch_get_into(&keys[..cached], &mut slices)
-            };
-            // A block evicted between the lookup and the read ends the hit.
-            for result in &results {
-                match result {
-                    Ok(Some(_)) => loaded += 1,
-                    Ok(None) => break,
-                    Err(e) => return Err(format!("loading a hit block failed: {e}").into()),
+            let resident = store.batch_in_memory(&keys[..cached]);
+            let mut hit = vec![false; cached];
+            let mut slices: Vec<Option<&mut [u8]>> = host
+                .as_mut_slice()
+                .chunks_mut(slot)
+                .take(cached)
+                .map(Some)
+                .collect();
+            for (in_memory, load) in [(true, &mut memory_load), (false, &mut disk_load)] {
+                let picked: Vec<usize> =
+                    (0..cached).filter(|&i| resident[i] == in_memory).collect();
+                if picked.is_empty() {
+                    continue;
+                }
+                let part_keys: Vec<&[u8; 16]> = picked.iter().map(|&i| &keys[i]).collect();
+                let mut part_bufs: Vec<&mut [u8]> = picked
+                    .iter()
+                    .map(|&i| slices[i].take().expect("each block is loaded once"))
+                    .collect();
+                let part = Instant::now();
+                let results = store.batch_get_into(&part_keys, &mut part_bufs);
+                load.busy += part.elapsed();
+                load.calls += 1;
+                for (&i, result) in picked.iter().zip(&results) {
+                    match result {
+                        Ok(Some(_)) => {
+                            hit[i] = true;
+                            load.bytes += value_size;
+                        }
+                        Ok(None) => {}
+                        Err(e) => return Err(format!("loading a hit block failed: {e}").into()),
+                    }
                 }
             }
+            // A block evicted between the lookup and the read ends the hit.
+            loaded = hit.iter().take_while(|&&h| h).count();
         }
         let elapsed = call.elapsed();
         latency.saturating_record((elapsed.as_micros() as u64).max(1));
-        if loaded > 0 {
-            load_busy += elapsed;
-            hit_requests += 1;
-        }
         for (key, buffer) in keys[..loaded].iter().zip(host.as_slice().chunks(slot)) {
             if !data::verify(key, &buffer[..value_size as usize]) {
                 return Err(format!("trace replay read wrong bytes for block {}", hex(key)).into());
@@ -355,20 +384,23 @@ fn replay(
     drop(store);
     let _ = std::fs::remove_dir_all(&dir);
     let bytes_read = hit_blocks * value_size;
-    let mb_per_s = if load_busy.is_zero() {
-        0.0
-    } else {
-        bytes_read as f64 / load_busy.as_secs_f64() / 1e6
+    let load_total = Load {
+        busy: memory_load.busy + disk_load.busy,
+        bytes: memory_load.bytes + disk_load.bytes,
+        calls: memory_load.calls + disk_load.calls,
     };
-    // The device limit for this replay's reads: the same value size at its
-    // mean hit depth.
-    let baseline_mb_per_s = if disk > 0 && stats.disk_hits > 0 {
-        let depth = (hit_blocks as f64 / hit_requests.max(1) as f64)
-            .round()
-            .max(1.0) as usize;
+    // The device limit for this replay's disk reads: raw reads of its
+    // transfer size (the value, in pieces of at most 2 MiB as the store
+    // reads) at its mean depth (disk hits per disk load call, at most
+    // the store's io_depth).
+    let baseline_mb_per_s = if disk > 0 && disk_load.calls > 0 {
+        let values_per_call = (disk_load.bytes / value_size) as f64 / disk_load.calls as f64;
+        let pieces = (value_size as usize).div_ceil(super::device::STORE_READ_PIECE);
+        let transfer = (value_size as usize).min(super::device::STORE_READ_PIECE);
+        let depth = ((values_per_call * pieces as f64).round() as usize).clamp(1, 64);
         raw_read_mb_per_s(
             &args.data_dir.join("trace-baseline.scratch"),
-            value_size as usize,
+            transfer,
             depth,
         )?
     } else {
@@ -394,10 +426,12 @@ fn replay(
         disk_hits: stats.disk_hits,
         bytes_read,
         bytes_written: written,
-        mb_per_s,
+        mb_per_s: load_total.mb_per_s(),
+        memory_load_mb_per_s: memory_load.mb_per_s(),
+        disk_load_mb_per_s: disk_load.mb_per_s(),
         baseline_mb_per_s,
         ratio: if baseline_mb_per_s > 0.0 {
-            mb_per_s / baseline_mb_per_s
+            disk_load.mb_per_s() / baseline_mb_per_s
         } else {
             0.0
         },
@@ -430,6 +464,24 @@ fn raw_read_mb_per_s(path: &Path, value_size: usize, depth: usize) -> BenchResul
     Ok(m.mb_per_s())
 }
 
+/// Time and bytes of one kind of load call.
+#[derive(Debug, Default)]
+struct Load {
+    busy: Duration,
+    bytes: u64,
+    calls: u64,
+}
+
+impl Load {
+    fn mb_per_s(&self) -> f64 {
+        if self.busy.is_zero() {
+            0.0
+        } else {
+            self.bytes as f64 / self.busy.as_secs_f64() / 1e6
+        }
+    }
+}
+
 fn hex(key: &[u8]) -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -437,7 +489,7 @@ fn hex(key: &[u8]) -> String {
 impl TraceRow {
     pub fn header() -> String {
         format!(
-            "{:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8} {:>9} {:>9} {:>6} {:>8} {:>8} {:>7} {:>7} {:>10}",
+            "{:>10} {:>10} {:>9} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8} {:>9} {:>9} {:>9} {:>6} {:>8} {:>8} {:>7} {:>7} {:>10}",
             "memory",
             "tokens",
             "disk",
@@ -447,8 +499,9 @@ impl TraceRow {
             "of max",
             "mem hit",
             "disk hit",
-            "MB/s",
-            "base MB/s",
+            "mem MB/s",
+            "disk MB/s",
+            "ceil MB/s",
             "ratio",
             "p50 us",
             "p99 us",
@@ -460,7 +513,7 @@ impl TraceRow {
 
     pub fn line(&self) -> String {
         format!(
-            "{:>10} {:>10} {:>9} {:>8} {:>8.4} {:>8.4} {:>7.3} {:>8} {:>8} {:>9.0} {:>9.0} {:>6.2} {:>8} {:>8} {:>7.0} {:>7.1} {:>10}",
+            "{:>10} {:>10} {:>9} {:>8} {:>8.4} {:>8.4} {:>7.3} {:>8} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>6.2} {:>8} {:>8} {:>7.0} {:>7.1} {:>10}",
             format_size(self.memory).replace(".00 ", ""),
             self.memory_tokens,
             if self.disk == 0 { "none".to_string() } else { format_size(self.disk).replace(".00 ", "") },
@@ -470,7 +523,8 @@ impl TraceRow {
             self.fraction_of_max,
             self.memory_hits,
             self.disk_hits,
-            self.mb_per_s,
+            self.memory_load_mb_per_s,
+            self.disk_load_mb_per_s,
             self.baseline_mb_per_s,
             self.ratio,
             self.p50_us,
@@ -500,13 +554,13 @@ pub fn write_outputs(args: &BenchArgs, rows: &[TraceRow]) -> BenchResult<()> {
 
 pub fn markdown(rows: &[TraceRow]) -> String {
     let mut out = String::from(
-        "| memory | tokens in memory | disk | eviction | token hit rate | max | fraction of max | memory hits | disk hits | load MB/s | raw read MB/s | ratio | p50 µs | p99 µs |\n\
-         |---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| memory | tokens in memory | disk | eviction | token hit rate | max | fraction of max | memory hits | disk hits | memory load MB/s | disk load MB/s | ceiling MB/s | disk / ceiling | p50 µs | p99 µs |\n\
+         |---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.4} | {:.4} | {:.3} | {} | {} | {:.0} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {:.4} | {:.4} | {:.3} | {} | {} | {:.0} | {:.0} | {} | {} | {} | {} |",
             format_size(r.memory),
             r.memory_tokens,
             if r.disk == 0 {
@@ -520,7 +574,8 @@ pub fn markdown(rows: &[TraceRow]) -> String {
             r.fraction_of_max,
             r.memory_hits,
             r.disk_hits,
-            r.mb_per_s,
+            r.memory_load_mb_per_s,
+            r.disk_load_mb_per_s,
             if r.baseline_mb_per_s > 0.0 {
                 format!("{:.0}", r.baseline_mb_per_s)
             } else {
