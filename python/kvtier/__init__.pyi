@@ -95,7 +95,12 @@ class Store(_Engine):
     ) -> None: ...
 
 class Client(_Engine):
-    """A connection to ``kvtier serve`` over ``unix:///path`` or ``tcp://host:port``."""
+    """Connections to ``kvtier serve`` over ``unix:///path`` or ``tcp://host:port``.
+
+    Calls from several threads run in parallel, each on a connection of its
+    own: connections open on demand, up to ``connections`` (default 4), and
+    all register the same shared buffer.
+    """
 
     def __init__(
         self,
@@ -106,6 +111,7 @@ class Client(_Engine):
         tls_ca: str | PathLike[str] | None = None,
         timeout: float = 60.0,
         shm_size: Size | None = None,
+        connections: int = 4,
     ) -> None: ...
     def alloc_buffer(self, size: int) -> SharedBuffer:
         """Shared memory the server reads and writes directly (Unix socket only)."""

@@ -236,6 +236,45 @@ def test_many_threads_share_one_object(engine):
     assert not errors_seen, errors_seen
 
 
+def test_client_threads_run_on_a_pool_of_connections(server):
+    """Calls from several threads open more connections, up to the limit,
+    and every one of them reads and writes the same shared buffer."""
+    with kvtier.Client(server["unix"], shm_size="16MiB", connections=3) as c:
+        before = c.stats()["server"]["connections_total"]
+        size = 256 << 10
+        buf = c.alloc_buffer(6 * size)
+        view = np.frombuffer(buf, dtype=np.uint8)
+        barrier = threading.Barrier(6)
+        errors_seen = []
+
+        def work(t):
+            try:
+                barrier.wait()
+                mine = view[t * size:(t + 1) * size]
+                ptr = buf.ptr + t * size
+                for i in range(30):
+                    k = unique(f"pool-{t}-{i}")
+                    mine[:] = pattern(k, size)
+                    assert c.batch_put_from([k], [ptr], [size]) == [0]
+                    mine[:] = 0
+                    assert c.batch_get_into([k], [ptr], [size]) == [size]
+                    assert np.array_equal(mine, pattern(k, size))
+            except Exception as e:  # pragma: no cover - reported below
+                errors_seen.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors_seen, errors_seen
+        opened = c.stats()["server"]["connections_total"] - before
+        # The first connection was open before; at most two more.
+        assert 1 <= opened <= 2, opened
+    with pytest.raises(ValueError, match="connections"):
+        kvtier.Client(server["unix"], connections=0)
+
+
 def test_alloc_buffer_zero_copy_path(server):
     with kvtier.Client(server["unix"], shm_size="16MiB") as c:
         buf = c.alloc_buffer(4 * 65536)

@@ -809,3 +809,41 @@ fn the_client_splits_batches_the_server_would_refuse() {
         }
     }
 }
+
+/// A pool serves threads in parallel on up to its limit of connections,
+/// every connection reads what another wrote, and a closed pool refuses
+/// calls.
+#[test]
+fn a_client_pool_runs_threads_on_their_own_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("data"), &[]);
+    for url in [server.tcp_url(), server.unix_url()] {
+        let first = Client::connect_with(&url, options()).unwrap();
+        let pool = kvtier_net::ClientPool::new(first, 3).unwrap();
+        let tag = url.split(':').next().unwrap().to_string();
+        let barrier = std::sync::Barrier::new(6);
+        std::thread::scope(|scope| {
+            for t in 0..6 {
+                let (pool, barrier, tag) = (&pool, &barrier, &tag);
+                scope.spawn(move || {
+                    barrier.wait();
+                    for i in 0..40 {
+                        let key = format!("{tag}-pool-{t}-{i}").into_bytes();
+                        let value = value_for(&key, 300 << 10);
+                        let put = pool.with(|c| c.batch_put(&[&key], &[&value])).unwrap();
+                        put[0].as_ref().unwrap();
+                        // Read back through whichever connection is free.
+                        let got = pool.with(|c| c.get(&key)).unwrap();
+                        assert_eq!(got.as_deref(), Some(&value[..]));
+                    }
+                });
+            }
+        });
+        let open = pool.open_connections();
+        assert!((2..=3).contains(&open), "{open} connections open");
+        pool.close();
+        let refused = pool.with(|c| c.get(b"anything")).unwrap_err();
+        assert_eq!(refused.kind(), kvtier::ErrorKind::Closed);
+        assert_eq!(pool.open_connections(), 0);
+    }
+}

@@ -45,7 +45,7 @@ impl Default for ClientOptions {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Endpoint {
     Tcp(String),
     Tls {
@@ -155,6 +155,32 @@ impl Client {
         };
         client.reconnect()?;
         Ok(client)
+    }
+
+    /// A second connection to the same server with the same options,
+    /// registering the same shared buffer (so views of it work on either).
+    pub fn sibling(&self) -> Result<Client> {
+        let mut client = self.sibling_template();
+        client.reconnect()?;
+        Ok(client)
+    }
+
+    /// This client's settings and shared buffer, without a connection (a
+    /// call on it connects first).
+    pub(crate) fn sibling_template(&self) -> Client {
+        Client {
+            endpoint: self.endpoint.clone(),
+            options: self.options.clone(),
+            transport: None,
+            next_id: 1,
+            max_frame: self.max_frame,
+            max_batch: self.max_batch,
+            max_value: self.max_value,
+            shm_region: self.shm_region.clone(),
+            shm_id: None,
+            request: Vec::new(),
+            response: Vec::new(),
+        }
     }
 
     fn reconnect(&mut self) -> Result<()> {

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod client;
 pub mod metrics;
+pub mod pool;
 pub mod protocol;
 pub mod server;
 pub mod shm;
@@ -11,4 +12,5 @@ pub mod tls;
 pub mod transport;
 
 pub use client::{Client, ClientOptions};
+pub use pool::ClientPool;
 pub use server::{BoundAddrs, Server, ServerConfig};

@@ -7,7 +7,7 @@
 use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use kvtier_net::protocol::code;
 use kvtier_net::shm::SharedRegion;
-use kvtier_net::{Client, ClientOptions};
+use kvtier_net::{Client, ClientOptions, ClientPool};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -430,7 +430,7 @@ impl SegmentTargets {
 /// The backend a Python object drives: an embedded store or a client.
 enum Backend {
     Store(Arc<Store>),
-    Client(Box<Mutex<Option<Client>>>),
+    Client(Box<ClientPool>),
 }
 
 impl Backend {
@@ -550,8 +550,8 @@ impl Backend {
     fn close(&self) -> kvtier::Result<()> {
         match self {
             Backend::Store(store) => store.close(),
-            Backend::Client(client) => {
-                client.lock().unwrap().take();
+            Backend::Client(pool) => {
+                pool.close();
                 Ok(())
             }
         }
@@ -588,14 +588,10 @@ where
 }
 
 fn with_client<T>(
-    client: &Mutex<Option<Client>>,
+    pool: &ClientPool,
     f: impl FnOnce(&mut Client) -> kvtier::Result<T>,
 ) -> kvtier::Result<T> {
-    let mut guard = client.lock().unwrap();
-    match guard.as_mut() {
-        Some(c) => f(c),
-        None => Err(kvtier::Error::closed()),
-    }
+    pool.with(f)
 }
 
 fn json_to_py(py: Python<'_>, value: &serde_json::Value) -> PyResult<Py<PyAny>> {
@@ -983,7 +979,11 @@ struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_net::pool::DEFAULT_CONNECTIONS))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "keyword options of the Python constructor"
+    )]
     fn new(
         py: Python<'_>,
         url: String,
@@ -992,7 +992,11 @@ impl Client_ {
         tls_ca: Option<std::path::PathBuf>,
         timeout: f64,
         shm_size: Option<&Bound<'_, PyAny>>,
+        connections: usize,
     ) -> PyResult<PyClassInitializer<Self>> {
+        if connections == 0 {
+            return Err(PyValueError::new_err("connections must be at least 1"));
+        }
         let shm_size = match shm_size {
             Some(s) => parse_size(s)? as usize,
             None => 256 << 20,
@@ -1018,7 +1022,9 @@ impl Client_ {
             .map_err(to_py_err)?;
         let region = client.registered_region();
         let engine = Engine {
-            backend: Backend::Client(Box::new(Mutex::new(Some(client)))),
+            backend: Backend::Client(Box::new(
+                ClientPool::new(client, connections).map_err(to_py_err)?,
+            )),
             registered: Registered::default(),
         };
         Ok(PyClassInitializer::from(engine).add_subclass(Client_ {
