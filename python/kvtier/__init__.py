@@ -8,9 +8,9 @@ talks to ``kvtier serve``. Both offer the same methods, including Mooncake's
 """
 
 from . import errors
-from ._native import Client, KvtierError, SharedBuffer, Store, block_keys_blake3
+from ._native import Client, KvtierError, PendingCall, SharedBuffer, Store, block_keys_blake3
 
-__all__ = ["Store", "Client", "SharedBuffer", "KvtierError", "block_keys", "errors"]
+__all__ = ["Store", "Client", "SharedBuffer", "PendingCall", "KvtierError", "block_keys", "errors"]
 
 from . import _schemes
 

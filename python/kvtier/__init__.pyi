@@ -22,6 +22,15 @@ class SharedBuffer:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
+class PendingCall:
+    """A batch call running in the background (``*_async`` methods)."""
+
+    def done(self) -> bool:
+        """Whether the call has finished."""
+    def wait(self) -> list[int]:
+        """Waits (GIL released) and returns what the synchronous form
+        returns, or raises what it raises; later calls return the same."""
+
 class _Engine:
     def __enter__(self) -> Self: ...
     def __exit__(
@@ -54,6 +63,15 @@ class _Engine:
     @overload
     def batch_get_into(self, keys: Sequence[Key], buffers: Sequence[Buffer], sizes: None = None) -> list[int]:
         """Writable, C-contiguous, non-overlapping buffers."""
+    def batch_put_from_async(
+        self, keys: Sequence[Key], items: Sequence[int] | Sequence[Buffer], sizes: Sequence[int] | None = None, *,
+        memory_only: bool = False, skip_existing: bool = False, durable: bool = False,
+    ) -> PendingCall:
+        """``batch_put_from`` in the background; leave the values unchanged until ``wait()``."""
+    def batch_get_into_async(
+        self, keys: Sequence[Key], items: Sequence[int] | Sequence[Buffer], sizes: Sequence[int] | None = None,
+    ) -> PendingCall:
+        """``batch_get_into`` in the background; read the buffers after ``wait()``."""
     def batch_put_from_multi_buffers(
         self, keys: Sequence[Key], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]], *,
         memory_only: bool = False, skip_existing: bool = False, durable: bool = False,

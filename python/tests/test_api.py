@@ -275,6 +275,31 @@ def test_client_threads_run_on_a_pool_of_connections(server):
         kvtier.Client(server["unix"], connections=0)
 
 
+def test_async_calls_overlap_and_return_what_the_sync_calls_return(engine):
+    size = 128 << 10
+    keys = [unique("async") for _ in range(8)]
+    values = [pattern(k, size) for k in keys]
+    first = engine.batch_put_from_async(keys[:4], values[:4])
+    second = engine.batch_put_from_async(keys[4:], values[4:], memory_only=True)
+    assert isinstance(first, kvtier.PendingCall)
+    assert first.wait() == [0] * 4 and second.wait() == [0] * 4
+    assert first.done() and second.wait() == [0] * 4  # the same again
+    outs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+    pending = [engine.batch_get_into_async(keys[i:i + 2], outs[i:i + 2]) for i in range(0, 8, 2)]
+    assert [p.wait() for p in pending] == [[size, size]] * 4
+    for out, value in zip(outs, values):
+        assert np.array_equal(out, value)
+    # Per-key failures come back as codes, bad arguments raise at once.
+    small = np.zeros(16, dtype=np.uint8)
+    missing = np.zeros(16, dtype=np.uint8)
+    got = engine.batch_get_into_async([keys[0], unique("absent")], [small, missing]).wait()
+    assert got == [kvtier.errors.BUFFER_TOO_SMALL, kvtier.errors.NOT_FOUND]
+    with pytest.raises(ValueError):
+        engine.batch_get_into_async([keys[0]], [small, missing])
+    with pytest.raises(ValueError, match="overlap"):
+        engine.batch_get_into_async(keys[:2], [outs[0], outs[0]])
+
+
 def test_alloc_buffer_zero_copy_path(server):
     with kvtier.Client(server["unix"], shm_size="16MiB") as c:
         buf = c.alloc_buffer(4 * 65536)

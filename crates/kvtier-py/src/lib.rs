@@ -637,10 +637,76 @@ fn put_options(memory_only: bool, skip_existing: bool, durable: bool) -> PutOpti
     }
 }
 
+/// Per-key codes, or the error's kind and text.
+type CallOutcome = Result<Vec<i64>, (kvtier::ErrorKind, String)>;
+
+/// A batch call running in the background (`batch_get_into_async`,
+/// `batch_put_from_async`).
+#[pyclass(module = "kvtier._native")]
+struct PendingCall {
+    call: Mutex<Option<std::thread::JoinHandle<kvtier::Result<Vec<i64>>>>>,
+    /// The outcome once waited for: the codes, or the error's kind and text.
+    outcome: Mutex<Option<CallOutcome>>,
+    finished: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl PendingCall {
+    fn spawn(
+        call: impl FnOnce() -> kvtier::Result<Vec<i64>> + Send + 'static,
+    ) -> PyResult<PendingCall> {
+        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&finished);
+        let handle = std::thread::Builder::new()
+            .name("kvtier-async".into())
+            .spawn(move || {
+                let result = call();
+                flag.store(true, std::sync::atomic::Ordering::Release);
+                result
+            })
+            .map_err(|e| PyRuntimeError::new_err(format!("starting a background call: {e}")))?;
+        Ok(PendingCall {
+            call: Mutex::new(Some(handle)),
+            outcome: Mutex::new(None),
+            finished,
+        })
+    }
+}
+
+#[pymethods]
+impl PendingCall {
+    /// Whether the call has finished (`wait()` then returns at once).
+    fn done(&self) -> bool {
+        self.finished.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Waits for the call (without holding the GIL) and returns what the
+    /// synchronous form returns, or raises what it raises. Later calls
+    /// return the same.
+    fn wait(&self, py: Python<'_>) -> PyResult<Vec<i64>> {
+        let handle = self.call.lock().unwrap().take();
+        if let Some(handle) = handle {
+            let result = py.detach(|| handle.join());
+            let outcome = match result {
+                Ok(Ok(codes)) => Ok(codes),
+                Ok(Err(e)) => Err((e.kind(), e.to_string())),
+                Err(_) => Err((kvtier::ErrorKind::Io, "the background call panicked".into())),
+            };
+            *self.outcome.lock().unwrap() = Some(outcome);
+        }
+        match self.outcome.lock().unwrap().clone() {
+            Some(Ok(codes)) => Ok(codes),
+            Some(Err((kind, message))) => Err(to_py_err(kvtier::Error::new(kind, message))),
+            None => Err(PyRuntimeError::new_err(
+                "another thread is waiting for this call",
+            )),
+        }
+    }
+}
+
 /// Shared by `Store` and `Client`: every method of the engine-facing API.
 #[pyclass(subclass, module = "kvtier._native")]
 struct Engine {
-    backend: Backend,
+    backend: Arc<Backend>,
     registered: Registered,
 }
 
@@ -769,6 +835,70 @@ impl Engine {
             .detach(|| self.backend.get(&pick_keys, &mut bufs))
             .map_err(to_py_err)?;
         Ok(per_key(keys.len(), &picked, get_codes(results)))
+    }
+
+    /// `batch_put_from` in the background: returns at once with a
+    /// `PendingCall` whose `wait()` gives the per-key codes. The values must
+    /// stay unchanged until then (buffer objects are kept alive, registered
+    /// ranges cannot be unregistered meanwhile).
+    #[pyo3(signature = (keys, items, sizes=None, *, memory_only=false, skip_existing=false, durable=false))]
+    fn batch_put_from_async(
+        &self,
+        keys: Vec<Key>,
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+        memory_only: bool,
+        skip_existing: bool,
+        durable: bool,
+    ) -> PyResult<PendingCall> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let options = put_options(memory_only, skip_existing, durable);
+        let targets = Targets::resolve(&self.registered, &keys, items, sizes, false)?;
+        let backend = Arc::clone(&self.backend);
+        PendingCall::spawn(move || {
+            let picked = targets.picked();
+            let pick_keys = pick_keys(&keys, &picked);
+            let pick_ranges: Vec<(usize, usize)> =
+                picked.iter().map(|&i| targets.ranges[i]).collect();
+            // SAFETY: registered ranges pinned, or buffer views held, by
+            // `targets`, which lives until this closure returns.
+            let values = unsafe { as_slices(&pick_ranges) };
+            let results = backend.put(&pick_keys, &values, &options)?;
+            drop(values);
+            drop(targets);
+            let codes = per_key(keys.len(), &picked, put_codes(results));
+            Ok(codes.into_iter().map(i64::from).collect())
+        })
+    }
+
+    /// `batch_get_into` in the background: returns at once with a
+    /// `PendingCall` whose `wait()` gives per key the bytes read or a
+    /// negative code. Leave the destinations alone until then.
+    #[pyo3(signature = (keys, items, sizes=None))]
+    fn batch_get_into_async(
+        &self,
+        keys: Vec<Key>,
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+    ) -> PyResult<PendingCall> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let targets = Targets::resolve(&self.registered, &keys, items, sizes, true)?;
+        let picked = targets.picked();
+        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
+        if overlapping(&pick_ranges) {
+            return Err(PyValueError::new_err("destination buffers overlap"));
+        }
+        let backend = Arc::clone(&self.backend);
+        PendingCall::spawn(move || {
+            let pick_keys = pick_keys(&keys, &picked);
+            // SAFETY: registered or live, writable, non-overlapping
+            // (checked), held by `targets` until this closure returns.
+            let mut bufs = unsafe { as_mut_slices(&pick_ranges) };
+            let results = backend.get(&pick_keys, &mut bufs)?;
+            drop(bufs);
+            drop(targets);
+            Ok(per_key(keys.len(), &picked, get_codes(results)))
+        })
     }
 
     /// Stores each key's value gathered from several registered ranges, laid
@@ -957,7 +1087,7 @@ impl Store_ {
         }
         let store = py.detach(|| Store::open(config)).map_err(to_py_err)?;
         let engine = Engine {
-            backend: Backend::Store(Arc::new(store)),
+            backend: Arc::new(Backend::Store(Arc::new(store))),
             registered: Registered::default(),
         };
         Ok(PyClassInitializer::from(engine).add_subclass(Store_))
@@ -1022,9 +1152,9 @@ impl Client_ {
             .map_err(to_py_err)?;
         let region = client.registered_region();
         let engine = Engine {
-            backend: Backend::Client(Box::new(
+            backend: Arc::new(Backend::Client(Box::new(
                 ClientPool::new(client, connections).map_err(to_py_err)?,
-            )),
+            ))),
             registered: Registered::default(),
         };
         Ok(PyClassInitializer::from(engine).add_subclass(Client_ {
@@ -1138,6 +1268,7 @@ fn block_keys_blake3<'py>(
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
+    m.add_class::<PendingCall>()?;
     m.add_class::<Store_>()?;
     m.add_class::<Client_>()?;
     m.add_class::<SharedBuffer>()?;
