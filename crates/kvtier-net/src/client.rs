@@ -314,26 +314,8 @@ impl Client {
                 self.max_frame
             )));
         }
-        let id = self.next_id;
-        self.next_id += 1;
-        let header = Header {
-            op: op as u16,
-            request_id: id,
-            body_len: body.len() as u32,
-            status: 0,
-        };
+        let id = self.send_request(op, body, fd)?;
         let transport = self.transport.as_mut().expect("connected");
-        let sent = match (transport as &mut Transport, fd) {
-            (Transport::Unix(stream), Some(fd)) => {
-                let mut frame = header.encode().to_vec();
-                frame.extend_from_slice(body);
-                shm::send_with_fd(stream, &frame, fd)
-            }
-            (transport, _) => transport
-                .write_all(&header.encode())
-                .and_then(|()| transport.write_all(body)),
-        };
-        sent.map_err(|e| Error::io("transport: sending a request", e))?;
         let read = transport.read_frame(
             &mut self.response,
             &FrameLimits::client(self.max_frame + 64, self.options.timeout),
@@ -360,6 +342,125 @@ impl Client {
             Err(ReadError::Io(e)) => Err(Error::io("transport: reading a response", e)),
             Err(ReadError::Protocol(e)) => Err(protocol_error(format!("transport: {e}"))),
         }
+    }
+
+    /// Sends one request frame; returns its id.
+    fn send_request(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let header = Header {
+            op: op as u16,
+            request_id: id,
+            body_len: body.len() as u32,
+            status: 0,
+        };
+        let transport = self.transport.as_mut().expect("connected");
+        let sent = match (transport as &mut Transport, fd) {
+            (Transport::Unix(stream), Some(fd)) => {
+                let mut frame = header.encode().to_vec();
+                frame.extend_from_slice(body);
+                shm::send_with_fd(stream, &frame, fd)
+            }
+            (transport, _) => transport
+                .write_all(&header.encode())
+                .and_then(|()| transport.write_all(body)),
+        };
+        sent.map_err(|e| Error::io("transport: sending a request", e))?;
+        Ok(id)
+    }
+
+    /// A BatchGet exchange whose values are read from the socket straight
+    /// into `bufs` (no copy through the response buffer): the header and
+    /// the per-key table first, then each value into its segments. A reply
+    /// that does not fit the request drops the connection.
+    fn exchange_get(
+        &mut self,
+        body: &[u8],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        if body.len() as u64 > self.max_frame {
+            return Err(Error::invalid(format!(
+                "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
+                body.len(),
+                self.max_frame
+            )));
+        }
+        let id = self.send_request(Op::BatchGet, body, None)?;
+        let stall = self.options.timeout;
+        let max_body = self.max_frame + 64;
+        let transport = self.transport.as_mut().expect("connected");
+        let read = |t: &mut Transport, buf: &mut [u8]| {
+            t.read_exact_within(buf, stall).map_err(|e| match e {
+                ReadError::Io(e) => Error::io("transport: reading a response", e),
+                ReadError::Protocol(e) => protocol_error(format!("transport: {e}")),
+            })
+        };
+        let mut head = [0u8; protocol::HEADER_LEN];
+        read(transport, &mut head)?;
+        let header = Header::decode(&head, max_body)
+            .map_err(|e| protocol_error(format!("transport: {e}")))?;
+        let len = header.body_len as usize;
+        if header.status != code::OK {
+            self.response.resize(len.max(self.response.len()), 0);
+            read(transport, &mut self.response[..len])?;
+            return Err(code_error(
+                header.status,
+                &String::from_utf8_lossy(&self.response[..len]),
+            ));
+        }
+        if header.request_id != id || header.op != Op::BatchGet as u16 {
+            return Err(protocol_error(
+                "transport: response does not match the request",
+            ));
+        }
+        let table_len = 4 + 12 * bufs.len();
+        if len < table_len {
+            return Err(protocol_error(
+                "transport: response too short for its table",
+            ));
+        }
+        self.response.resize(table_len.max(self.response.len()), 0);
+        read(transport, &mut self.response[..table_len])?;
+        let mut r = Reader::new(&self.response[..table_len]);
+        let parsed =
+            (|| -> std::result::Result<(usize, Vec<(i32, u64)>), protocol::ProtocolError> {
+                let n = r.u32()? as usize;
+                let table = (0..bufs.len())
+                    .map(|_| Ok((r.i32()?, r.u64()?)))
+                    .collect::<std::result::Result<Vec<_>, protocol::ProtocolError>>()?;
+                Ok((n, table))
+            })();
+        let (n, table) = parsed.map_err(|e| protocol_error(format!("transport: {}", e.0)))?;
+        let values: u64 = table
+            .iter()
+            .filter(|(c, _)| *c == code::OK)
+            .map(|(_, l)| *l)
+            .sum();
+        let fits = table.iter().zip(bufs.iter()).all(|((c, l), b)| {
+            *c != code::OK || *l <= b.iter().map(|s| s.len() as u64).sum::<u64>()
+        });
+        if n != bufs.len() || table_len as u64 + values != len as u64 || !fits {
+            return Err(protocol_error(
+                "transport: response does not fit the request",
+            ));
+        }
+        let mut out = Vec::with_capacity(n);
+        for ((c, value_len), buf) in table.into_iter().zip(bufs.iter_mut()) {
+            out.push(match c {
+                code::OK => {
+                    let mut left = value_len as usize;
+                    for segment in buf.iter_mut() {
+                        let take = segment.len().min(left);
+                        read(transport, &mut segment[..take])?;
+                        left -= take;
+                    }
+                    Ok(Some(value_len as usize))
+                }
+                code::NOT_FOUND => Ok(None),
+                c => Err(code_error(c, "")),
+            });
+        }
+        Ok(out)
     }
 
     /// One item per key.
@@ -558,7 +659,8 @@ impl Client {
         })
     }
 
-    /// One BatchGet frame.
+    /// One BatchGet frame; a transport failure on a connection that was
+    /// idle is retried once on a new one, as `call` does.
     fn get_frame<K: AsRef<[u8]>>(
         &mut self,
         keys: &[K],
@@ -570,40 +672,28 @@ impl Client {
             let capacity: usize = b.iter().map(|s| s.len()).sum();
             w.key(check_key(k.as_ref())?).u64(capacity as u64);
         }
-        let len = self.call(Op::BatchGet, &w.buf, None)?;
-        let body = &self.response[..len];
-        let mut r = Reader::new(body);
-        let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
-        if n != keys.len() {
-            return Err(protocol_error("response has the wrong number of results"));
+        let fresh = self.transport.is_none();
+        if fresh {
+            self.reconnect()?;
         }
-        let table: Vec<(i32, u64)> = (0..n)
-            .map(|_| Ok((r.i32()?, r.u64()?)))
-            .collect::<std::result::Result<_, protocol::ProtocolError>>()
-            .map_err(|e| protocol_error(e.0))?;
-        let mut out = Vec::with_capacity(n);
-        for ((c, len), buf) in table.into_iter().zip(bufs.iter_mut()) {
-            out.push(match c {
-                code::OK => {
-                    let mut bytes = r.bytes(len as usize).map_err(|e| protocol_error(e.0))?;
-                    let got = bytes.len();
-                    for segment in buf.iter_mut() {
-                        let n = segment.len().min(bytes.len());
-                        segment[..n].copy_from_slice(&bytes[..n]);
-                        bytes = &bytes[n..];
-                    }
-                    if !bytes.is_empty() {
-                        return Err(protocol_error(
-                            "server returned more bytes than the buffer holds",
-                        ));
-                    }
-                    Ok(Some(got))
+        let result = self.exchange_get(&w.buf, bufs);
+        match &result {
+            Err(e) if is_transport_error(e) => {
+                self.transport = None;
+                self.shm_id = None;
+                if fresh {
+                    return result;
                 }
-                code::NOT_FOUND => Ok(None),
-                c => Err(code_error(c, "")),
-            });
+                self.reconnect()?;
+                let retried = self.exchange_get(&w.buf, bufs);
+                if retried.as_ref().is_err_and(is_transport_error) {
+                    self.transport = None;
+                    self.shm_id = None;
+                }
+                retried
+            }
+            _ => result,
         }
-        Ok(out)
     }
 
     /// The registered shared buffer (Unix sockets only): place values here

@@ -216,6 +216,30 @@ impl Transport {
     }
 }
 
+impl Transport {
+    /// Reads exactly `buf.len()` bytes of a frame, failing once no byte has
+    /// arrived for `stall` (a client reading a reply straight into its
+    /// destination buffers).
+    pub fn read_exact_within(&mut self, buf: &mut [u8], stall: Duration) -> Result<(), ReadError> {
+        let mut fd = None;
+        let mut filled = 0usize;
+        let mut last_progress = Instant::now();
+        while filled < buf.len() {
+            match self.read_some(&mut buf[filled..], &mut fd) {
+                Ok(0) => return Err(eof("connection closed inside a frame")),
+                Ok(n) => {
+                    filled += n;
+                    last_progress = Instant::now();
+                }
+                Err(e) if is_timeout(&e) => check_time(true, last_progress, stall, None)?,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
 fn eof(what: &str) -> ReadError {
     ReadError::Io(io::Error::new(
         io::ErrorKind::UnexpectedEof,

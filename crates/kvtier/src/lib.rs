@@ -48,7 +48,7 @@ pub use key::{
 };
 pub use prefix::{block_keys, BlockKey};
 pub use stats::Stats;
-pub use store::{DiskLocation, NamespacedStore, PutOptions, PutTier, Store};
+pub use store::{DiskLocation, NamespacedStore, PutOptions, PutTier, Store, ValueLease};
 
 /// Bytes one index entry occupies, for capacity planning: the hash table
 /// slot (digest and entry) plus its control byte, before load-factor slack.

@@ -92,6 +92,25 @@ pub(crate) struct Inner {
 
 /// The embedded tiered KV-cache store. `Send + Sync`: share it with an
 /// `Arc` and call it from any number of threads.
+/// A memory-resident value held for reading (see
+/// [`NamespacedStore::batch_memory_leases`]).
+#[derive(Debug, Clone)]
+pub struct ValueLease(Arc<PoolSlot>);
+
+impl ValueLease {
+    pub fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// Where a value's durable copy lies (see [`NamespacedStore::disk_location`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskLocation {
@@ -361,6 +380,16 @@ impl Store {
     /// How many leading keys are present: the cached prefix of a prompt.
     pub fn prefix_len<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
         self.default_view().prefix_len(keys)
+    }
+
+    /// Leases on the memory copies of `keys`; see
+    /// [`NamespacedStore::batch_memory_leases`].
+    pub fn batch_memory_leases<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        capacities: &[usize],
+    ) -> Vec<Option<Result<ValueLease>>> {
+        self.default_view().batch_memory_leases(keys, capacities)
     }
 
     /// Whether each key has a memory copy now; see
@@ -640,6 +669,39 @@ impl NamespacedStore<'_> {
             .into_iter()
             .take_while(|&present| present)
             .count()
+    }
+
+    /// For each key with a memory copy: a lease on it, or `BufferTooSmall`
+    /// if it is longer than the key's capacity (counted as a get of it
+    /// would be); `None` for the others, which the caller reads with
+    /// `batch_get_into`. The bytes stay valid while the lease lives,
+    /// whatever puts or evictions happen meanwhile. For a server sending
+    /// values straight from the pool, with no copy into a reply.
+    pub fn batch_memory_leases<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        capacities: &[usize],
+    ) -> Vec<Option<Result<ValueLease>>> {
+        if keys.len() != capacities.len() || self.inner.check_open().is_err() {
+            return keys.iter().map(|_| None).collect();
+        }
+        keys.iter()
+            .zip(capacities)
+            .map(|(key, &capacity)| {
+                let key = key.as_ref();
+                validate_key(key).ok()?;
+                let digest = self.namespace.digest(key);
+                let mut shard = self.inner.index.lock(digest);
+                let slot = Arc::clone(shard.get(digest)?.mem()?);
+                slot.record_hit();
+                shard.mark_accessed(digest);
+                drop(shard);
+                Some(check_buffer(slot.len(), capacity).map(|()| {
+                    Counters::add(&self.inner.counters.memory_hits, 1);
+                    ValueLease(slot)
+                }))
+            })
+            .collect()
     }
 
     /// Whether each key has a memory copy now (a get of it would be served

@@ -6,7 +6,7 @@ use crate::metrics::Sample;
 use crate::protocol::{code, put_flags, Writer};
 use crate::shm::SharedRegion;
 use kvtier::disk::io::AlignedBuf;
-use kvtier::{NamespacedStore, PutOptions, PutTier};
+use kvtier::{NamespacedStore, PutOptions, PutTier, ValueLease};
 
 /// A request's reply: frame status, body, and value bytes sent after it.
 #[derive(Debug)]
@@ -122,23 +122,56 @@ pub(crate) fn batch_put<'b>(
     put_reply(&codes, values.iter().map(|v| v.len() as u64).sum())
 }
 
-/// Values come back after the per-key table, straight from page-aligned
-/// slots of `arena` that the disk reads land in (no copy into a reply).
-/// `arena` is the connection's, grown here when needed.
+/// Values come back after the per-key table with no copy into a reply:
+/// memory hits straight from their pool extents (held by leases in
+/// `leases` until the reply is sent), the rest from page-aligned slots of
+/// `arena` that the disk reads land in. `arena` and `leases` are the
+/// connection's, reused from request to request.
 pub(crate) fn batch_get<'b>(
     store: NamespacedStore<'_>,
     items: &[(&[u8], u64)],
     arena: &'b mut Option<AlignedBuf>,
+    leases: &'b mut Vec<Option<ValueLease>>,
     max_frame: u64,
 ) -> Reply<'b> {
-    let lens: Vec<usize> = items
+    let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
+    let capacities: Vec<usize> = items
         .iter()
-        .map(|(key, cap)| {
-            store
-                .value_len(key)
+        .map(|i| usize::try_from(i.1).unwrap_or(usize::MAX))
+        .collect();
+    let mut results: Vec<kvtier::Result<Option<usize>>> = Vec::with_capacity(items.len());
+    leases.clear();
+    for leased in store.batch_memory_leases(&keys, &capacities) {
+        match leased {
+            Some(Ok(lease)) => {
+                results.push(Ok(Some(lease.len())));
+                leases.push(Some(lease));
+            }
+            Some(Err(e)) => {
+                results.push(Err(e));
+                leases.push(None);
+            }
+            None => {
+                results.push(Ok(None));
+                leases.push(None);
+            }
+        }
+    }
+    // Keys still to read: those with no memory copy.
+    let unleased: Vec<usize> = (0..items.len())
+        .filter(|&i| leases[i].is_none() && results[i].is_ok())
+        .collect();
+    // What each key will send: a leased value's length, or (for the rest)
+    // the indexed length, bounded by the caller's capacity.
+    let lens: Vec<usize> = (0..items.len())
+        .map(|i| match &leases[i] {
+            Some(lease) => lease.len(),
+            None if results[i].is_err() => 0,
+            None => store
+                .value_len(keys[i])
                 .ok()
                 .flatten()
-                .map_or(0, |l| l.min(*cap as usize))
+                .map_or(0, |l| l.min(capacities[i])),
         })
         .collect();
     let total: u64 = lens.iter().map(|&l| l as u64).sum();
@@ -149,37 +182,55 @@ pub(crate) fn batch_get<'b>(
         );
     }
     let slot_of = |len: usize| len.div_ceil(4096) * 4096;
-    let needed = lens
+    let needed = unleased
         .iter()
-        .map(|&l| slot_of(l.max(1)))
+        .map(|&i| slot_of(lens[i].max(1)))
         .sum::<usize>()
         .max(1);
     if arena.as_ref().is_none_or(|a| a.len() < needed) {
         *arena = Some(AlignedBuf::zeroed(needed));
     }
     let arena = arena.as_mut().expect("sized above");
-    let results = {
+    if !unleased.is_empty() {
         let mut rest = arena.as_mut_slice();
-        let mut slices: Vec<&mut [u8]> = Vec::with_capacity(items.len());
-        for (&len, (_, cap)) in lens.iter().zip(items) {
-            let (slot, tail) = rest.split_at_mut(slot_of(len.max(1)));
+        let mut slices: Vec<&mut [u8]> = Vec::with_capacity(unleased.len());
+        for &i in &unleased {
+            let (slot, tail) = rest.split_at_mut(slot_of(lens[i].max(1)));
             // The caller's capacity bounds what is returned.
-            let limit = (*cap as usize).min(slot.len());
+            let limit = (items[i].1 as usize).min(slot.len());
             slices.push(&mut slot[..limit]);
             rest = tail;
         }
-        let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
-        store.batch_get_into(&keys, &mut slices)
-    };
+        let read_keys: Vec<&[u8]> = unleased.iter().map(|&i| keys[i]).collect();
+        for (&i, result) in unleased
+            .iter()
+            .zip(store.batch_get_into(&read_keys, &mut slices))
+        {
+            results[i] = result;
+        }
+    }
     let (w, bytes_out) = get_table(&results);
     let arena: &'b AlignedBuf = arena;
+    let leases: &'b [Option<ValueLease>] = leases;
     let mut tail = Vec::new();
     let mut offset = 0usize;
-    for (result, &len) in results.iter().zip(&lens) {
-        if let Ok(Some(n)) = result {
-            tail.push(&arena.as_slice()[offset..offset + n]);
+    let mut next_unleased = unleased.iter().peekable();
+    for (i, (result, lease)) in results.iter().zip(leases.iter()).enumerate() {
+        match lease {
+            Some(lease) => {
+                if let Ok(Some(n)) = result {
+                    tail.push(&lease.bytes()[..*n]);
+                }
+            }
+            None if next_unleased.peek() == Some(&&i) => {
+                next_unleased.next();
+                if let Ok(Some(n)) = result {
+                    tail.push(&arena.as_slice()[offset..offset + n]);
+                }
+                offset += slot_of(lens[i].max(1));
+            }
+            None => {}
         }
-        offset += slot_of(len.max(1));
     }
     Reply {
         tail,
@@ -319,4 +370,86 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
         error: results.iter().any(|r| r.is_err()),
         ..Sample::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier::{Config, Store};
+
+    fn value(key: &[u8], len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        kvtier::pattern::fill(key, &mut v);
+        v
+    }
+
+    /// A batch mixing memory hits (sent from leases), disk hits (read into
+    /// the arena), misses and a too-small capacity answers each key as a
+    /// plain get would, and the values follow the table in key order.
+    #[test]
+    fn gets_mix_leased_memory_hits_with_disk_reads_in_key_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config::new(dir.path())
+            .memory_capacity(8 << 20)
+            .disk_capacity(64 << 20)
+            .region_size(4 << 20);
+        let on_disk: Vec<Vec<u8>> = (0..3).map(|i| format!("disk-{i}").into_bytes()).collect();
+        {
+            let store = Store::open(config.clone()).unwrap();
+            for k in &on_disk {
+                store.put(k, value(k, 10_000)).unwrap();
+            }
+            store.close().unwrap();
+        }
+        // Reopened: those are on disk only; these are in memory.
+        let store = Store::open(config).unwrap();
+        let in_memory: Vec<Vec<u8>> = (0..3).map(|i| format!("mem-{i}").into_bytes()).collect();
+        for k in &in_memory {
+            store.put(k, value(k, 20_000)).unwrap();
+        }
+        let ns = store.default_namespace().clone();
+        let view = store.in_namespace(&ns);
+        let items: Vec<(&[u8], u64)> = vec![
+            (&in_memory[0], 1 << 20),
+            (&on_disk[0], 1 << 20),
+            (b"missing", 1 << 20),
+            (&in_memory[1], 100), // too small
+            (&on_disk[1], 1 << 20),
+            (&in_memory[2], 1 << 20),
+        ];
+        let before = store.stats();
+        let (mut arena, mut leases) = (None, Vec::new());
+        let reply = batch_get(view, &items, &mut arena, &mut leases, 1 << 30);
+        assert_eq!(reply.status, code::OK);
+        let mut r = crate::protocol::Reader::new(&reply.body);
+        assert_eq!(r.u32().unwrap(), 6);
+        let table: Vec<(i32, u64)> = (0..6)
+            .map(|_| (r.i32().unwrap(), r.u64().unwrap()))
+            .collect();
+        assert_eq!(
+            table,
+            vec![
+                (code::OK, 20_000),
+                (code::OK, 10_000),
+                (code::NOT_FOUND, 0),
+                (code::BUFFER_TOO_SMALL, 0),
+                (code::OK, 10_000),
+                (code::OK, 20_000),
+            ]
+        );
+        let expected = [
+            value(&in_memory[0], 20_000),
+            value(&on_disk[0], 10_000),
+            value(&on_disk[1], 10_000),
+            value(&in_memory[2], 20_000),
+        ];
+        assert_eq!(reply.tail.len(), expected.len());
+        for (sent, want) in reply.tail.iter().zip(&expected) {
+            assert_eq!(*sent, &want[..]);
+        }
+        drop(reply);
+        let after = store.stats();
+        assert_eq!(after.memory_hits - before.memory_hits, 2);
+        assert_eq!(after.disk_hits - before.disk_hits, 2);
+    }
 }

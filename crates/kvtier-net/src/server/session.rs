@@ -39,6 +39,9 @@ struct State<'a> {
     body: Vec<u8>,
     /// Batch-get value slots (TCP); released when idle.
     arena: Option<AlignedBuf>,
+    /// Pool leases of the reply being sent (memory hits go out from the
+    /// pool itself).
+    leases: Vec<Option<kvtier::ValueLease>>,
     buffers: HashMap<u32, RegisteredBuffer>,
     next_buffer: u32,
     registered_bytes: u64,
@@ -83,6 +86,7 @@ impl<'a> Session<'a> {
                 namespace: None,
                 body: Vec::new(),
                 arena: None,
+                leases: Vec::new(),
                 buffers: HashMap::new(),
                 next_buffer: 1,
                 registered_bytes: 0,
@@ -192,6 +196,8 @@ impl<'a> Session<'a> {
             );
             let (sample, close) = (reply.sample, reply.close);
             drop(reply);
+            // Sent: the pool extents may go as soon as nothing else holds them.
+            self.state.leases.clear();
             self.state.body = body;
             shared.metrics.record(header.op, started.elapsed(), sample);
             if sent.is_err() || close {
@@ -250,6 +256,7 @@ impl State<'_> {
                 store,
                 &items,
                 &mut self.arena,
+                &mut self.leases,
                 shared.config.limits.max_frame,
             ),
             Request::BatchExists { keys } => handlers::batch_exists(store, &keys),
