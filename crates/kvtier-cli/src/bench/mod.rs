@@ -100,6 +100,11 @@ pub struct BenchArgs {
     /// from KVTIER_AUTH_TOKEN.
     #[arg(long)]
     pub connect: Option<String>,
+    /// With --connect: the server's data directory, readable by the bench
+    /// (run beside the server): disk gets are then compared with raw reads
+    /// of the server's own region files instead of a scratch file's.
+    #[arg(long, requires = "connect")]
+    pub server_data_dir: Option<PathBuf>,
     /// Replay a request trace (JSON lines with `hash_ids`, as Mooncake's
     /// FAST'25 traces) instead of the synthetic cases.
     #[arg(long)]
@@ -664,7 +669,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         value_size,
                         batch,
                         &put,
-                        &shape,
+                        Some(&shape),
                         &ceiling,
                         write_ceiling.to_string(),
                         engine_name,
@@ -782,7 +787,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         value_size,
                         batch,
                         &get,
-                        &shape,
+                        Some(&shape),
                         &ceiling,
                         read_ceiling.to_string(),
                         engine_name,

@@ -5,7 +5,8 @@
 //! rows), a raw TCP loopback stream (tcp memory rows), raw O_DIRECT reads
 //! and writes on a scratch file (disk rows).
 
-use super::baseline::{Memcpy, RawFile};
+use super::baseline::Memcpy;
+use super::device;
 use super::report::Row;
 use super::{data, rounds, BenchArgs, BenchResult, Measurement, GET_ROUNDS, PUT_ROUNDS};
 use crate::size::format_size;
@@ -342,18 +343,28 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
             }
             if wants("put", "disk") || wants("get", "disk") {
                 // Disk rows: write the case's keys plus as much again as the
-                // server's pool, so the first keys are only on disk.
+                // server's pool, so the first keys are only on disk. The
+                // device ceiling: a size x depth sweep, then its best shape
+                // re-measured each round: for reads over the server's region
+                // files when --server-data-dir names them (the bench runs
+                // beside the server with read access), else over a scratch
+                // file the bench writes in --data-dir; for writes always on
+                // such a scratch file. No shape-matched stream: the bench
+                // cannot see where the server put each value.
                 let filler_batches = memory.div_ceil((value_size * batch) as u64) + 1;
                 let write_through = PutOptions::default();
-                let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
+                let sweep_budget = (2 * args.bytes_per_case).max(16 << 20);
                 let scratch_path = args
                     .data_dir
-                    .join(format!("remote-baseline-{value_size}-{batch}.scratch"));
-                let mut raw = RawFile::create(&scratch_path, value_size, batch)?;
+                    .join(format!("remote-ceiling-{value_size}-{batch}.scratch"));
+                let write_shape = device::sweep_writes(&scratch_path, sweep_budget)?[0].0;
+                let mut writer = device::CeilingWriter::create(&scratch_path, write_shape)?;
+                let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
                 for (r, round) in rounds(batches, PUT_ROUNDS).into_iter().enumerate() {
+                    let bytes = (round.end - round.start) * (batch * value_size) as u64;
                     // Who goes first alternates, as in the embedded bench.
                     if r % 2 == 1 {
-                        raw.write(round.clone(), &mut base_write)?;
+                        writer.write(bytes, &mut base_write)?;
                     }
                     let started = Instant::now();
                     let mut calls = Measurement::new();
@@ -364,14 +375,11 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         remote.put(&keys, &write_through, &mut scratch, &mut calls)?;
                     }
                     remote.client.flush()?;
-                    put.add_span(
-                        started.elapsed(),
-                        (round.end - round.start) * (batch * value_size) as u64,
-                    );
+                    put.add_span(started.elapsed(), bytes);
                     put.latency_us.add(&calls.latency_us).ok();
                     put.calls += calls.calls;
                     if r % 2 == 0 {
-                        raw.write(round, &mut base_write)?;
+                        writer.write(bytes, &mut base_write)?;
                     }
                 }
                 let mut ignored = Measurement::new();
@@ -383,24 +391,37 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 }
                 remote.client.flush()?;
                 if wants("put", "disk") {
-                    rows.push(Row::new(
+                    rows.push(Row::against_device(
                         "put",
-                        "disk",
                         value_size as u64,
                         batch,
                         &put,
+                        None,
                         &base_write,
-                        "raw O_DIRECT io_uring write",
+                        format!("{write_shape} on a scratch file beside the bench"),
                         &engine,
                         0,
                     ));
                     println!("{}", rows.last().unwrap().line());
                 }
                 if wants("get", "disk") {
+                    let (set, place) = match &args.server_data_dir {
+                        Some(dir) => (
+                            device::FileSet::regions_of(&[dir.as_path()])?,
+                            "the server's region files",
+                        ),
+                        None => (
+                            device::FileSet::open(std::slice::from_ref(&scratch_path))?,
+                            "a scratch file beside the bench",
+                        ),
+                    };
+                    let read_shape = device::sweep_reads(&set, sweep_budget)?[0].0;
+                    let mut reader = device::CeilingReader::new(&set, read_shape)?;
                     let before = remote.client.stats()?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     for (r, round) in rounds(batches, GET_ROUNDS).into_iter().enumerate() {
+                        let bytes = (round.end - round.start) * (batch * value_size) as u64;
                         let store_round = |remote: &mut Remote,
                                            get: &mut Measurement,
                                            scratch: &mut Vec<Vec<u8>>|
@@ -416,9 +437,9 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         };
                         if r % 2 == 0 {
                             verified += store_round(&mut remote, &mut get, &mut scratch)?;
-                            raw.read(round.clone(), &mut base)?;
+                            reader.read(bytes, &mut base)?;
                         } else {
-                            raw.read(round.clone(), &mut base)?;
+                            reader.read(bytes, &mut base)?;
                             verified += store_round(&mut remote, &mut get, &mut scratch)?;
                         }
                     }
@@ -428,21 +449,20 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     if memory_hits > 0 {
                         eprintln!("note: {memory_hits} of the disk-case gets were served from the server's memory");
                     }
-                    rows.push(Row::new(
+                    rows.push(Row::against_device(
                         "get",
-                        "disk",
                         value_size as u64,
                         batch,
                         &get,
+                        None,
                         &base,
-                        "raw O_DIRECT io_uring read",
+                        format!("{read_shape} on {place}"),
                         &engine,
                         verified,
                     ));
                     println!("{}", rows.last().unwrap().line());
                 }
-                drop(raw);
-                let _ = std::fs::remove_file(&scratch_path);
+                drop(writer);
             }
         }
         client = remote.client;

@@ -68,20 +68,20 @@ pub struct Row {
 }
 
 impl Row {
-    /// A disk row: the store against the device ceiling (`ratio`) and the
-    /// shape-matched stream. The ceiling is the best rate of the case:
-    /// the ceiling shape's, or the shape-matched stream's or the store's
-    /// if either went faster (the device did it, so it can), which keeps
-    /// `ratio_to_ceiling` at most 1 by construction; `ceiling_shape` says
-    /// which. Latency of the baseline is the shape-matched stream's per
-    /// call, comparable with the store's calls.
+    /// A disk row: the store against the device ceiling (`ratio`) and, where
+    /// measured, the shape-matched stream. The ceiling is the best rate of
+    /// the case: the ceiling shape's, or the shape-matched stream's or the
+    /// store's if either went faster (the device did it, so it can), which
+    /// keeps `ratio_to_ceiling` at most 1 by construction; `ceiling_shape`
+    /// says which. Latency of the baseline is the shape-matched stream's
+    /// per call (comparable with the store's calls), else the ceiling's.
     #[expect(clippy::too_many_arguments, reason = "one row's worth of facts")]
     pub fn against_device(
         op: &str,
         value_size: u64,
         batch: usize,
         store: &Measurement,
-        shape: &Measurement,
+        shape: Option<&Measurement>,
         ceiling: &Measurement,
         ceiling_shape: String,
         io_engine: &str,
@@ -98,27 +98,31 @@ impl Row {
             io_engine,
             verified_bytes,
         );
-        let candidates = [
+        let mut candidates = vec![
             (ceiling.mb_per_s(), ceiling_shape),
-            (
-                shape.mb_per_s(),
-                "the store's request stream, raw".to_string(),
-            ),
             (store.mb_per_s(), "the store's own run".to_string()),
         ];
+        if let Some(shape) = shape {
+            candidates.push((
+                shape.mb_per_s(),
+                "the store's request stream, raw".to_string(),
+            ));
+        }
         let (best, best_shape) = candidates
             .into_iter()
             .max_by(|a, b| a.0.total_cmp(&b.0))
-            .expect("three candidates");
+            .expect("candidates");
         let ratio = |base: f64| if base > 0.0 { row.mb_per_s / base } else { 0.0 };
         row.baseline_mb_per_s = best;
         row.ratio = ratio(best);
         row.ceiling_mb_per_s = Some(best);
         row.ceiling_shape = Some(best_shape);
         row.ratio_to_ceiling = Some(ratio(best));
-        row.shape_mb_per_s = Some(shape.mb_per_s());
-        row.ratio_to_shape = Some(ratio(shape.mb_per_s()));
-        row.baseline_p50_us = shape.latency_us.value_at_quantile(0.50);
+        if let Some(shape) = shape {
+            row.shape_mb_per_s = Some(shape.mb_per_s());
+            row.ratio_to_shape = Some(ratio(shape.mb_per_s()));
+            row.baseline_p50_us = shape.latency_us.value_at_quantile(0.50);
+        }
         row
     }
 
