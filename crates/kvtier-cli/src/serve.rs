@@ -15,7 +15,7 @@ use std::sync::Arc;
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, eviction, auth_token, and the limits of
+    /// region_size, io_engine, io_depth, read_piece, eviction, auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -82,6 +82,8 @@ struct FileConfig {
     disk: Option<String>,
     region_size: Option<String>,
     io_engine: Option<String>,
+    io_depth: Option<u32>,
+    read_piece: Option<String>,
     eviction: Option<String>,
     auth_token: Option<String>,
     max_frame: Option<String>,
@@ -206,6 +208,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(engine) = args.io_engine.as_deref().or(file.io_engine.as_deref()) {
         config = config.io_engine(IoEngineKind::parse(engine)?);
+    }
+    if let Some(depth) = file.io_depth {
+        config = config.io_depth(depth);
+    }
+    if let Some(piece) = size(&file.read_piece, "read_piece")? {
+        config = config.read_piece(piece);
     }
     if let Some(policy) = &file.eviction {
         config = config.eviction(EvictionPolicy::parse(policy)?);

@@ -113,6 +113,7 @@ pub struct Config {
     pub(crate) io_engine: IoEngineKind,
     pub(crate) io_threads: usize,
     pub(crate) io_depth: u32,
+    pub(crate) read_piece: u64,
     pub(crate) direct_io: bool,
     pub(crate) io_registration: bool,
     pub(crate) eviction: EvictionPolicy,
@@ -158,6 +159,7 @@ impl Config {
             io_engine: IoEngineKind::Uring,
             io_threads: 4,
             io_depth: 64,
+            read_piece: 2 * MIB,
             direct_io: true,
             io_registration: true,
             eviction: EvictionPolicy::default(),
@@ -221,6 +223,16 @@ impl Config {
     /// Default: 64.
     pub fn io_depth(mut self, depth: u32) -> Self {
         self.io_depth = depth;
+        self
+    }
+
+    /// Size of the pieces a disk read of a value is cut into: each piece
+    /// is one read, all of a batch's pieces are queued at once (up to
+    /// `io_depth` in flight), and a value's checksum advances as its
+    /// pieces complete. A multiple of 4 KiB, 4 KiB to 64 MiB. Default:
+    /// 2 MiB.
+    pub fn read_piece(mut self, bytes: u64) -> Self {
+        self.read_piece = bytes;
         self
     }
 
@@ -312,6 +324,11 @@ impl Config {
         self.io_depth
     }
 
+    /// `read_piece` as configured (default 2 MiB).
+    pub fn configured_read_piece(&self) -> u64 {
+        self.read_piece
+    }
+
     /// `flush_batch_bytes` as configured (default 64 MiB).
     pub fn configured_flush_batch_bytes(&self) -> u64 {
         self.flush_batch_bytes
@@ -350,6 +367,15 @@ impl Config {
         }
         if self.io_depth == 0 || self.io_depth > 4096 {
             return Err(Error::invalid("io_depth must be 1 to 4096"));
+        }
+        if self.read_piece < PAGE_SIZE
+            || self.read_piece > 64 * MIB
+            || self.read_piece % PAGE_SIZE != 0
+        {
+            return Err(Error::invalid(format!(
+                "read_piece {} must be a multiple of 4096 from 4 KiB to 64 MiB",
+                self.read_piece
+            )));
         }
         if self.flush_batch_bytes < PAGE_SIZE {
             return Err(Error::invalid("flush_batch_bytes must be at least 4096"));

@@ -1098,7 +1098,7 @@ impl Inner {
     }
 
     /// Submits every disk read of a batch at once, each value cut into
-    /// pieces of `VERIFY_PIECE` bytes. A value's checksum is computed piece
+    /// pieces of `Config::read_piece` bytes. A value's checksum is computed piece
     /// by piece as its pieces complete, in order, so verification runs while
     /// later reads are in flight instead of after the last one (reads of a
     /// batch share the device and tend to finish together).
@@ -1109,6 +1109,7 @@ impl Inner {
         results: &mut [Result<Option<usize>>],
     ) {
         let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
+        let piece_len = self.config.read_piece as usize;
         // Per read of the batch (None where the key needs no disk read).
         let mut checks: Vec<Option<Mutex<PieceCheck>>> = reads.iter().map(|_| None).collect();
         {
@@ -1128,11 +1129,11 @@ impl Inner {
                     },
                 };
                 let mut pieces = Vec::new();
-                for (k, piece) in target.chunks_mut(VERIFY_PIECE).enumerate() {
+                for (k, piece) in target.chunks_mut(piece_len).enumerate() {
                     pieces.push((piece.as_ptr() as usize, piece.len()));
                     ops.push(ReadOp::new(
                         &read.region.file,
-                        offset + (k * VERIFY_PIECE) as u64,
+                        offset + (k * piece_len) as u64,
                         piece,
                     ));
                     owners.push((i, k));
@@ -1326,7 +1327,6 @@ impl Inner {
 /// to 2 MiB anyway). On the development machine's virtual disk, 16 MiB x8
 /// gets measured 0.99-1.09 of the raw baseline with whole-value reads,
 /// 1.05-1.62 with 4 MiB pieces and 1.82-1.85 with 2 MiB pieces.
-const VERIFY_PIECE: usize = 2 << 20;
 
 /// One value's verification while its pieces complete in any order.
 struct PieceCheck {

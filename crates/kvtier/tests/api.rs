@@ -160,6 +160,10 @@ fn invalid_configuration_is_rejected() {
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
         let err = Store::open(small_config(dir.path()).region_size(1000)).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+        for piece in [0, 1000, 128 * MIB] {
+            let err = Store::open(small_config(dir.path()).read_piece(piece)).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "read_piece {piece}");
+        }
         // Without an explicit region size, a small disk tier gets small
         // regions instead of an error.
         let config = Config::new(dir.path())
@@ -631,4 +635,28 @@ mod segments {
             ErrorKind::InvalidArgument
         );
     }
+}
+
+/// Values read from disk in pieces of any size come back whole and
+/// verified, at every length around the piece boundaries.
+#[test]
+fn disk_reads_in_small_pieces_return_the_same_bytes() {
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let config = || small_config(dir.path()).read_piece(8192);
+        let lens = [1usize, 4095, 4096, 8191, 8192, 8193, 70_000, 300_000];
+        let value = |len: usize| -> Vec<u8> { (0..len).map(|i| (i * 31 % 251) as u8).collect() };
+        {
+            let store = open(config());
+            for len in lens {
+                store.put(format!("piece-{len}"), value(len)).unwrap();
+            }
+            store.close().unwrap();
+        }
+        let store = open(config());
+        for len in lens {
+            assert_eq!(store.get(format!("piece-{len}")).unwrap(), Some(value(len)));
+        }
+        assert_eq!(store.stats().disk_hits, lens.len() as u64);
+    });
 }

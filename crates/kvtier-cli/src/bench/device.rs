@@ -29,8 +29,6 @@ use std::time::{Duration, Instant};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-/// The store's read piece (`store::VERIFY_PIECE`).
-pub const STORE_READ_PIECE: usize = 2 * MIB;
 /// The io_uring engine's write chunk (`disk::uring::WRITE_CHUNK`).
 pub const STORE_WRITE_CHUNK: usize = 4 * MIB;
 /// Transfer sizes and depths the ceiling sweep tries.
@@ -432,7 +430,7 @@ pub fn sweep_writes(path: &Path, budget: u64) -> io::Result<Vec<(Shape, f64)>> {
 }
 
 /// The store's read stream replayed raw: per batch call, every value of
-/// the batch cut into `STORE_READ_PIECE` pieces at the value's offset in
+/// the batch cut into the store's read pieces at the value's offset in
 /// its region file, all queued at once with at most `depth` in flight (the
 /// store's `io_depth`), into a page-aligned host buffer; each value is
 /// checksummed piece by piece, in order, as its pieces complete, and
@@ -442,6 +440,7 @@ pub struct ShapeReader<'a> {
     /// Per key number of the case: where its value lies.
     locations: &'a [DiskLocation],
     depth: usize,
+    piece: usize,
 }
 
 /// One caller thread's ring and host buffer for a `ShapeReader`.
@@ -467,11 +466,17 @@ struct PieceCheck {
 }
 
 impl<'a> ShapeReader<'a> {
-    pub fn new(set: &'a FileSet, locations: &'a [DiskLocation], depth: usize) -> Self {
+    pub fn new(
+        set: &'a FileSet,
+        locations: &'a [DiskLocation],
+        depth: usize,
+        piece: usize,
+    ) -> Self {
         ShapeReader {
             set,
             locations,
             depth,
+            piece,
         }
     }
 
@@ -491,6 +496,7 @@ impl<'a> ShapeReader<'a> {
             value: usize,
             index: usize,
         }
+        let piece = self.piece;
         let values: Vec<&DiskLocation> = keys.map(|k| &self.locations[k as usize]).collect();
         let mut pieces = Vec::new();
         let mut slot_start = 0usize;
@@ -500,12 +506,12 @@ impl<'a> ShapeReader<'a> {
                 .fd(&location.path)
                 .ok_or_else(|| format!("{} is not in the file set", location.path.display()))?;
             let read_len = (location.len as usize).div_ceil(4096) * 4096;
-            for (index, start) in (0..read_len).step_by(STORE_READ_PIECE).enumerate() {
+            for (index, start) in (0..read_len).step_by(piece).enumerate() {
                 pieces.push(Piece {
                     fd,
                     offset: location.offset + start as u64,
                     at: slot_start + start,
-                    len: (read_len - start).min(STORE_READ_PIECE),
+                    len: (read_len - start).min(piece),
                     value: v,
                     index,
                 });
@@ -519,10 +525,7 @@ impl<'a> ShapeReader<'a> {
             .iter()
             .map(|l| PieceCheck {
                 checksum: ValueChecksum::new(l.digest),
-                done: vec![
-                    false;
-                    ((l.len as usize).div_ceil(4096) * 4096).div_ceil(STORE_READ_PIECE)
-                ],
+                done: vec![false; ((l.len as usize).div_ceil(4096) * 4096).div_ceil(piece)],
                 next: 0,
             })
             .collect();
@@ -561,8 +564,8 @@ impl<'a> ShapeReader<'a> {
                     check.done[p.index] = true;
                     let len = values[p.value].len as usize;
                     while check.done.get(check.next).copied().unwrap_or(false) {
-                        let from = check.next * STORE_READ_PIECE;
-                        let to = ((check.next + 1) * STORE_READ_PIECE).min(len);
+                        let from = check.next * piece;
+                        let to = ((check.next + 1) * piece).min(len);
                         if from < to {
                             // SAFETY: this piece's read has completed and
                             // nothing else writes its range now.

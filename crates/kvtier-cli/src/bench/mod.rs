@@ -144,6 +144,12 @@ pub struct BenchArgs {
     /// (the default).
     #[arg(long)]
     pub max_rate: bool,
+    /// The store's io_uring queue depth (`Config::io_depth`).
+    #[arg(long, default_value_t = 64)]
+    pub io_depth: u32,
+    /// The store's disk read piece (`Config::read_piece`).
+    #[arg(long, default_value = "2MiB", value_parser = parse_size)]
+    pub read_piece: u64,
     /// Run every case this many times, each on fresh files, and report
     /// each figure's median with its min and max (local cases only).
     #[arg(long, default_value_t = 1)]
@@ -583,6 +589,8 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 .max_value_size(value_size)
                 .io_engine(engine)
                 .io_registration(args.io_registration)
+                .io_depth(args.io_depth)
+                .read_piece(args.read_piece)
         };
         let config = config_in(store_dir.clone());
         if wants(args, "put", "disk") || wants(args, "get", "disk") {
@@ -724,7 +732,9 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let shapes: Vec<device::ShapeReader<'_>> = sets
                         .iter()
                         .zip(&located)
-                        .map(|(set, at)| device::ShapeReader::new(set, at, depth))
+                        .map(|(set, at)| {
+                            device::ShapeReader::new(set, at, depth, args.read_piece as usize)
+                        })
                         .collect();
                     let mut ceilings = sets
                         .iter()

@@ -286,6 +286,8 @@ fn replay(
         .eviction(policy)
         .time_policy(true)
         .io_engine(engine)
+        .io_depth(args.io_depth)
+        .read_piece(args.read_piece)
         .max_value_size(value_size);
     if disk > 0 {
         config = config.region_size((64u64 << 20).min(disk / 2 / 4096 * 4096));
@@ -395,9 +397,11 @@ fn replay(
     // the store's io_depth).
     let baseline_mb_per_s = if disk > 0 && disk_load.calls > 0 {
         let values_per_call = (disk_load.bytes / value_size) as f64 / disk_load.calls as f64;
-        let pieces = (value_size as usize).div_ceil(super::device::STORE_READ_PIECE);
-        let transfer = (value_size as usize).min(super::device::STORE_READ_PIECE);
-        let depth = ((values_per_call * pieces as f64).round() as usize).clamp(1, 64);
+        let piece = args.read_piece as usize;
+        let pieces = (value_size as usize).div_ceil(piece);
+        let transfer = (value_size as usize).min(piece);
+        let depth =
+            ((values_per_call * pieces as f64).round() as usize).clamp(1, args.io_depth as usize);
         raw_read_mb_per_s(
             &args.data_dir.join("trace-baseline.scratch"),
             transfer,
