@@ -230,7 +230,10 @@ impl Config {
     /// is one read, all of a batch's pieces are queued at once (up to
     /// `io_depth` in flight), and a value's checksum advances as its
     /// pieces complete. A multiple of 4 KiB, 4 KiB to 64 MiB. Default:
-    /// 2 MiB.
+    /// 2 MiB: small enough that a value's first pieces are checksummed
+    /// while the rest are in flight and that the device gets many requests
+    /// at once; large enough to be big transfers (NVMe devices split above
+    /// 128 KiB to 2 MiB anyway).
     pub fn read_piece(mut self, bytes: u64) -> Self {
         self.read_piece = bytes;
         self

@@ -1320,14 +1320,6 @@ impl Inner {
     }
 }
 
-/// Bytes per read submission when loading a value from disk: small enough
-/// that a value's first pieces complete (and are checksummed) while the
-/// rest are in flight, and that the device gets many requests to work on at
-/// once; large enough to be big transfers (NVMe devices split above 128 KiB
-/// to 2 MiB anyway). On the development machine's virtual disk, 16 MiB x8
-/// gets measured 0.99-1.09 of the raw baseline with whole-value reads,
-/// 1.05-1.62 with 4 MiB pieces and 1.82-1.85 with 2 MiB pieces.
-
 /// One value's verification while its pieces complete in any order.
 struct PieceCheck {
     checksum: ValueChecksum,
