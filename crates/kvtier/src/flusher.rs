@@ -69,8 +69,10 @@ impl Inner {
                     key,
                     seq,
                     slot,
+                    checksum,
                 } => {
-                    let checksum = value_checksum(*digest, slot.bytes());
+                    let checksum = *checksum;
+                    debug_assert_eq!(checksum, value_checksum(*digest, slot.bytes()));
                     batch.entries.push(RecordEntry {
                         kind: RecordKind::Put,
                         seq: *seq,

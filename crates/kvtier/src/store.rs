@@ -51,6 +51,9 @@ pub(crate) enum QueuedWrite {
         key: Box<[u8]>,
         seq: u64,
         slot: Arc<PoolSlot>,
+        /// `value_checksum` of the slot's bytes, computed by the put while
+        /// it copied them (so the flusher, which the disk paces, need not).
+        checksum: u64,
     },
     Tombstone {
         digest: KeyDigest,
@@ -899,12 +902,22 @@ impl Inner {
             return Ok(None);
         }
         let mut slot = self.allocate_slot(value_len, digest)?;
+        // A write-through value's checksum is taken as it is copied, a
+        // cache-sized chunk at a time, while the chunk is still in cache.
+        let mut checksum = to_disk.then(|| ValueChecksum::new(digest));
         let mut at = 0;
         let bytes = slot.bytes_mut();
         for segment in value {
-            bytes[at..at + segment.len()].copy_from_slice(segment);
-            at += segment.len();
+            for chunk in segment.chunks(COPY_CHUNK) {
+                let copied = &mut bytes[at..at + chunk.len()];
+                copied.copy_from_slice(chunk);
+                if let Some(checksum) = &mut checksum {
+                    checksum.update(copied);
+                }
+                at += chunk.len();
+            }
         }
+        let checksum = checksum.map_or(0, |c| c.finish());
         // The page padding goes to disk with the value and comes back with
         // direct reads: it must not hold an earlier value's bytes.
         slot.zero_padding();
@@ -923,6 +936,7 @@ impl Inner {
                 key: ns.qualify(key),
                 seq,
                 slot: Arc::clone(&slot),
+                checksum,
             })
         })?;
         // Freed outside the queue lock.
@@ -1319,6 +1333,10 @@ impl Inner {
         }
     }
 }
+
+/// Bytes a put copies before adding them to the value's checksum: small
+/// enough to still be in the core's cache when hashed.
+const COPY_CHUNK: usize = 64 << 10;
 
 /// One value's verification while its pieces complete in any order.
 struct PieceCheck {
