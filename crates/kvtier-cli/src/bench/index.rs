@@ -37,6 +37,7 @@ fn empty_row(op: &str, tier: &str, engine: &str) -> Row {
         ratio_to_ceiling: None,
         shape_mb_per_s: None,
         ratio_to_shape: None,
+        pipeline: None,
         runs: None,
         min: None,
         max: None,

@@ -150,6 +150,12 @@ pub struct BenchArgs {
     /// The store's disk read piece (`Config::read_piece`).
     #[arg(long, default_value = "2MiB", value_parser = parse_size)]
     pub read_piece: u64,
+    /// Disk get cases: batch calls each caller keeps in flight (what the
+    /// async calls give one caller: the next batch is issued while one is
+    /// read). Each call in flight runs on its own worker, and with more than
+    /// one the raw shape-matched side keeps as many calls in flight too.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
     /// Run every case this many times, each on fresh files, and report
     /// each figure's median with its min and max (local cases only).
     #[arg(long, default_value_t = 1)]
@@ -372,8 +378,8 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
     if args.memory.len() > 1 || args.disk.len() > 1 || args.eviction.len() > 1 {
         return Err("lists of --memory, --disk or --eviction are for --trace replays".into());
     }
-    if args.repeat == 0 {
-        return Err("--repeat must be at least 1".into());
+    if args.repeat == 0 || args.pipeline == 0 {
+        return Err("--repeat and --pipeline must be at least 1".into());
     }
     let created = !args.data_dir.exists();
     std::fs::create_dir_all(&args.data_dir)?;
@@ -741,15 +747,20 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         .map(|set| device::CeilingReader::new(set, read_ceiling))
                         .collect::<std::io::Result<Vec<_>>>()?;
                     let slot = (value_size as usize).div_ceil(4096) * 4096;
-                    let mut callers = (0..args.threads)
+                    let in_flight = args.threads * args.pipeline;
+                    let mut callers = (0..in_flight)
                         .map(|_| device::ShapeCaller::new(depth, slot * batch))
                         .collect::<std::io::Result<Vec<_>>>()?;
                     let (mut get, mut shape, mut ceiling) =
                         (Measurement::new(), Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let mut shape_verified = 0;
-                    let mut hosts = host_buffers(&case);
-                    for (r, round) in case_rounds(&case, GET_ROUNDS).into_iter().enumerate() {
+                    let mut hosts = host_buffers(&case, in_flight);
+                    let round_list = rounds(
+                        case.batches,
+                        GET_ROUNDS.min(case.batches / in_flight as u64).max(1),
+                    );
+                    for (r, round) in round_list.into_iter().enumerate() {
                         let store_copy = r % 2;
                         let raw_copy = 1 - store_copy;
                         let bytes = case.bytes(&round);
@@ -792,7 +803,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         )
                         .into());
                     }
-                    let row = Row::against_device(
+                    let mut row = Row::against_device(
                         "get",
                         value_size,
                         batch,
@@ -803,6 +814,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         engine_name,
                         verified,
                     );
+                    row.pipeline = (args.pipeline > 1).then_some(args.pipeline);
                     progress.row(&row);
                     rows.push(row);
                     drop((ceilings, shapes));
@@ -870,7 +882,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let resident = keys_in_set.min(case.batches * batch as u64);
-                    let mut hosts = host_buffers(&case);
+                    let mut hosts = host_buffers(&case, args.threads);
                     for (r, round) in case_rounds(&case, GET_ROUNDS).into_iter().enumerate() {
                         if r % 2 == 1 {
                             memcpy.run(round.clone(), &mut base);
@@ -1001,9 +1013,9 @@ fn put_disk(
 /// One page-aligned host buffer per caller thread, each with room for a
 /// batch, allocated and touched once per case (before any timing), as an
 /// engine's pinned host buffers are.
-fn host_buffers(case: &Case<'_>) -> Vec<AlignedBuf> {
+fn host_buffers(case: &Case<'_>, callers: usize) -> Vec<AlignedBuf> {
     let slot = (case.value_size as usize).div_ceil(4096) * 4096;
-    (0..case.args.threads)
+    (0..callers)
         .map(|_| data::touched_buffer(slot * case.batch))
         .collect()
 }

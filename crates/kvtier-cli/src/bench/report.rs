@@ -57,6 +57,10 @@ pub struct Row {
     pub shape_mb_per_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ratio_to_shape: Option<f64>,
+    /// Disk get rows with `--pipeline N > 1`: batch calls each caller kept
+    /// in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<usize>,
     /// With `--repeat N`: the runs behind this row (its figures are their
     /// medians) and each figure's minimum and maximum over them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -195,6 +199,7 @@ impl Row {
             ratio_to_ceiling: None,
             shape_mb_per_s: None,
             ratio_to_shape: None,
+            pipeline: None,
             runs: None,
             min: None,
             max: None,
@@ -359,7 +364,10 @@ pub fn markdown(rows: &[Row]) -> String {
             r.op,
             r.tier,
             format_size(r.value_size).replace(".00 ", " "),
-            r.batch,
+            match r.pipeline {
+                Some(p) => format!("{} ({p} in flight)", r.batch),
+                None => r.batch.to_string(),
+            },
             spread(r, "mb_per_s", r.mb_per_s, 0),
             spread(r, "baseline_mb_per_s", r.baseline_mb_per_s, 0),
             spread(r, "ratio", r.ratio, 2),
