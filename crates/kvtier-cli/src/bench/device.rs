@@ -399,13 +399,6 @@ impl CeilingWriter {
         self.offset += (count * size) as u64;
         Ok(())
     }
-
-    /// Starts over at offset 0 of an emptied file.
-    fn rewind(&mut self) -> io::Result<()> {
-        self.file.set_len(0)?;
-        self.offset = 0;
-        Ok(())
-    }
 }
 
 impl Drop for CeilingWriter {
@@ -420,7 +413,6 @@ pub fn sweep_writes(path: &Path, budget: u64) -> io::Result<Vec<(Shape, f64)>> {
     let mut points = Vec::new();
     for shape in sweep_shapes(u64::MAX) {
         let mut writer = CeilingWriter::create(path, shape)?;
-        writer.rewind()?;
         let mut m = Measurement::new();
         writer.write(point_bytes(shape, budget), &mut m)?;
         points.push((shape, m.mb_per_s()));
