@@ -375,6 +375,89 @@ fn per_key<T: Copy + From<i32>>(n: usize, picked: &[usize], results: Vec<T>) -> 
     out
 }
 
+/// A `batch_put_from` resolved against its values, to run with the GIL
+/// released, here or on a background thread. Holds the buffer views and
+/// registration pins that keep the values valid until it is dropped.
+struct PutCall {
+    keys: Vec<Vec<u8>>,
+    options: PutOptions,
+    targets: Targets,
+}
+
+impl PutCall {
+    fn prepare(
+        registered: &Registered,
+        keys: Vec<Key>,
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+        options: PutOptions,
+    ) -> PyResult<PutCall> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let targets = Targets::resolve(registered, &keys, items, sizes, false)?;
+        Ok(PutCall {
+            keys,
+            options,
+            targets,
+        })
+    }
+
+    /// A code per key (0 = stored).
+    fn run(self, backend: &Backend) -> kvtier::Result<Vec<i32>> {
+        let picked = self.targets.picked();
+        let pick_keys = pick_keys(&self.keys, &picked);
+        let pick_ranges: Vec<(usize, usize)> =
+            picked.iter().map(|&i| self.targets.ranges[i]).collect();
+        // SAFETY: registered ranges pinned, or buffer views held, by
+        // `self.targets` until `self` drops on return.
+        let values = unsafe { as_slices(&pick_ranges) };
+        let results = backend.put(&pick_keys, &values, &self.options)?;
+        Ok(per_key(self.keys.len(), &picked, put_codes(results)))
+    }
+}
+
+/// A `batch_get_into` resolved against its destinations (checked not to
+/// overlap), to run with the GIL released, here or on a background thread.
+struct GetCall {
+    keys: Vec<Vec<u8>>,
+    picked: Vec<usize>,
+    pick_ranges: Vec<(usize, usize)>,
+    /// Keeps the destinations valid until the call is dropped.
+    _targets: Targets,
+}
+
+impl GetCall {
+    fn prepare(
+        registered: &Registered,
+        keys: Vec<Key>,
+        items: &Bound<'_, PyAny>,
+        sizes: Option<Vec<usize>>,
+    ) -> PyResult<GetCall> {
+        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
+        let targets = Targets::resolve(registered, &keys, items, sizes, true)?;
+        let picked = targets.picked();
+        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
+        if overlapping(&pick_ranges) {
+            return Err(PyValueError::new_err("destination buffers overlap"));
+        }
+        Ok(GetCall {
+            keys,
+            picked,
+            pick_ranges,
+            _targets: targets,
+        })
+    }
+
+    /// Per key the bytes read, or a negative code.
+    fn run(self, backend: &Backend) -> kvtier::Result<Vec<i64>> {
+        let pick_keys = pick_keys(&self.keys, &self.picked);
+        // SAFETY: registered or live, writable, non-overlapping (checked in
+        // `prepare`), held by `_targets` until `self` drops on return.
+        let mut bufs = unsafe { as_mut_slices(&self.pick_ranges) };
+        let results = backend.get(&pick_keys, &mut bufs)?;
+        Ok(per_key(self.keys.len(), &self.picked, get_codes(results)))
+    }
+}
+
 /// The registered segments of a multi-buffer batch, pinned for the call.
 struct SegmentTargets {
     /// Per key, `(address, length)` per segment; meaningful where `usable`.
@@ -794,19 +877,15 @@ impl Engine {
         skip_existing: bool,
         durable: bool,
     ) -> PyResult<Vec<i32>> {
-        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
-        let options = put_options(memory_only, skip_existing, durable);
-        let targets = Targets::resolve(&self.registered, &keys, items, sizes, false)?;
-        let picked = targets.picked();
-        let pick_keys = pick_keys(&keys, &picked);
-        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
-        // SAFETY: registered ranges (caller's promise) or live buffer views
-        // held by `targets` until the call returns.
-        let values = unsafe { as_slices(&pick_ranges) };
-        let results = py
-            .detach(|| self.backend.put(&pick_keys, &values, &options))
-            .map_err(to_py_err)?;
-        Ok(per_key(keys.len(), &picked, put_codes(results)))
+        let call = PutCall::prepare(
+            &self.registered,
+            keys,
+            items,
+            sizes,
+            put_options(memory_only, skip_existing, durable),
+        )?;
+        let backend = &self.backend;
+        py.detach(move || call.run(backend)).map_err(to_py_err)
     }
 
     /// Reads each value into its destination. With `sizes`, `items` are raw
@@ -821,20 +900,9 @@ impl Engine {
         items: &Bound<'_, PyAny>,
         sizes: Option<Vec<usize>>,
     ) -> PyResult<Vec<i64>> {
-        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
-        let targets = Targets::resolve(&self.registered, &keys, items, sizes, true)?;
-        let picked = targets.picked();
-        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
-        if overlapping(&pick_ranges) {
-            return Err(PyValueError::new_err("destination buffers overlap"));
-        }
-        let pick_keys = pick_keys(&keys, &picked);
-        // SAFETY: registered or live, writable, non-overlapping (checked).
-        let mut bufs = unsafe { as_mut_slices(&pick_ranges) };
-        let results = py
-            .detach(|| self.backend.get(&pick_keys, &mut bufs))
-            .map_err(to_py_err)?;
-        Ok(per_key(keys.len(), &picked, get_codes(results)))
+        let call = GetCall::prepare(&self.registered, keys, items, sizes)?;
+        let backend = &self.backend;
+        py.detach(move || call.run(backend)).map_err(to_py_err)
     }
 
     /// `batch_put_from` in the background: returns at once with a
@@ -851,22 +919,16 @@ impl Engine {
         skip_existing: bool,
         durable: bool,
     ) -> PyResult<PendingCall> {
-        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
-        let options = put_options(memory_only, skip_existing, durable);
-        let targets = Targets::resolve(&self.registered, &keys, items, sizes, false)?;
+        let call = PutCall::prepare(
+            &self.registered,
+            keys,
+            items,
+            sizes,
+            put_options(memory_only, skip_existing, durable),
+        )?;
         let backend = Arc::clone(&self.backend);
         PendingCall::spawn(move || {
-            let picked = targets.picked();
-            let pick_keys = pick_keys(&keys, &picked);
-            let pick_ranges: Vec<(usize, usize)> =
-                picked.iter().map(|&i| targets.ranges[i]).collect();
-            // SAFETY: registered ranges pinned, or buffer views held, by
-            // `targets`, which lives until this closure returns.
-            let values = unsafe { as_slices(&pick_ranges) };
-            let results = backend.put(&pick_keys, &values, &options)?;
-            drop(values);
-            drop(targets);
-            let codes = per_key(keys.len(), &picked, put_codes(results));
+            let codes = call.run(&backend)?;
             Ok(codes.into_iter().map(i64::from).collect())
         })
     }
@@ -881,24 +943,9 @@ impl Engine {
         items: &Bound<'_, PyAny>,
         sizes: Option<Vec<usize>>,
     ) -> PyResult<PendingCall> {
-        let keys: Vec<Vec<u8>> = keys.into_iter().map(|k| k.0).collect();
-        let targets = Targets::resolve(&self.registered, &keys, items, sizes, true)?;
-        let picked = targets.picked();
-        let pick_ranges: Vec<(usize, usize)> = picked.iter().map(|&i| targets.ranges[i]).collect();
-        if overlapping(&pick_ranges) {
-            return Err(PyValueError::new_err("destination buffers overlap"));
-        }
+        let call = GetCall::prepare(&self.registered, keys, items, sizes)?;
         let backend = Arc::clone(&self.backend);
-        PendingCall::spawn(move || {
-            let pick_keys = pick_keys(&keys, &picked);
-            // SAFETY: registered or live, writable, non-overlapping
-            // (checked), held by `targets` until this closure returns.
-            let mut bufs = unsafe { as_mut_slices(&pick_ranges) };
-            let results = backend.get(&pick_keys, &mut bufs)?;
-            drop(bufs);
-            drop(targets);
-            Ok(per_key(keys.len(), &picked, get_codes(results)))
-        })
+        PendingCall::spawn(move || call.run(&backend))
     }
 
     /// Stores each key's value gathered from several registered ranges, laid

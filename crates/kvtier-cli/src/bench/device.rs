@@ -327,17 +327,30 @@ fn sweep_shapes(data: u64) -> Vec<Shape> {
     shapes
 }
 
-/// The read sweep over `set`: each shape's MB/s, best first.
-pub fn sweep_reads(set: &FileSet, budget: u64) -> io::Result<Vec<(Shape, f64)>> {
-    let mut points = Vec::new();
-    for shape in sweep_shapes(set.total()) {
-        let mut reader = CeilingReader::new(set, shape)?;
+/// Runs `point` for every sweep shape (`data` bounds the bytes in flight)
+/// with the bytes each point moves; returns the fastest shape.
+fn sweep(
+    data: u64,
+    budget: u64,
+    mut point: impl FnMut(Shape, u64, &mut Measurement) -> io::Result<()>,
+) -> io::Result<Shape> {
+    let mut best = None;
+    for shape in sweep_shapes(data) {
         let mut m = Measurement::new();
-        reader.read(point_bytes(shape, budget), &mut m)?;
-        points.push((shape, m.mb_per_s()));
+        point(shape, point_bytes(shape, budget), &mut m)?;
+        if best.is_none_or(|(_, rate)| m.mb_per_s() > rate) {
+            best = Some((shape, m.mb_per_s()));
+        }
     }
-    points.sort_by(|a, b| b.1.total_cmp(&a.1));
-    Ok(points)
+    best.map(|(shape, _)| shape)
+        .ok_or_else(|| io::Error::other("no shape to sweep"))
+}
+
+/// The read sweep over `set`: its fastest shape.
+pub fn sweep_reads(set: &FileSet, budget: u64) -> io::Result<Shape> {
+    sweep(set.total(), budget, |shape, bytes, m| {
+        CeilingReader::new(set, shape)?.read(bytes, m)
+    })
 }
 
 /// Raw writes of `shape`, appended to a scratch file, then `fdatasync`.
@@ -407,18 +420,12 @@ impl Drop for CeilingWriter {
     }
 }
 
-/// The write sweep on a scratch file at `path`: each shape's MB/s
-/// (writes plus the final `fdatasync`), best first.
-pub fn sweep_writes(path: &Path, budget: u64) -> io::Result<Vec<(Shape, f64)>> {
-    let mut points = Vec::new();
-    for shape in sweep_shapes(u64::MAX) {
-        let mut writer = CeilingWriter::create(path, shape)?;
-        let mut m = Measurement::new();
-        writer.write(point_bytes(shape, budget), &mut m)?;
-        points.push((shape, m.mb_per_s()));
-    }
-    points.sort_by(|a, b| b.1.total_cmp(&a.1));
-    Ok(points)
+/// The write sweep on a scratch file at `path` (writes plus the final
+/// `fdatasync`): its fastest shape.
+pub fn sweep_writes(path: &Path, budget: u64) -> io::Result<Shape> {
+    sweep(u64::MAX, budget, |shape, bytes, m| {
+        CeilingWriter::create(path, shape)?.write(bytes, m)
+    })
 }
 
 /// The store's read stream replayed raw: per batch call, every value of

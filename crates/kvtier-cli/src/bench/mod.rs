@@ -613,8 +613,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
             let sweep_budget = (2 * args.bytes_per_case).max(16 << 20);
             let write_ceiling = if wants(args, "put", "disk") {
                 progress.note(&format!("write ceiling sweep {}", format_size(value_size)));
-                let points = device::sweep_writes(&scratch("ceiling-sweep"), sweep_budget)?;
-                points[0].0
+                device::sweep_writes(&scratch("ceiling-sweep"), sweep_budget)?
             } else {
                 device::Shape {
                     size: 4 << 20,
@@ -701,7 +700,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 let read_ceiling = {
                     let (a, b) = (case_config(first), twin_config(first));
                     let set = device::FileSet::regions_of(&[a.data_dir(), b.data_dir()])?;
-                    device::sweep_reads(&set, sweep_budget)?[0].0
+                    device::sweep_reads(&set, sweep_budget)?
                 };
                 for &batch in &args.batches {
                     let case = Case {

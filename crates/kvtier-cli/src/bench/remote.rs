@@ -357,7 +357,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 let scratch_path = args
                     .data_dir
                     .join(format!("remote-ceiling-{value_size}-{batch}.scratch"));
-                let write_shape = device::sweep_writes(&scratch_path, sweep_budget)?[0].0;
+                let write_shape = device::sweep_writes(&scratch_path, sweep_budget)?;
                 let mut writer = device::CeilingWriter::create(&scratch_path, write_shape)?;
                 let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
                 for (r, round) in rounds(batches, PUT_ROUNDS).into_iter().enumerate() {
@@ -415,7 +415,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                             "a scratch file beside the bench",
                         ),
                     };
-                    let read_shape = device::sweep_reads(&set, sweep_budget)?[0].0;
+                    let read_shape = device::sweep_reads(&set, sweep_budget)?;
                     let mut reader = device::CeilingReader::new(&set, read_shape)?;
                     let before = remote.client.stats()?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());

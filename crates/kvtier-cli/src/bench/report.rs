@@ -5,7 +5,7 @@ use crate::size::format_size;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Row {
     pub op: String,
     pub tier: String,
@@ -190,19 +190,7 @@ impl Row {
             seconds: store.seconds,
             verified_bytes,
             io_engine: io_engine.into(),
-            index_entries: None,
-            index_bytes_per_entry: None,
-            policy_bytes: None,
-            pool_entries: None,
-            ceiling_mb_per_s: None,
-            ceiling_shape: None,
-            ratio_to_ceiling: None,
-            shape_mb_per_s: None,
-            ratio_to_shape: None,
-            pipeline: None,
-            runs: None,
-            min: None,
-            max: None,
+            ..Row::default()
         }
     }
 
