@@ -847,3 +847,65 @@ fn a_client_pool_runs_threads_on_their_own_connections() {
         assert_eq!(pool.open_connections(), 0);
     }
 }
+
+/// The admin endpoint off loopback: data needs the token, the status
+/// page's own files do not (they hold none); other methods, unknown paths
+/// and connections past the cap get clear answers.
+#[test]
+fn admin_endpoint_guards_data_off_loopback_and_caps_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("serve.toml");
+    std::fs::write(&config, "max_admin_connections = 3\nadmin_timeout = 2.0\n").unwrap();
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &["--admin", "0.0.0.0:0", "--config", config.to_str().unwrap()],
+    );
+    for path in ["/stats", "/stats/history", "/metrics", "/health"] {
+        let response = server.http(path);
+        assert!(response.starts_with("HTTP/1.1 401"), "{path}: {response}");
+    }
+    let get = |path: &str| {
+        server.http_request(&format!(
+            "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
+        ))
+    };
+    let body = |response: &str| response.split("\r\n\r\n").nth(1).unwrap().to_string();
+    let stats: serde_json::Value = serde_json::from_str(&body(&get("/stats"))).unwrap();
+    assert_eq!(stats["server"]["auth_failures"], 4, "{stats}");
+    assert_eq!(stats["cluster"]["enabled"], false);
+    assert!(stats["hit_rate"]["overall"].is_null(), "no lookups yet");
+    let history: serde_json::Value = serde_json::from_str(&body(&get("/stats/history"))).unwrap();
+    assert_eq!(history["interval_seconds"], 2.0);
+    assert!(get("/metrics").contains("kvtier_tier_capacity_bytes{tier=\"memory\"} 67108864"));
+    // The page needs no token, and runs only its own script.
+    let page = server.http("/");
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    assert!(page.contains("<title>kvtier status</title>"));
+    assert!(page
+        .to_ascii_lowercase()
+        .contains("content-security-policy: default-src 'self'"));
+    assert!(server.http("/status.js").contains("function poll()"));
+    let posted = server.http_request(&format!(
+        "POST /stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_TOKEN}\r\nContent-Length: 0\r\n\r\n"
+    ));
+    assert!(posted.starts_with("HTTP/1.1 405"), "{posted}");
+    assert!(get("/nope").starts_with("HTTP/1.1 404"));
+    // Three silent connections fill the cap; the next is told at once.
+    let silent: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(&server.admin).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let busy = server.http("/");
+    assert!(busy.starts_with("HTTP/1.1 503"), "{busy}");
+    // The silent ones are dropped at the admin timeout; room again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let response = server.http("/");
+        if response.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the cap never freed: {response}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(silent);
+}

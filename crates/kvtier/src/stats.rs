@@ -19,6 +19,11 @@ pub struct Stats {
     pub disk_used_bytes: u64,
     pub disk_capacity: u64,
     pub disk_regions: u64,
+    /// Region files moved to `quarantine/` at open (their header could not
+    /// be read or verified), and regions where recovery skipped pages
+    /// without a valid batch: counted by the last open, not since creation.
+    pub quarantined_regions: u64,
+    pub damaged_regions: u64,
     pub memory_hits: u64,
     pub disk_hits: u64,
     pub misses: u64,

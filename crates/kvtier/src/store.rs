@@ -548,6 +548,8 @@ impl NamespacedStore<'_> {
         let key = key.as_ref();
         loop {
             let Some(len) = self.value_len(key)? else {
+                // A miss like any other (the hit rate counts it).
+                Counters::add(&self.inner.counters.misses, 1);
                 return Ok(None);
             };
             let mut value = vec![0u8; len];
@@ -1303,6 +1305,8 @@ impl Inner {
             disk_used_bytes: self.disk.as_ref().map_or(0, |d| d.used()),
             disk_capacity: self.config.disk_capacity,
             disk_regions: self.disk.as_ref().map_or(0, |d| d.region_count() as u64),
+            quarantined_regions: self.recovery.quarantined_regions,
+            damaged_regions: self.recovery.damaged_regions,
             memory_hits: Counters::get(&c.memory_hits),
             disk_hits: Counters::get(&c.disk_hits),
             misses: Counters::get(&c.misses),

@@ -52,9 +52,10 @@ impl ServerProcess {
             "1GiB".into(),
             "--listen".into(),
             "127.0.0.1:0".into(),
-            "--admin".into(),
-            "127.0.0.1:0".into(),
         ];
+        if !extra.contains(&"--admin") {
+            args.extend(["--admin".into(), "127.0.0.1:0".into()]);
+        }
         if !extra.contains(&"--auth-token") && !extra.contains(&"--generated-token") {
             args.extend(["--auth-token".into(), TEST_TOKEN.into()]);
         }
@@ -148,8 +149,14 @@ impl ServerProcess {
     }
 
     pub fn http(&self, path: &str) -> String {
+        self.http_request(&format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n"))
+    }
+
+    /// Sends `request` (a whole HTTP/1.1 request) to the admin port and
+    /// returns the whole response.
+    pub fn http_request(&self, request: &str) -> String {
         let mut stream = TcpStream::connect(&self.admin).unwrap();
-        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).unwrap();
         response

@@ -2,7 +2,7 @@
 //! server-wide budgets (connections, registered shared memory). A limit is
 //! checked in exactly one place; docs/server.md lists them all.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -133,24 +133,6 @@ pub struct Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.amount, Ordering::AcqRel);
-    }
-}
-
-/// Counts live threads of one kind (admin connections) against a cap.
-#[derive(Debug, Default)]
-pub struct ThreadCount(AtomicUsize);
-
-impl ThreadCount {
-    pub fn try_enter(&self, cap: usize) -> bool {
-        self.0
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
-                (n < cap).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    pub fn leave(&self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

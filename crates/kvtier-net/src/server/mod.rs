@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 use crate::protocol::{code, Header};
 use crate::transport::Transport;
 use kvtier::Store;
-use limits::{Budget, Permit, ThreadCount};
+use limits::{Budget, Permit};
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
@@ -83,7 +83,6 @@ pub(crate) struct Shared {
     pub connections: Arc<Budget>,
     /// Bytes of shared memory registered by all connections.
     pub registered: Arc<Budget>,
-    pub admin_threads: ThreadCount,
 }
 
 /// How often idle reads and accept loops look at the stop flag and the
@@ -140,7 +139,6 @@ impl Server {
             shared: Arc::new(Shared {
                 connections: Budget::new(limits.max_connections as u64),
                 registered: Budget::new(limits.max_registered_bytes_total),
-                admin_threads: ThreadCount::default(),
                 store,
                 auth,
                 config,

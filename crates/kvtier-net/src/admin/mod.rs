@@ -1,0 +1,253 @@
+//! The admin HTTP endpoint: the status page (`GET /`), `/metrics`
+//! (Prometheus), `/health`, `/stats` and `/stats/history` (JSON).
+//!
+//! Served by hyper on a one-thread tokio runtime: every connection is a
+//! task, so slow or silent clients cost a little memory each and never
+//! hold up `/health`. Limits: at most `Limits::max_admin_connections`
+//! connections (past it, a 503 without reading), the request head must
+//! arrive within `Limits::admin_timeout` and the whole exchange end within
+//! it, one request per connection. Off loopback, everything but the
+//! page's own static files needs `Authorization: Bearer <token>`.
+
+mod history;
+mod page;
+
+use crate::metrics;
+use crate::server::limits::Budget;
+use crate::server::Shared;
+use bytes::Bytes;
+use history::History;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::registry::Registry;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often the accept loop looks at the stop flag.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Sent to a connection over the cap, without reading its request.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n";
+
+struct Admin {
+    shared: Arc<Shared>,
+    registry: Registry,
+    history: Mutex<History>,
+    connections: Arc<Budget>,
+    needs_token: bool,
+}
+
+pub(crate) fn serve(listener: std::net::TcpListener, shared: &Arc<Shared>) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            tracing::error!(error = %e, "could not start the admin endpoint's runtime; admin HTTP is off");
+            return;
+        }
+    };
+    let needs_token = listener
+        .local_addr()
+        .map(|a| !a.ip().is_loopback())
+        .unwrap_or(true);
+    let admin = Arc::new(Admin {
+        registry: metrics::registry(Arc::clone(&shared.metrics), Arc::clone(&shared.store)),
+        history: Mutex::new(History::default()),
+        connections: Budget::new(shared.config.limits.max_admin_connections as u64),
+        needs_token,
+        shared: Arc::clone(shared),
+    });
+    runtime.block_on(accept_loop(listener, admin));
+}
+
+async fn accept_loop(listener: std::net::TcpListener, admin: Arc<Admin>) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(e) => {
+            tracing::error!(error = %e, "admin listener unusable; admin HTTP is off");
+            return;
+        }
+    };
+    let mut stop_check = tokio::time::interval(POLL);
+    let mut sample = tokio::time::interval(history::INTERVAL);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => Arc::clone(&admin).start(stream),
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = sample.tick() => admin.sample(),
+            _ = stop_check.tick() => {
+                if admin.shared.stopping.load(Ordering::Acquire) {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Admin {
+    fn sample(&self) {
+        let stats = self.shared.store.stats();
+        self.history
+            .lock()
+            .unwrap()
+            .sample(&self.shared.metrics, &stats);
+    }
+
+    fn start(self: Arc<Self>, stream: tokio::net::TcpStream) {
+        let Some(permit) = self.connections.try_take(1) else {
+            tokio::spawn(refuse(stream));
+            return;
+        };
+        let _ = stream.set_nodelay(true);
+        let timeout = self.shared.config.limits.admin_timeout;
+        tokio::spawn(async move {
+            let _permit = permit;
+            let admin = Arc::clone(&self);
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let response = admin.answer(&request);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(timeout)
+                .keep_alive(false)
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(timeout, connection).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = %e, "admin connection failed"),
+                Err(_) => tracing::debug!("admin connection dropped at the admin timeout"),
+            }
+        });
+    }
+
+    fn answer(&self, request: &Request<Incoming>) -> Response<Full<Bytes>> {
+        let path = request.uri().path();
+        if request.method() != Method::GET && request.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n");
+        }
+        if let Some(asset) = page::asset(path) {
+            return reply(
+                StatusCode::OK,
+                asset.content_type,
+                Bytes::from_static(asset.body),
+            )
+            .with_page_headers();
+        }
+        if self.needs_token {
+            let header = request
+                .headers()
+                .get(AUTHORIZATION)
+                .and_then(|v| v.to_str().ok());
+            if !self.shared.auth.bearer_matches(header) {
+                self.shared
+                    .metrics
+                    .auth_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                return text(
+                    StatusCode::UNAUTHORIZED,
+                    "this admin endpoint is off loopback: send Authorization: Bearer <token>\n",
+                );
+            }
+        }
+        let shared = &self.shared;
+        match path {
+            "/health" => text(StatusCode::OK, "ok\n"),
+            "/metrics" => {
+                let openmetrics = request
+                    .headers()
+                    .get(ACCEPT)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.contains("application/openmetrics-text"));
+                let (body, content_type) = metrics::render(&self.registry, openmetrics);
+                reply(StatusCode::OK, content_type, body.into())
+            }
+            "/stats" => {
+                let mut json = shared.metrics.json(&shared.store.stats());
+                json["hit_rate_last_minute"] = self
+                    .history
+                    .lock()
+                    .unwrap()
+                    .hit_rates_over(Duration::from_secs(60));
+                json["cluster"] = serde_json::json!({ "enabled": false, "members": [] });
+                json_reply(&json)
+            }
+            "/stats/history" => json_reply(&self.history.lock().unwrap().json()),
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found: try /, /metrics, /health, /stats or /stats/history\n",
+            ),
+        }
+    }
+}
+
+/// Answers a connection past the cap with a 503, then reads what the
+/// client sent for a moment before closing, so the answer is not lost to
+/// a reset; the whole refusal takes at most `REFUSAL_LINGER`.
+async fn refuse(mut stream: tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const REFUSAL_LINGER: Duration = Duration::from_millis(200);
+    let _ = tokio::time::timeout(REFUSAL_LINGER, async {
+        stream.write_all(BUSY).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 1024];
+        while stream.read(&mut sink).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: Bytes) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
+    reply(
+        status,
+        "text/plain; charset=utf-8",
+        Bytes::from_static(body.as_bytes()),
+    )
+}
+
+fn json_reply(json: &serde_json::Value) -> Response<Full<Bytes>> {
+    reply(StatusCode::OK, "application/json", json.to_string().into())
+}
+
+trait PageHeaders {
+    fn with_page_headers(self) -> Self;
+}
+
+impl PageHeaders for Response<Full<Bytes>> {
+    /// The page loads nothing from elsewhere and runs only its own script.
+    fn with_page_headers(mut self) -> Self {
+        let headers = self.headers_mut();
+        headers.insert(
+            "content-security-policy",
+            HeaderValue::from_static(
+                "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
+            ),
+        );
+        headers.insert(
+            "x-content-type-options",
+            HeaderValue::from_static("nosniff"),
+        );
+        self
+    }
+}
