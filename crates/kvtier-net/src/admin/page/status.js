@@ -86,7 +86,8 @@ function fill(stats) {
 
 // A line chart of `series` over the last 15 minutes, drawn as SVG.
 function chart(container, points, series, kind) {
-  const width = 600, height = 150, left = 70, bottom = 22, top = 8;
+  // Drawn at the container's own width, so text and dots keep their shape.
+  const width = Math.max(300, container.clientWidth || 600), height = 150, left = 70, bottom = 22, top = 8;
   const now = points.length ? points[points.length - 1].t : Date.now() / 1000;
   const start = now - WINDOW_S;
   const shown = points.filter((p) => p.t >= start);
@@ -98,7 +99,6 @@ function chart(container, points, series, kind) {
   const y = (v) => top + (1 - v / max) * (height - top - bottom);
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
-  svg.setAttribute("preserveAspectRatio", "none");
   for (const frac of [0, 0.5, 1]) {
     const line = document.createElementNS(SVG, "line");
     line.setAttribute("x1", left); line.setAttribute("x2", width);
@@ -129,6 +129,15 @@ function chart(container, points, series, kind) {
     line.dataset.field = s.field;
     line.dataset.points = String(values.length);
     svg.appendChild(line);
+    // Dots where points are few (a lone point draws no line), else the last.
+    for (const p of values.length <= 60 ? values : values.slice(-1)) {
+      const dot = document.createElementNS(SVG, "circle");
+      dot.setAttribute("cx", x(p.t).toFixed(1));
+      dot.setAttribute("cy", y(p[s.field]).toFixed(1));
+      dot.setAttribute("r", "2.5");
+      dot.setAttribute("class", `dot ${s.css}`);
+      svg.appendChild(dot);
+    }
     const latest = values.length ? values[values.length - 1][s.field] : null;
     const item = document.createElement("span");
     item.className = `key ${s.css}`;
