@@ -436,10 +436,13 @@ impl Collector for ServerCollector {
         )?;
         for (op, c) in OPS.iter().zip(&counts) {
             let labels = [("op", *op)];
+            // The +Inf bucket is given: the OpenMetrics encoder adds none
+            // by itself, and histogram_quantile() needs it.
             let buckets: Vec<(f64, u64)> = BUCKETS_US
                 .iter()
-                .zip(&c.buckets)
-                .map(|(&bound, &n)| (bound as f64 / 1e6, n))
+                .map(|&bound| bound as f64 / 1e6)
+                .chain([f64::INFINITY])
+                .zip(c.buckets)
                 .collect();
             histogram
                 .encode_family(&labels)?
@@ -794,6 +797,16 @@ mod tests {
             .contains("kvtier_request_duration_seconds_bucket{op=\"batch_get\",le=\"0.0005\"} 1"));
         assert!(open
             .contains("kvtier_request_duration_seconds_bucket{le=\"0.0005\",op=\"batch_get\"} 1"));
+        for exposition in [&classic, &open] {
+            let inf = exposition
+                .lines()
+                .filter(|l| {
+                    l.starts_with("kvtier_request_duration_seconds_bucket")
+                        && l.contains("le=\"+Inf\"")
+                })
+                .count();
+            assert_eq!(inf, OPS.len(), "one +Inf bucket per operation");
+        }
         // One TYPE per family, every counter ends in _total, every sample
         // belongs to a declared family.
         let mut families = HashSet::new();
