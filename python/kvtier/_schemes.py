@@ -13,47 +13,19 @@
   4 little-endian bytes, as a hex string (SGLang's storage keys are these
   strings).
 
-The CBOR encoder below covers the types those tuples hold (None, bool, int,
-bytes, str, tuple and list), in RFC 8949 canonical form: shortest integer
-and length encodings, definite lengths.
+CBOR comes from ``cbor2`` (``canonical=True``), the library vLLM itself
+calls, so the bytes hashed are the bytes vLLM hashes.
 """
 
 import hashlib
 import os
 
 
-def _head(major: int, value: int) -> bytes:
-    if value < 24:
-        return bytes([(major << 5) | value])
-    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
-        if value < 1 << (8 * size):
-            return bytes([(major << 5) | info]) + value.to_bytes(size, "big")
-    raise ValueError("integer too large for CBOR")
-
-
-def cbor(obj) -> bytes:
-    """Canonical CBOR of None, bool, int, bytes, str, tuple or list."""
-    if obj is None:
-        return b"\xf6"
-    if obj is True:
-        return b"\xf5"
-    if obj is False:
-        return b"\xf4"
-    if isinstance(obj, int):
-        return _head(0, obj) if obj >= 0 else _head(1, -1 - obj)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        data = bytes(obj)
-        return _head(2, len(data)) + data
-    if isinstance(obj, str):
-        data = obj.encode("utf-8")
-        return _head(3, len(data)) + data
-    if isinstance(obj, (tuple, list)):
-        return _head(4, len(obj)) + b"".join(cbor(item) for item in obj)
-    raise TypeError(f"cannot CBOR-encode {type(obj).__name__}")
-
-
 def sha256_cbor(obj) -> bytes:
-    return hashlib.sha256(cbor(obj)).digest()
+    # Imported here: `import kvtier` stays light for users of other schemes.
+    import cbor2
+
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
 def vllm_sha256_cbor(tokens, block_size, salt, hash_seed):

@@ -5,8 +5,8 @@
 //! missing blocks, makes them durable, reads every block back and verifies
 //! each byte. Run it twice: the second run finds the prompt cached on disk.
 
-use crate::size::format_size;
 use kvtier::disk::io::AlignedBuf;
+use kvtier::size::format_size;
 use kvtier::{block_keys, Config, PutOptions, Store};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,16 +20,16 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 64)]
     pub blocks: usize,
     /// Bytes of KV data per block.
-    #[arg(long, default_value = "1MiB", value_parser = crate::size::parse_size)]
+    #[arg(long, default_value = "1MiB", value_parser = kvtier::size::parse_size)]
     pub value_size: u64,
     /// Tokens per block.
     #[arg(long, default_value_t = 256)]
     pub block_tokens: usize,
     /// Memory pool capacity (store default: 1 GiB).
-    #[arg(long, value_parser = crate::size::parse_size)]
+    #[arg(long, value_parser = kvtier::size::parse_size)]
     pub memory: Option<u64>,
     /// Disk tier capacity (store default: 16 GiB).
-    #[arg(long, value_parser = crate::size::parse_size)]
+    #[arg(long, value_parser = kvtier::size::parse_size)]
     pub disk: Option<u64>,
 }
 

@@ -3,7 +3,6 @@
 mod bench;
 mod demo;
 mod serve;
-mod size;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -47,27 +47,7 @@ fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
         return Ok(n);
     }
     let text: String = value.extract()?;
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let multiplier: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "t" | "tb" | "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "unknown size unit {other:?} in {text:?}"
-            )))
-        }
-    };
-    let n: f64 = number
-        .parse()
-        .map_err(|_| PyValueError::new_err(format!("{text:?} is not a size like '4GiB'")))?;
-    Ok((n * multiplier) as u64)
+    kvtier::size::parse_size(&text).map_err(PyValueError::new_err)
 }
 
 /// One range registered with `register_buffer`. Calls that use it hold an

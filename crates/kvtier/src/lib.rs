@@ -34,6 +34,7 @@ mod lock;
 pub mod pattern;
 pub mod pool;
 pub mod prefix;
+pub mod size;
 mod stats;
 mod store;
 mod write_log;

@@ -22,9 +22,10 @@ mod report;
 mod trace;
 mod workload;
 
-use crate::size::{format_size, parse_size};
 use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
 use kvtier::disk::io::AlignedBuf;
+use kvtier::size::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use report::Row;
 use std::io::IsTerminal;
@@ -279,33 +280,74 @@ fn rotation(r: usize) -> [Side; 3] {
     [SIDES[r % 3], SIDES[(r + 1) % 3], SIDES[(r + 2) % 3]]
 }
 
-/// Progress on a terminal, one line per case otherwise.
+/// A progress bar per case (indicatif) when stderr is a terminal outside
+/// CI; nothing otherwise, so logs and CI output hold only the rows.
 struct Progress {
-    terminal: bool,
+    shown: bool,
     total: usize,
     done: usize,
+    bar: ProgressBar,
 }
 
 impl Progress {
-    fn case(&mut self, label: &str) {
+    fn new(total: usize) -> Progress {
+        Progress {
+            shown: std::io::stderr().is_terminal() && std::env::var_os("CI").is_none(),
+            total,
+            done: 0,
+            bar: ProgressBar::hidden(),
+        }
+    }
+
+    fn replace(&mut self, bar: ProgressBar) {
+        self.bar.finish_and_clear();
+        self.bar = if self.shown {
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+    }
+
+    /// A new case of `rounds` rounds begins.
+    fn case(&mut self, label: &str, rounds: usize) {
         self.done += 1;
-        if self.terminal {
-            eprint!("\r\x1b[2K[{}/{}] {label}", self.done, self.total);
-        }
+        let style = ProgressStyle::with_template(
+            "{prefix} {msg:26} [{bar:30.cyan/blue}] {pos}/{len} rounds {elapsed}",
+        )
+        .expect("a valid progress template")
+        .progress_chars("=> ");
+        let bar = ProgressBar::new(rounds as u64)
+            .with_style(style)
+            .with_prefix(format!("[{}/{}]", self.done, self.total))
+            .with_message(label.to_string());
+        self.replace(bar);
     }
 
-    /// Work between cases (the ceiling sweeps).
-    fn note(&self, label: &str) {
-        if self.terminal {
-            eprint!("\r\x1b[2K[{}/{}] {label}", self.done, self.total);
-        }
+    /// The case turned out to have `rounds` rounds.
+    fn set_rounds(&self, rounds: usize) {
+        self.bar.set_length(rounds as u64);
     }
 
-    fn row(&self, row: &Row) {
-        if self.terminal {
-            eprint!("\r\x1b[2K");
-        }
+    fn round_done(&self) {
+        self.bar.inc(1);
+    }
+
+    /// Work between cases (the ceiling sweeps): a spinner.
+    fn note(&mut self, label: &str) {
+        let bar = ProgressBar::new_spinner()
+            .with_prefix(format!("[{}/{}]", self.done, self.total))
+            .with_message(label.to_string());
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        self.replace(bar);
+    }
+
+    fn row(&mut self, row: &Row) {
+        self.bar.finish_and_clear();
         println!("{}", row.line());
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
     }
 }
 
@@ -577,11 +619,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
     .iter()
     .filter(|(op, tier)| wants(args, op, tier))
     .count();
-    let mut progress = Progress {
-        terminal: std::io::stderr().is_terminal(),
-        total: args.value_sizes.len() * args.batches.len() * cases_per_size,
-        done: 0,
-    };
+    let mut progress = Progress::new(args.value_sizes.len() * args.batches.len() * cases_per_size);
     println!("{}", Row::header());
     let store_dir = args.data_dir.join("store");
     for &value_size in &args.value_sizes {
@@ -627,7 +665,10 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     batch,
                     batches: batches_for(args.bytes_per_case, value_size, batch),
                 };
-                progress.case(&format!("put disk {} x{batch}", format_size(value_size)));
+                progress.case(
+                    &format!("put disk {} x{batch}", format_size(value_size)),
+                    case_rounds(&case, PUT_ROUNDS).len(),
+                );
                 let store = Store::open(case_config(batch))?;
                 let twin = Store::open(twin_config(batch))?;
                 let stats = store.stats();
@@ -646,6 +687,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 let (mut put, mut shape, mut ceiling) =
                     (Measurement::new(), Measurement::new(), Measurement::new());
                 for (r, round) in case_rounds(&case, PUT_ROUNDS).into_iter().enumerate() {
+                    progress.round_done();
                     // The twin and the raw sides get the same prepared
                     // values, laid out before any timing; who goes first
                     // rotates, so no side is systematically fresher in a
@@ -709,7 +751,10 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         batch,
                         batches: batches_for(args.bytes_per_case, value_size, batch),
                     };
-                    progress.case(&format!("get disk {} x{batch}", format_size(value_size)));
+                    progress.case(
+                        &format!("get disk {} x{batch}", format_size(value_size)),
+                        case_rounds(&case, GET_ROUNDS).len(),
+                    );
                     // Reopen both copies: the pools start empty, so every get
                     // reads the disk. In even rounds the store reads its copy
                     // and the raw sides the twin's files; in odd rounds the
@@ -759,7 +804,9 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         case.batches,
                         GET_ROUNDS.min(case.batches / in_flight as u64).max(1),
                     );
+                    progress.set_rounds(round_list.len());
                     for (r, round) in round_list.into_iter().enumerate() {
+                        progress.round_done();
                         let store_copy = r % 2;
                         let raw_copy = 1 - store_copy;
                         let bytes = case.bytes(&round);
@@ -855,9 +902,13 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     keys_in_set.min(case.batches * batch as u64) as usize,
                     args.threads,
                 );
-                progress.case(&format!("put memory {} x{batch}", format_size(value_size)));
+                progress.case(
+                    &format!("put memory {} x{batch}", format_size(value_size)),
+                    case_rounds(&case, PUT_ROUNDS).len(),
+                );
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());
                 for round in case_rounds(&case, PUT_ROUNDS) {
+                    progress.round_done();
                     put_memory(&store, &case, round.clone(), keys_in_set, &mut put)?;
                     memcpy.run(round, &mut base);
                 }
@@ -877,12 +928,16 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     rows.push(row);
                 }
                 if wants(args, "get", "memory") {
-                    progress.case(&format!("get memory {} x{batch}", format_size(value_size)));
+                    progress.case(
+                        &format!("get memory {} x{batch}", format_size(value_size)),
+                        case_rounds(&case, GET_ROUNDS).len(),
+                    );
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
                     let resident = keys_in_set.min(case.batches * batch as u64);
                     let mut hosts = host_buffers(&case, args.threads);
                     for (r, round) in case_rounds(&case, GET_ROUNDS).into_iter().enumerate() {
+                        progress.round_done();
                         if r % 2 == 1 {
                             memcpy.run(round.clone(), &mut base);
                         }
@@ -924,9 +979,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
             let _ = std::fs::remove_dir_all(&store_dir);
         }
     }
-    if progress.terminal {
-        eprint!("\r\x1b[2K");
-    }
+    progress.finish();
     if args.index_entries > 0 {
         let row = index::exists_case(args.index_entries, &store_dir)?;
         println!("{}", row.line());

@@ -9,7 +9,7 @@ use super::baseline::Memcpy;
 use super::device;
 use super::report::Row;
 use super::{data, rounds, BenchArgs, BenchResult, Measurement, GET_ROUNDS, PUT_ROUNDS};
-use crate::size::format_size;
+use kvtier::size::format_size;
 use kvtier::{PutOptions, PutTier};
 use kvtier_net::{Client, ClientOptions};
 use std::io::{Read, Write};

@@ -10,8 +10,8 @@
 
 use super::baseline::RawFile;
 use super::{data, BenchArgs, BenchResult, Measurement};
-use crate::size::{format_size, parse_size};
 use hdrhistogram::Histogram;
+use kvtier::size::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;

@@ -29,6 +29,8 @@ use std::sync::{Arc, Mutex, RwLock};
 pub(crate) const REGION_DIR: &str = "regions";
 /// Where recovery moves region files it cannot read (next to `regions/`).
 pub(crate) const QUARANTINE_DIR: &str = "quarantine";
+/// How often recovery logs its progress.
+const RECOVERY_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 const REGION_SUFFIX: &str = ".kvr";
 
 #[derive(Debug)]
@@ -253,7 +255,21 @@ impl DiskTier {
         }
         ids.sort_unstable();
         let mut next_region = 0u32;
-        for id in ids {
+        // A large directory takes a while: say how far along it is.
+        let total = ids.len();
+        let started = std::time::Instant::now();
+        let mut reported = started;
+        for (done, id) in ids.into_iter().enumerate() {
+            if reported.elapsed() >= RECOVERY_PROGRESS_EVERY {
+                reported = std::time::Instant::now();
+                tracing::info!(
+                    regions_scanned = done,
+                    regions = total,
+                    records = report.records,
+                    elapsed_s = started.elapsed().as_secs(),
+                    "recovering the disk tier: {done} of {total} regions scanned"
+                );
+            }
             next_region = next_region.max(id.saturating_add(1));
             let path = self.region_path(id);
             let file = self.open_file(&path, false)?;
