@@ -1,6 +1,7 @@
 //! The `kvtier` command-line tool.
 
 mod bench;
+mod cluster;
 mod demo;
 mod serve;
 
@@ -29,6 +30,9 @@ enum Command {
     /// Measure throughput and latency against raw-device and memcpy
     /// baselines run in the same process.
     Bench(Box<bench::BenchArgs>),
+    /// Cluster mode: show a cluster's members (needs the `cluster` build
+    /// feature).
+    Cluster(cluster::ClusterCommand),
 }
 
 /// Log level from RUST_LOG (one of error, warn, info, debug, trace).
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Cluster(command) => cluster::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -69,6 +69,8 @@ pub struct ServeArgs {
     /// io engine: uring or psync. Default: uring.
     #[arg(long)]
     pub io_engine: Option<String>,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -298,15 +300,31 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     signal_waiter(Arc::clone(&stop))?;
     let store = Arc::new(Store::open(config)?);
+    let stats = store.stats();
+    let mut node = crate::cluster::prepare(
+        &args.cluster,
+        &data_dir,
+        stats.memory_capacity + stats.disk_capacity,
+    )?;
+    server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));
     let server = Server::new(Arc::clone(&store), server_config)?;
     let server_stop = server.stop_flag();
+    let stop_seen = Arc::clone(&stop);
     let watcher = std::thread::spawn(move || {
-        while !stop.load(Ordering::Acquire) {
+        while !stop_seen.load(Ordering::Acquire) {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
         server_stop.store(true, Ordering::Release);
     });
+    let mut joined = Ok(());
     server.run(|bound| {
+        if let Some(node) = &mut node {
+            joined = node.join(&args.cluster, bound.tcp, bound.admin);
+            if joined.is_err() {
+                stop.store(true, Ordering::Release);
+                return;
+            }
+        }
         let mut parts = Vec::new();
         if let Some(tcp) = bound.tcp {
             let scheme = if bound.tls { "tls" } else { "tcp" };
@@ -321,6 +339,13 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         if let Some(path) = &token_file {
             parts.push(format!("TCP token in {}", path.display()));
         }
+        if let Some(node) = &node {
+            let me = node.view.me();
+            parts.push(format!(
+                "cluster {} as node {} at {}",
+                node.view.name, me.id, me.address
+            ));
+        }
         println!(
             "kvtier serving {} from {}: {}",
             data_dir.display(),
@@ -329,6 +354,10 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         );
     })?;
     let _ = watcher.join();
+    if let Some(node) = node {
+        node.leave();
+    }
+    joined?;
     store.close()?;
     println!("kvtier stopped cleanly");
     Ok(())

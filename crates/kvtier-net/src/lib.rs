@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod client;
+pub mod cluster;
 pub mod metrics;
 pub mod pool;
 pub mod protocol;

@@ -2,6 +2,7 @@
 //! time into the Prometheus exposition (by `prometheus-client`, through a
 //! collector over the counters and the store's `Stats`) and the admin JSON.
 
+use crate::cluster::ClusterView;
 use kvtier::{Stats, Store};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
@@ -286,12 +287,21 @@ impl Metrics {
 struct ServerCollector {
     metrics: Arc<Metrics>,
     store: Arc<Store>,
+    cluster: Option<Arc<ClusterView>>,
 }
 
 /// A registry holding one server's metrics.
-pub fn registry(metrics: Arc<Metrics>, store: Arc<Store>) -> Registry {
+pub fn registry(
+    metrics: Arc<Metrics>,
+    store: Arc<Store>,
+    cluster: Option<Arc<ClusterView>>,
+) -> Registry {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(ServerCollector { metrics, store }));
+    registry.register_collector(Box::new(ServerCollector {
+        metrics,
+        store,
+        cluster,
+    }));
     registry
 }
 
@@ -666,6 +676,51 @@ impl Collector for ServerCollector {
             Some(&seconds),
             m.started_unix_seconds(),
         )?;
+        if let Some(view) = &self.cluster {
+            let me = view.me();
+            gauge(
+                &mut e,
+                "kvtier_cluster_members",
+                "Live members in this node's view.",
+                None,
+                view.members().len() as u64,
+            )?;
+            gauge(
+                &mut e,
+                "kvtier_cluster_incarnation",
+                "This node's incarnation (changes at each start and lost lease).",
+                None,
+                me.incarnation,
+            )?;
+            gauge(
+                &mut e,
+                "kvtier_cluster_etcd_reachable",
+                "1 when the last call to etcd succeeded.",
+                None,
+                u64::from(view.etcd_reachable.load(Ordering::Relaxed)),
+            )?;
+            counter(
+                &mut e,
+                "kvtier_cluster_registrations",
+                "Registrations under a new lease, the first included.",
+                None,
+                view.registrations.load(Ordering::Relaxed),
+            )?;
+            counter(
+                &mut e,
+                "kvtier_cluster_lease_losses",
+                "Leases that expired before renewal (a pause or a partition).",
+                None,
+                view.lease_losses.load(Ordering::Relaxed),
+            )?;
+            counter(
+                &mut e,
+                "kvtier_cluster_etcd_errors",
+                "Calls to etcd that failed or timed out.",
+                None,
+                view.etcd_errors.load(Ordering::Relaxed),
+            )?;
+        }
         let info = [
             ("version", env!("CARGO_PKG_VERSION")),
             ("io_engine", s.io_engine),
@@ -772,7 +827,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        let registry = registry(Arc::clone(&metrics), store);
+        let registry = registry(Arc::clone(&metrics), store, None);
         let (classic, content_type) = render(&registry, false);
         assert!(content_type.starts_with("text/plain; version=0.0.4"));
         let (open, content_type) = render(&registry, true);

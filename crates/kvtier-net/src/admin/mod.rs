@@ -59,7 +59,11 @@ pub(crate) fn serve(listener: std::net::TcpListener, shared: &Arc<Shared>) {
         .map(|a| !a.ip().is_loopback())
         .unwrap_or(true);
     let admin = Arc::new(Admin {
-        registry: metrics::registry(Arc::clone(&shared.metrics), Arc::clone(&shared.store)),
+        registry: metrics::registry(
+            Arc::clone(&shared.metrics),
+            Arc::clone(&shared.store),
+            shared.config.cluster.clone(),
+        ),
         history: Mutex::new(History::default()),
         connections: Budget::new(shared.config.limits.max_admin_connections as u64),
         needs_token,
@@ -181,7 +185,10 @@ impl Admin {
                     .lock()
                     .unwrap()
                     .hit_rates_over(Duration::from_secs(60));
-                json["cluster"] = serde_json::json!({ "enabled": false, "members": [] });
+                json["cluster"] = match &shared.config.cluster {
+                    Some(view) => view.json(),
+                    None => serde_json::json!({ "enabled": false, "members": [] }),
+                };
                 json_reply(&json)
             }
             "/stats/history" => json_reply(&self.history.lock().unwrap().json()),

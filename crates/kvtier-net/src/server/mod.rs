@@ -50,6 +50,9 @@ pub struct ServerConfig {
     /// off loopback, so the token never travels in the clear.
     pub tls: Option<Arc<rustls::ServerConfig>>,
     pub limits: Limits,
+    /// This node's view of its cluster, when it is in one (shown on the
+    /// admin endpoint; `kvtier-cluster` keeps it current).
+    pub cluster: Option<Arc<crate::cluster::ClusterView>>,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +64,7 @@ impl Default for ServerConfig {
             auth_token: None,
             tls: None,
             limits: Limits::default(),
+            cluster: None,
         }
     }
 }

@@ -1,0 +1,310 @@
+//! Cluster mode on the command line: `serve --cluster NAME --etcd URLS`
+//! joins a cluster, `kvtier cluster status` shows one. Built with the
+//! `cluster` feature (etcd's client needs protoc to build); without it the
+//! flags exist and say how to get a binary that has it.
+
+use kvtier_net::cluster::ClusterView;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// Join the cluster of this name, with membership on etcd (--etcd).
+    /// Default: none (a single node).
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// etcd client URLs, comma-separated (http://127.0.0.1:2379,...).
+    #[arg(long, value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Members that own each block. Default: 1.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Seconds a member stays listed without renewing its lease: a killed
+    /// or partitioned node drops out within this. Default: 5.
+    #[arg(long, default_value_t = 5.0)]
+    pub lease_ttl: f64,
+    /// host:port that peers and clients use to reach this node's TCP
+    /// listener. Default: the --listen address (which then must name a
+    /// host, not 0.0.0.0).
+    #[arg(long)]
+    pub advertise: Option<String>,
+}
+
+/// This node in its cluster, from `serve`'s start to its end.
+pub struct Node {
+    pub view: Arc<ClusterView>,
+    #[cfg(feature = "cluster")]
+    membership: Option<kvtier_cluster::Membership>,
+    #[cfg(feature = "cluster")]
+    config: kvtier_cluster::MembershipConfig,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("view", &self.view).finish()
+    }
+}
+
+/// The node `serve` will be, when `--cluster` is given: its id (stable for
+/// `data_dir`), a fresh incarnation and `capacity` as its weight.
+pub fn prepare(args: &ClusterArgs, data_dir: &Path, capacity: u64) -> Result<Option<Node>, String> {
+    let Some(name) = &args.cluster else {
+        if !args.etcd.is_empty() {
+            return Err("--etcd needs --cluster NAME".into());
+        }
+        return Ok(None);
+    };
+    if name.is_empty()
+        || name.len() > 64
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+    {
+        return Err(format!(
+            "cluster name {name:?}: use 1-64 letters, digits, '-', '_' or '.'"
+        ));
+    }
+    if args.etcd.is_empty() {
+        return Err("--cluster needs --etcd with at least one etcd URL".into());
+    }
+    if args.replicas == 0 {
+        return Err("--replicas must be at least 1".into());
+    }
+    let ttl = std::time::Duration::try_from_secs_f64(args.lease_ttl)
+        .ok()
+        .filter(|t| t.as_secs() >= 1)
+        .ok_or_else(|| {
+            format!(
+                "--lease-ttl {}: give at least 1 second (etcd leases count whole seconds)",
+                args.lease_ttl
+            )
+        })?;
+    prepare_node(args, name, data_dir, capacity, ttl)
+}
+
+#[cfg(feature = "cluster")]
+fn prepare_node(
+    args: &ClusterArgs,
+    name: &str,
+    data_dir: &Path,
+    capacity: u64,
+    ttl: std::time::Duration,
+) -> Result<Option<Node>, String> {
+    let id = kvtier_cluster::node_id(data_dir)
+        .map_err(|e| format!("the node id in {}: {e}", data_dir.display()))?;
+    let me = kvtier_net::cluster::Member {
+        id,
+        address: String::new(),
+        capacity,
+        incarnation: kvtier_cluster::new_incarnation(),
+        admin: None,
+    };
+    let mut config = kvtier_cluster::MembershipConfig::new(args.etcd.clone());
+    config.lease_ttl = ttl;
+    Ok(Some(Node {
+        view: ClusterView::new(name, me, args.replicas),
+        membership: None,
+        config,
+    }))
+}
+
+#[cfg(not(feature = "cluster"))]
+fn prepare_node(
+    _: &ClusterArgs,
+    _: &str,
+    _: &Path,
+    _: u64,
+    _: std::time::Duration,
+) -> Result<Option<Node>, String> {
+    Err(NOT_BUILT.into())
+}
+
+#[cfg(not(feature = "cluster"))]
+const NOT_BUILT: &str = "this kvtier was built without cluster mode: build it with \
+     `cargo build --release -p kvtier-cli --features cluster` (needs protoc: \
+     apt-get install protobuf-compiler libprotobuf-dev)";
+
+impl Node {
+    /// Registers once the listeners are bound: `tcp` is what was bound,
+    /// `--advertise` what peers should dial.
+    pub fn join(
+        &mut self,
+        args: &ClusterArgs,
+        tcp: Option<SocketAddr>,
+        admin: Option<SocketAddr>,
+    ) -> Result<(), String> {
+        let address = match (&args.advertise, tcp) {
+            (Some(advertised), _) => advertised.clone(),
+            (None, Some(bound)) if !bound.ip().is_unspecified() => bound.to_string(),
+            (None, Some(bound)) => {
+                return Err(format!(
+                    "listening on {bound}: say which address peers reach this node at with --advertise HOST:PORT"
+                ))
+            }
+            (None, None) => {
+                return Err(
+                    "cluster mode needs the TCP listener (--listen): peers reach members over TCP"
+                        .into(),
+                )
+            }
+        };
+        self.view.set_address(address, admin.map(|a| a.to_string()));
+        self.start()
+    }
+
+    #[cfg(feature = "cluster")]
+    fn start(&mut self) -> Result<(), String> {
+        let membership =
+            kvtier_cluster::Membership::start(self.config.clone(), Arc::clone(&self.view))
+                .map_err(|e| format!("starting cluster membership: {e}"))?;
+        self.membership = Some(membership);
+        Ok(())
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    fn start(&mut self) -> Result<(), String> {
+        Err(NOT_BUILT.into())
+    }
+
+    /// Leaves the cluster (revokes the lease) before the server stops.
+    pub fn leave(self) {
+        #[cfg(feature = "cluster")]
+        if let Some(membership) = self.membership {
+            membership.leave();
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ClusterCommand {
+    #[command(subcommand)]
+    pub action: ClusterAction,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ClusterAction {
+    /// List a cluster's members from etcd, with whether each answers.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// etcd client URLs, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub etcd: Vec<String>,
+    /// The cluster's name.
+    #[arg(long)]
+    pub cluster: String,
+    /// Seconds to wait for etcd and for each member. Default: 3.
+    #[arg(long, default_value_t = 3.0)]
+    pub timeout: f64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(command: &ClusterCommand) -> Result<(), Box<dyn std::error::Error>> {
+    match &command.action {
+        ClusterAction::Status(args) => status(args),
+    }
+}
+
+#[cfg(not(feature = "cluster"))]
+fn status(_: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
+    Err(NOT_BUILT.into())
+}
+
+#[cfg(feature = "cluster")]
+fn status(args: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let timeout = std::time::Duration::try_from_secs_f64(args.timeout)
+        .map_err(|_| format!("--timeout {}: not a number of seconds", args.timeout))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let members = runtime
+        .block_on(kvtier_cluster::list_members(
+            &args.etcd,
+            &args.cluster,
+            timeout,
+        ))
+        .map_err(|e| format!("reading cluster {:?} from etcd: {e}", args.cluster))?;
+    let health: Vec<(bool, Option<bool>)> = members
+        .iter()
+        .map(|m| {
+            (
+                tcp_answers(&m.address, timeout),
+                m.admin.as_deref().map(|a| admin_healthy(a, timeout)),
+            )
+        })
+        .collect();
+    if args.json {
+        let rows: Vec<serde_json::Value> = members
+            .iter()
+            .zip(&health)
+            .map(|(m, (tcp, admin))| {
+                let mut row = serde_json::to_value(m).expect("a member serializes");
+                row["tcp_answers"] = (*tcp).into();
+                row["admin_healthy"] = (*admin).into();
+                row
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!("cluster {:?}: {} members", args.cluster, members.len());
+    println!(
+        "{:<34} {:<22} {:>12} {:>20} {:>6} {:>7}",
+        "node", "address", "capacity", "incarnation", "tcp", "health"
+    );
+    for (m, (tcp, admin)) in members.iter().zip(&health) {
+        println!(
+            "{:<34} {:<22} {:>12} {:>20} {:>6} {:>7}",
+            m.id,
+            m.address,
+            kvtier::size::format_size(m.capacity),
+            m.incarnation,
+            if *tcp { "up" } else { "DOWN" },
+            match admin {
+                Some(true) => "ok",
+                Some(false) => "FAILING",
+                None => "-",
+            }
+        );
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cluster")]
+fn tcp_answers(address: &str, timeout: std::time::Duration) -> bool {
+    use std::net::ToSocketAddrs;
+    address
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .is_some_and(|a| std::net::TcpStream::connect_timeout(&a, timeout).is_ok())
+}
+
+#[cfg(feature = "cluster")]
+fn admin_healthy(address: &str, timeout: std::time::Duration) -> bool {
+    use std::io::{Read, Write};
+    let Ok(addr) = address.parse::<SocketAddr>() else {
+        return false;
+    };
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, timeout) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(timeout));
+    let _ = stream.set_write_timeout(Some(timeout));
+    if stream
+        .write_all(b"GET /health HTTP/1.1\r\nHost: kvtier\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = stream.take(4096).read_to_string(&mut answer);
+    // 401: alive, behind its token (an admin port off loopback).
+    (answer.starts_with("HTTP/1.1 200") && answer.ends_with("ok\n"))
+        || answer.starts_with("HTTP/1.1 401")
+}
