@@ -27,6 +27,10 @@ pub struct ClientOptions {
     pub timeout: Duration,
     /// Bytes of shared memory to register on a Unix socket (0: none).
     pub shm_size: usize,
+    /// Ask the server to answer from its own store only, never forwarding
+    /// to the cluster members that own a key: what cluster peers send
+    /// each other (see docs/protocol.md, request flags). Default: false.
+    pub local_only: bool,
 }
 
 impl Default for ClientOptions {
@@ -41,6 +45,7 @@ impl Default for ClientOptions {
                 .map(Into::into),
             timeout: Duration::from_secs(60),
             shm_size: 256 << 20,
+            local_only: false,
         }
     }
 }
@@ -54,6 +59,26 @@ enum Endpoint {
         config: Arc<rustls::ClientConfig>,
     },
     Unix(std::path::PathBuf),
+}
+
+/// Connects to the first address `addr` resolves to that answers within
+/// `timeout` (a host that is down must not hold a caller for the system's
+/// minutes-long connect timeout).
+fn connect_within(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for candidate in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&candidate, timeout) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "the address resolves to nothing",
+        )
+    }))
 }
 
 /// A connection to a kvtier server. Not shared between threads: open one
@@ -188,7 +213,7 @@ impl Client {
         self.shm_id = None;
         let transport = match &self.endpoint {
             Endpoint::Tcp(addr) => {
-                let stream = TcpStream::connect(addr)
+                let stream = connect_within(addr, self.options.timeout)
                     .map_err(|e| Error::io(format!("connecting to tcp://{addr}"), e))?;
                 stream
                     .set_nodelay(true)
@@ -200,7 +225,7 @@ impl Client {
                 server_name,
                 config,
             } => {
-                let stream = TcpStream::connect(addr)
+                let stream = connect_within(addr, self.options.timeout)
                     .map_err(|e| Error::io(format!("connecting to tls://{addr}"), e))?;
                 stream
                     .set_nodelay(true)
@@ -352,7 +377,11 @@ impl Client {
             op: op as u16,
             request_id: id,
             body_len: body.len() as u32,
-            status: 0,
+            status: if self.options.local_only {
+                protocol::request_flags::LOCAL_ONLY
+            } else {
+                0
+            },
         };
         let transport = self.transport.as_mut().expect("connected");
         let sent = match (transport as &mut Transport, fd) {

@@ -2,7 +2,7 @@
 //! time into the Prometheus exposition (by `prometheus-client`, through a
 //! collector over the counters and the store's `Stats`) and the admin JSON.
 
-use crate::cluster::ClusterView;
+use crate::cluster::Peers;
 use kvtier::{Stats, Store};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
@@ -287,20 +287,16 @@ impl Metrics {
 struct ServerCollector {
     metrics: Arc<Metrics>,
     store: Arc<Store>,
-    cluster: Option<Arc<ClusterView>>,
+    peers: Option<Arc<Peers>>,
 }
 
 /// A registry holding one server's metrics.
-pub fn registry(
-    metrics: Arc<Metrics>,
-    store: Arc<Store>,
-    cluster: Option<Arc<ClusterView>>,
-) -> Registry {
+pub fn registry(metrics: Arc<Metrics>, store: Arc<Store>, peers: Option<Arc<Peers>>) -> Registry {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(ServerCollector {
         metrics,
         store,
-        cluster,
+        peers,
     }));
     registry
 }
@@ -352,11 +348,11 @@ fn gauge(
 }
 
 /// One family with one label: a counter or gauge per `(label value, v)`.
-fn family<V: Copy>(
+fn family<'v, V: Copy>(
     e: &mut DescriptorEncoder,
     (name, help, unit, kind): (&str, &str, Option<&Unit>, MetricType),
     label: &str,
-    values: impl IntoIterator<Item = (&'static str, V)>,
+    values: impl IntoIterator<Item = (&'v str, V)>,
 ) -> Written
 where
     ConstCounter<V>: EncodeMetric,
@@ -676,7 +672,8 @@ impl Collector for ServerCollector {
             Some(&seconds),
             m.started_unix_seconds(),
         )?;
-        if let Some(view) = &self.cluster {
+        if let Some(peers) = &self.peers {
+            let view = &peers.view;
             let me = view.me();
             gauge(
                 &mut e,
@@ -720,6 +717,68 @@ impl Collector for ServerCollector {
                 None,
                 view.etcd_errors.load(Ordering::Relaxed),
             )?;
+            let stats = peers.stats();
+            let ids: Vec<&str> = stats.keys().map(String::as_str).collect();
+            let per_peer = |f: fn(&crate::cluster::PeerStats) -> u64| {
+                ids.iter()
+                    .map(|id| (*id, f(&stats[*id])))
+                    .collect::<Vec<_>>()
+            };
+            family(
+                &mut e,
+                (
+                    "kvtier_peer_requests",
+                    "Calls to other cluster members, by member id.",
+                    None,
+                    Counter,
+                ),
+                "peer",
+                per_peer(|p| p.requests),
+            )?;
+            family(
+                &mut e,
+                (
+                    "kvtier_peer_errors",
+                    "Calls to other members that failed or timed out (their keys read as misses).",
+                    None,
+                    Counter,
+                ),
+                "peer",
+                per_peer(|p| p.errors),
+            )?;
+            family(
+                &mut e,
+                (
+                    "kvtier_peer_skipped",
+                    "Calls not made because the member failed just before.",
+                    None,
+                    Counter,
+                ),
+                "peer",
+                per_peer(|p| p.skipped),
+            )?;
+            family(
+                &mut e,
+                (
+                    "kvtier_peer_keys",
+                    "Keys sent to other members.",
+                    None,
+                    Counter,
+                ),
+                "peer",
+                per_peer(|p| p.keys),
+            )?;
+            let mut seconds_total = e.encode_descriptor(
+                "kvtier_peer_request",
+                "Seconds spent in calls to other members (rate over kvtier_peer_requests_total: mean latency).",
+                Some(&seconds),
+                MetricType::Counter,
+            )?;
+            for id in &ids {
+                let labels = [("peer", *id)];
+                ConstCounter::new(stats[*id].seconds)
+                    .encode(seconds_total.encode_family(&labels)?)?;
+            }
         }
         let info = [
             ("version", env!("CARGO_PKG_VERSION")),

@@ -312,6 +312,14 @@ impl<'a> Reader<'a> {
 }
 
 /// Put flags.
+/// Flags in a request header's status field (all other bits must be 0).
+pub mod request_flags {
+    /// Answer from this server's own store only: never forward to the
+    /// cluster members that own a key. Cluster peers set it on what they
+    /// forward, so a request crosses at most one hop.
+    pub const LOCAL_ONLY: i32 = 1;
+}
+
 pub mod put_flags {
     pub const SKIP_EXISTING: u8 = 1;
     pub const MEMORY_ONLY: u8 = 2;

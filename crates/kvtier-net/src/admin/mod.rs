@@ -62,7 +62,7 @@ pub(crate) fn serve(listener: std::net::TcpListener, shared: &Arc<Shared>) {
         registry: metrics::registry(
             Arc::clone(&shared.metrics),
             Arc::clone(&shared.store),
-            shared.config.cluster.clone(),
+            shared.peers.clone(),
         ),
         history: Mutex::new(History::default()),
         connections: Budget::new(shared.config.limits.max_admin_connections as u64),
@@ -185,8 +185,12 @@ impl Admin {
                     .lock()
                     .unwrap()
                     .hit_rates_over(Duration::from_secs(60));
-                json["cluster"] = match &shared.config.cluster {
-                    Some(view) => view.json(),
+                json["cluster"] = match &shared.peers {
+                    Some(peers) => {
+                        let mut cluster = peers.view.json();
+                        cluster["peers"] = peers.json();
+                        cluster
+                    }
                     None => serde_json::json!({ "enabled": false, "members": [] }),
                 };
                 json_reply(&json)

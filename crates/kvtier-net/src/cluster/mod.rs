@@ -3,9 +3,13 @@
 //! in the `kvtier-cluster` crate, which keeps a [`ClusterView`] current;
 //! everything here works from that view alone.
 
+mod peers;
 mod placement;
+mod route;
 
+pub use peers::{PeerStats, Peers};
 pub use placement::{key_hash, owners};
+pub use route::Router;
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -48,13 +48,13 @@ impl<'b> Reply<'b> {
         self
     }
 
-    fn with_sample(mut self, sample: Sample) -> Self {
+    pub(crate) fn with_sample(mut self, sample: Sample) -> Self {
         self.sample = sample;
         self
     }
 }
 
-fn result_code<T>(result: &kvtier::Result<T>) -> i32 {
+pub(crate) fn result_code<T>(result: &kvtier::Result<T>) -> i32 {
     match result {
         Ok(_) => code::OK,
         Err(e) => code::of(e.kind()),
@@ -74,7 +74,7 @@ pub(crate) fn put_options(flags: u8) -> PutOptions {
 }
 
 /// The reply to a batch put: a code per key.
-fn put_reply<'b>(codes: &[i32], bytes_in: u64) -> Reply<'b> {
+pub(crate) fn put_reply<'b>(codes: &[i32], bytes_in: u64) -> Reply<'b> {
     let mut w = Writer::with_capacity(4 + 4 * codes.len());
     w.u32(codes.len() as u32);
     for &c in codes {
@@ -89,7 +89,7 @@ fn put_reply<'b>(codes: &[i32], bytes_in: u64) -> Reply<'b> {
 }
 
 /// The per-key table of a batch get: `u32 n, n × (i32 code, u64 len)`.
-fn get_table(results: &[kvtier::Result<Option<usize>>]) -> (Writer, u64) {
+pub(crate) fn get_table(results: &[kvtier::Result<Option<usize>>]) -> (Writer, u64) {
     let mut w = Writer::with_capacity(4 + 12 * results.len());
     w.u32(results.len() as u32);
     let mut bytes_out = 0;
@@ -287,6 +287,19 @@ pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
     flags: u8,
     items: &[(&[u8], S)],
 ) -> Reply<'b> {
+    batch_put_shm_with(region, flags, items, |keys, values, options| {
+        store.batch_put_segments(keys, values, options)
+    })
+}
+
+/// [`batch_put_shm`] with the values stored by `put` (the store, or the
+/// cluster router).
+pub(crate) fn batch_put_shm_with<'b, S: AsRef<[(u64, u64)]>>(
+    region: &SharedRegion,
+    flags: u8,
+    items: &[(&[u8], S)],
+    put: impl FnOnce(&[&[u8]], &[&[&[u8]]], &PutOptions) -> Vec<kvtier::Result<()>>,
+) -> Reply<'b> {
     let mut codes = vec![code::OK; items.len()];
     let mut keys = Vec::with_capacity(items.len());
     let mut values: Vec<Vec<&[u8]>> = Vec::with_capacity(items.len());
@@ -308,7 +321,7 @@ pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
         }
     }
     let refs: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
-    let results = store.batch_put_segments(&keys, &refs, &put_options(flags));
+    let results = put(&keys, &refs, &put_options(flags));
     for (slot, result) in slots.into_iter().zip(&results) {
         codes[slot] = result_code(result);
     }
@@ -322,6 +335,18 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
     store: NamespacedStore<'_>,
     region: &SharedRegion,
     items: &[(&[u8], S)],
+) -> Reply<'b> {
+    batch_get_shm_with(region, items, |keys, dests| {
+        store.batch_get_segments(keys, dests)
+    })
+}
+
+/// [`batch_get_shm`] with the values read by `get` (the store, or the
+/// cluster router).
+pub(crate) fn batch_get_shm_with<'b, S: AsRef<[(u64, u64)]>>(
+    region: &SharedRegion,
+    items: &[(&[u8], S)],
+    get: impl FnOnce(&[&[u8]], &mut [&mut [&mut [u8]]]) -> Vec<kvtier::Result<Option<usize>>>,
 ) -> Reply<'b> {
     let mut all: Vec<(u64, u64)> = items
         .iter()
@@ -359,7 +384,7 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
         }
     }
     let mut refs: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(|d| &mut d[..]).collect();
-    let got = store.batch_get_segments(&keys, &mut refs);
+    let got = get(&keys, &mut refs);
     for (slot, result) in slots.into_iter().zip(got) {
         results[slot] = result;
     }

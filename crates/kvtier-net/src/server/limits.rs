@@ -51,6 +51,10 @@ pub struct Limits {
     /// An admin request must arrive whole within this, and its answer be
     /// written within it. Default: 5 s.
     pub admin_timeout: Duration,
+    /// Cluster mode: a call to another member must connect and answer
+    /// within this, or its keys count as misses (and the member is skipped
+    /// for a second). Default: 2 s.
+    pub peer_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -72,6 +76,7 @@ impl Default for Limits {
             failed_auth_delay: Duration::from_secs(1),
             max_admin_connections: 256,
             admin_timeout: Duration::from_secs(5),
+            peer_timeout: Duration::from_secs(2),
         }
     }
 }

@@ -87,6 +87,8 @@ pub(crate) struct Shared {
     pub connections: Arc<Budget>,
     /// Bytes of shared memory registered by all connections.
     pub registered: Arc<Budget>,
+    /// Connections to the other cluster members, in cluster mode.
+    pub peers: Option<Arc<crate::cluster::Peers>>,
 }
 
 /// How often idle reads and accept loops look at the stop flag and the
@@ -139,8 +141,16 @@ impl Server {
             ));
         }
         let limits = &config.limits;
+        let peers = config.cluster.as_ref().map(|view| {
+            Arc::new(crate::cluster::Peers::new(
+                Arc::clone(view),
+                config.auth_token.clone(),
+                limits.peer_timeout,
+            ))
+        });
         Ok(Server {
             shared: Arc::new(Shared {
+                peers,
                 connections: Budget::new(limits.max_connections as u64),
                 registered: Budget::new(limits.max_registered_bytes_total),
                 store,

@@ -5,8 +5,9 @@
 use super::handlers::{self, Reply};
 use super::limits::Permit;
 use super::{Shared, POLL};
-use crate::metrics::Metrics;
-use crate::protocol::{self, code, decode_request, Header, Request, Writer};
+use crate::cluster::Router;
+use crate::metrics::{Metrics, Sample};
+use crate::protocol::{self, code, decode_request, request_flags, Header, Request, Writer};
 use crate::shm::SharedRegion;
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use kvtier::disk::io::AlignedBuf;
@@ -42,6 +43,9 @@ struct State<'a> {
     /// Pool leases of the reply being sent (memory hits go out from the
     /// pool itself).
     leases: Vec<Option<kvtier::ValueLease>>,
+    /// Values of a TCP batch get that other cluster members answered,
+    /// until the reply is sent.
+    forwarded: Vec<Vec<u8>>,
     buffers: HashMap<u32, RegisteredBuffer>,
     next_buffer: u32,
     registered_bytes: u64,
@@ -87,6 +91,7 @@ impl<'a> Session<'a> {
                 body: Vec::new(),
                 arena: None,
                 leases: Vec::new(),
+                forwarded: Vec::new(),
                 buffers: HashMap::new(),
                 next_buffer: 1,
                 registered_bytes: 0,
@@ -198,6 +203,7 @@ impl<'a> Session<'a> {
             drop(reply);
             // Sent: the pool extents may go as soon as nothing else holds them.
             self.state.leases.clear();
+            self.state.forwarded.clear();
             self.state.body = body;
             shared.metrics.record(header.op, started.elapsed(), sample);
             if sent.is_err() || close {
@@ -223,9 +229,10 @@ impl State<'_> {
 
     fn handle<'b>(&'b mut self, header: &Header, body: &[u8], fd: Option<OwnedFd>) -> Reply<'b> {
         let shared = self.shared;
-        if header.status != 0 {
-            return Reply::error(code::PROTOCOL, "request flags must be 0").closing();
+        if header.status & !request_flags::LOCAL_ONLY != 0 {
+            return Reply::error(code::PROTOCOL, "unknown request flags").closing();
         }
+        let local_only = header.status & request_flags::LOCAL_ONLY != 0;
         let request = match decode_request(header.op, body, shared.config.limits.max_batch) {
             Ok(request) => request,
             Err(e) => {
@@ -249,6 +256,15 @@ impl State<'_> {
         };
         let (namespace, request) = namespace;
         let store = shared.store.in_namespace(&namespace);
+        // Cluster mode: keys other members own go to them (one hop at
+        // most: what peers forward carries LOCAL_ONLY).
+        let router = match (&shared.peers, local_only) {
+            (Some(peers), false) => Router::new(peers, namespace.name()),
+            _ => None,
+        };
+        if let Some(router) = router.filter(|r| crosses_members(r, &request)) {
+            return self.routed(&router, store, &request);
+        }
         match request {
             Request::Hello { .. } => unreachable!("handled above"),
             Request::BatchPut { flags, items } => handlers::batch_put(store, flags, &items),
@@ -292,6 +308,113 @@ impl State<'_> {
                 Some(b) => handlers::batch_get_shm(store, &b.region, &items),
                 None => unknown_buffer(buffer),
             },
+        }
+    }
+
+    /// A data request some of whose keys other cluster members own
+    /// ([`crosses_members`]), run across the cluster.
+    fn routed<'b>(
+        &'b mut self,
+        router: &Router<'_>,
+        store: kvtier::NamespacedStore<'_>,
+        request: &Request<'_>,
+    ) -> Reply<'b> {
+        let put = |keys: &[&[u8]], values: &[&[&[u8]]], options: &kvtier::PutOptions| {
+            router.put(store, keys, values, options)
+        };
+        let get = |keys: &[&[u8]], dests: &mut [&mut [&mut [u8]]]| router.get(store, keys, dests);
+        match request {
+            Request::BatchPut { flags, items } => {
+                let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
+                let one: Vec<[&[u8]; 1]> = items.iter().map(|i| [i.1]).collect();
+                let values: Vec<&[&[u8]]> = one.iter().map(|v| &v[..]).collect();
+                let results = put(&keys, &values, &handlers::put_options(*flags));
+                let codes: Vec<i32> = results.iter().map(handlers::result_code).collect();
+                handlers::put_reply(&codes, items.iter().map(|i| i.1.len() as u64).sum())
+            }
+            Request::BatchGet { items } => {
+                let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
+                // Room for each value, bounded by what a put may store.
+                let largest = self.shared.store.max_put_len();
+                let total: u64 = items.iter().map(|i| i.1.min(largest)).sum();
+                let max_frame = self.shared.config.limits.max_frame;
+                if total + 16 * items.len() as u64 > max_frame {
+                    return Reply::error(
+                        code::LIMIT,
+                        format!("room for {total} value bytes exceeds the frame limit; use smaller batches"),
+                    );
+                }
+                self.forwarded = items
+                    .iter()
+                    .map(|i| vec![0u8; i.1.min(largest) as usize])
+                    .collect();
+                let mut one: Vec<[&mut [u8]; 1]> =
+                    self.forwarded.iter_mut().map(|b| [&mut b[..]]).collect();
+                let mut dests: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
+                let results = get(&keys, &mut dests);
+                let (w, bytes_out) = handlers::get_table(&results);
+                let forwarded: &'b [Vec<u8>] = &self.forwarded;
+                let tail = results
+                    .iter()
+                    .zip(forwarded)
+                    .filter_map(|(r, b)| match r {
+                        Ok(Some(n)) => Some(&b[..*n]),
+                        _ => None,
+                    })
+                    .collect();
+                Reply {
+                    tail,
+                    ..Reply::ok(w.buf).with_sample(Sample {
+                        keys: items.len() as u64,
+                        bytes_out,
+                        error: results.iter().any(|r| r.is_err()),
+                        ..Sample::default()
+                    })
+                }
+            }
+            Request::BatchExists { keys } | Request::PrefixLen { keys } => {
+                let present = router.exists(store, keys);
+                let mut w = Writer::default();
+                if matches!(request, Request::PrefixLen { .. }) {
+                    w.u64(present.iter().take_while(|&&p| p).count() as u64);
+                } else {
+                    w.u32(present.len() as u32);
+                    for p in present {
+                        w.u8(u8::from(p));
+                    }
+                }
+                Reply::ok(w.buf).with_sample(Sample {
+                    keys: keys.len() as u64,
+                    ..Sample::default()
+                })
+            }
+            Request::BatchPutShm {
+                buffer,
+                flags,
+                items,
+            } => match self.buffers.get(buffer) {
+                Some(b) => {
+                    handlers::batch_put_shm_with(&b.region, *flags, &one_segment(items), put)
+                }
+                None => unknown_buffer(*buffer),
+            },
+            Request::BatchGetShm { buffer, items } => match self.buffers.get(buffer) {
+                Some(b) => handlers::batch_get_shm_with(&b.region, &one_segment(items), get),
+                None => unknown_buffer(*buffer),
+            },
+            Request::BatchPutShmSegments {
+                buffer,
+                flags,
+                items,
+            } => match self.buffers.get(buffer) {
+                Some(b) => handlers::batch_put_shm_with(&b.region, *flags, items, put),
+                None => unknown_buffer(*buffer),
+            },
+            Request::BatchGetShmSegments { buffer, items } => match self.buffers.get(buffer) {
+                Some(b) => handlers::batch_get_shm_with(&b.region, items, get),
+                None => unknown_buffer(*buffer),
+            },
+            _ => unreachable!("crosses_members admits data requests only"),
         }
     }
 
@@ -414,6 +537,23 @@ impl State<'_> {
         w.u32(id);
         Reply::ok(w.buf)
     }
+}
+
+/// Whether `request` is a data request with a key some other member owns.
+fn crosses_members(router: &Router<'_>, request: &Request<'_>) -> bool {
+    let keys: Vec<&[u8]> = match request {
+        Request::BatchPut { items, .. } => items.iter().map(|i| i.0).collect(),
+        Request::BatchGet { items } => items.iter().map(|i| i.0).collect(),
+        Request::BatchExists { keys } | Request::PrefixLen { keys } => keys.clone(),
+        Request::BatchPutShm { items, .. } | Request::BatchGetShm { items, .. } => {
+            items.iter().map(|i| i.0).collect()
+        }
+        Request::BatchPutShmSegments { items, .. } | Request::BatchGetShmSegments { items, .. } => {
+            items.iter().map(|i| i.0).collect()
+        }
+        _ => return false,
+    };
+    !router.all_local(&keys)
 }
 
 fn unknown_buffer<'b>(buffer: u32) -> Reply<'b> {

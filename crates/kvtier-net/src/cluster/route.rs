@@ -1,0 +1,328 @@
+//! A batch whose keys other members own, split by owner and run on all of
+//! them at once: this node's share on its store, each other member's share
+//! over one pooled connection, in parallel; per-key results come back in
+//! the caller's order.
+//!
+//! Reads try a key's owners in turn (this node first when it is one): a
+//! miss or an unreachable owner moves on to the next, and a key no owner
+//! answers is a miss. Puts go to every owner (`replicas`); a put succeeds
+//! when one owner took it. A member answers only from its own verified
+//! store (the requests carry `LOCAL_ONLY`), so a stale view costs a miss,
+//! never another key's bytes.
+
+use super::peers::Peers;
+use super::{owners, Member};
+use crate::cluster::key_hash;
+use kvtier::{NamespacedStore, PutOptions};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Target {
+    Local,
+    /// Index into the router's member list.
+    Remote(usize),
+}
+
+/// One request's routing, over one snapshot of the member list.
+#[derive(Debug)]
+pub struct Router<'a> {
+    peers: &'a Peers,
+    namespace: &'a str,
+    members: Arc<Vec<Member>>,
+    me: String,
+    replicas: usize,
+}
+
+/// Keys (by index) bound for one target.
+type Groups = BTreeMap<Target, Vec<usize>>;
+
+impl<'a> Router<'a> {
+    /// `None` while the view is empty (before the first registration):
+    /// the node then serves alone.
+    pub fn new(peers: &'a Peers, namespace: &'a str) -> Option<Router<'a>> {
+        let members = peers.view.members();
+        if members.is_empty() {
+            return None;
+        }
+        Some(Router {
+            peers,
+            namespace,
+            me: peers.view.me().id,
+            replicas: peers.view.replicas,
+            members,
+        })
+    }
+
+    /// A key's owners in rank order.
+    fn owners(&self, key: &[u8]) -> Vec<Target> {
+        let hash = key_hash(self.namespace, key);
+        owners(hash, &self.members, self.replicas)
+            .into_iter()
+            .map(|m| {
+                if m.id == self.me {
+                    Target::Local
+                } else {
+                    let index = self
+                        .members
+                        .iter()
+                        .position(|x| x.id == m.id)
+                        .expect("an owner is a member");
+                    Target::Remote(index)
+                }
+            })
+            .collect()
+    }
+
+    /// Where a read of `key` looks, in order: this node first if it owns
+    /// the key (no hop), then the others by rank.
+    fn read_order(&self, key: &[u8]) -> Vec<Target> {
+        let mut order = self.owners(key);
+        order.sort_by_key(|t| *t != Target::Local);
+        order
+    }
+
+    /// Whether this node alone owns every key: then the plain local path
+    /// serves the request.
+    pub fn all_local<K: AsRef<[u8]>>(&self, keys: &[K]) -> bool {
+        keys.iter()
+            .all(|k| self.owners(k.as_ref()) == [Target::Local])
+    }
+
+    /// Reads each key's value into its segments (`dests`), from the first
+    /// owner that has it. Values from other members are read from the
+    /// socket straight into `dests`: no copy on this host.
+    pub fn get(
+        &self,
+        store: NamespacedStore<'_>,
+        keys: &[&[u8]],
+        dests: &mut [&mut [&mut [u8]]],
+    ) -> Vec<kvtier::Result<Option<usize>>> {
+        let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
+        let mut results: Vec<kvtier::Result<Option<usize>>> =
+            keys.iter().map(|_| Ok(None)).collect();
+        let mut done = vec![false; keys.len()];
+        for round in 0.. {
+            let mut groups = Groups::new();
+            for (i, order) in orders.iter().enumerate() {
+                if let (false, Some(&target)) = (done[i], order.get(round)) {
+                    groups.entry(target).or_default().push(i);
+                }
+            }
+            if groups.is_empty() {
+                break;
+            }
+            let mut slots: Vec<Option<&mut [&mut [u8]]>> =
+                dests.iter_mut().map(|d| Some(&mut **d)).collect();
+            let answers = self.run(
+                groups,
+                |target, indices| {
+                    let group_keys: Vec<&[u8]> = indices.iter().map(|&i| keys[i]).collect();
+                    let bufs: Vec<&mut [&mut [u8]]> = indices
+                        .iter()
+                        .map(|&i| slots[i].take().expect("a key is in one group per round"))
+                        .collect();
+                    (target, group_keys, bufs)
+                },
+                |store_or_peer, (_, group_keys, mut bufs)| match store_or_peer {
+                    None => Some(store.batch_get_segments(&group_keys, &mut bufs)),
+                    Some((peers, member, namespace)) => {
+                        peers.call(member, namespace, group_keys.len(), |c| {
+                            c.batch_get_segments(&group_keys, &mut bufs)
+                        })
+                    }
+                },
+            );
+            for ((_, indices), answer) in answers {
+                match answer {
+                    Some(per_key) => {
+                        for (&i, result) in indices.iter().zip(per_key) {
+                            match result {
+                                Ok(Some(n)) => {
+                                    results[i] = Ok(Some(n));
+                                    done[i] = true;
+                                }
+                                Ok(None) => {}
+                                // The value exists and the caller's room is
+                                // short: the answer, not a reason to look on.
+                                Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall => {
+                                    results[i] = Err(e);
+                                    done[i] = true;
+                                }
+                                Err(_) => {}
+                            }
+                        }
+                    }
+                    None => {} // unreachable: a miss there; try the next owner
+                }
+            }
+        }
+        results
+    }
+
+    /// Stores each value (given as segments) on every owner of its key.
+    pub fn put(
+        &self,
+        store: NamespacedStore<'_>,
+        keys: &[&[u8]],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Vec<kvtier::Result<()>> {
+        let owners: Vec<Vec<Target>> = keys.iter().map(|k| self.owners(k)).collect();
+        let mut groups = Groups::new();
+        for (i, targets) in owners.iter().enumerate() {
+            for &target in targets {
+                groups.entry(target).or_default().push(i);
+            }
+        }
+        let answers = self.run(
+            groups,
+            |target, indices| {
+                let group_keys: Vec<&[u8]> = indices.iter().map(|&i| keys[i]).collect();
+                let group_values: Vec<&[&[u8]]> = indices.iter().map(|&i| values[i]).collect();
+                (target, group_keys, group_values)
+            },
+            |store_or_peer, (_, group_keys, group_values)| match store_or_peer {
+                None => Some(store.batch_put_segments(&group_keys, &group_values, options)),
+                Some((peers, member, namespace)) => {
+                    peers.call(member, namespace, group_keys.len(), |c| {
+                        c.batch_put_segments(&group_keys, &group_values, options)
+                    })
+                }
+            },
+        );
+        // Per key: the first owner's answer, unless another owner took it.
+        let mut results: Vec<Option<kvtier::Result<()>>> = keys.iter().map(|_| None).collect();
+        let mut by_target: BTreeMap<Target, BTreeMap<usize, kvtier::Result<()>>> = BTreeMap::new();
+        for ((target, indices), answer) in answers {
+            let per_key: Vec<kvtier::Result<()>> = match answer {
+                Some(per_key) => per_key,
+                None => indices
+                    .iter()
+                    .map(|_| Err(self.unreachable(target)))
+                    .collect(),
+            };
+            by_target
+                .entry(target)
+                .or_default()
+                .extend(indices.into_iter().zip(per_key));
+        }
+        for (i, targets) in owners.iter().enumerate() {
+            for target in targets {
+                let answer = by_target
+                    .get_mut(target)
+                    .and_then(|m| m.remove(&i))
+                    .unwrap_or_else(|| Err(self.unreachable(*target)));
+                match (&results[i], answer) {
+                    (Some(Ok(())), _) => {}
+                    (_, Ok(())) => results[i] = Some(Ok(())),
+                    (None, Err(e)) => results[i] = Some(Err(e)),
+                    (Some(Err(_)), Err(_)) => {}
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(kvtier::Error::invalid("a key with no owner"))))
+            .collect()
+    }
+
+    /// Whether each key is present on any of its owners.
+    pub fn exists(&self, store: NamespacedStore<'_>, keys: &[&[u8]]) -> Vec<bool> {
+        let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
+        let mut present = vec![false; keys.len()];
+        for round in 0.. {
+            let mut groups = Groups::new();
+            for (i, order) in orders.iter().enumerate() {
+                if let (false, Some(&target)) = (present[i], order.get(round)) {
+                    groups.entry(target).or_default().push(i);
+                }
+            }
+            if groups.is_empty() {
+                break;
+            }
+            let answers = self.run(
+                groups,
+                |target, indices| {
+                    let group_keys: Vec<&[u8]> = indices.iter().map(|&i| keys[i]).collect();
+                    (target, group_keys)
+                },
+                |store_or_peer, (_, group_keys)| match store_or_peer {
+                    None => Some(store.batch_exists(&group_keys)),
+                    Some((peers, member, namespace)) => {
+                        peers.call(member, namespace, group_keys.len(), |c| {
+                            c.batch_exists(&group_keys)
+                        })
+                    }
+                },
+            );
+            for ((_, indices), answer) in answers {
+                for (&i, here) in indices.iter().zip(answer.unwrap_or_default()) {
+                    present[i] |= here;
+                }
+            }
+        }
+        present
+    }
+
+    fn unreachable(&self, target: Target) -> kvtier::Error {
+        let name = match target {
+            Target::Local => "this node".to_string(),
+            Target::Remote(m) => format!(
+                "cluster member {} at {}",
+                self.members[m].id, self.members[m].address
+            ),
+        };
+        kvtier::Error::io(
+            format!("{name} did not answer"),
+            std::io::Error::from(std::io::ErrorKind::TimedOut),
+        )
+    }
+
+    /// Runs one call per target at once: this node's on the calling
+    /// thread, each member's on a scoped thread. `prepare` builds a
+    /// target's work from its key indices (on this thread, where the
+    /// borrows are split); `call` runs it with `None` for the local store
+    /// or the member to send it to. Returns each target's indices with its
+    /// answer (`None`: the member could not be reached).
+    fn run<W: Send, A: Send>(
+        &self,
+        groups: Groups,
+        mut prepare: impl FnMut(Target, &[usize]) -> W,
+        call: impl Fn(Option<(&Peers, &Member, &str)>, W) -> Option<A> + Sync,
+    ) -> Vec<((Target, Vec<usize>), Option<A>)> {
+        let work: Vec<(Target, Vec<usize>, W)> = groups
+            .into_iter()
+            .map(|(target, indices)| {
+                let w = prepare(target, &indices);
+                (target, indices, w)
+            })
+            .collect();
+        std::thread::scope(|scope| {
+            let mut local = None;
+            let mut handles = Vec::new();
+            for (target, indices, w) in work {
+                match target {
+                    Target::Local => local = Some((indices, w)),
+                    Target::Remote(m) => {
+                        let member = &self.members[m];
+                        let call = &call;
+                        let (peers, namespace) = (self.peers, self.namespace);
+                        handles.push((
+                            (target, indices),
+                            scope.spawn(move || call(Some((peers, member, namespace)), w)),
+                        ));
+                    }
+                }
+            }
+            let mut answers = Vec::new();
+            if let Some((indices, w)) = local {
+                answers.push(((Target::Local, indices), call(None, w)));
+            }
+            for (key, handle) in handles {
+                answers.push((key, handle.join().unwrap_or(None)));
+            }
+            answers
+        })
+    }
+}
