@@ -101,6 +101,7 @@ struct FileConfig {
     max_registered_total: Option<String>,
     max_admin_connections: Option<usize>,
     admin_timeout: Option<f64>,
+    peer_timeout: Option<f64>,
 }
 
 fn seconds(value: Option<f64>, what: &str) -> Result<Option<std::time::Duration>, String> {
@@ -295,6 +296,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(t) = seconds(file.admin_timeout, "admin_timeout")? {
         limits.admin_timeout = t;
+    }
+    if let Some(t) = seconds(file.peer_timeout, "peer_timeout")? {
+        limits.peer_timeout = t;
     }
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -1173,6 +1173,7 @@ impl Client_ {
             } else {
                 0
             },
+            local_only: false,
         };
         let client = py
             .detach(|| Client::connect_with(&url, options))

@@ -34,7 +34,7 @@ fn score(key: u64, member: &Member) -> f64 {
 
 /// The `replicas` members (fewer if there are fewer) that own `key`, best
 /// first. Ties (never seen with 64-bit hashes) break by member id.
-pub fn owners<'a>(key: u64, members: &'a [Member], replicas: usize) -> Vec<&'a Member> {
+pub fn owners(key: u64, members: &[Member], replicas: usize) -> Vec<&Member> {
     let mut scored: Vec<(f64, &Member)> = members.iter().map(|m| (score(key, m), m)).collect();
     scored.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.id.cmp(&b.1.id)));
     scored.into_iter().take(replicas).map(|(_, m)| m).collect()

@@ -37,6 +37,9 @@ pub struct Router<'a> {
 /// Keys (by index) bound for one target.
 type Groups = BTreeMap<Target, Vec<usize>>;
 
+/// Each target's key indices with its answer (`None`: unreachable).
+type Answers<A> = Vec<((Target, Vec<usize>), Option<A>)>;
+
 impl<'a> Router<'a> {
     /// `None` while the view is empty (before the first registration):
     /// the node then serves alone.
@@ -133,27 +136,25 @@ impl<'a> Router<'a> {
                     }
                 },
             );
+            // An owner that could not be reached is a miss there: the
+            // next owner is tried.
             for ((_, indices), answer) in answers {
-                match answer {
-                    Some(per_key) => {
-                        for (&i, result) in indices.iter().zip(per_key) {
-                            match result {
-                                Ok(Some(n)) => {
-                                    results[i] = Ok(Some(n));
-                                    done[i] = true;
-                                }
-                                Ok(None) => {}
-                                // The value exists and the caller's room is
-                                // short: the answer, not a reason to look on.
-                                Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall => {
-                                    results[i] = Err(e);
-                                    done[i] = true;
-                                }
-                                Err(_) => {}
-                            }
+                let Some(per_key) = answer else { continue };
+                for (&i, result) in indices.iter().zip(per_key) {
+                    match result {
+                        Ok(Some(n)) => {
+                            results[i] = Ok(Some(n));
+                            done[i] = true;
                         }
+                        Ok(None) => {}
+                        // The value exists and the caller's room is short:
+                        // the answer, not a reason to look on.
+                        Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall => {
+                            results[i] = Err(e);
+                            done[i] = true;
+                        }
+                        Err(_) => {}
                     }
-                    None => {} // unreachable: a miss there; try the next owner
                 }
             }
         }
@@ -290,7 +291,7 @@ impl<'a> Router<'a> {
         groups: Groups,
         mut prepare: impl FnMut(Target, &[usize]) -> W,
         call: impl Fn(Option<(&Peers, &Member, &str)>, W) -> Option<A> + Sync,
-    ) -> Vec<((Target, Vec<usize>), Option<A>)> {
+    ) -> Answers<A> {
         let work: Vec<(Target, Vec<usize>, W)> = groups
             .into_iter()
             .map(|(target, indices)| {
