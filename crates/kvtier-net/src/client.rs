@@ -288,6 +288,13 @@ impl Client {
     /// Sends one request and returns the response body's length; the body
     /// is `self.response[..len]`.
     fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
+        self.call_parts(op, &[body], fd)
+    }
+
+    /// [`call`](Self::call) with the body given as parts laid end to end
+    /// (sent with vectored writes: values go from the caller's memory to
+    /// the socket with no copy into a request buffer).
+    fn call_parts(&mut self, op: Op, body: &[&[u8]], fd: Option<i32>) -> Result<usize> {
         let fresh = self.transport.is_none();
         if fresh {
             self.reconnect()?;
@@ -315,9 +322,9 @@ impl Client {
                         | Op::BatchGetShmSegments
                 );
                 let retried = if shm_op {
-                    let mut again = body.to_vec();
+                    let mut again = body.concat();
                     again[..4].copy_from_slice(&self.shm_id()?.to_le_bytes());
-                    self.exchange(op, &again, fd)
+                    self.exchange(op, &[&again], fd)
                 } else {
                     self.exchange(op, body, fd)
                 };
@@ -331,11 +338,11 @@ impl Client {
         }
     }
 
-    fn exchange(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
-        if body.len() as u64 > self.max_frame {
+    fn exchange(&mut self, op: Op, body: &[&[u8]], fd: Option<i32>) -> Result<usize> {
+        let body_len: usize = body.iter().map(|p| p.len()).sum();
+        if body_len as u64 > self.max_frame {
             return Err(Error::invalid(format!(
-                "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
-                body.len(),
+                "request of {body_len} bytes exceeds the server's {}-byte frame limit; split the batch",
                 self.max_frame
             )));
         }
@@ -370,13 +377,13 @@ impl Client {
     }
 
     /// Sends one request frame; returns its id.
-    fn send_request(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<u64> {
+    fn send_request(&mut self, op: Op, body: &[&[u8]], fd: Option<i32>) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
         let header = Header {
             op: op as u16,
             request_id: id,
-            body_len: body.len() as u32,
+            body_len: body.iter().map(|p| p.len()).sum::<usize>() as u32,
             status: if self.options.local_only {
                 protocol::request_flags::LOCAL_ONLY
             } else {
@@ -387,12 +394,18 @@ impl Client {
         let sent = match (transport as &mut Transport, fd) {
             (Transport::Unix(stream), Some(fd)) => {
                 let mut frame = header.encode().to_vec();
-                frame.extend_from_slice(body);
+                for part in body {
+                    frame.extend_from_slice(part);
+                }
                 shm::send_with_fd(stream, &frame, fd)
             }
-            (transport, _) => transport
-                .write_all(&header.encode())
-                .and_then(|()| transport.write_all(body)),
+            (transport, _) => {
+                let head = header.encode();
+                let mut parts = Vec::with_capacity(1 + body.len());
+                parts.push(&head[..]);
+                parts.extend_from_slice(body);
+                transport.write_all_parts(&parts)
+            }
         };
         sent.map_err(|e| Error::io("transport: sending a request", e))?;
         Ok(id)
@@ -414,7 +427,7 @@ impl Client {
                 self.max_frame
             )));
         }
-        let id = self.send_request(Op::BatchGet, body, None)?;
+        let id = self.send_request(Op::BatchGet, &[body], None)?;
         let stall = self.options.timeout;
         let max_body = self.max_frame + 64;
         let transport = self.transport.as_mut().expect("connected");
@@ -607,12 +620,14 @@ impl Client {
         values: &[&[&[u8]]],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        // The request buffer is reused: a large batch costs no fresh pages.
+        // The keys and lengths go in the reused request buffer; the values
+        // are sent from the caller's memory (vectored writes, no copy).
         let mut w = Writer {
             buf: std::mem::take(&mut self.request),
         };
         w.buf.clear();
         w.u8(flags(options)).u32(keys.len() as u32);
+        let mut ends = Vec::with_capacity(keys.len());
         for (k, v) in keys.iter().zip(values) {
             if let Err(e) = check_key(k.as_ref()) {
                 self.request = w.buf;
@@ -620,11 +635,17 @@ impl Client {
             }
             w.key(k.as_ref())
                 .u64(v.iter().map(|s| s.len() as u64).sum());
-            for segment in v.iter() {
-                w.bytes(segment);
-            }
+            ends.push(w.buf.len());
         }
-        let sent = self.call(Op::BatchPut, &w.buf, None);
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * keys.len() + 1);
+        let mut start = 0;
+        for (end, value) in ends.into_iter().zip(values) {
+            parts.push(&w.buf[start..end]);
+            parts.extend(value.iter().filter(|s| !s.is_empty()));
+            start = end;
+        }
+        let sent = self.call_parts(Op::BatchPut, &parts, None);
+        drop(parts);
         self.request = w.buf;
         let len = sent?;
         let body = &self.response[..len];

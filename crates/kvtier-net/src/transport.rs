@@ -114,6 +114,34 @@ impl Transport {
         }
     }
 
+    /// Writes `parts` in order, as one stream of bytes: with vectored
+    /// writes on plain sockets (no copy into one buffer), part by part
+    /// through TLS (which copies into records anyway).
+    pub fn write_all_parts(&mut self, parts: &[&[u8]]) -> io::Result<()> {
+        fn vectored(stream: &mut impl Write, parts: &[&[u8]]) -> io::Result<()> {
+            // At most IOV_MAX (1024) slices per call.
+            for group in parts.chunks(1024) {
+                let mut slices: Vec<io::IoSlice<'_>> =
+                    group.iter().map(|p| io::IoSlice::new(p)).collect();
+                let mut rest = &mut slices[..];
+                while !rest.is_empty() {
+                    match stream.write_vectored(rest) {
+                        Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                        Ok(n) => io::IoSlice::advance_slices(&mut rest, n),
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Ok(())
+        }
+        match self {
+            Transport::Tcp(s) => vectored(s, parts),
+            Transport::Unix(s) => vectored(s, parts),
+            tls => parts.iter().try_for_each(|p| tls.write_all(p)),
+        }
+    }
+
     pub fn flush(&mut self) -> io::Result<()> {
         match self {
             Transport::Tcp(s) => s.flush(),

@@ -266,6 +266,62 @@ impl<'a> Router<'a> {
         present
     }
 
+    /// Removes `key` from every owner; whether any of them held it. An
+    /// owner that cannot be reached fails the call (its copy may remain,
+    /// and a later remove takes it).
+    pub fn remove(&self, store: NamespacedStore<'_>, key: &[u8]) -> kvtier::Result<bool> {
+        let groups: Groups = self.owners(key).into_iter().map(|t| (t, vec![0])).collect();
+        let answers = self.run(
+            groups,
+            |_, _| (),
+            |store_or_peer, ()| match store_or_peer {
+                None => Some(store.remove(key)),
+                Some((peers, member, namespace)) => {
+                    peers.call(member, namespace, 1, |c| c.remove(key)).map(Ok)
+                }
+            },
+        );
+        let mut removed = false;
+        for ((target, _), answer) in answers {
+            match answer {
+                Some(Ok(here)) => removed |= here,
+                Some(Err(e)) => return Err(e),
+                None => return Err(self.unreachable(target)),
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Flushes every member: what any of them acknowledged is durable.
+    /// A member that cannot be reached fails the flush.
+    pub fn flush(&self, store: &kvtier::Store) -> kvtier::Result<()> {
+        let mut groups = Groups::new();
+        groups.insert(Target::Local, Vec::new());
+        for (m, member) in self.members.iter().enumerate() {
+            if member.id != self.me {
+                groups.insert(Target::Remote(m), Vec::new());
+            }
+        }
+        let answers = self.run(
+            groups,
+            |_, _| (),
+            |store_or_peer, ()| match store_or_peer {
+                None => Some(store.flush()),
+                Some((peers, member, namespace)) => {
+                    peers.call(member, namespace, 0, |c| c.flush()).map(Ok)
+                }
+            },
+        );
+        for ((target, _), answer) in answers {
+            match answer {
+                Some(Ok(())) => {}
+                Some(Err(e)) => return Err(e),
+                None => return Err(self.unreachable(target)),
+            }
+        }
+        Ok(())
+    }
+
     fn unreachable(&self, target: Target) -> kvtier::Error {
         let name = match target {
             Target::Local => "this node".to_string(),

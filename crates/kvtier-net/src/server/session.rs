@@ -203,7 +203,6 @@ impl<'a> Session<'a> {
             drop(reply);
             // Sent: the pool extents may go as soon as nothing else holds them.
             self.state.leases.clear();
-            self.state.forwarded.clear();
             self.state.body = body;
             shared.metrics.record(header.op, started.elapsed(), sample);
             if sent.is_err() || close {
@@ -224,6 +223,9 @@ impl State<'_> {
         }
         if self.arena.as_ref().is_some_and(|a| a.len() > keep) {
             self.arena = None;
+        }
+        if self.forwarded.iter().map(Vec::len).sum::<usize>() > keep {
+            self.forwarded = Vec::new();
         }
     }
 
@@ -344,12 +346,21 @@ impl State<'_> {
                         format!("room for {total} value bytes exceeds the frame limit; use smaller batches"),
                     );
                 }
-                self.forwarded = items
-                    .iter()
-                    .map(|i| vec![0u8; i.1.min(largest) as usize])
+                // Slots are kept from request to request (zeroed once, when
+                // they grow) and released when the connection idles.
+                self.forwarded.resize_with(items.len(), Vec::new);
+                for (slot, item) in self.forwarded.iter_mut().zip(items) {
+                    let room = item.1.min(largest) as usize;
+                    if slot.len() < room {
+                        slot.resize(room, 0);
+                    }
+                }
+                let mut one: Vec<[&mut [u8]; 1]> = self
+                    .forwarded
+                    .iter_mut()
+                    .zip(items)
+                    .map(|(b, item)| [&mut b[..item.1.min(largest) as usize]])
                     .collect();
-                let mut one: Vec<[&mut [u8]; 1]> =
-                    self.forwarded.iter_mut().map(|b| [&mut b[..]]).collect();
                 let mut dests: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
                 let results = get(&keys, &mut dests);
                 let (w, bytes_out) = handlers::get_table(&results);
@@ -413,6 +424,14 @@ impl State<'_> {
             Request::BatchGetShmSegments { buffer, items } => match self.buffers.get(buffer) {
                 Some(b) => handlers::batch_get_shm_with(&b.region, items, get),
                 None => unknown_buffer(*buffer),
+            },
+            Request::Remove { key } => match router.remove(store, key) {
+                Ok(removed) => Reply::ok(vec![u8::from(removed)]),
+                Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
+            },
+            Request::Flush => match router.flush(&self.shared.store) {
+                Ok(()) => Reply::ok(Vec::new()),
+                Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
             },
             _ => unreachable!("crosses_members admits data requests only"),
         }
@@ -545,6 +564,9 @@ fn crosses_members(router: &Router<'_>, request: &Request<'_>) -> bool {
         Request::BatchPut { items, .. } => items.iter().map(|i| i.0).collect(),
         Request::BatchGet { items } => items.iter().map(|i| i.0).collect(),
         Request::BatchExists { keys } | Request::PrefixLen { keys } => keys.clone(),
+        Request::Remove { key } => vec![*key],
+        // What other members acknowledged must reach their disks too.
+        Request::Flush => return true,
         Request::BatchPutShm { items, .. } | Request::BatchGetShm { items, .. } => {
             items.iter().map(|i| i.0).collect()
         }
