@@ -29,6 +29,10 @@ pub struct ClusterArgs {
     /// host, not 0.0.0.0).
     #[arg(long)]
     pub advertise: Option<String>,
+    /// PEM file of the CA that signs the other members' certificates, for
+    /// members whose listeners speak TLS. Default: KVTIER_TLS_CA, else none.
+    #[arg(long, env = "KVTIER_TLS_CA")]
+    pub peer_ca: Option<std::path::PathBuf>,
 }
 
 /// This node in its cluster, from `serve`'s start to its end.
@@ -99,6 +103,7 @@ fn prepare_node(
         capacity,
         incarnation: kvtier_cluster::new_incarnation(),
         admin: None,
+        tls: false,
     };
     let mut config = kvtier_cluster::MembershipConfig::new(args.etcd.clone());
     config.lease_ttl = ttl;
@@ -132,6 +137,7 @@ impl Node {
         &mut self,
         args: &ClusterArgs,
         tcp: Option<SocketAddr>,
+        tls: bool,
         admin: Option<SocketAddr>,
     ) -> Result<(), String> {
         let address = match (&args.advertise, tcp) {
@@ -149,7 +155,8 @@ impl Node {
                 )
             }
         };
-        self.view.set_address(address, admin.map(|a| a.to_string()));
+        self.view
+            .set_address(address, admin.map(|a| a.to_string()), tls);
         self.start()
     }
 

@@ -311,6 +311,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         stats.memory_capacity + stats.disk_capacity,
     )?;
     server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));
+    server_config.peer_tls_ca = args.cluster.peer_ca.clone();
     let server = Server::new(Arc::clone(&store), server_config)?;
     let server_stop = server.stop_flag();
     let stop_seen = Arc::clone(&stop);
@@ -323,7 +324,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut joined = Ok(());
     server.run(|bound| {
         if let Some(node) = &mut node {
-            joined = node.join(&args.cluster, bound.tcp, bound.admin);
+            joined = node.join(&args.cluster, bound.tcp, bound.tls, bound.admin);
             if joined.is_err() {
                 stop.store(true, Ordering::Release);
                 return;

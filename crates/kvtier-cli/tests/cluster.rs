@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{options, ServerProcess};
+use common::{options, tls_files, ServerProcess};
 use kvtier_net::cluster::{key_hash, owners, Member};
 use kvtier_net::Client;
 use std::net::TcpListener;
@@ -454,4 +454,49 @@ fn two_replicas_keep_every_block_when_a_node_dies() {
     let (hits, misses, wrong, slowest) = read_all(&mut c1, &all);
     eprintln!("2 replicas, one node killed: {hits} hits, {misses} misses, slowest {slowest:?}");
     assert_eq!((hits, wrong), (3000, 0));
+}
+
+#[test]
+fn members_whose_listeners_speak_tls_forward_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    std::fs::create_dir(&certs).unwrap();
+    let (ca, cert, key) = tls_files(&certs);
+    let etcd = Etcd::start(dir.path(), 1);
+    let tls = [
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+        "--peer-ca",
+        ca.to_str().unwrap(),
+    ];
+    let nodes: Vec<ServerProcess> = (1..=2)
+        .map(|i| node(&dir.path().join(format!("node{i}")), &etcd, &tls))
+        .collect();
+    let refs: Vec<&ServerProcess> = nodes.iter().collect();
+    wait_for_members(&refs, 2, Duration::from_secs(20));
+    assert!(members_seen(&nodes[0]).iter().all(|m| m.tls));
+    let all = keys(1000);
+    let mut c1 = Client::connect_with(&nodes[0].unix_url(), options()).unwrap();
+    put_all(&mut c1, &all);
+    let mut c2 = Client::connect_with(&nodes[1].unix_url(), options()).unwrap();
+    let (hits, misses, wrong, _) = read_all(&mut c2, &all);
+    assert_eq!((hits, misses, wrong), (1000, 0, 0));
+    let held: Vec<u64> = nodes
+        .iter()
+        .map(|s| s.stats()["store"]["entries"].as_u64().unwrap())
+        .collect();
+    assert!(
+        held.iter().all(|&h| h > 300),
+        "both members hold keys: {held:?}"
+    );
+    let peers = &nodes[1].stats()["cluster"]["peers"];
+    let errors: u64 = peers
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|p| p["errors"].as_u64().unwrap())
+        .sum();
+    assert_eq!(errors, 0, "{peers}");
 }

@@ -30,6 +30,9 @@ pub struct Member {
     /// Its admin address, if it serves one.
     #[serde(default)]
     pub admin: Option<String>,
+    /// Whether its TCP listener speaks TLS (peers then dial `tls://`).
+    #[serde(default)]
+    pub tls: bool,
 }
 
 /// What this node knows of its cluster: itself, the live members (the last
@@ -72,10 +75,11 @@ impl ClusterView {
     }
 
     /// Where this node is reached, once its listener is bound.
-    pub fn set_address(&self, address: String, admin: Option<String>) {
+    pub fn set_address(&self, address: String, admin: Option<String>, tls: bool) {
         let mut me = self.me.write().unwrap();
         me.address = address;
         me.admin = admin;
+        me.tls = tls;
     }
 
     /// A new incarnation (a fresh start, or after a lost lease).

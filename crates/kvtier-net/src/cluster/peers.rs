@@ -30,6 +30,8 @@ pub struct PeerStats {
 pub struct Peers {
     pub view: Arc<ClusterView>,
     token: Option<String>,
+    /// CA that signs the members' certificates, for members that speak TLS.
+    tls_ca: Option<std::path::PathBuf>,
     timeout: Duration,
     idle: Mutex<HashMap<(String, String), Vec<Client>>>,
     skip_until: Mutex<HashMap<String, Instant>>,
@@ -39,10 +41,16 @@ pub struct Peers {
 impl Peers {
     /// Peers of `view`'s node, reached with `token` (every member of a
     /// cluster serves the same one) and answering within `timeout`.
-    pub fn new(view: Arc<ClusterView>, token: Option<String>, timeout: Duration) -> Peers {
+    pub fn new(
+        view: Arc<ClusterView>,
+        token: Option<String>,
+        tls_ca: Option<std::path::PathBuf>,
+        timeout: Duration,
+    ) -> Peers {
         Peers {
             view,
             token,
+            tls_ca,
             timeout,
             idle: Mutex::new(HashMap::new()),
             skip_until: Mutex::new(HashMap::new()),
@@ -80,11 +88,15 @@ impl Peers {
         let client = match pooled {
             Some(client) => Ok(client),
             None => Client::connect_with(
-                &format!("tcp://{}", member.address),
+                &format!(
+                    "{}://{}",
+                    if member.tls { "tls" } else { "tcp" },
+                    member.address
+                ),
                 ClientOptions {
                     auth_token: self.token.clone(),
                     namespace: namespace.to_string(),
-                    tls_ca: None,
+                    tls_ca: self.tls_ca.clone(),
                     timeout: self.timeout,
                     shm_size: 0,
                     local_only: true,

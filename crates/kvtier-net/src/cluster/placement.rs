@@ -51,6 +51,7 @@ mod tests {
             capacity,
             incarnation: 1,
             admin: None,
+            tls: false,
         }
     }
 

@@ -53,6 +53,9 @@ pub struct ServerConfig {
     /// This node's view of its cluster, when it is in one (shown on the
     /// admin endpoint; `kvtier-cluster` keeps it current).
     pub cluster: Option<Arc<crate::cluster::ClusterView>>,
+    /// CA of the other members' certificates, when their listeners speak
+    /// TLS. Default: none.
+    pub peer_tls_ca: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -65,6 +68,7 @@ impl Default for ServerConfig {
             tls: None,
             limits: Limits::default(),
             cluster: None,
+            peer_tls_ca: None,
         }
     }
 }
@@ -145,6 +149,7 @@ impl Server {
             Arc::new(crate::cluster::Peers::new(
                 Arc::clone(view),
                 config.auth_token.clone(),
+                config.peer_tls_ca.clone(),
                 limits.peer_timeout,
             ))
         });
