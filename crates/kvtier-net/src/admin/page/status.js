@@ -78,7 +78,10 @@ function fill(stats) {
   }
   const cluster = document.getElementById("cluster");
   if (stats.cluster && stats.cluster.enabled) {
-    cluster.textContent = stats.cluster.members.map((m) => `${m.id} (${m.address})`).join(", ");
+    const c = stats.cluster;
+    cluster.textContent = `cluster ${c.name}: ${c.members.length} members` +
+      (c.etcd_reachable ? "" : " (etcd unreachable: last view kept)") + ": " +
+      c.members.map((m) => `${m.id.slice(0, 8)} at ${m.address}${m.self ? " (this node)" : ""}`).join(", ");
   } else {
     cluster.textContent = "cluster mode is off: this server is the whole cache";
   }
