@@ -5,7 +5,6 @@
 
 use kvtier_net::cluster::ClusterView;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::Arc;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -50,9 +49,9 @@ impl std::fmt::Debug for Node {
     }
 }
 
-/// The node `serve` will be, when `--cluster` is given: its id (stable for
-/// `data_dir`), a fresh incarnation and `capacity` as its weight.
-pub fn prepare(args: &ClusterArgs, data_dir: &Path, capacity: u64) -> Result<Option<Node>, String> {
+/// The node `serve` will be, when `--cluster` is given: `node_id` (the data
+/// directory's), a fresh incarnation and `capacity` as its weight.
+pub fn prepare(args: &ClusterArgs, node_id: &str, capacity: u64) -> Result<Option<Node>, String> {
     let Some(name) = &args.cluster else {
         if !args.etcd.is_empty() {
             return Err("--etcd needs --cluster NAME".into());
@@ -84,21 +83,19 @@ pub fn prepare(args: &ClusterArgs, data_dir: &Path, capacity: u64) -> Result<Opt
                 args.lease_ttl
             )
         })?;
-    prepare_node(args, name, data_dir, capacity, ttl)
+    prepare_node(args, name, node_id, capacity, ttl)
 }
 
 #[cfg(feature = "cluster")]
 fn prepare_node(
     args: &ClusterArgs,
     name: &str,
-    data_dir: &Path,
+    node_id: &str,
     capacity: u64,
     ttl: std::time::Duration,
 ) -> Result<Option<Node>, String> {
-    let id = kvtier_cluster::node_id(data_dir)
-        .map_err(|e| format!("the node id in {}: {e}", data_dir.display()))?;
     let me = kvtier_net::cluster::Member {
-        id,
+        id: node_id.to_string(),
         address: String::new(),
         capacity,
         incarnation: kvtier_cluster::new_incarnation(),
@@ -118,7 +115,7 @@ fn prepare_node(
 fn prepare_node(
     _: &ClusterArgs,
     _: &str,
-    _: &Path,
+    _: &str,
     _: u64,
     _: std::time::Duration,
 ) -> Result<Option<Node>, String> {

@@ -307,7 +307,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let stats = store.stats();
     let mut node = crate::cluster::prepare(
         &args.cluster,
-        &data_dir,
+        store.node_id(),
         stats.memory_capacity + stats.disk_capacity,
     )?;
     server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));

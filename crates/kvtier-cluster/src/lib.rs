@@ -10,9 +10,9 @@
 //! partition), it registers under a new incarnation. It never exits for
 //! etcd's sake.
 
+mod incarnation;
 mod membership;
-mod node_id;
 
+pub use incarnation::new_incarnation;
 pub use kvtier_net::cluster::{ClusterView, Member};
 pub use membership::{list_members, member_prefix, Membership, MembershipConfig};
-pub use node_id::{new_incarnation, node_id};

@@ -2,7 +2,7 @@
 //! one-thread runtime. Every call to etcd is bounded by a deadline, so a
 //! partition or an etcd without quorum costs a retry, never a hang.
 
-use crate::node_id::new_incarnation;
+use crate::incarnation::new_incarnation;
 use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions, WatchOptions};
 use kvtier_net::cluster::{ClusterView, Member};
 use std::future::Future;

@@ -1,5 +1,6 @@
-//! The data directory's identity: its format version and the secret every
-//! key digest is keyed with (docs/design.md, "Data directory").
+//! The data directory's identity: its format version, the secret every
+//! key digest is keyed with, and the node id its region files are named
+//! by (docs/design.md, "Data directory").
 //!
 //! A directory written by another format is refused with a message that
 //! says what to do, never read with the wrong digests: a format-1 directory
@@ -13,15 +14,26 @@ use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// The format this build reads and writes.
-pub const DATA_DIR_FORMAT: u32 = 2;
+/// The format this build writes. Format 2 (the same, without `node-id`
+/// and with region files named by id alone) is upgraded in place on open.
+pub const DATA_DIR_FORMAT: u32 = 3;
 pub const FORMAT_FILE: &str = "FORMAT";
 pub const KEY_SECRET_FILE: &str = "key-secret";
+pub const NODE_ID_FILE: &str = "node-id";
+
+/// Who a data directory is: the key of its digests, and the node it makes
+/// (stable for the directory's life; 32 lower-case hex digits).
+#[derive(Debug)]
+pub struct Identity {
+    pub secret: KeySecret,
+    pub node_id: String,
+}
 const FORMAT_PREFIX: &str = "kvtier data directory format ";
 
-/// Checks the directory's format and returns its key secret, creating both
-/// in a directory that holds no data yet. Call with the directory locked.
-pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<KeySecret> {
+/// Checks the directory's format and returns its identity, creating it in
+/// a directory that holds no data yet and upgrading a format-2 one. Call
+/// with the directory locked.
+pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<Identity> {
     let format_path = dir.join(FORMAT_FILE);
     match fs::read_to_string(&format_path) {
         Ok(text) => {
@@ -30,7 +42,20 @@ pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<KeySecret> {
                 .strip_prefix(FORMAT_PREFIX)
                 .and_then(|v| v.parse::<u32>().ok());
             match version {
-                Some(DATA_DIR_FORMAT) => read_secret(dir),
+                Some(DATA_DIR_FORMAT) => Ok(Identity {
+                    secret: read_secret(dir)?,
+                    node_id: read_node_id(dir)?.ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::Corruption,
+                            format!(
+                                "{} is missing: a format-{DATA_DIR_FORMAT} directory names its region \
+                                 files by it; restore it",
+                                dir.join(NODE_ID_FILE).display()
+                            ),
+                        )
+                    })?,
+                }),
+                Some(2) => upgrade_from_2(dir),
                 Some(other) => Err(Error::new(
                     ErrorKind::InvalidArgument,
                     format!(
@@ -68,6 +93,67 @@ pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<KeySecret> {
         }
         Err(e) => Err(Error::io(format!("reading {}", format_path.display()), e)),
     }
+}
+
+/// Format 2 to 3: a node id (kept if an interrupted upgrade left one),
+/// then the format line. A crash between the two leaves format 2 with a
+/// node id, which the next open finishes upgrading. Region files named by
+/// id alone stay readable; new ones carry the node id.
+fn upgrade_from_2(dir: &Path) -> Result<Identity> {
+    let secret = read_secret(dir)?;
+    let node_id = match read_node_id(dir)? {
+        Some(id) => id,
+        None => {
+            let id = new_node_id()?;
+            write_synced(dir, NODE_ID_FILE, format!("{id}\n").as_bytes(), 0o644)?;
+            id
+        }
+    };
+    let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
+    write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
+    sync_dir(dir)?;
+    tracing::info!(dir = %dir.display(), node_id = %node_id, "upgraded the data directory from format 2 to 3");
+    Ok(Identity { secret, node_id })
+}
+
+/// The node id in `dir`, if the file exists; an error if it is not one.
+fn read_node_id(dir: &Path) -> Result<Option<String>> {
+    let path = dir.join(NODE_ID_FILE);
+    match fs::read_to_string(&path) {
+        Ok(text) => {
+            let id = text.trim();
+            if is_node_id(id) {
+                Ok(Some(id.to_string()))
+            } else {
+                Err(Error::new(
+                    ErrorKind::Corruption,
+                    format!("{} does not hold a node id (32 hex digits)", path.display()),
+                ))
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
+    }
+}
+
+/// Whether `text` is a node id: 32 lower-case hex digits.
+pub fn is_node_id(text: &str) -> bool {
+    text.len() == 32 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// 128 random bits, as 32 lower-case hex digits.
+fn new_node_id() -> Result<String> {
+    let random = KeySecret::generate()?;
+    Ok(random.as_bytes()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))
 }
 
 fn holds_regions(region_dir: &Path) -> Result<bool> {
@@ -109,15 +195,15 @@ fn read_secret(dir: &Path) -> Result<KeySecret> {
 /// temporary file and a rename, then syncs the directory: a crash leaves
 /// either no format file (and so a directory that is created again) or
 /// both files complete.
-fn create(dir: &Path) -> Result<KeySecret> {
+fn create(dir: &Path) -> Result<Identity> {
     let secret = KeySecret::generate()?;
     write_synced(dir, KEY_SECRET_FILE, secret.as_bytes(), 0o600)?;
+    let node_id = new_node_id()?;
+    write_synced(dir, NODE_ID_FILE, format!("{node_id}\n").as_bytes(), 0o644)?;
     let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
     write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))?;
-    Ok(secret)
+    sync_dir(dir)?;
+    Ok(Identity { secret, node_id })
 }
 
 fn write_synced(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<()> {
@@ -148,7 +234,9 @@ mod tests {
         let regions = dir.path().join("regions");
         let first = open_or_create(dir.path(), &regions).unwrap();
         let again = open_or_create(dir.path(), &regions).unwrap();
-        assert_eq!(first.as_bytes(), again.as_bytes());
+        assert_eq!(first.secret.as_bytes(), again.secret.as_bytes());
+        assert_eq!(first.node_id, again.node_id);
+        assert!(is_node_id(&first.node_id));
         let mode = fs::metadata(dir.path().join(KEY_SECRET_FILE))
             .unwrap()
             .permissions()
@@ -179,6 +267,48 @@ mod tests {
             open_or_create(dir.path(), &regions).unwrap_err().kind(),
             ErrorKind::Corruption
         );
+    }
+
+    #[test]
+    fn format_2_is_upgraded_in_place_keeping_its_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let regions = dir.path().join("regions");
+        let created = open_or_create(dir.path(), &regions).unwrap();
+        // Back to what a format-2 build left.
+        fs::remove_file(dir.path().join(NODE_ID_FILE)).unwrap();
+        fs::write(
+            dir.path().join(FORMAT_FILE),
+            "kvtier data directory format 2\n",
+        )
+        .unwrap();
+        let upgraded = open_or_create(dir.path(), &regions).unwrap();
+        assert_eq!(upgraded.secret.as_bytes(), created.secret.as_bytes());
+        assert!(fs::read_to_string(dir.path().join(FORMAT_FILE))
+            .unwrap()
+            .contains("format 3"));
+        assert_eq!(
+            open_or_create(dir.path(), &regions).unwrap().node_id,
+            upgraded.node_id
+        );
+        // An upgrade interrupted after the node id keeps that id.
+        fs::write(
+            dir.path().join(FORMAT_FILE),
+            "kvtier data directory format 2\n",
+        )
+        .unwrap();
+        assert_eq!(
+            open_or_create(dir.path(), &regions).unwrap().node_id,
+            upgraded.node_id
+        );
+        // Format 3 without its node id, or with a damaged one, is refused.
+        fs::write(dir.path().join(NODE_ID_FILE), "xyz").unwrap();
+        assert_eq!(
+            open_or_create(dir.path(), &regions).unwrap_err().kind(),
+            ErrorKind::Corruption
+        );
+        fs::remove_file(dir.path().join(NODE_ID_FILE)).unwrap();
+        let e = open_or_create(dir.path(), &regions).unwrap_err();
+        assert!(e.to_string().contains("node-id"), "{e}");
     }
 
     #[test]

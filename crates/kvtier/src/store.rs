@@ -73,6 +73,8 @@ impl QueuedWrite {
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub config: Config,
+    /// The data directory's node id (`node-id`; docs/design.md).
+    pub node_id: String,
     pub index: Index,
     pub pool: Arc<PoolCore>,
     pub eviction: Mutex<EvictionQueues>,
@@ -169,17 +171,20 @@ impl Store {
             )
         })?;
         let lock = DirLock::acquire(&config.data_dir)?;
-        let secret = Arc::new(crate::data_dir::open_or_create(
+        let identity = crate::data_dir::open_or_create(
             &config.data_dir,
             &config.data_dir.join(crate::disk::REGION_DIR),
-        )?);
+        )?;
+        let secret = Arc::new(identity.secret);
+        let node_id = identity.node_id;
         let default_namespace = Namespace::new(Arc::clone(&secret), &config.namespace)?;
         let index = Index::default();
         let (disk, recovery) = if config.disk_enabled() {
             let mut tombstones: HashMap<u128, u64> = HashMap::new();
-            let (disk, report) = DiskTier::open(&config, Arc::clone(&secret), |recovered| {
-                apply_recovered(&index, &mut tombstones, recovered)
-            })?;
+            let (disk, report) =
+                DiskTier::open(&config, Arc::clone(&secret), &node_id, |recovered| {
+                    apply_recovered(&index, &mut tombstones, recovered)
+                })?;
             (Some(disk), report)
         } else {
             (None, RecoveryReport::default())
@@ -227,6 +232,7 @@ impl Store {
             recovery,
             owner_pid: std::process::id(),
             secret,
+            node_id,
         });
         let flusher = if inner.disk.is_some() {
             let worker = Arc::clone(&inner);
@@ -448,6 +454,12 @@ impl Store {
 
     pub fn config(&self) -> &Config {
         &self.inner.config
+    }
+
+    /// The data directory's node id: 32 hex digits, the same for the
+    /// directory's whole life (region files and cluster membership carry it).
+    pub fn node_id(&self) -> &str {
+        &self.inner.node_id
     }
 
     /// Largest value a put can accept with this configuration: the smallest

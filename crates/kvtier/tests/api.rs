@@ -660,3 +660,74 @@ fn disk_reads_in_small_pieces_return_the_same_bytes() {
         assert_eq!(store.stats().disk_hits, lens.len() as u64);
     });
 }
+
+/// Region files are named `<node id>-<incarnation>-<region>.kvr` (format
+/// 3); format 2's names (the region id alone) are still read; another
+/// node's files are left alone; two files claiming one region are refused.
+#[test]
+fn region_files_carry_the_node_id_and_older_names_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let regions = dir.path().join("regions");
+    let list = || -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&regions)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let node = {
+        let store = open(small_config(dir.path()));
+        for i in 0..20 {
+            store.put(key(i), value_for(&key(i), 0, 70_000)).unwrap();
+        }
+        store.flush().unwrap();
+        let node = store.node_id().to_string();
+        store.close().unwrap();
+        node
+    };
+    assert_eq!(node.len(), 32);
+    let names = list();
+    assert!(!names.is_empty());
+    for name in &names {
+        let parts: Vec<&str> = name.trim_end_matches(".kvr").split('-').collect();
+        assert_eq!(parts.len(), 3, "{name}");
+        assert_eq!(parts[0], node, "{name}");
+        assert_eq!((parts[1].len(), parts[2].len()), (16, 8), "{name}");
+    }
+    // What format 2 named it: the region id alone.
+    let first = &names[0];
+    let old = format!(
+        "{}.kvr",
+        first.rsplit('-').next().unwrap().trim_end_matches(".kvr")
+    );
+    std::fs::rename(regions.join(first), regions.join(&old)).unwrap();
+    {
+        let store = open(small_config(dir.path()));
+        assert_eq!(store.node_id(), node, "the node id is the directory's");
+        for i in 0..20 {
+            assert_eq!(
+                store.get(key(i)).unwrap().unwrap(),
+                value_for(&key(i), 0, 70_000)
+            );
+        }
+        store.close().unwrap();
+    }
+    // The same region under another node's name is not read (nor removed).
+    let foreign = format!("{}-{:016x}-{}", "f".repeat(32), 7, old);
+    std::fs::rename(regions.join(&old), regions.join(&foreign)).unwrap();
+    {
+        let store = open(small_config(dir.path()));
+        assert!(store.stats().entries < 20, "another node's region was read");
+        store.close().unwrap();
+    }
+    assert!(regions.join(&foreign).exists());
+    // Two files claiming one region id: refused, nothing changed.
+    std::fs::rename(regions.join(&foreign), regions.join(&old)).unwrap();
+    let region = old.trim_end_matches(".kvr");
+    let twin = format!("{node}-{:016x}-{region}.kvr", 9);
+    std::fs::copy(regions.join(&old), regions.join(&twin)).unwrap();
+    let e = Store::open(small_config(dir.path())).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corruption, "{e}");
+    assert!(e.to_string().contains("two region files"), "{e}");
+}

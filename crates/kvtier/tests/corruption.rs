@@ -35,7 +35,9 @@ fn region_files(dir: &Path) -> Vec<PathBuf> {
 /// Offsets of every batch record in a region file.
 fn batch_offsets(path: &Path) -> Vec<u64> {
     let bytes = fs::read(path).unwrap();
-    let id = u32::from_str_radix(path.file_stem().unwrap().to_str().unwrap(), 16).unwrap();
+    // `<node>-<incarnation>-<region>.kvr`: the region id is the last part.
+    let stem = path.file_stem().unwrap().to_str().unwrap();
+    let id = u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap();
     let mut offsets = Vec::new();
     let mut at = REGION_HEADER_LEN;
     while let Ok(header) = BatchHeader::decode(&bytes[at as usize..], id) {

@@ -139,6 +139,10 @@ pub struct DiskTier {
     secret: Arc<KeySecret>,
     /// Test seam (`Config::unsafe_single_sync_batches`).
     single_sync: bool,
+    /// New region files are named `<node_id>-<incarnation>-<region>.kvr`:
+    /// a name is never reused, even if a region id is after a reclaim.
+    node_id: String,
+    incarnation: u64,
 }
 
 /// Bytes of bounce buffers kept for reuse between reads.
@@ -150,6 +154,7 @@ impl DiskTier {
     pub fn open(
         config: &Config,
         secret: Arc<KeySecret>,
+        node_id: &str,
         mut apply: impl FnMut(RecoveredEntry),
     ) -> Result<(DiskTier, RecoveryReport)> {
         let dir = config.data_dir.join(REGION_DIR);
@@ -190,6 +195,11 @@ impl DiskTier {
             }),
             bounce: BufferPool::new(BOUNCE_CACHE_BYTES),
             secret,
+            node_id: node_id.to_string(),
+            // This open's incarnation: nanoseconds since the Unix epoch.
+            incarnation: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
         };
         let report = tier.recover(&mut apply)?;
         Ok((tier, report))
@@ -239,7 +249,7 @@ impl DiskTier {
 
     fn recover(&self, apply: &mut impl FnMut(RecoveredEntry)) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
-        let mut ids = Vec::new();
+        let mut ids: BTreeMap<u32, PathBuf> = BTreeMap::new();
         let listing = fs::read_dir(&self.dir)
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;
         for item in listing {
@@ -247,19 +257,36 @@ impl DiskTier {
             let name = item.file_name();
             let name = name.to_string_lossy();
             match parse_region_name(&name) {
-                Some(id) => ids.push(id),
+                Some(RegionName {
+                    node: Some(node), ..
+                }) if node != self.node_id => {
+                    // Kept, never read: this directory's index must hold
+                    // only what it wrote and verified.
+                    tracing::warn!(file = %name, "ignoring a region file of another node")
+                }
+                Some(RegionName { id, .. }) => {
+                    if let Some(other) = ids.insert(id, item.path()) {
+                        return Err(Error::new(
+                            crate::ErrorKind::Corruption,
+                            format!(
+                                "two region files claim region {id}: {} and {}; move one aside",
+                                other.display(),
+                                item.path().display()
+                            ),
+                        ));
+                    }
+                }
                 None => {
                     tracing::warn!(file = %name, "ignoring unknown file in the region directory")
                 }
             }
         }
-        ids.sort_unstable();
         let mut next_region = 0u32;
         // A large directory takes a while: say how far along it is.
         let total = ids.len();
         let started = std::time::Instant::now();
         let mut reported = started;
-        for (done, id) in ids.into_iter().enumerate() {
+        for (done, (id, path)) in ids.into_iter().enumerate() {
             if reported.elapsed() >= RECOVERY_PROGRESS_EVERY {
                 reported = std::time::Instant::now();
                 tracing::info!(
@@ -271,7 +298,6 @@ impl DiskTier {
                 );
             }
             next_region = next_region.max(id.saturating_add(1));
-            let path = self.region_path(id);
             let file = self.open_file(&path, false)?;
             let file_len = file
                 .metadata()
@@ -633,8 +659,12 @@ impl DiskTier {
         fs::remove_file(path).map_err(|e| Error::io(format!("removing {}", path.display()), e))
     }
 
+    /// A new region file's path: `<node id>-<incarnation>-<region>.kvr`.
     fn region_path(&self, id: u32) -> PathBuf {
-        self.dir.join(format!("{id:08x}{REGION_SUFFIX}"))
+        self.dir.join(format!(
+            "{}-{:016x}-{id:08x}{REGION_SUFFIX}",
+            self.node_id, self.incarnation
+        ))
     }
 
     /// Opens a region file, with O_DIRECT unless the file system refuses it.
@@ -681,12 +711,35 @@ struct ScanEnd {
     first_problem: Option<(u64, String)>,
 }
 
-fn parse_region_name(name: &str) -> Option<u32> {
-    let hex = name.strip_suffix(REGION_SUFFIX)?;
-    if hex.len() != 8 {
-        return None;
+/// A region file name, parsed.
+#[derive(Debug, PartialEq, Eq)]
+struct RegionName<'a> {
+    id: u32,
+    /// `None` for format 2's names (the region id alone).
+    node: Option<&'a str>,
+}
+
+/// `<node id>-<incarnation>-<region>.kvr` (32, 16 and 8 lower-case hex
+/// digits), or format 2's `<region>.kvr`.
+fn parse_region_name(name: &str) -> Option<RegionName<'_>> {
+    let stem = name.strip_suffix(REGION_SUFFIX)?;
+    let hex = |s: &str, len: usize| {
+        s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    };
+    let parts: Vec<&str> = stem.split('-').collect();
+    match parts[..] {
+        [region] if hex(region, 8) => Some(RegionName {
+            id: u32::from_str_radix(region, 16).ok()?,
+            node: None,
+        }),
+        [node, incarnation, region] if hex(node, 32) && hex(incarnation, 16) && hex(region, 8) => {
+            Some(RegionName {
+                id: u32::from_str_radix(region, 16).ok()?,
+                node: Some(node),
+            })
+        }
+        _ => None,
     }
-    u32::from_str_radix(hex, 16).ok()
 }
 
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
