@@ -85,6 +85,11 @@ impl<'a> Router<'a> {
         order
     }
 
+    /// Whether a read of `key` looks here first (this node owns it).
+    pub fn reads_here_first(&self, key: &[u8]) -> bool {
+        self.owners(key).contains(&Target::Local)
+    }
+
     /// Whether this node alone owns every key: then the plain local path
     /// serves the request.
     pub fn all_local<K: AsRef<[u8]>>(&self, keys: &[K]) -> bool {

@@ -346,30 +346,69 @@ impl State<'_> {
                         format!("room for {total} value bytes exceeds the frame limit; use smaller batches"),
                     );
                 }
+                // Memory hits this node owns go out from their pool extents
+                // (leases held until the reply is sent), as on the local
+                // path; the rest are read into slots.
+                let mut results: Vec<kvtier::Result<Option<usize>>> =
+                    keys.iter().map(|_| Ok(None)).collect();
+                self.leases.clear();
+                self.leases.resize_with(items.len(), || None);
+                let mine: Vec<usize> = (0..keys.len())
+                    .filter(|&i| router.reads_here_first(keys[i]))
+                    .collect();
+                let mine_keys: Vec<&[u8]> = mine.iter().map(|&i| keys[i]).collect();
+                let mine_room: Vec<usize> = mine
+                    .iter()
+                    .map(|&i| usize::try_from(items[i].1).unwrap_or(usize::MAX))
+                    .collect();
+                for (&i, leased) in mine
+                    .iter()
+                    .zip(store.batch_memory_leases(&mine_keys, &mine_room))
+                {
+                    match leased {
+                        Some(Ok(lease)) => {
+                            results[i] = Ok(Some(lease.len()));
+                            self.leases[i] = Some(lease);
+                        }
+                        Some(Err(e)) => results[i] = Err(e),
+                        None => {}
+                    }
+                }
+                let rest: Vec<usize> = (0..keys.len())
+                    .filter(|&i| self.leases[i].is_none() && results[i].is_ok())
+                    .collect();
                 // Slots are kept from request to request (zeroed once, when
                 // they grow) and released when the connection idles.
                 self.forwarded.resize_with(items.len(), Vec::new);
-                for (slot, item) in self.forwarded.iter_mut().zip(items) {
-                    let room = item.1.min(largest) as usize;
-                    if slot.len() < room {
-                        slot.resize(room, 0);
+                for &i in &rest {
+                    let room = items[i].1.min(largest) as usize;
+                    if self.forwarded[i].len() < room {
+                        self.forwarded[i].resize(room, 0);
                     }
                 }
-                let mut one: Vec<[&mut [u8]; 1]> = self
-                    .forwarded
-                    .iter_mut()
-                    .zip(items)
-                    .map(|(b, item)| [&mut b[..item.1.min(largest) as usize]])
+                let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
+                let mut slots: Vec<Option<&mut Vec<u8>>> =
+                    self.forwarded.iter_mut().map(Some).collect();
+                let mut one: Vec<[&mut [u8]; 1]> = rest
+                    .iter()
+                    .map(|&i| {
+                        let slot = slots[i].take().expect("one slot per key");
+                        [&mut slot[..items[i].1.min(largest) as usize]]
+                    })
                     .collect();
                 let mut dests: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
-                let results = get(&keys, &mut dests);
+                for (&i, result) in rest.iter().zip(get(&rest_keys, &mut dests)) {
+                    results[i] = result;
+                }
                 let (w, bytes_out) = handlers::get_table(&results);
                 let forwarded: &'b [Vec<u8>] = &self.forwarded;
+                let leases: &'b [Option<kvtier::ValueLease>] = &self.leases;
                 let tail = results
                     .iter()
-                    .zip(forwarded)
-                    .filter_map(|(r, b)| match r {
-                        Ok(Some(n)) => Some(&b[..*n]),
+                    .enumerate()
+                    .filter_map(|(i, r)| match (r, &leases[i]) {
+                        (Ok(Some(n)), Some(lease)) => Some(&lease.bytes()[..*n]),
+                        (Ok(Some(n)), None) => Some(&forwarded[i][..*n]),
                         _ => None,
                     })
                     .collect();
