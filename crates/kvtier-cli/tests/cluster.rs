@@ -277,6 +277,31 @@ fn three_nodes_serve_one_cache_and_survive_failures() {
     let mut n2 = node(&dirs[1], &etcd, &[]);
     let n3 = node(&dirs[2], &etcd, &[]);
     wait_for_members(&[&n1, &n2, &n3], 3, Duration::from_secs(20));
+    // `kvtier cluster status` lists them, all answering.
+    let status = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "cluster",
+            "status",
+            "--etcd",
+            &etcd.endpoints(),
+            "--cluster",
+            "test",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    for member in listed {
+        assert_eq!(member["tcp_answers"], true, "{member}");
+        assert_eq!(member["admin_healthy"], true, "{member}");
+    }
 
     // 10,000 blocks through node 1, read through node 3.
     let all = keys(10_000);
