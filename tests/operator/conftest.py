@@ -36,13 +36,13 @@ def kvtier_binary():
 
 
 class Server:
-    def __init__(self, directory, extra=()):
+    def __init__(self, directory, extra=(), env=None):
         self.directory = directory
         self.process = subprocess.Popen(
             [kvtier_binary(), "serve", "--data-dir", directory, "--memory", "16MiB", "--disk", "256MiB",
              "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", *extra],
             stdout=subprocess.PIPE,
-            env={**os.environ, "RUST_LOG": "error"},
+            env={**os.environ, "RUST_LOG": "error", **(env or {})},
             text=True,
         )
         line = self.process.stdout.readline()
@@ -75,6 +75,45 @@ def server():
     yield s
     s.stop()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster():
+    """A one-member etcd and two `kvtier serve --cluster` nodes that see
+    each other (the kvtier binary must be built with the cluster feature,
+    as scripts/test builds it)."""
+    etcd = tool("etcd", "etcd-server")
+    directory = tempfile.mkdtemp(prefix="kvtier-operator-cluster-")
+    client, peer = free_port(), free_port()
+    etcd_process = subprocess.Popen(
+        [etcd, "--name", "op", "--data-dir", f"{directory}/etcd",
+         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"op=http://127.0.0.1:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    nodes = []
+    try:
+        for i in (1, 2):
+            nodes.append(Server(f"{directory}/node{i}",
+                                ["--cluster", "operator", "--etcd", f"http://127.0.0.1:{client}", "--lease-ttl", "2"],
+                                env={"KVTIER_AUTH_TOKEN": "operator-cluster-token-0123456789"}))
+        wait_for(lambda: all(len(n.stats()["cluster"].get("members", [])) == 2 for n in nodes),
+                 "both nodes to see each other", timeout=30)
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()
+        etcd_process.terminate()
+        etcd_process.wait(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def drive_traffic(server, values=96, size=256 << 10, misses=24):

@@ -8,6 +8,8 @@ import subprocess
 import tempfile
 import pathlib
 
+import kvtier
+
 from conftest import REPO, kvtier_binary, tool
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvtier.json"
@@ -15,7 +17,7 @@ DASHBOARD = REPO / "deploy" / "grafana" / "kvtier.json"
 PANEL_TYPES = {"timeseries", "stat", "gauge", "bargauge", "table", "row", "text", "heatmap", "barchart", "piechart"}
 
 
-def test_dashboard_is_a_grafana_dashboard_over_our_metrics(server):
+def test_dashboard_is_a_grafana_dashboard_over_our_metrics(cluster):
     dashboard = json.loads(DASHBOARD.read_text())
     for field, kind in [("title", str), ("uid", str), ("schemaVersion", int), ("panels", list),
                         ("templating", dict), ("time", dict), ("refresh", str), ("version", int)]:
@@ -25,8 +27,14 @@ def test_dashboard_is_a_grafana_dashboard_over_our_metrics(server):
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert "kvtier_build_info" in variables["instance"]["definition"]
     ids, cells = set(), set()
+    # A cluster node exports every metric (the single-node ones and the
+    # cluster's); its peer families appear once it has called a peer.
+    with kvtier.Client(cluster[0].unix) as client:
+        keys = [f"k{i}".encode() for i in range(16)]
+        for key in keys:
+            client.put(key, b"x" * 4096)
     exported = {re.split(r"[{ ]", line, maxsplit=1)[0]
-                for line in server.get("/metrics").splitlines() if line and not line.startswith("#")}
+                for line in cluster[0].get("/metrics").splitlines() if line and not line.startswith("#")}
     named = set()
     for panel in dashboard["panels"]:
         assert panel["type"] in PANEL_TYPES, panel["type"]

@@ -50,13 +50,14 @@ def concrete(expr):
 
 
 @pytest.fixture
-def prometheus(server):
+def prometheus(cluster):
+    """A real Prometheus scraping both cluster nodes every second."""
     binary = tool("prometheus", "prometheus")
     directory = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-prometheus-"))
-    target = server.admin.removeprefix("http://")
+    targets = ", ".join(f"'{node.admin.removeprefix('http://')}'" for node in cluster)
     (directory / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: kvtier\n    static_configs:\n      - targets: ['{target}']\n"
+        f"scrape_configs:\n  - job_name: kvtier\n    static_configs:\n      - targets: [{targets}]\n"
     )
     port = free_port()
     log = open(directory / "prometheus.log", "w")
@@ -109,13 +110,16 @@ def test_promtool_accepts_the_exposition(server):
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
 
 
-def test_prometheus_scrapes_rates_quantiles_and_the_dashboard_queries(server, prometheus):
+def test_prometheus_scrapes_rates_quantiles_and_the_dashboard_queries(cluster, prometheus):
+    # Traffic through node 1: about half its keys live on node 2, so the
+    # peer metrics move too.
+    server = cluster[0]
     stop = threading.Event()
     reader = threading.Thread(target=keep_reading, args=(server, stop))
     reader.start()
     try:
         # rate() needs two scrapes inside its window after traffic began.
-        rate = wait_for(lambda: [r for r in query(prometheus, 'rate(kvtier_requests_total{op="batch_get"}[10s])')
+        rate = wait_for(lambda: [r for r in query(prometheus, 'sum(rate(kvtier_requests_total{op="batch_get"}[10s]))')
                                  if float(r["value"][1]) > 0], "a positive get rate", timeout=60)
         p99 = wait_for(lambda: [r for r in query(
             prometheus,
@@ -128,10 +132,12 @@ def test_prometheus_scrapes_rates_quantiles_and_the_dashboard_queries(server, pr
     print(f"get rate {float(rate[0]['value'][1]):.1f}/s, p99 {float(p99[0]['value'][1]) * 1e3:.3f} ms, "
           f"hit rate {float(hit_rate[0]['value'][1]):.3f}")
     assert 0.8 < float(hit_rate[0]["value"][1]) < 1.0, hit_rate  # 16 hits per miss
+    peers = query(prometheus, 'sum(rate(kvtier_peer_requests_total[10s]))')
+    assert peers and float(peers[0]["value"][1]) > 0, peers
     up = query(prometheus, 'up{job="kvtier"}')
-    assert [r["value"][1] for r in up] == ["1"], up
+    assert [r["value"][1] for r in up] == ["1", "1"], up
     # Every dashboard query parses and runs on Prometheus, and returns data.
-    exposition = server.get("/metrics")
+    exposition = server.get("/metrics") + cluster[1].get("/metrics")
     empty = []
     for title, expr in dashboard_queries():
         if not query(prometheus, concrete(expr)):
