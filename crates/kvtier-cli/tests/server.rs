@@ -841,6 +841,31 @@ fn a_client_pool_runs_threads_on_their_own_connections() {
         });
         let open = pool.open_connections();
         assert!((2..=3).contains(&open), "{open} connections open");
+        // Overlapped calls: two gets in flight from one caller, each on
+        // its own connection, with their buffers moved in and back out.
+        let pool = std::sync::Arc::new(pool);
+        let pending: Vec<_> = (0..2)
+            .map(|t| {
+                let key = format!("{tag}-pool-{t}-7").into_bytes();
+                pool.spawn(move |c| {
+                    let mut buf = vec![0u8; 300 << 10];
+                    let got = c.batch_get_into(&[&key], &mut [&mut buf[..]])?;
+                    Ok((key, buf, got))
+                })
+            })
+            .collect();
+        for p in pending {
+            let (key, buf, got) = p.wait().unwrap();
+            assert_eq!(got[0].as_ref().unwrap(), &Some(300 << 10));
+            assert_eq!(buf, value_for(&key, 300 << 10));
+        }
+        let missing = pool.spawn(|c| c.get(b"never-stored"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !missing.is_done() {
+            assert!(Instant::now() < deadline, "the background get never ended");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(missing.wait().unwrap(), None);
         pool.close();
         let refused = pool.with(|c| c.get(b"anything")).unwrap_err();
         assert_eq!(refused.kind(), kvtier::ErrorKind::Closed);

@@ -162,16 +162,33 @@ async fn read_members(
     Ok(members)
 }
 
+/// While etcd stays away, how often the outage is logged as a warning (the
+/// retries in between log at debug level).
+const OUTAGE_WARNING_EVERY: Duration = Duration::from_secs(30);
+
 async fn run(config: MembershipConfig, view: Arc<ClusterView>, stop: Arc<AtomicBool>) {
     let mut lease: Option<i64> = None;
     let mut backoff = Duration::from_millis(100);
+    let mut warned: Option<Instant> = None;
     while !stop.load(Ordering::Acquire) {
+        let started = Instant::now();
         match session(&config, &view, &stop, &mut lease).await {
             Ok(()) => return,
             Err(reason) => {
                 view.etcd_reachable.store(false, Ordering::Relaxed);
                 view.etcd_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%reason, members = view.members().len(), "etcd session ended; serving with the last view and trying again");
+                // A session that ran a while was a working one: the next
+                // failure is a new outage, worth a warning at once.
+                if started.elapsed() > config.lease_ttl {
+                    warned = None;
+                    backoff = Duration::from_millis(100);
+                }
+                if warned.is_none_or(|t| t.elapsed() >= OUTAGE_WARNING_EVERY) {
+                    warned = Some(Instant::now());
+                    tracing::warn!(%reason, members = view.members().len(), "etcd session ended; serving with the last view and trying again");
+                } else {
+                    tracing::debug!(%reason, "etcd still unreachable");
+                }
                 // Short waits, checked against the stop flag.
                 let until = Instant::now() + backoff;
                 while Instant::now() < until && !stop.load(Ordering::Acquire) {

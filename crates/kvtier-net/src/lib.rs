@@ -13,5 +13,5 @@ pub mod tls;
 pub mod transport;
 
 pub use client::{Client, ClientOptions};
-pub use pool::ClientPool;
+pub use pool::{ClientPool, Pending};
 pub use server::{BoundAddrs, Server, ServerConfig};

@@ -3,8 +3,9 @@
 //! open on demand, up to a limit, and share one registered shared buffer.
 
 use crate::client::Client;
-use kvtier::{Error, Result};
-use std::sync::{Condvar, Mutex};
+use kvtier::{Error, ErrorKind, Result};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 
 /// Connections kept by default: enough for an engine's scheduler thread
 /// plus a few loading and saving threads.
@@ -88,6 +89,40 @@ impl ClientPool {
         }
     }
 
+    /// Starts `call` on a pooled connection in the background and returns
+    /// at once: the overlapped form of every batch call, so one caller can
+    /// keep a batch in flight while it prepares or consumes the next. The
+    /// call owns what it reads from and writes into (move the buffers in,
+    /// return them in `T`): no buffer is shared with the caller while it
+    /// runs.
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # fn f(pool: Arc<kvtier_net::ClientPool>) -> kvtier::Result<()> {
+    /// let keys = vec![b"block-0".to_vec()];
+    /// let pending = pool.spawn(move |c| {
+    ///     let mut buf = vec![0u8; 1 << 20];
+    ///     let got = c.batch_get_into(&keys, &mut [&mut buf[..]])?;
+    ///     Ok((buf, got))
+    /// });
+    /// // ... other work while the get runs ...
+    /// let (buf, got) = pending.wait()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn spawn<T, F>(self: &Arc<Self>, call: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut Client) -> Result<T> + Send + 'static,
+    {
+        let pool = Arc::clone(self);
+        let handle = std::thread::Builder::new()
+            .name("kvtier-pending".into())
+            .spawn(move || pool.with(call));
+        Pending {
+            handle: Some(handle.map_err(|e| Error::io("starting a background call", e))),
+        }
+    }
+
     /// Connections open now (idle or in use).
     pub fn open_connections(&self) -> usize {
         self.state.lock().unwrap().open
@@ -103,5 +138,44 @@ impl ClientPool {
         drop(state);
         drop(idle);
         self.returned.notify_all();
+    }
+}
+
+/// A call started by [`ClientPool::spawn`]: `is_done` polls, `wait` blocks
+/// for its result. Dropping it waits too (the call owns its buffers until
+/// it ends).
+#[derive(Debug)]
+pub struct Pending<T> {
+    handle: Option<std::result::Result<JoinHandle<Result<T>>, Error>>,
+}
+
+impl<T> Pending<T> {
+    /// Whether the call has ended (`wait` then returns at once).
+    pub fn is_done(&self) -> bool {
+        match &self.handle {
+            Some(Ok(handle)) => handle.is_finished(),
+            _ => true,
+        }
+    }
+
+    /// The call's result, once it ends.
+    pub fn wait(mut self) -> Result<T> {
+        match self.handle.take().expect("waited once") {
+            Ok(handle) => handle.join().unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Io,
+                    "the background call panicked; its connection was dropped",
+                ))
+            }),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl<T> Drop for Pending<T> {
+    fn drop(&mut self) {
+        if let Some(Ok(handle)) = self.handle.take() {
+            let _ = handle.join();
+        }
     }
 }
