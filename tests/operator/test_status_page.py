@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ARTIFACTS, drive_traffic, tool, wait_for
+from conftest import ARTIFACTS, drive_traffic, tool, wait_for  # noqa: F401
 
 
 class Dom(html.parser.HTMLParser):
@@ -188,3 +188,25 @@ def test_page_says_so_when_the_server_stops_answering(server):
     assert "stale" in dom.body.get("class", "")
     # The last figures stay on screen.
     assert dom.by_key["store.puts"]["text"].strip() == "8"
+
+
+def test_page_lists_the_cluster_members_and_calls_to_them(cluster):
+    node1, node2 = cluster
+    drive_traffic(node1, values=32, misses=4)  # about half of it lives on node 2
+    stats = node1.stats()["cluster"]
+    peer_id = next(m["id"] for m in stats["members"] if not m["self"])
+    calls = stats["peers"][peer_id]["requests"]
+    assert calls > 0, stats["peers"]
+    markup = chromium(node1.admin + "/", "--dump-dom")
+    dom = Dom(markup)
+    text = dom.by_id["cluster"]["text"]
+    assert "2 members in view" in text and stats["node_id"][:8] in text, text
+    assert 'id="members"' in markup and "hidden" not in dom.by_id["members"]["attrs"]
+    for member in stats["members"]:
+        assert f'data-member="{member["id"]}"' in markup, member
+    row = markup.split(f'data-member="{peer_id}"')[1].split("</tr>")[0]
+    cells = [c.split(">", 1)[1] for c in row.split("<td")[1:]]
+    cells = [c.split("<", 1)[0] for c in cells]
+    assert cells[0] == node2.stats()["cluster"]["address"], cells
+    assert int(cells[2].replace(",", "")) >= calls, (cells, calls)
+    assert cells[3] == "0", cells

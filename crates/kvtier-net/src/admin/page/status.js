@@ -77,13 +77,38 @@ function fill(stats) {
     bar.classList.toggle("high", (f || 0) > 0.95);
   }
   const cluster = document.getElementById("cluster");
+  const members = document.getElementById("members");
   if (stats.cluster && stats.cluster.enabled) {
     const c = stats.cluster;
-    cluster.textContent = `cluster ${c.name}: ${c.members.length} members` +
-      (c.etcd_reachable ? "" : " (etcd unreachable: last view kept)") + ": " +
-      c.members.map((m) => `${m.id.slice(0, 8)} at ${m.address}${m.self ? " (this node)" : ""}`).join(", ");
+    cluster.textContent = `cluster ${c.name}: ${c.members.length} members in view, node ` +
+      `${c.node_id.slice(0, 8)} incarnation ${c.incarnation}` +
+      (c.etcd_reachable ? "" : " (etcd unreachable: last view kept)");
+    // One row per member, with this node's calls to it.
+    const rows = c.members.map((m) => {
+      const peer = (c.peers || {})[m.id] || {};
+      const row = document.createElement("tr");
+      row.dataset.member = m.id;
+      const cells = [
+        m.self ? `${m.id.slice(0, 8)} (this node)` : m.id.slice(0, 8),
+        m.address,
+        String(m.incarnation),
+        m.self ? "–" : format(peer.requests || 0, "count"),
+        m.self ? "–" : format(peer.errors || 0, "count"),
+        m.self ? "–" : format(peer.mean_seconds, "seconds"),
+      ];
+      cells.forEach((text, i) => {
+        const cell = document.createElement(i === 0 ? "th" : "td");
+        cell.textContent = text;
+        if (i === 4 && (peer.errors || 0) > 0) cell.classList.add("alarm");
+        row.appendChild(cell);
+      });
+      return row;
+    });
+    members.tBodies[0].replaceChildren(...rows);
+    members.hidden = false;
   } else {
     cluster.textContent = "cluster mode is off: this server is the whole cache";
+    members.hidden = true;
   }
 }
 
