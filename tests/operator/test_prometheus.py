@@ -125,15 +125,22 @@ def test_prometheus_scrapes_rates_quantiles_and_the_dashboard_queries(cluster, p
             prometheus,
             'histogram_quantile(0.99, sum by (le) (rate(kvtier_request_duration_seconds_bucket{op="batch_get"}[10s])))')
             if r["value"][1] not in ("NaN", "+Inf") and float(r["value"][1]) > 0], "a get p99", timeout=30)
-        hit_rate = query(prometheus, concrete(next(e for t, e in dashboard_queries() if t == "Hit rate")))
+        # The windows fill as scrapes come in: wait (bounded) for each figure
+        # while the traffic runs.
+        hit_rate = wait_for(lambda: [r for r in query(
+            prometheus, concrete(next(e for t, e in dashboard_queries() if t == "Hit rate")))
+            if 0.8 < float(r["value"][1]) < 1.0], "a hit rate of 16 hits per miss", timeout=30)
+        peers = wait_for(lambda: [r for r in query(prometheus, 'sum(rate(kvtier_peer_requests_total[10s]))')
+                                  if float(r["value"][1]) > 0], "calls from node 1 to node 2", timeout=30)
     finally:
         stop.set()
         reader.join(timeout=60)
     print(f"get rate {float(rate[0]['value'][1]):.1f}/s, p99 {float(p99[0]['value'][1]) * 1e3:.3f} ms, "
-          f"hit rate {float(hit_rate[0]['value'][1]):.3f}")
-    assert 0.8 < float(hit_rate[0]["value"][1]) < 1.0, hit_rate  # 16 hits per miss
-    peers = query(prometheus, 'sum(rate(kvtier_peer_requests_total[10s]))')
-    assert peers and float(peers[0]["value"][1]) > 0, peers
+          f"hit rate {float(hit_rate[0]['value'][1]):.3f}, calls to the peer {float(peers[0]['value'][1]):.1f}/s")
+    # Every scrape of both nodes succeeded.
+    scrapes = query(prometheus, 'count_over_time(up{job="kvtier"}[1m])')
+    ok = query(prometheus, 'sum_over_time(up{job="kvtier"}[1m])')
+    assert len(scrapes) == 2 and [r["value"][1] for r in scrapes] == [r["value"][1] for r in ok], (scrapes, ok)
     up = query(prometheus, 'up{job="kvtier"}')
     assert [r["value"][1] for r in up] == ["1", "1"], up
     # Every dashboard query parses and runs on Prometheus, and returns data.
