@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 fn recover(config: &Config, secret: &Arc<KeySecret>) -> Vec<(u64, u128, u32, u32)> {
     let mut seen = Vec::new();
-    let (_tier, _report) = DiskTier::open(config, Arc::clone(secret), |r| {
+    // Region files named by id alone (format 2's names) are still read.
+    let node_id = "0123456789abcdef0123456789abcdef";
+    let (_tier, _report) = DiskTier::open(config, Arc::clone(secret), node_id, |r| {
         assert_eq!(secret.digest_qualified(&r.entry.key), r.entry.digest);
         seen.push((r.entry.seq, r.entry.digest.0, r.loc.region(), r.loc.page()));
     })
