@@ -149,6 +149,12 @@ impl OpCounts {
     }
 }
 
+/// Seconds since the Unix epoch (0 for a clock before it).
+pub fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// The sum of the named operations' counts.
 pub fn sum_ops(counts: &[OpCounts; OPS.len()], names: &[&str]) -> OpCounts {
     let mut sum = OpCounts::default();
@@ -220,10 +226,7 @@ impl Metrics {
 
     /// Seconds since the Unix epoch when the server started.
     pub fn started_unix_seconds(&self) -> f64 {
-        self.started
-            .0
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64())
+        unix_seconds(self.started.0)
     }
 
     pub fn json(&self, stats: &Stats) -> serde_json::Value {
@@ -252,9 +255,7 @@ impl Metrics {
             })
             .collect();
         let started = self.started_unix_seconds();
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
+        let now = unix_seconds(SystemTime::now());
         serde_json::json!({
             "version": env!("CARGO_PKG_VERSION"),
             "started_unix_seconds": started,

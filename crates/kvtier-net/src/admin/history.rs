@@ -2,11 +2,11 @@
 //! status page draws its charts from, so a page opened late still shows
 //! the recent past.
 
-use crate::metrics::{hit_rates, sum_ops, Metrics, OpCounts, GET_OPS, OPS, PUT_OPS};
+use crate::metrics::{hit_rates, sum_ops, unix_seconds, Metrics, OpCounts, GET_OPS, OPS, PUT_OPS};
 use kvtier::Stats;
 use serde::Serialize;
 use std::collections::VecDeque;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 /// Time between two points.
 pub const INTERVAL: Duration = Duration::from_secs(2);
@@ -110,20 +110,11 @@ impl History {
 }
 
 fn point(last: &Reading, now: &Reading, seconds: f64, stats: &Stats) -> Point {
-    let delta: Vec<OpCounts> = now
-        .ops
-        .iter()
-        .zip(&last.ops)
-        .map(|(n, l)| n.since(l))
-        .collect();
-    let delta: [OpCounts; OPS.len()] = std::array::from_fn(|i| delta[i]);
+    let delta: [OpCounts; OPS.len()] = std::array::from_fn(|i| now.ops[i].since(&last.ops[i]));
     let gets = sum_ops(&delta, &GET_OPS);
     let puts = sum_ops(&delta, &PUT_OPS);
     Point {
-        t: now
-            .at
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64()),
+        t: unix_seconds(now.at),
         seconds,
         get_requests_per_s: gets.requests as f64 / seconds,
         put_requests_per_s: puts.requests as f64 / seconds,

@@ -143,12 +143,11 @@ impl Admin {
             return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n");
         }
         if let Some(asset) = page::asset(path) {
-            return reply(
+            return page_headers(reply(
                 StatusCode::OK,
                 asset.content_type,
                 Bytes::from_static(asset.body),
-            )
-            .with_page_headers();
+            ));
         }
         if self.needs_token {
             let header = request
@@ -241,24 +240,18 @@ fn json_reply(json: &serde_json::Value) -> Response<Full<Bytes>> {
     reply(StatusCode::OK, "application/json", json.to_string().into())
 }
 
-trait PageHeaders {
-    fn with_page_headers(self) -> Self;
-}
-
-impl PageHeaders for Response<Full<Bytes>> {
-    /// The page loads nothing from elsewhere and runs only its own script.
-    fn with_page_headers(mut self) -> Self {
-        let headers = self.headers_mut();
-        headers.insert(
-            "content-security-policy",
-            HeaderValue::from_static(
-                "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
-            ),
-        );
-        headers.insert(
-            "x-content-type-options",
-            HeaderValue::from_static("nosniff"),
-        );
-        self
-    }
+/// The page loads nothing from elsewhere and runs only its own script.
+fn page_headers(mut response: Response<Full<Bytes>>) -> Response<Full<Bytes>> {
+    let headers = response.headers_mut();
+    headers.insert(
+        "content-security-policy",
+        HeaderValue::from_static(
+            "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    headers.insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
+    response
 }

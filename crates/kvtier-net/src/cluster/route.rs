@@ -37,6 +37,18 @@ pub struct Router<'a> {
 /// Keys (by index) bound for one target.
 type Groups = BTreeMap<Target, Vec<usize>>;
 
+/// A read's `round`: each key not yet `settled` goes to the `round`-th
+/// place in its read order (keys with fewer places are out of places).
+fn round_groups(orders: &[Vec<Target>], settled: &[bool], round: usize) -> Groups {
+    let mut groups = Groups::new();
+    for (i, order) in orders.iter().enumerate() {
+        if let (false, Some(&target)) = (settled[i], order.get(round)) {
+            groups.entry(target).or_default().push(i);
+        }
+    }
+    groups
+}
+
 /// Each target's key indices with its answer (`None`: unreachable).
 type Answers<A> = Vec<((Target, Vec<usize>), Option<A>)>;
 
@@ -111,12 +123,7 @@ impl<'a> Router<'a> {
             keys.iter().map(|_| Ok(None)).collect();
         let mut done = vec![false; keys.len()];
         for round in 0.. {
-            let mut groups = Groups::new();
-            for (i, order) in orders.iter().enumerate() {
-                if let (false, Some(&target)) = (done[i], order.get(round)) {
-                    groups.entry(target).or_default().push(i);
-                }
-            }
+            let groups = round_groups(&orders, &done, round);
             if groups.is_empty() {
                 break;
             }
@@ -238,12 +245,7 @@ impl<'a> Router<'a> {
         let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
         let mut present = vec![false; keys.len()];
         for round in 0.. {
-            let mut groups = Groups::new();
-            for (i, order) in orders.iter().enumerate() {
-                if let (false, Some(&target)) = (present[i], order.get(round)) {
-                    groups.entry(target).or_default().push(i);
-                }
-            }
+            let groups = round_groups(&orders, &present, round);
             if groups.is_empty() {
                 break;
             }

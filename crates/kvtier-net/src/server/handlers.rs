@@ -244,23 +244,32 @@ pub(crate) fn batch_get<'b>(
 }
 
 pub(crate) fn batch_exists<'b>(store: NamespacedStore<'_>, keys: &[&[u8]]) -> Reply<'b> {
-    let present = store.batch_exists(keys);
+    exists_reply(&store.batch_exists(keys))
+}
+
+/// The reply to a BatchExists: `u32 n, n × u8`.
+pub(crate) fn exists_reply<'b>(present: &[bool]) -> Reply<'b> {
     let mut w = Writer::with_capacity(4 + present.len());
     w.u32(present.len() as u32);
-    for p in present {
+    for &p in present {
         w.u8(u8::from(p));
     }
     Reply::ok(w.buf).with_sample(Sample {
-        keys: keys.len() as u64,
+        keys: present.len() as u64,
         ..Sample::default()
     })
 }
 
 pub(crate) fn prefix_len<'b>(store: NamespacedStore<'_>, keys: &[&[u8]]) -> Reply<'b> {
+    prefix_reply(store.prefix_len(keys), keys.len())
+}
+
+/// The reply to a PrefixLen over `keys` keys: `u64` leading keys present.
+pub(crate) fn prefix_reply<'b>(leading: usize, keys: usize) -> Reply<'b> {
     let mut w = Writer::default();
-    w.u64(store.prefix_len(keys) as u64);
+    w.u64(leading as u64);
     Reply::ok(w.buf).with_sample(Sample {
-        keys: keys.len() as u64,
+        keys: keys as u64,
         ..Sample::default()
     })
 }

@@ -422,21 +422,10 @@ impl State<'_> {
                     })
                 }
             }
-            Request::BatchExists { keys } | Request::PrefixLen { keys } => {
+            Request::BatchExists { keys } => handlers::exists_reply(&router.exists(store, keys)),
+            Request::PrefixLen { keys } => {
                 let present = router.exists(store, keys);
-                let mut w = Writer::default();
-                if matches!(request, Request::PrefixLen { .. }) {
-                    w.u64(present.iter().take_while(|&&p| p).count() as u64);
-                } else {
-                    w.u32(present.len() as u32);
-                    for p in present {
-                        w.u8(u8::from(p));
-                    }
-                }
-                Reply::ok(w.buf).with_sample(Sample {
-                    keys: keys.len() as u64,
-                    ..Sample::default()
-                })
+                handlers::prefix_reply(present.iter().take_while(|&&p| p).count(), keys.len())
             }
             Request::BatchPutShm {
                 buffer,
