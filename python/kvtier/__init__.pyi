@@ -117,7 +117,9 @@ class Client(_Engine):
 
     Calls from several threads run in parallel, each on a connection of its
     own: connections open on demand, up to ``connections`` (default 4), and
-    all register the same shared buffer.
+    all register the same shared buffer. ``route=True``: in cluster mode, the
+    socket forms of the batch calls go straight to the members that own each
+    key (one hop) instead of through this server (see docs/cluster.md).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class Client(_Engine):
         timeout: float = 60.0,
         shm_size: Size | None = None,
         connections: int = 4,
+        route: bool = False,
     ) -> None: ...
     def alloc_buffer(self, size: int) -> SharedBuffer:
         """Shared memory the server reads and writes directly (Unix socket only)."""

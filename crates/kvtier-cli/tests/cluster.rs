@@ -8,7 +8,7 @@ mod common;
 
 use common::{options, tls_files, ServerProcess};
 use kvtier_net::cluster::{key_hash, owners, Member};
-use kvtier_net::Client;
+use kvtier_net::{Client, ClientOptions};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -524,4 +524,100 @@ fn members_whose_listeners_speak_tls_forward_over_tls() {
         .map(|p| p["errors"].as_u64().unwrap())
         .sum();
     assert_eq!(errors, 0, "{peers}");
+}
+
+/// Requests one node sent to other members (its forwarding), by its stats.
+fn forwarded_requests(server: &ServerProcess) -> u64 {
+    server.stats()["cluster"]["peers"]
+        .as_object()
+        .map_or(0, |peers| {
+            peers
+                .values()
+                .map(|p| p["requests"].as_u64().unwrap())
+                .sum()
+        })
+}
+
+#[test]
+fn a_routing_client_sends_each_key_to_its_owners() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let mut nodes: Vec<ServerProcess> = (1..=3)
+        .map(|i| node(&dir.path().join(format!("node{i}")), &etcd, &[]))
+        .collect();
+    let refs: Vec<&ServerProcess> = nodes.iter().collect();
+    wait_for_members(&refs, 3, Duration::from_secs(20));
+    let routing = ClientOptions {
+        route: true,
+        ..options()
+    };
+    let mut routed = Client::connect_with(&nodes[0].tcp_url(), routing).unwrap();
+    let view = routed.cluster_view().unwrap();
+    assert_eq!(view["members"].as_array().unwrap().len(), 3, "{view}");
+    let all = keys(3000);
+    put_all(&mut routed, &all);
+    let (hits, misses, wrong, _) = read_all(&mut routed, &all);
+    assert_eq!((hits, misses, wrong), (3000, 0, 0));
+    // Every key went straight to its owner: no node forwarded anything,
+    // and each holds its share.
+    let held: Vec<u64> = nodes
+        .iter()
+        .map(|s| s.stats()["store"]["entries"].as_u64().unwrap())
+        .collect();
+    assert_eq!(held.iter().sum::<u64>(), 3000, "{held:?}");
+    assert!(held.iter().all(|&h| h > 800), "{held:?}");
+    for s in &nodes {
+        assert_eq!(forwarded_requests(s), 0, "a node forwarded");
+    }
+    // A forwarding client through another node sees the same cache.
+    let mut plain = Client::connect_with(&nodes[1].unix_url(), options()).unwrap();
+    assert_eq!(read_all(&mut plain, &all).0, 3000);
+    let mut with_gap = all[..1000].to_vec();
+    with_gap.push(b"never-stored".to_vec());
+    with_gap.extend_from_slice(&all[1000..]);
+    assert_eq!(routed.prefix_len(&all).unwrap(), 3000);
+    assert_eq!(routed.prefix_len(&with_gap).unwrap(), 1000);
+    let present = routed.batch_exists(&with_gap).unwrap();
+    assert_eq!(present.iter().filter(|&&p| p).count(), 3000);
+    assert!(!present[1000]);
+    // A bad key fails the call, not a member: the next call still hits.
+    let bad: Vec<&[u8]> = vec![b"block-000000", b""];
+    assert!(routed.batch_exists(&bad).is_err());
+    assert_eq!(read_all(&mut routed, &all[..256]).0, 256);
+    assert!(routed.remove(&all[0]).unwrap());
+    assert!(!routed.remove(&all[0]).unwrap());
+    assert_eq!(plain.batch_exists(&all[..1]).unwrap(), vec![false]);
+
+    // SIGKILL node 3: its keys are misses for the routing client (no
+    // hang, no wrong bytes), before and after the others' views drop it.
+    let owned_by_3 = held[2] as usize;
+    nodes[2].signal(libc::SIGKILL);
+    nodes[2].wait();
+    let (hits, misses, wrong, slowest) = read_all(&mut routed, &all);
+    eprintln!(
+        "routing client, node 3 killed: {hits} hits, {misses} misses, slowest batch {slowest:?}"
+    );
+    assert_eq!(wrong, 0);
+    assert!(misses >= owned_by_3, "node 3's keys read as misses");
+    assert!(slowest < Duration::from_secs(5), "a call hung: {slowest:?}");
+    wait_for_members(&[&nodes[0], &nodes[1]], 2, Duration::from_secs(15));
+    // The client asks for the member list again a second after the last.
+    std::thread::sleep(Duration::from_millis(1200));
+    let (hits_after, _, wrong, _) = read_all(&mut routed, &all);
+    assert_eq!(wrong, 0);
+    // Node 3's keys now map to the others, which never held them.
+    assert_eq!(hits_after, hits);
+    assert_eq!(
+        routed.cluster_view().unwrap()["members"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    // Puts after the view dropped node 3 all land on live members.
+    let fresh: Vec<Vec<u8>> = (0..500)
+        .map(|i| format!("after-{i}").into_bytes())
+        .collect();
+    put_all(&mut routed, &fresh);
+    assert_eq!(read_all(&mut routed, &fresh).0, 500);
 }

@@ -934,3 +934,32 @@ fn admin_endpoint_guards_data_off_loopback_and_caps_connections() {
     }
     drop(silent);
 }
+
+#[test]
+fn a_routing_client_of_a_lone_server_talks_to_it_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let routing = ClientOptions {
+        route: true,
+        ..options()
+    };
+    let mut client = Client::connect_with(&server.tcp_url(), routing).unwrap();
+    assert_eq!(
+        client.cluster_view().unwrap(),
+        serde_json::json!({"enabled": false})
+    );
+    let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("lone-{i}").into_bytes()).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 70_000)).collect();
+    for result in client.batch_put(&keys, &values).unwrap() {
+        result.unwrap();
+    }
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    for result in client.batch_get_into(&keys, &mut slices).unwrap() {
+        assert_eq!(result.unwrap(), Some(70_000));
+    }
+    assert_eq!(bufs, values);
+    assert_eq!(client.prefix_len(&keys).unwrap(), 8);
+    // A bad key is the caller's error, as without routing.
+    assert!(client.batch_exists(&[&b""[..]]).is_err());
+}

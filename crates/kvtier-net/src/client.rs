@@ -2,6 +2,7 @@
 //! `unix:///path` (which adds a registered shared-memory buffer, so values
 //! move through shared memory instead of the socket).
 
+use crate::cluster::{DirectRouting, Router, ServerView};
 use crate::protocol::{self, code, put_flags, Header, Op, Reader, Writer};
 use crate::shm::{self, SharedRegion};
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
@@ -31,6 +32,14 @@ pub struct ClientOptions {
     /// to the cluster members that own a key: what cluster peers send
     /// each other (see docs/protocol.md, request flags). Default: false.
     pub local_only: bool,
+    /// In cluster mode, send each key straight to the members that own it
+    /// (one hop) instead of through the server this client connected to
+    /// (two hops for the keys it does not own). The client then learns the
+    /// member list from its server (every second) and keeps a connection
+    /// to each member. Applies to the socket forms of the batch calls;
+    /// the shared-memory forms always go through the local server, which
+    /// reads remote values straight into the shared buffer. Default: false.
+    pub route: bool,
 }
 
 impl Default for ClientOptions {
@@ -46,6 +55,7 @@ impl Default for ClientOptions {
             timeout: Duration::from_secs(60),
             shm_size: 256 << 20,
             local_only: false,
+            route: false,
         }
     }
 }
@@ -101,6 +111,8 @@ pub struct Client {
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
+    /// With `route`: the cluster behind the server (shared by siblings).
+    routing: Option<Arc<DirectRouting>>,
 }
 
 fn protocol_error(message: impl Into<String>) -> Error {
@@ -165,6 +177,14 @@ impl Client {
                 "unsupported URL {url:?}: use tcp://host:port, tls://host:port or unix:///path"
             )));
         };
+        let routing = options.route.then(|| {
+            Arc::new(DirectRouting::new(
+                &options.namespace,
+                options.auth_token.clone(),
+                options.tls_ca.clone(),
+                options.timeout,
+            ))
+        });
         let mut client = Client {
             endpoint,
             options,
@@ -177,6 +197,7 @@ impl Client {
             shm_id: None,
             request: Vec::new(),
             response: Vec::new(),
+            routing,
         };
         client.reconnect()?;
         Ok(client)
@@ -205,6 +226,7 @@ impl Client {
             shm_id: None,
             request: Vec::new(),
             response: Vec::new(),
+            routing: self.routing.clone(),
         }
     }
 
@@ -560,6 +582,38 @@ impl Client {
         Ok(out)
     }
 
+    /// The server's ClusterView answer: its member list in cluster mode,
+    /// `{"enabled": false}` otherwise (docs/protocol.md).
+    pub fn cluster_view(&mut self) -> Result<serde_json::Value> {
+        let len = self.call(Op::ClusterView, &[], None)?;
+        serde_json::from_slice(&self.response[..len])
+            .map_err(|e| protocol_error(format!("the cluster view is not JSON: {e}")))
+    }
+
+    /// With `route` and a server in cluster mode: `call` run on a router
+    /// over the member list (refreshed when due, from this client's server,
+    /// else from the members it knew). `None`: send to the server.
+    fn routed<T>(&mut self, call: impl FnOnce(&Router<'_>) -> T) -> Option<T> {
+        let routing = Arc::clone(self.routing.as_ref()?);
+        if routing.due() {
+            let answer = self
+                .cluster_view()
+                .and_then(|json| ServerView::parse(&json).map_err(protocol_error));
+            match answer {
+                Ok(view) => routing.update(view),
+                Err(e) => match routing.view_from_members() {
+                    Some(view) => routing.update(Some(view)),
+                    None => {
+                        tracing::warn!(error = %e, "the cluster view could not be refreshed; keeping the last one");
+                        routing.keep();
+                    }
+                },
+            }
+        }
+        let router = routing.router()?;
+        Some(call(&router))
+    }
+
     /// Largest value the server accepts.
     pub fn max_value(&self) -> u64 {
         self.max_value
@@ -594,6 +648,12 @@ impl Client {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         self.check_batch_pairs(keys.len(), values.len(), "values")?;
+        if self.routing.is_some() {
+            let keys = checked_keys(keys)?;
+            if let Some(results) = self.routed(|r| r.put(None, &keys, values, options)) {
+                return Ok(results);
+            }
+        }
         let sizes: Vec<u64> = keys
             .iter()
             .zip(values)
@@ -695,6 +755,12 @@ impl Client {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         self.check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
+        if self.routing.is_some() {
+            let keys = checked_keys(keys)?;
+            if let Some(results) = self.routed(|r| r.get(None, &keys, bufs)) {
+                return Ok(results);
+            }
+        }
         // Each reply carries up to its buffers' capacity in values.
         let sizes: Vec<u64> = bufs
             .iter()
@@ -890,6 +956,12 @@ impl Client {
     }
 
     pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        if self.routing.is_some() {
+            let keys = checked_keys(keys)?;
+            if let Some(present) = self.routed(|r| r.exists(None, &keys)) {
+                return Ok(present);
+            }
+        }
         let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
         self.in_runs(sizes, 4, |c, run| c.exists_frame(&keys[run]))
     }
@@ -911,6 +983,12 @@ impl Client {
     /// batch needs them: the count stops at the first run not wholly
     /// present).
     pub fn prefix_len<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
+        if self.routing.is_some() {
+            let keys = checked_keys(keys)?;
+            if let Some(present) = self.routed(|r| r.exists(None, &keys)) {
+                return Ok(present.iter().take_while(|&&p| p).count());
+            }
+        }
         let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
         let mut total = 0;
         for run in self.runs(sizes, 4) {
@@ -934,6 +1012,12 @@ impl Client {
     }
 
     pub fn remove(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
+        if self.routing.is_some() {
+            let key = check_key(key.as_ref())?;
+            if let Some(removed) = self.routed(|r| r.remove(None, key)) {
+                return removed;
+            }
+        }
         let mut w = Writer::default();
         w.key(check_key(key.as_ref())?);
         let len = self.call(Op::Remove, &w.buf, None)?;
@@ -951,6 +1035,12 @@ impl Client {
         let body = &self.response[..len];
         serde_json::from_slice(body).map_err(|e| protocol_error(format!("stats are not JSON: {e}")))
     }
+}
+
+/// The keys as slices, each checked as a frame would check it: a bad key
+/// fails the call here, not as a member's failure.
+fn checked_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<&[u8]>> {
+    keys.iter().map(|k| check_key(k.as_ref())).collect()
 }
 
 fn flags(options: &PutOptions) -> u8 {

@@ -25,7 +25,7 @@ pub const BUCKETS_US: [u64; 16] = [
 pub const GET_OPS: [&str; 3] = ["batch_get", "batch_get_shm", "batch_get_shm_segments"];
 pub const PUT_OPS: [&str; 3] = ["batch_put", "batch_put_shm", "batch_put_shm_segments"];
 
-pub const OPS: [&str; 13] = [
+pub const OPS: [&str; 14] = [
     "hello",
     "batch_put",
     "batch_get",
@@ -39,6 +39,7 @@ pub const OPS: [&str; 13] = [
     "batch_get_shm",
     "batch_put_shm_segments",
     "batch_get_shm_segments",
+    "cluster_view",
 ];
 
 #[derive(Debug, Default)]

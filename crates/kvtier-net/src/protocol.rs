@@ -44,6 +44,7 @@ pub enum Op {
     BatchGetShm = 11,
     BatchPutShmSegments = 12,
     BatchGetShmSegments = 13,
+    ClusterView = 14,
 }
 
 impl Op {
@@ -62,6 +63,7 @@ impl Op {
             11 => Op::BatchGetShm,
             12 => Op::BatchPutShmSegments,
             13 => Op::BatchGetShmSegments,
+            14 => Op::ClusterView,
             _ => return None,
         })
     }
@@ -352,6 +354,8 @@ pub enum Request<'a> {
     },
     Flush,
     Stats,
+    /// The members a client may send keys to directly (cluster mode).
+    ClusterView,
     RegisterBuffer {
         size: u64,
     },
@@ -389,6 +393,7 @@ impl Request<'_> {
             Request::Remove { .. } => Op::Remove,
             Request::Flush => Op::Flush,
             Request::Stats => Op::Stats,
+            Request::ClusterView => Op::ClusterView,
             Request::RegisterBuffer { .. } => Op::RegisterBuffer,
             Request::BatchPutShm { .. } => Op::BatchPutShm,
             Request::BatchGetShm { .. } => Op::BatchGetShm,
@@ -431,7 +436,7 @@ impl Request<'_> {
             Request::Remove { key } => {
                 w.key(key);
             }
-            Request::Flush | Request::Stats => {}
+            Request::Flush | Request::Stats | Request::ClusterView => {}
             Request::RegisterBuffer { size } => {
                 w.u64(*size);
             }
@@ -546,6 +551,7 @@ pub fn decode_request<'a>(
         Op::Remove => Request::Remove { key: r.key()? },
         Op::Flush => Request::Flush,
         Op::Stats => Request::Stats,
+        Op::ClusterView => Request::ClusterView,
         Op::RegisterBuffer => Request::RegisterBuffer { size: r.u64()? },
         Op::BatchPutShm | Op::BatchGetShm => {
             let buffer = r.u32()?;

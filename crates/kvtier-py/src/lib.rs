@@ -1127,6 +1127,8 @@ impl Store_ {
 /// the server), `tcp://host:port` or `tls://host:port` (with `tls_ca`, a
 /// PEM file, default KVTIER_TLS_CA). The token defaults to
 /// KVTIER_AUTH_TOKEN; TCP needs it. Every key lives in `namespace`.
+/// `route=True`: in cluster mode, send each key straight to the members
+/// that own it (one hop) instead of through this server.
 #[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
 struct Client_ {
     region: Option<Arc<SharedRegion>>,
@@ -1136,7 +1138,7 @@ struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_net::pool::DEFAULT_CONNECTIONS))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_net::pool::DEFAULT_CONNECTIONS, route=false))]
     #[expect(
         clippy::too_many_arguments,
         reason = "keyword options of the Python constructor"
@@ -1150,6 +1152,7 @@ impl Client_ {
         timeout: f64,
         shm_size: Option<&Bound<'_, PyAny>>,
         connections: usize,
+        route: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         if connections == 0 {
             return Err(PyValueError::new_err("connections must be at least 1"));
@@ -1174,6 +1177,7 @@ impl Client_ {
                 0
             },
             local_only: false,
+            route,
         };
         let client = py
             .detach(|| Client::connect_with(&url, options))

@@ -106,6 +106,11 @@ pub struct BenchArgs {
     /// of the server's own region files instead of a scratch file's.
     #[arg(long, requires = "connect")]
     pub server_data_dir: Option<PathBuf>,
+    /// With --connect to a cluster member: send each key straight to the
+    /// members that own it (client-side routing, one hop) instead of
+    /// through the connected server.
+    #[arg(long, requires = "connect")]
+    pub route: bool,
     /// Replay a request trace (JSON lines with `hash_ids`, as Mooncake's
     /// FAST'25 traces) instead of the synthetic cases.
     #[arg(long)]

@@ -137,37 +137,49 @@ fn check(key: &[u8], result: kvtier::Result<Option<usize>>, bytes: &[u8]) -> Ben
     }
 }
 
-/// A TCP loopback stream in this process: per call, the receiver asks for
-/// `n` bytes and the sender writes them, as a batch get reply would.
+/// TCP loopback streams in this process: per call, each receiver asks for
+/// its share of `n` bytes and its sender writes them, as a batch get reply
+/// would. One stream for a client that talks to one server; with `--route`
+/// one per cluster member, all at once, as the routing client's calls go
+/// (a single stream would be a baseline shaped to lose).
 struct TcpStreamBaseline {
-    stream: TcpStream,
-    sink: Vec<u8>,
+    streams: Vec<(TcpStream, Vec<u8>)>,
 }
 
 impl TcpStreamBaseline {
-    fn start(max_bytes: usize) -> std::io::Result<TcpStreamBaseline> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?;
-        std::thread::spawn(move || {
-            let Ok((mut peer, _)) = listener.accept() else {
-                return;
-            };
-            let _ = peer.set_nodelay(true);
-            let source = vec![0x5Au8; max_bytes];
-            let mut ask = [0u8; 8];
-            while peer.read_exact(&mut ask).is_ok() {
-                let n = u64::from_le_bytes(ask) as usize;
-                if peer.write_all(&source[..n.min(source.len())]).is_err() {
-                    return;
-                }
-            }
-        });
-        let stream = TcpStream::connect(addr)?;
-        stream.set_nodelay(true)?;
-        Ok(TcpStreamBaseline {
-            stream,
-            sink: vec![0u8; max_bytes],
-        })
+    fn start(max_bytes: usize, streams: usize) -> std::io::Result<TcpStreamBaseline> {
+        let share = max_bytes.div_ceil(streams);
+        let streams = (0..streams)
+            .map(|_| -> std::io::Result<(TcpStream, Vec<u8>)> {
+                let listener = TcpListener::bind("127.0.0.1:0")?;
+                let addr = listener.local_addr()?;
+                std::thread::spawn(move || {
+                    let Ok((mut peer, _)) = listener.accept() else {
+                        return;
+                    };
+                    let _ = peer.set_nodelay(true);
+                    let source = vec![0x5Au8; share];
+                    let mut ask = [0u8; 8];
+                    while peer.read_exact(&mut ask).is_ok() {
+                        let n = u64::from_le_bytes(ask) as usize;
+                        if peer.write_all(&source[..n.min(source.len())]).is_err() {
+                            return;
+                        }
+                    }
+                });
+                let stream = TcpStream::connect(addr)?;
+                stream.set_nodelay(true)?;
+                Ok((stream, vec![0u8; share]))
+            })
+            .collect::<std::io::Result<_>>()?;
+        Ok(TcpStreamBaseline { streams })
+    }
+
+    fn describe(&self) -> String {
+        match self.streams.len() {
+            1 => "raw TCP loopback stream".to_string(),
+            n => format!("{n} raw TCP loopback streams at once"),
+        }
     }
 
     fn run(
@@ -176,13 +188,30 @@ impl TcpStreamBaseline {
         calls: std::ops::Range<u64>,
         m: &mut Measurement,
     ) -> std::io::Result<()> {
+        let share = bytes.div_ceil(self.streams.len());
+        let exchange = |(stream, sink): &mut (TcpStream, Vec<u8>)| -> std::io::Result<()> {
+            stream.write_all(&(share as u64).to_le_bytes())?;
+            stream.read_exact(&mut sink[..share])
+        };
         for _ in calls {
             let call = Instant::now();
-            self.stream.write_all(&(bytes as u64).to_le_bytes())?;
-            self.stream.read_exact(&mut self.sink[..bytes])?;
+            if let [one] = &mut self.streams[..] {
+                exchange(one)?;
+            } else {
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = self
+                        .streams
+                        .iter_mut()
+                        .map(|s| scope.spawn(|| exchange(s)))
+                        .collect();
+                    handles
+                        .into_iter()
+                        .try_for_each(|h| h.join().expect("a baseline stream panicked"))
+                })?;
+            }
             let elapsed = call.elapsed();
             m.record_call(elapsed);
-            m.add_span(elapsed, bytes as u64);
+            m.add_span(elapsed, (share * self.streams.len()) as u64);
         }
         Ok(())
     }
@@ -200,6 +229,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
     let options = ClientOptions {
         shm_size,
         auth_token: std::env::var("KVTIER_AUTH_TOKEN").ok(),
+        route: args.route,
         ..Default::default()
     };
     let mut client = Client::connect_with(url, options)?;
@@ -207,6 +237,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
     let memory = stats["store"]["memory_capacity"].as_u64().unwrap_or(0);
     let path = if unix {
         "unix (registered shared buffer)"
+    } else if args.route {
+        "tcp, the client sending each key to its owners"
     } else {
         "tcp"
     };
@@ -227,10 +259,17 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
         .as_str()
         .unwrap_or("-")
         .to_string();
+    // A routing client talks to every member at once.
+    let streams = if args.route {
+        let view = client.cluster_view()?;
+        view["members"].as_array().map_or(1, |m| m.len().max(1))
+    } else {
+        1
+    };
     let mut tcp_baseline = if unix {
         None
     } else {
-        Some(TcpStreamBaseline::start(max_batch * max_value)?)
+        Some(TcpStreamBaseline::start(max_batch * max_value, streams)?)
     };
     for &value_size in &args.value_sizes {
         let value_size = value_size as usize;
@@ -307,10 +346,9 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                             .remove(remote.key("memory", batch, b * batch as u64 + i))?;
                     }
                 }
-                let kind = if unix {
-                    "memcpy"
-                } else {
-                    "raw TCP loopback stream"
+                let kind = match &tcp_baseline {
+                    Some(tcp) => tcp.describe(),
+                    None => "memcpy".to_string(),
                 };
                 if wants("put", "memory") {
                     rows.push(Row::new(
@@ -320,7 +358,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         batch,
                         &put,
                         &base,
-                        kind,
+                        &kind,
                         &engine,
                         0,
                     ));
@@ -334,7 +372,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         batch,
                         &get,
                         &base,
-                        kind,
+                        &kind,
                         &engine,
                         verified,
                     ));

@@ -3,16 +3,18 @@
 //! in the `kvtier-cluster` crate, which keeps a [`ClusterView`] current;
 //! everything here works from that view alone.
 
+mod direct;
 mod peers;
 mod placement;
 mod route;
 
+pub use direct::{DirectRouting, ServerView};
 pub use peers::{PeerStats, Peers};
 pub use placement::{key_hash, owners};
 pub use route::Router;
 
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -41,7 +43,7 @@ pub struct Member {
 #[derive(Debug)]
 pub struct ClusterView {
     pub name: String,
-    pub replicas: usize,
+    replicas: AtomicUsize,
     me: RwLock<Member>,
     members: RwLock<Arc<Vec<Member>>>,
     updated: RwLock<Option<Instant>>,
@@ -59,7 +61,7 @@ impl ClusterView {
     pub fn new(name: &str, me: Member, replicas: usize) -> Arc<ClusterView> {
         Arc::new(ClusterView {
             name: name.to_string(),
-            replicas: replicas.max(1),
+            replicas: AtomicUsize::new(replicas.max(1)),
             me: RwLock::new(me),
             members: RwLock::new(Arc::new(Vec::new())),
             updated: RwLock::new(None),
@@ -68,6 +70,16 @@ impl ClusterView {
             lease_losses: AtomicU64::new(0),
             etcd_errors: AtomicU64::new(0),
         })
+    }
+
+    /// How many members own each key.
+    pub fn replicas(&self) -> usize {
+        self.replicas.load(Ordering::Relaxed)
+    }
+
+    /// A client's copy of a server's view takes the server's setting.
+    pub fn set_replicas(&self, replicas: usize) {
+        self.replicas.store(replicas.max(1), Ordering::Relaxed);
     }
 
     pub fn me(&self) -> Member {
@@ -121,7 +133,7 @@ impl ClusterView {
             "node_id": me.id,
             "incarnation": me.incarnation,
             "address": me.address,
-            "replicas": self.replicas,
+            "replicas": self.replicas(),
             "members": members,
             "etcd_reachable": self.etcd_reachable.load(Ordering::Relaxed),
             "view_age_seconds": self.view_age().map(|d| d.as_secs_f64()),

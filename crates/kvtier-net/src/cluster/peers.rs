@@ -100,6 +100,7 @@ impl Peers {
                     timeout: self.timeout,
                     shm_size: 0,
                     local_only: true,
+                    route: false,
                 },
             ),
         };

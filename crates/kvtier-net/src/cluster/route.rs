@@ -49,6 +49,12 @@ fn round_groups(orders: &[Vec<Target>], settled: &[bool], round: usize) -> Group
     groups
 }
 
+/// This node's store, for its own share of a request. A client that
+/// routes by itself is no member, so no key of its is ever local to it.
+fn here(store: Option<NamespacedStore<'_>>) -> NamespacedStore<'_> {
+    store.expect("only a member owns keys locally")
+}
+
 /// Each target's key indices with its answer (`None`: unreachable).
 type Answers<A> = Vec<((Target, Vec<usize>), Option<A>)>;
 
@@ -64,7 +70,7 @@ impl<'a> Router<'a> {
             peers,
             namespace,
             me: peers.view.me().id,
-            replicas: peers.view.replicas,
+            replicas: peers.view.replicas(),
             members,
         })
     }
@@ -114,7 +120,7 @@ impl<'a> Router<'a> {
     /// socket straight into `dests`: no copy on this host.
     pub fn get(
         &self,
-        store: NamespacedStore<'_>,
+        store: Option<NamespacedStore<'_>>,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
     ) -> Vec<kvtier::Result<Option<usize>>> {
@@ -140,7 +146,7 @@ impl<'a> Router<'a> {
                     (target, group_keys, bufs)
                 },
                 |store_or_peer, (_, group_keys, mut bufs)| match store_or_peer {
-                    None => Some(store.batch_get_segments(&group_keys, &mut bufs)),
+                    None => Some(here(store).batch_get_segments(&group_keys, &mut bufs)),
                     Some((peers, member, namespace)) => {
                         peers.call(member, namespace, group_keys.len(), |c| {
                             c.batch_get_segments(&group_keys, &mut bufs)
@@ -176,7 +182,7 @@ impl<'a> Router<'a> {
     /// Stores each value (given as segments) on every owner of its key.
     pub fn put(
         &self,
-        store: NamespacedStore<'_>,
+        store: Option<NamespacedStore<'_>>,
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
@@ -196,7 +202,7 @@ impl<'a> Router<'a> {
                 (target, group_keys, group_values)
             },
             |store_or_peer, (_, group_keys, group_values)| match store_or_peer {
-                None => Some(store.batch_put_segments(&group_keys, &group_values, options)),
+                None => Some(here(store).batch_put_segments(&group_keys, &group_values, options)),
                 Some((peers, member, namespace)) => {
                     peers.call(member, namespace, group_keys.len(), |c| {
                         c.batch_put_segments(&group_keys, &group_values, options)
@@ -241,7 +247,7 @@ impl<'a> Router<'a> {
     }
 
     /// Whether each key is present on any of its owners.
-    pub fn exists(&self, store: NamespacedStore<'_>, keys: &[&[u8]]) -> Vec<bool> {
+    pub fn exists(&self, store: Option<NamespacedStore<'_>>, keys: &[&[u8]]) -> Vec<bool> {
         let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
         let mut present = vec![false; keys.len()];
         for round in 0.. {
@@ -256,7 +262,7 @@ impl<'a> Router<'a> {
                     (target, group_keys)
                 },
                 |store_or_peer, (_, group_keys)| match store_or_peer {
-                    None => Some(store.batch_exists(&group_keys)),
+                    None => Some(here(store).batch_exists(&group_keys)),
                     Some((peers, member, namespace)) => {
                         peers.call(member, namespace, group_keys.len(), |c| {
                             c.batch_exists(&group_keys)
@@ -276,13 +282,13 @@ impl<'a> Router<'a> {
     /// Removes `key` from every owner; whether any of them held it. An
     /// owner that cannot be reached fails the call (its copy may remain,
     /// and a later remove takes it).
-    pub fn remove(&self, store: NamespacedStore<'_>, key: &[u8]) -> kvtier::Result<bool> {
+    pub fn remove(&self, store: Option<NamespacedStore<'_>>, key: &[u8]) -> kvtier::Result<bool> {
         let groups: Groups = self.owners(key).into_iter().map(|t| (t, vec![0])).collect();
         let answers = self.run(
             groups,
             |_, _| (),
             |store_or_peer, ()| match store_or_peer {
-                None => Some(store.remove(key)),
+                None => Some(here(store).remove(key)),
                 Some((peers, member, namespace)) => {
                     peers.call(member, namespace, 1, |c| c.remove(key)).map(Ok)
                 }

@@ -285,6 +285,13 @@ impl State<'_> {
                 let json = shared.metrics.json(&shared.store.stats());
                 Reply::ok(json.to_string().into_bytes())
             }
+            Request::ClusterView => {
+                let json = match &shared.peers {
+                    Some(peers) => peers.view.json(),
+                    None => serde_json::json!({ "enabled": false }),
+                };
+                Reply::ok(json.to_string().into_bytes())
+            }
             Request::RegisterBuffer { size } => self.register(size, fd),
             Request::BatchPutShm {
                 buffer,
@@ -322,9 +329,10 @@ impl State<'_> {
         request: &Request<'_>,
     ) -> Reply<'b> {
         let put = |keys: &[&[u8]], values: &[&[&[u8]]], options: &kvtier::PutOptions| {
-            router.put(store, keys, values, options)
+            router.put(Some(store), keys, values, options)
         };
-        let get = |keys: &[&[u8]], dests: &mut [&mut [&mut [u8]]]| router.get(store, keys, dests);
+        let get =
+            |keys: &[&[u8]], dests: &mut [&mut [&mut [u8]]]| router.get(Some(store), keys, dests);
         match request {
             Request::BatchPut { flags, items } => {
                 let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
@@ -422,9 +430,11 @@ impl State<'_> {
                     })
                 }
             }
-            Request::BatchExists { keys } => handlers::exists_reply(&router.exists(store, keys)),
+            Request::BatchExists { keys } => {
+                handlers::exists_reply(&router.exists(Some(store), keys))
+            }
             Request::PrefixLen { keys } => {
-                let present = router.exists(store, keys);
+                let present = router.exists(Some(store), keys);
                 handlers::prefix_reply(present.iter().take_while(|&&p| p).count(), keys.len())
             }
             Request::BatchPutShm {
@@ -453,7 +463,7 @@ impl State<'_> {
                 Some(b) => handlers::batch_get_shm_with(&b.region, items, get),
                 None => unknown_buffer(*buffer),
             },
-            Request::Remove { key } => match router.remove(store, key) {
+            Request::Remove { key } => match router.remove(Some(store), key) {
                 Ok(removed) => Reply::ok(vec![u8::from(removed)]),
                 Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
             },
