@@ -288,16 +288,21 @@ fn half_batch_client_child() {
     raw.write_all(&hello).unwrap();
     let mut reply = [0u8; 64];
     let _ = raw.read(&mut reply).unwrap();
+    // A well-formed put of one 8 MiB value, cut off after 1 MiB of it: the
+    // server is receiving it into a pool extent when this process dies.
+    let mut w = Writer::default();
+    w.u8(0).u32(1).key(b"never-finished").u64(8 << 20);
     raw.write_all(
         &Header {
             op: 2,
             request_id: 2,
-            body_len: 8 << 20,
+            body_len: (w.buf.len() + (8 << 20)) as u32,
             status: 0,
         }
         .encode(),
     )
     .unwrap();
+    raw.write_all(&w.buf).unwrap();
     raw.write_all(&vec![1u8; 1 << 20]).unwrap();
     println!("HALF-SENT");
     std::thread::sleep(Duration::from_secs(60));
@@ -349,7 +354,10 @@ fn a_client_killed_mid_batch_leaks_nothing() {
             .unwrap(),
         &Some(1000)
     );
-    assert_eq!(client.stats().unwrap()["store"]["entries"], 1);
+    let stats = client.stats().unwrap();
+    assert_eq!(stats["store"]["entries"], 1);
+    // The half-received value's extent went back to the pool.
+    assert_eq!(stats["store"]["memory_bytes"], 1000, "{stats}");
 }
 
 #[test]
@@ -962,4 +970,142 @@ fn a_routing_client_of_a_lone_server_talks_to_it_alone() {
     assert_eq!(client.prefix_len(&keys).unwrap(), 8);
     // A bad key is the caller's error, as without routing.
     assert!(client.batch_exists(&[&b""[..]]).is_err());
+}
+
+/// Sends hello then `body` as one BatchPut frame on a fresh connection;
+/// returns the reply's status and body (`None`: closed without one).
+fn raw_put(server: &ServerProcess, body: &[u8], then: Option<&[u8]>) -> Option<(i32, Vec<u8>)> {
+    let mut stream = TcpStream::connect(&server.tcp).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let read_reply = |stream: &mut TcpStream| -> Option<(i32, Vec<u8>)> {
+        let mut header = [0u8; 24];
+        stream.read_exact(&mut header).ok()?;
+        let len = u32::from_le_bytes(header[16..20].try_into().unwrap()) as usize;
+        let status = i32::from_le_bytes(header[20..24].try_into().unwrap());
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).ok()?;
+        Some((status, body))
+    };
+    let hello = hello_body(TEST_TOKEN, "");
+    let frame = |op: u16, id: u64, body: &[u8]| {
+        let mut f = Header {
+            op,
+            request_id: id,
+            body_len: body.len() as u32,
+            status: 0,
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(body);
+        f
+    };
+    stream
+        .write_all(&frame(Op::Hello as u16, 1, &hello))
+        .unwrap();
+    read_reply(&mut stream)?;
+    stream
+        .write_all(&frame(Op::BatchPut as u16, 2, body))
+        .ok()?;
+    let reply = read_reply(&mut stream);
+    if let Some(next) = then {
+        // The connection goes on after a frame it accepted.
+        stream
+            .write_all(&frame(Op::BatchPut as u16, 3, next))
+            .unwrap();
+        let (status, _) = read_reply(&mut stream).expect("a second reply");
+        assert_eq!(status, 0);
+    }
+    reply
+}
+
+/// BatchPut frames are read value by value straight into the pool; one
+/// that breaks the rules part-way is refused whole, stores nothing, and
+/// leaves every other connection alone. Values the store refuses are
+/// answered per key, their bytes skipped, and the connection goes on.
+#[test]
+fn a_put_frame_read_value_by_value_is_checked_as_a_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let mut good = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    let item = |w: &mut Writer, key: &[u8], len: usize| {
+        w.key(key).u64(len as u64).bytes(&value_for(key, len));
+    };
+    // A complete first value, then a second whose length runs past the body.
+    let mut w = Writer::default();
+    w.u8(0).u32(2);
+    item(&mut w, b"first-of-a-lie", 300_000);
+    w.key(b"second").u64(1 << 30).bytes(&[1; 100]);
+    // Trailing bytes after the items.
+    let mut trailing = Writer::default();
+    trailing.u8(0).u32(1);
+    item(&mut trailing, b"with-trailer", 70_000);
+    trailing.bytes(&[0; 3]);
+    // An empty key after a good item.
+    let mut empty_key = Writer::default();
+    empty_key.u8(0).u32(2);
+    item(&mut empty_key, b"before-empty", 5000);
+    empty_key.u16(0).u64(1).bytes(&[1]);
+    for body in [&w.buf, &trailing.buf, &empty_key.buf] {
+        let reply = raw_put(&server, body, None);
+        if let Some((status, message)) = &reply {
+            assert_eq!(*status, kvtier_net::protocol::code::PROTOCOL, "{reply:?}");
+            assert!(!message.is_empty());
+        }
+    }
+    let absent: Vec<&[u8]> = vec![
+        b"first-of-a-lie",
+        b"second",
+        b"with-trailer",
+        b"before-empty",
+    ];
+    assert_eq!(good.batch_exists(&absent).unwrap(), vec![false; 4]);
+    assert!(
+        server.stats()["server"]["protocol_errors"]
+            .as_u64()
+            .unwrap()
+            >= 3
+    );
+
+    // With skip-existing, a present key's value is skipped (its bytes read
+    // and dropped) and an empty value is refused per key; the rest of the
+    // frame is stored and the connection carries on.
+    good.batch_put(&[b"present"], &[value_for(b"present", 4096)])
+        .unwrap()[0]
+        .as_ref()
+        .unwrap();
+    let mut mixed = Writer::default();
+    mixed.u8(1).u32(3);
+    item(&mut mixed, b"present", 300_000);
+    item(&mut mixed, b"zero", 0);
+    item(&mut mixed, b"fits", 200_000);
+    let mut next = Writer::default();
+    next.u8(0).u32(1);
+    item(&mut next, b"next-frame", 1000);
+    let (status, body) = raw_put(&server, &mixed.buf, Some(&next.buf)).expect("a reply");
+    assert_eq!(status, 0);
+    let codes: Vec<i32> = body[4..]
+        .chunks(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(codes, [0, kvtier_net::protocol::code::INVALID_ARGUMENT, 0]);
+    let mut buf = vec![0u8; 200_000];
+    let got = good
+        .batch_get_into(&[b"fits"], &mut [&mut buf[..]])
+        .unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(200_000));
+    assert_eq!(buf, value_for(b"fits", 200_000));
+    let mut kept = vec![0u8; 300_000];
+    let got = good
+        .batch_get_into(&[b"present"], &mut [&mut kept[..]])
+        .unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(4096));
+    assert_eq!(&kept[..4096], &value_for(b"present", 4096)[..]);
+    assert_eq!(
+        good.batch_exists(&[&b"zero"[..], b"next-frame"]).unwrap(),
+        vec![false, true]
+    );
+    // The skipped and refused values' bytes were dropped, not kept.
+    assert_eq!(good.stats().unwrap()["store"]["entries"], 3);
 }

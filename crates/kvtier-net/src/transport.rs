@@ -31,6 +31,31 @@ pub enum FrameRead {
     /// No byte of a new frame arrived within one read timeout (only with
     /// `FrameLimits::return_when_idle`); call again to keep waiting.
     Idle,
+    /// The header of a frame the caller asked to read itself
+    /// ([`Transport::read_frame_or_stream`]): its body follows on the
+    /// connection, to be read through `body`.
+    Streamed {
+        header: Header,
+        fd: Option<OwnedFd>,
+        body: BodyStream,
+    },
+}
+
+/// A frame body still on the connection: how much of it is left, and the
+/// frame's deadline and stall limit, which hold while the caller reads it
+/// piece by piece ([`Transport::read_body`]).
+#[derive(Debug)]
+pub struct BodyStream {
+    remaining: u64,
+    deadline: Option<Instant>,
+    stall: Duration,
+}
+
+impl BodyStream {
+    /// Body bytes not read yet.
+    pub fn remaining(&self) -> u64 {
+        self.remaining
+    }
 }
 
 /// How long a frame may take and how large it may be.
@@ -175,6 +200,19 @@ impl Transport {
         body: &mut Vec<u8>,
         limits: &FrameLimits,
     ) -> Result<FrameRead, ReadError> {
+        self.read_frame_or_stream(body, limits, |_| false)
+    }
+
+    /// [`read_frame`](Self::read_frame), except that a frame whose header
+    /// `stream` picks is returned as [`FrameRead::Streamed`] as soon as its
+    /// header is in: the caller reads the body itself (a put's values
+    /// straight into their destination).
+    pub fn read_frame_or_stream(
+        &mut self,
+        body: &mut Vec<u8>,
+        limits: &FrameLimits,
+        stream: impl FnOnce(&Header) -> bool,
+    ) -> Result<FrameRead, ReadError> {
         let mut header = [0u8; HEADER_LEN];
         let mut fd = None;
         let mut got = 0usize;
@@ -213,6 +251,17 @@ impl Transport {
             let allowance = Duration::from_secs_f64(len as f64 / limits.min_rate as f64);
             deadline = deadline.map(|d| d + allowance);
         }
+        if stream(&header) {
+            return Ok(FrameRead::Streamed {
+                header,
+                fd,
+                body: BodyStream {
+                    remaining: len as u64,
+                    deadline,
+                    stall: limits.stall,
+                },
+            });
+        }
         // `body` keeps its initialised length between frames (no zeroing
         // per frame); it grows only as bytes arrive.
         let mut filled = 0usize;
@@ -245,6 +294,39 @@ impl Transport {
 }
 
 impl Transport {
+    /// Reads the next `buf.len()` bytes of a streamed frame body, within
+    /// the frame's deadline and stall limit. Asking for more than the body
+    /// has left is a protocol error (the frame's counts do not fit it).
+    pub fn read_body(&mut self, body: &mut BodyStream, buf: &mut [u8]) -> Result<(), ReadError> {
+        if buf.len() as u64 > body.remaining {
+            return Err(ReadError::Protocol(ProtocolError(
+                "the frame's items run past its body".into(),
+            )));
+        }
+        let mut fd = None;
+        let mut filled = 0usize;
+        let mut last_progress = Instant::now();
+        while filled < buf.len() {
+            match self.read_some(&mut buf[filled..], &mut fd) {
+                Ok(0) => return Err(eof("connection closed inside a frame body")),
+                Ok(n) => {
+                    filled += n;
+                    last_progress = Instant::now();
+                }
+                Err(e) if is_timeout(&e) => {
+                    check_time(true, last_progress, body.stall, body.deadline)?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(ReadError::Io(e)),
+            }
+            if body.deadline.is_some_and(|d| Instant::now() > d) && filled < buf.len() {
+                return Err(too_slow());
+            }
+        }
+        body.remaining -= buf.len() as u64;
+        Ok(())
+    }
+
     /// Reads exactly `buf.len()` bytes of a frame, failing once no byte has
     /// arrived for `stall` (a client reading a reply straight into its
     /// destination buffers).

@@ -37,6 +37,7 @@ pub mod prefix;
 pub mod size;
 mod stats;
 mod store;
+mod streamed_put;
 mod write_log;
 
 pub use config::{Config, EngineWrapper, EvictionPolicy, FlushPolicy, IoEngineKind};
@@ -49,7 +50,10 @@ pub use key::{
 };
 pub use prefix::{block_keys, BlockKey};
 pub use stats::Stats;
-pub use store::{DiskLocation, NamespacedStore, PutOptions, PutTier, Store, ValueLease};
+pub use store::{
+    DiskLocation, NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, ValueLease,
+};
+pub use streamed_put::StreamedPuts;
 
 /// Bytes one index entry occupies, for capacity planning: the hash table
 /// slot (digest and entry) plus its control byte, before load-factor slack.

@@ -16,6 +16,7 @@ use crate::key::{validate_key, KeyDigest, KeySecret, Namespace, ValueChecksum};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
+use crate::streamed_put::StreamedPuts;
 use crate::write_log::WriteLog;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -510,6 +511,18 @@ impl NamespacedStore<'_> {
         self.batch_put_segments(keys, &values, options)
     }
 
+    /// A batch of `items` puts whose values (`bytes` in all, about) will
+    /// arrive piece by piece, each received straight into its pool extent
+    /// (see [`StreamedPuts`]).
+    pub fn streamed_puts(
+        &self,
+        options: &PutOptions,
+        items: usize,
+        bytes: u64,
+    ) -> StreamedPuts<'_> {
+        StreamedPuts::new(self.inner, *self, options, items, bytes)
+    }
+
     /// Stores each value given as segments laid end to end (Mooncake's
     /// multi-buffer form: one block's pages scattered across layers become
     /// one value). The segments are copied once, straight into the pool.
@@ -887,11 +900,41 @@ impl Inner {
         value: &[&[u8]],
         options: &PutOptions,
     ) -> Result<Option<u64>> {
+        let Some(mut put) = self.begin_put(ns, key, segments_len(value) as u64, options)? else {
+            return Ok(None);
+        };
+        // The segments' bounds and the chunks' need not line up.
+        let mut segments = value.iter().copied();
+        let mut current: &[u8] = &[];
+        put.fill(|chunk| {
+            let mut at = 0;
+            while at < chunk.len() {
+                while current.is_empty() {
+                    current = segments.next().expect("the segments fill the value");
+                }
+                let n = current.len().min(chunk.len() - at);
+                chunk[at..at + n].copy_from_slice(&current[..n]);
+                current = &current[n..];
+                at += n;
+            }
+            Ok(())
+        })
+        .expect("copying from memory cannot fail");
+        self.commit_put(ns, key, put).map(Some)
+    }
+
+    /// The first half of a put: checks the key and length and takes a pool
+    /// extent for the value. `None`: `skip_existing` and the key is there.
+    pub(crate) fn begin_put(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        len: u64,
+        options: &PutOptions,
+    ) -> Result<Option<ReceivingValue>> {
         self.check_open()?;
         validate_key(key)?;
-        let value_len = segments_len(value);
-        let len = value_len as u64;
-        if value_len == 0 {
+        if len == 0 {
             return Err(Error::invalid(format!(
                 "value is empty: values are 1 to {} bytes",
                 self.config.max_value_size
@@ -915,22 +958,29 @@ impl Inner {
         if options.skip_existing && self.index.lock(digest).get(digest).is_some() {
             return Ok(None);
         }
-        let mut slot = self.allocate_slot(value_len, digest)?;
-        // A write-through value's checksum is taken as it is copied, a
-        // cache-sized chunk at a time, while the chunk is still in cache.
-        let mut checksum = to_disk.then(|| ValueChecksum::new(digest));
-        let mut at = 0;
-        let bytes = slot.bytes_mut();
-        for segment in value {
-            for chunk in segment.chunks(COPY_CHUNK) {
-                let copied = &mut bytes[at..at + chunk.len()];
-                copied.copy_from_slice(chunk);
-                if let Some(checksum) = &mut checksum {
-                    checksum.update(copied);
-                }
-                at += chunk.len();
-            }
-        }
+        let slot = self.allocate_slot(len as usize, digest)?;
+        Ok(Some(ReceivingValue {
+            digest,
+            slot,
+            checksum: to_disk.then(|| ValueChecksum::new(digest)),
+        }))
+    }
+
+    /// The second half of a put: the filled value enters the index, the
+    /// eviction queues and (write-through) the flusher's queue. Returns its
+    /// sequence number.
+    pub(crate) fn commit_put(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        put: ReceivingValue,
+    ) -> Result<u64> {
+        let ReceivingValue {
+            digest,
+            mut slot,
+            checksum,
+        } = put;
+        let to_disk = checksum.is_some();
         let checksum = checksum.map_or(0, |c| c.finish());
         // The page padding goes to disk with the value and comes back with
         // direct reads: it must not hold an earlier value's bytes.
@@ -939,6 +989,7 @@ impl Inner {
         if !to_disk {
             slot.set_evictable();
         }
+        let value_len = slot.len();
         let mut replaced = None;
         let seq = self.log.append(|seq| {
             replaced = self.index.lock(digest).insert(
@@ -960,7 +1011,7 @@ impl Inner {
         if to_disk && self.config.flush == FlushPolicy::WriteThrough {
             self.wake_flusher(false);
         }
-        Ok(Some(seq))
+        Ok(seq)
     }
 
     /// An extent for `len` bytes: evicts what may be evicted, then waits
@@ -1296,7 +1347,7 @@ impl Inner {
 
     /// Waits until writes `low..=high` are durable; fails if any of them
     /// failed (see `WriteLog::wait_durable`).
-    fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
+    pub(crate) fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
         self.log.wait_durable(low, high)
     }
 
@@ -1353,6 +1404,42 @@ impl Inner {
 /// Bytes a put copies before adding them to the value's checksum: small
 /// enough to still be in the core's cache when hashed.
 const COPY_CHUNK: usize = 64 << 10;
+
+/// A value between [`Inner::begin_put`] and [`Inner::commit_put`]: its
+/// pool extent, filled a cache-sized chunk at a time.
+#[derive(Debug)]
+pub struct ReceivingValue {
+    digest: KeyDigest,
+    slot: PoolSlot,
+    /// A write-through value's checksum, taken as each chunk lands, while
+    /// the chunk is still in cache.
+    checksum: Option<ValueChecksum>,
+}
+
+impl ReceivingValue {
+    pub fn len(&self) -> usize {
+        self.slot.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slot.is_empty()
+    }
+
+    /// Fills the value front to back: `read` is given each chunk (at most
+    /// 64 KiB) in order and must fill it whole.
+    pub fn fill(
+        &mut self,
+        mut read: impl FnMut(&mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        for chunk in self.slot.bytes_mut().chunks_mut(COPY_CHUNK) {
+            read(chunk)?;
+            if let Some(checksum) = &mut self.checksum {
+                checksum.update(chunk);
+            }
+        }
+        Ok(())
+    }
+}
 
 /// One value's verification while its pieces complete in any order.
 struct PieceCheck {

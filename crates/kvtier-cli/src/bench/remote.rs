@@ -137,14 +137,22 @@ fn check(key: &[u8], result: kvtier::Result<Option<usize>>, bytes: &[u8]) -> Ben
     }
 }
 
-/// TCP loopback streams in this process: per call, each receiver asks for
-/// its share of `n` bytes and its sender writes them, as a batch get reply
-/// would. One stream for a client that talks to one server; with `--route`
-/// one per cluster member, all at once, as the routing client's calls go
-/// (a single stream would be a baseline shaped to lose).
+/// TCP loopback streams in this process, in either direction: a get's
+/// (the receiver asks for its share of `n` bytes and the sender writes
+/// them, as a batch get reply comes) and a put's (the sender writes its
+/// share and the receiver, reading it in 64 KiB pieces as the server reads
+/// put values into the pool, answers with one byte). One stream for a
+/// client that talks to one server; with `--route` one per cluster member,
+/// all at once, as the routing client's calls go (a single stream would be
+/// a baseline shaped to lose).
 struct TcpStreamBaseline {
     streams: Vec<(TcpStream, Vec<u8>)>,
 }
+
+/// The top bit of a request's length: the put direction.
+const PUT_DIRECTION: u64 = 1 << 63;
+/// The piece a put's receiver reads at a time.
+const PUT_PIECE: usize = 64 << 10;
 
 impl TcpStreamBaseline {
     fn start(max_bytes: usize, streams: usize) -> std::io::Result<TcpStreamBaseline> {
@@ -158,11 +166,20 @@ impl TcpStreamBaseline {
                         return;
                     };
                     let _ = peer.set_nodelay(true);
-                    let source = vec![0x5Au8; share];
+                    let mut buffer = vec![0x5Au8; share];
                     let mut ask = [0u8; 8];
                     while peer.read_exact(&mut ask).is_ok() {
-                        let n = u64::from_le_bytes(ask) as usize;
-                        if peer.write_all(&source[..n.min(source.len())]).is_err() {
+                        let ask = u64::from_le_bytes(ask);
+                        let n = ((ask & !PUT_DIRECTION) as usize).min(buffer.len());
+                        let done = if ask & PUT_DIRECTION != 0 {
+                            buffer[..n]
+                                .chunks_mut(PUT_PIECE)
+                                .try_for_each(|piece| peer.read_exact(piece))
+                                .and_then(|()| peer.write_all(&[1]))
+                        } else {
+                            peer.write_all(&buffer[..n])
+                        };
+                        if done.is_err() {
                             return;
                         }
                     }
@@ -182,16 +199,24 @@ impl TcpStreamBaseline {
         }
     }
 
+    /// `calls` calls moving `bytes` each, in the put direction or the get's.
     fn run(
         &mut self,
         bytes: usize,
+        put: bool,
         calls: std::ops::Range<u64>,
         m: &mut Measurement,
     ) -> std::io::Result<()> {
         let share = bytes.div_ceil(self.streams.len());
-        let exchange = |(stream, sink): &mut (TcpStream, Vec<u8>)| -> std::io::Result<()> {
-            stream.write_all(&(share as u64).to_le_bytes())?;
-            stream.read_exact(&mut sink[..share])
+        let exchange = |(stream, buffer): &mut (TcpStream, Vec<u8>)| -> std::io::Result<()> {
+            if put {
+                stream.write_all(&(share as u64 | PUT_DIRECTION).to_le_bytes())?;
+                stream.write_all(&buffer[..share])?;
+                stream.read_exact(&mut [0u8; 1])
+            } else {
+                stream.write_all(&(share as u64).to_le_bytes())?;
+                stream.read_exact(&mut buffer[..share])
+            }
         };
         for _ in calls {
             let call = Instant::now();
@@ -299,6 +324,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 };
                 let (mut put, mut get, mut base) =
                     (Measurement::new(), Measurement::new(), Measurement::new());
+                // Over TCP puts have a baseline of their own direction.
+                let mut base_put = Measurement::new();
                 // One client connection: one copying thread.
                 let mut memcpy = Memcpy::new(
                     value_size,
@@ -317,7 +344,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     remote.put(&keys, &memory_only, &mut scratch, &mut ignored)?;
                     remote.get(&keys, &mut scratch, &mut ignored)?;
                     if let Some(tcp) = &mut tcp_baseline {
-                        tcp.run(value_size * batch, 0..1, &mut ignored)?;
+                        tcp.run(value_size * batch, true, 0..1, &mut ignored)?;
+                        tcp.run(value_size * batch, false, 0..1, &mut ignored)?;
                     }
                 }
                 for round in rounds(batches, PUT_ROUNDS) {
@@ -334,7 +362,10 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         verified += remote.get(&keys, &mut scratch, &mut get)?;
                     }
                     match &mut tcp_baseline {
-                        Some(tcp) => tcp.run(value_size * batch, round, &mut base)?,
+                        Some(tcp) => {
+                            tcp.run(value_size * batch, true, round.clone(), &mut base_put)?;
+                            tcp.run(value_size * batch, false, round, &mut base)?;
+                        }
                         None => memcpy.run(round, &mut base),
                     }
                 }
@@ -350,6 +381,10 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     Some(tcp) => tcp.describe(),
                     None => "memcpy".to_string(),
                 };
+                let put_kind = match &tcp_baseline {
+                    Some(tcp) => format!("{}, put direction", tcp.describe()),
+                    None => "memcpy".to_string(),
+                };
                 if wants("put", "memory") {
                     rows.push(Row::new(
                         "put",
@@ -357,8 +392,12 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         value_size as u64,
                         batch,
                         &put,
-                        &base,
-                        &kind,
+                        if tcp_baseline.is_some() {
+                            &base_put
+                        } else {
+                            &base
+                        },
+                        &put_kind,
                         &engine,
                         0,
                     ));

@@ -15,6 +15,7 @@ mod auth;
 mod handlers;
 pub mod limits;
 mod session;
+mod streamed_put;
 
 pub use auth::{check_token, data_dir_token, Auth, MIN_TOKEN_LEN, TOKEN_FILE};
 pub use limits::Limits;

@@ -4,10 +4,10 @@
 
 use super::handlers::{self, Reply};
 use super::limits::Permit;
-use super::{Shared, POLL};
+use super::{streamed_put, Shared, POLL};
 use crate::cluster::Router;
 use crate::metrics::{Metrics, Sample};
-use crate::protocol::{self, code, decode_request, request_flags, Header, Request, Writer};
+use crate::protocol::{self, code, decode_request, request_flags, Header, Op, Request, Writer};
 use crate::shm::SharedRegion;
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use kvtier::disk::io::AlignedBuf;
@@ -143,9 +143,57 @@ impl<'a> Session<'a> {
                 deadline: (!authenticated).then_some(handshake_deadline),
             };
             let mut body = std::mem::take(&mut self.state.body);
-            let read = self.transport.read_frame(&mut body, &frame_limits);
+            // A put this node runs on its own store alone (no cluster, or a
+            // peer's LOCAL_ONLY request) is read value by value straight
+            // into the pool.
+            let stream_puts = authenticated;
+            let local = shared.peers.is_none();
+            let read = self
+                .transport
+                .read_frame_or_stream(&mut body, &frame_limits, |h| {
+                    stream_puts
+                        && h.op == Op::BatchPut as u16
+                        && (local || h.status == request_flags::LOCAL_ONLY)
+                });
             let (header, fd) = match read {
                 Ok(FrameRead::Frame { header, fd }) => (header, fd),
+                Ok(FrameRead::Streamed {
+                    header,
+                    body: stream,
+                    ..
+                }) => {
+                    let started = Instant::now();
+                    let namespace = self.state.namespace.clone().expect("authenticated");
+                    let store = shared.store.in_namespace(&namespace);
+                    let reply = streamed_put::batch_put_streamed(
+                        store,
+                        &mut self.transport,
+                        stream,
+                        limits.max_batch,
+                        &mut body,
+                    );
+                    self.state.body = body;
+                    let reply = match reply {
+                        Ok(reply) => reply,
+                        Err(e) => return self.read_failed(e),
+                    };
+                    let sent = send(
+                        &mut self.transport,
+                        header.op,
+                        header.request_id,
+                        reply.status,
+                        &reply.body,
+                        &reply.tail,
+                    );
+                    shared
+                        .metrics
+                        .record(header.op, started.elapsed(), reply.sample);
+                    if sent.is_err() {
+                        return End::Closed;
+                    }
+                    idle_since = Instant::now();
+                    continue;
+                }
                 Ok(FrameRead::Closed) => return End::Closed,
                 Ok(FrameRead::Idle) => {
                     self.state.body = body;
@@ -163,29 +211,7 @@ impl<'a> Session<'a> {
                     }
                     continue;
                 }
-                Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {
-                    return End::TimedOut("a frame passed its deadline");
-                }
-                Err(ReadError::Io(e)) => {
-                    tracing::debug!(error = %e, "connection ended");
-                    return End::Closed;
-                }
-                Err(ReadError::Protocol(e)) => {
-                    shared
-                        .metrics
-                        .protocol_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "closing a connection after a malformed frame");
-                    let _ = send(
-                        &mut self.transport,
-                        0,
-                        0,
-                        code::PROTOCOL,
-                        e.0.as_bytes(),
-                        &[],
-                    );
-                    return End::Closed;
-                }
+                Err(e) => return self.read_failed(e),
             };
             let started = Instant::now();
             let reply = self
@@ -209,6 +235,39 @@ impl<'a> Session<'a> {
                 return End::Closed;
             }
             idle_since = Instant::now();
+        }
+    }
+}
+
+impl Session<'_> {
+    /// How a connection ends after a frame could not be read: a deadline,
+    /// the peer gone, or a malformed frame (answered, then closed).
+    fn read_failed(&mut self, e: ReadError) -> End {
+        match e {
+            ReadError::Io(e) if e.kind() == io::ErrorKind::TimedOut => {
+                End::TimedOut("a frame passed its deadline")
+            }
+            ReadError::Io(e) => {
+                tracing::debug!(error = %e, "connection ended");
+                End::Closed
+            }
+            ReadError::Protocol(e) => {
+                self.state
+                    .shared
+                    .metrics
+                    .protocol_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "closing a connection after a malformed frame");
+                let _ = send(
+                    &mut self.transport,
+                    0,
+                    0,
+                    code::PROTOCOL,
+                    e.0.as_bytes(),
+                    &[],
+                );
+                End::Closed
+            }
         }
     }
 }

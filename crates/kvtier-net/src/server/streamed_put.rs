@@ -1,0 +1,116 @@
+//! BatchPut read from the connection item by item: each value goes from
+//! the socket straight into its pool extent (`kvtier::StreamedPuts`), with
+//! no frame buffer in between, so a put's bytes are copied once on this
+//! host, as a raw socket reader's are.
+//!
+//! The frame is checked as `protocol::decode_request` checks it, as the
+//! items arrive; a frame that breaks the rules is a protocol error and
+//! enters nothing (unless the pool ran short part-way, which enters the
+//! values received so far first: each exactly as its client sent it).
+
+use super::handlers::{put_options, put_reply, result_code, Reply};
+use crate::protocol::ProtocolError;
+use crate::transport::{BodyStream, ReadError, Transport};
+use kvtier::NamespacedStore;
+
+/// The smallest item: a 1-byte key with its length, and a value length.
+const MIN_ITEM: u64 = 11;
+
+/// Reads and runs one BatchPut whose header has been read; `discard` is
+/// scratch space for the bytes of values that are not stored.
+pub(crate) fn batch_put_streamed<'b>(
+    store: NamespacedStore<'_>,
+    transport: &mut Transport,
+    mut body: BodyStream,
+    max_batch: u32,
+    discard: &mut Vec<u8>,
+) -> Result<Reply<'b>, ReadError> {
+    let mut head = [0u8; 5];
+    transport.read_body(&mut body, &mut head)?;
+    let flags = head[0];
+    let n = u32::from_le_bytes(head[1..].try_into().expect("4 bytes"));
+    if n > max_batch {
+        return Err(protocol(format!(
+            "batch of {n} keys exceeds the {max_batch}-key limit"
+        )));
+    }
+    if u64::from(n) * MIN_ITEM > body.remaining() {
+        return Err(protocol(format!(
+            "batch of {n} keys does not fit the frame"
+        )));
+    }
+    let mut puts = store.streamed_puts(&put_options(flags), n as usize, body.remaining());
+    let mut key = [0u8; kvtier::MAX_KEY_LEN];
+    let mut bytes_in = 0;
+    for _ in 0..n {
+        let mut key_len = [0u8; 2];
+        transport.read_body(&mut body, &mut key_len)?;
+        let key_len = usize::from(u16::from_le_bytes(key_len));
+        if key_len == 0 || key_len > kvtier::MAX_KEY_LEN {
+            return Err(protocol(format!(
+                "key of {key_len} bytes: keys are 1 to {} bytes",
+                kvtier::MAX_KEY_LEN
+            )));
+        }
+        let key = &mut key[..key_len];
+        transport.read_body(&mut body, key)?;
+        let mut len = [0u8; 8];
+        transport.read_body(&mut body, &mut len)?;
+        let len = u64::from_le_bytes(len);
+        if len > body.remaining() {
+            return Err(protocol(format!(
+                "value of {len} bytes does not fit the frame"
+            )));
+        }
+        bytes_in += len;
+        match puts.begin(key, len) {
+            Some(mut value) => {
+                // `fill` speaks io::Error; the read's own error is kept.
+                let mut failed = None;
+                let filled = value.fill(|chunk| {
+                    transport.read_body(&mut body, chunk).map_err(|e| {
+                        failed = Some(e);
+                        std::io::Error::other("reading a value")
+                    })
+                });
+                if filled.is_err() {
+                    return Err(failed.expect("a failed fill kept its error"));
+                }
+                puts.received(key, value);
+            }
+            None => skip(transport, &mut body, len, discard)?,
+        }
+    }
+    if body.remaining() != 0 {
+        return Err(protocol(format!(
+            "{} unexpected trailing bytes in the frame body",
+            body.remaining()
+        )));
+    }
+    let codes: Vec<i32> = puts.finish().iter().map(result_code).collect();
+    Ok(put_reply(&codes, bytes_in))
+}
+
+/// Reads and drops `len` body bytes (a value answered without storing).
+fn skip(
+    transport: &mut Transport,
+    body: &mut BodyStream,
+    len: u64,
+    discard: &mut Vec<u8>,
+) -> Result<(), ReadError> {
+    const PIECE: usize = 256 << 10;
+    if discard.len() < PIECE {
+        discard.resize(PIECE, 0);
+    }
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(PIECE as u64) as usize;
+        transport.read_body(body, &mut discard[..n])?;
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+fn protocol(message: String) -> ReadError {
+    ReadError::Protocol(ProtocolError::new(message))
+}
