@@ -48,15 +48,19 @@ def server():
     assert process.wait(timeout=30) == 0
 
 
-@pytest.fixture(params=["store", "unix", "tcp"])
+@pytest.fixture(params=["store", "unix", "tcp", "tcp-routing"])
 def engine(request, tmp_path):
-    """The same interface three ways: embedded, Unix socket, TCP."""
+    """The same interface four ways: embedded, Unix socket, TCP, and TCP with
+    client-side routing on (a lone server: the client asks for the cluster
+    view, finds none, and talks to the server alone)."""
     if request.param == "store":
         with kvtier.Store(str(tmp_path / "store"), memory="64MiB", disk="512MiB") as s:
             yield s
     else:
         urls = request.getfixturevalue("server")
-        with kvtier.Client(urls[request.param], shm_size="64MiB", auth_token=urls["token"]) as c:
+        url = urls[request.param.removesuffix("-routing")]
+        route = request.param.endswith("-routing")
+        with kvtier.Client(url, shm_size="64MiB", auth_token=urls["token"], route=route) as c:
             yield c
 
 
