@@ -162,8 +162,9 @@ pub struct BenchArgs {
     /// one the raw shape-matched side keeps as many calls in flight too.
     #[arg(long, default_value_t = 1)]
     pub pipeline: usize,
-    /// Run every case this many times, each on fresh files, and report
-    /// each figure's median with its min and max (local cases only).
+    /// Run every case this many times, each on fresh files (or, with
+    /// --connect, fresh keys), and report each figure's median with its
+    /// min and max (synthetic cases; not --trace or --workload).
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
     /// Bytes each case moves (rounded to whole batches, at least one).
@@ -377,11 +378,14 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
         return Err("threads, batch counts and value sizes must be at least 1".into());
     }
     let engine = IoEngineKind::parse(&args.io_engine)?;
-    if args.repeat > 1
-        && (args.trace.is_some() || !args.workload.is_empty() || args.connect.is_some())
-    {
+    if args.repeat == 0 || args.pipeline == 0 {
+        return Err("--repeat and --pipeline must be at least 1".into());
+    }
+    if args.repeat > 1 && (args.trace.is_some() || !args.workload.is_empty()) {
         return Err(
-            "--repeat applies to the local cases, not to --trace, --workload or --connect".into(),
+            "--repeat applies to the synthetic cases (local or --connect), not to --trace or \
+             --workload"
+                .into(),
         );
     }
     if let Some(path) = &args.trace {
@@ -416,7 +420,7 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
     }
     if let Some(url) = &args.connect {
         let created = !args.data_dir.exists();
-        let rows = remote::run(args, url);
+        let rows = repeated(args.repeat, || remote::run(args, url));
         if created {
             let _ = std::fs::remove_dir_all(&args.data_dir);
         }
@@ -425,25 +429,9 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
     if args.memory.len() > 1 || args.disk.len() > 1 || args.eviction.len() > 1 {
         return Err("lists of --memory, --disk or --eviction are for --trace replays".into());
     }
-    if args.repeat == 0 || args.pipeline == 0 {
-        return Err("--repeat and --pipeline must be at least 1".into());
-    }
     let created = !args.data_dir.exists();
     std::fs::create_dir_all(&args.data_dir)?;
-    let mut runs = Vec::new();
-    let mut result = Ok(());
-    for run in 0..args.repeat {
-        if args.repeat > 1 {
-            println!("== run {} of {}", run + 1, args.repeat);
-        }
-        match run_cases(args, engine) {
-            Ok(rows) => runs.push(rows),
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        }
-    }
+    let result = repeated(args.repeat, || run_cases(args, engine));
     // Clean up whatever happened.
     if created {
         let _ = std::fs::remove_dir_all(&args.data_dir);
@@ -457,19 +445,32 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
             }
         }
     }
-    result?;
-    let rows = if args.repeat > 1 {
-        let merged = report::merge_runs(&runs);
-        println!("== medians of {} runs", args.repeat);
-        println!("{}", Row::header());
-        for row in &merged {
-            println!("{}", row.line());
+    write_outputs(args, &result?)
+}
+
+/// Runs the cases `repeat` times (each run on fresh keys and files) and,
+/// past one run, gives each case's medians with their min and max.
+fn repeated(
+    repeat: usize,
+    mut run: impl FnMut() -> BenchResult<Vec<Row>>,
+) -> BenchResult<Vec<Row>> {
+    let mut runs = Vec::new();
+    for r in 0..repeat {
+        if repeat > 1 {
+            println!("== run {} of {repeat}", r + 1);
         }
-        merged
-    } else {
-        runs.pop().unwrap_or_default()
-    };
-    write_outputs(args, &rows)
+        runs.push(run()?);
+    }
+    if repeat == 1 {
+        return Ok(runs.pop().unwrap_or_default());
+    }
+    let merged = report::merge_runs(&runs);
+    println!("== medians of {repeat} runs");
+    println!("{}", Row::header());
+    for row in &merged {
+        println!("{}", row.line());
+    }
+    Ok(merged)
 }
 
 fn write_outputs(args: &BenchArgs, rows: &[Row]) -> BenchResult<()> {
