@@ -19,6 +19,7 @@ mod device;
 mod index;
 mod remote;
 mod report;
+mod schedule;
 mod trace;
 mod workload;
 
@@ -28,6 +29,7 @@ use kvtier::disk::io::AlignedBuf;
 use kvtier::size::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use report::Row;
+use schedule::Round;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -257,7 +259,7 @@ impl Measurement {
         })
     }
 
-    fn merge_calls(&mut self, other: &Measurement) {
+    pub(crate) fn merge_calls(&mut self, other: &Measurement) {
         self.latency_us.add(&other.latency_us).expect("same bounds");
         self.calls += other.calls;
     }
@@ -269,21 +271,6 @@ impl Measurement {
             0.0
         }
     }
-}
-
-/// The sides of a disk case, each timed in every round.
-#[derive(Debug, Clone, Copy)]
-enum Side {
-    Store,
-    Shape,
-    Ceiling,
-}
-
-/// The order of the sides in round `r`: each goes first, second and
-/// third equally often, so drift in the device's speed favours none.
-fn rotation(r: usize) -> [Side; 3] {
-    const SIDES: [Side; 3] = [Side::Store, Side::Shape, Side::Ceiling];
-    [SIDES[r % 3], SIDES[(r + 1) % 3], SIDES[(r + 2) % 3]]
 }
 
 /// A progress bar per case (indicatif) when stderr is a terminal outside
@@ -692,35 +679,43 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     device::CeilingWriter::create(&scratch("ceiling"), write_ceiling)?;
                 let (mut put, mut shape, mut ceiling) =
                     (Measurement::new(), Measurement::new(), Measurement::new());
-                for (r, round) in case_rounds(&case, PUT_ROUNDS).into_iter().enumerate() {
-                    progress.round_done();
-                    // The twin and the raw sides get the same prepared
-                    // values, laid out before any timing; who goes first
-                    // rotates, so no side is systematically fresher in a
-                    // cache below the VM.
-                    let prepared = prepare_round(&case, round.clone());
-                    let bytes = case.bytes(&round);
-                    let flat: Vec<(usize, &[u8])> = prepared
-                        .iter()
-                        .flatten()
-                        .flat_map(|(keys, values)| {
-                            keys.iter()
-                                .zip(values)
-                                .map(|(k, v)| (qualified(k), v.as_slice()))
-                        })
-                        .collect();
-                    let flushes = shape_writer.prepare(&flat);
-                    for side in rotation(r) {
-                        match side {
-                            Side::Store => {
-                                put_disk(&store, &prepared, bytes, &mut put)?;
-                                put_disk(&twin, &prepared, bytes, &mut Measurement::new())?;
-                            }
-                            Side::Shape => shape_writer.write(&flushes, bytes, &mut shape)?,
-                            Side::Ceiling => ceiling_writer.write(bytes, &mut ceiling)?,
-                        }
-                    }
-                }
+                // The twin and the raw sides get the same prepared values,
+                // laid out before any timing.
+                let mut store_side =
+                    |_: &Round, (prepared, bytes): &(Vec<Vec<PreparedBatch>>, u64)| {
+                        put_disk(&store, prepared, *bytes, &mut put)?;
+                        put_disk(&twin, prepared, *bytes, &mut Measurement::new())
+                    };
+                let mut shape_side =
+                    |_: &Round, (prepared, bytes): &(Vec<Vec<PreparedBatch>>, u64)| {
+                        let flat: Vec<(usize, &[u8])> = prepared
+                            .iter()
+                            .flatten()
+                            .flat_map(|(keys, values)| {
+                                keys.iter()
+                                    .zip(values)
+                                    .map(|(k, v)| (qualified(k), v.as_slice()))
+                            })
+                            .collect();
+                        // Laid out untimed: `write` times only the writes.
+                        let flushes = shape_writer.prepare(&flat);
+                        Ok(shape_writer.write(&flushes, *bytes, &mut shape)?)
+                    };
+                let mut ceiling_side = |_: &Round, (_, bytes): &(Vec<Vec<PreparedBatch>>, u64)| {
+                    Ok(ceiling_writer.write(*bytes, &mut ceiling)?)
+                };
+                schedule::run_rounds(
+                    case_rounds(&case, PUT_ROUNDS),
+                    1,
+                    |round| {
+                        progress.round_done();
+                        Ok((
+                            prepare_round(&case, round.batches.clone()),
+                            case.bytes(&round.batches),
+                        ))
+                    },
+                    &mut [&mut store_side, &mut shape_side, &mut ceiling_side],
+                )?;
                 store.close()?;
                 twin.close()?;
                 drop((twin, shape_writer, ceiling_writer));
@@ -811,41 +806,50 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         GET_ROUNDS.min(case.batches / in_flight as u64).max(1),
                     );
                     progress.set_rounds(round_list.len());
-                    for (r, round) in round_list.into_iter().enumerate() {
-                        progress.round_done();
-                        let store_copy = r % 2;
-                        let raw_copy = 1 - store_copy;
-                        let bytes = case.bytes(&round);
-                        for side in rotation(r / 2) {
-                            match side {
-                                Side::Store => {
-                                    verified += get_round(
-                                        &stores[store_copy],
-                                        &case,
-                                        "disk",
-                                        round.clone(),
-                                        u64::MAX,
-                                        &mut hosts,
-                                        &mut get,
-                                    )?;
-                                }
-                                Side::Shape => {
-                                    let reader = &shapes[raw_copy];
-                                    shape_verified += on_callers(
-                                        round.clone(),
-                                        &mut callers,
-                                        &mut shape,
-                                        bytes,
-                                        |b, caller| {
-                                            let first = b * batch as u64;
-                                            reader.read_batch(first..first + batch as u64, caller)
-                                        },
-                                    )?;
-                                }
-                                Side::Ceiling => ceilings[raw_copy].read(bytes, &mut ceiling)?,
-                            }
-                        }
-                    }
+                    // In even rounds the store reads its copy and the raw
+                    // sides the twin's files; in odd rounds the other way
+                    // round. An order is held for two rounds, so each side
+                    // reads each copy from each place in the order.
+                    let store_copy = |r: &Round| r.index % 2;
+                    let raw_copy = |r: &Round| 1 - r.index % 2;
+                    let mut store_side = |r: &Round, (): &()| {
+                        verified += get_round(
+                            &stores[store_copy(r)],
+                            &case,
+                            "disk",
+                            r.batches.clone(),
+                            u64::MAX,
+                            &mut hosts,
+                            &mut get,
+                        )?;
+                        Ok(())
+                    };
+                    let mut shape_side = |r: &Round, (): &()| {
+                        let reader = &shapes[raw_copy(r)];
+                        shape_verified += on_callers(
+                            r.batches.clone(),
+                            &mut callers,
+                            &mut shape,
+                            case.bytes(&r.batches),
+                            |b, caller| {
+                                let first = b * batch as u64;
+                                reader.read_batch(first..first + batch as u64, caller)
+                            },
+                        )?;
+                        Ok(())
+                    };
+                    let mut ceiling_side = |r: &Round, (): &()| {
+                        Ok(ceilings[raw_copy(r)].read(case.bytes(&r.batches), &mut ceiling)?)
+                    };
+                    schedule::run_rounds(
+                        round_list,
+                        2,
+                        |_| {
+                            progress.round_done();
+                            Ok(())
+                        },
+                        &mut [&mut store_side, &mut shape_side, &mut ceiling_side],
+                    )?;
                     if stores.iter().any(|s| s.stats().memory_hits > 0) {
                         return Err("a disk get was served from memory: the case is invalid".into());
                     }
@@ -913,11 +917,23 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     case_rounds(&case, PUT_ROUNDS).len(),
                 );
                 let (mut put, mut base) = (Measurement::new(), Measurement::new());
-                for round in case_rounds(&case, PUT_ROUNDS) {
-                    progress.round_done();
-                    put_memory(&store, &case, round.clone(), keys_in_set, &mut put)?;
-                    memcpy.run(round, &mut base);
-                }
+                schedule::run_rounds(
+                    case_rounds(&case, PUT_ROUNDS),
+                    1,
+                    |_| {
+                        progress.round_done();
+                        Ok(())
+                    },
+                    &mut [
+                        &mut |r: &Round, (): &()| {
+                            put_memory(&store, &case, r.batches.clone(), keys_in_set, &mut put)
+                        },
+                        &mut |r: &Round, (): &()| {
+                            memcpy.run(r.batches.clone(), &mut base);
+                            Ok(())
+                        },
+                    ],
+                )?;
                 if wants(args, "put", "memory") {
                     let row = Row::new(
                         "put",
@@ -942,24 +958,32 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let mut verified = 0;
                     let resident = keys_in_set.min(case.batches * batch as u64);
                     let mut hosts = host_buffers(&case, args.threads);
-                    for (r, round) in case_rounds(&case, GET_ROUNDS).into_iter().enumerate() {
-                        progress.round_done();
-                        if r % 2 == 1 {
-                            memcpy.run(round.clone(), &mut base);
-                        }
-                        verified += get_round(
-                            &store,
-                            &case,
-                            "memory",
-                            round.clone(),
-                            resident,
-                            &mut hosts,
-                            &mut get,
-                        )?;
-                        if r % 2 == 0 {
-                            memcpy.run(round, &mut base);
-                        }
-                    }
+                    schedule::run_rounds(
+                        case_rounds(&case, GET_ROUNDS),
+                        1,
+                        |_| {
+                            progress.round_done();
+                            Ok(())
+                        },
+                        &mut [
+                            &mut |r: &Round, (): &()| {
+                                verified += get_round(
+                                    &store,
+                                    &case,
+                                    "memory",
+                                    r.batches.clone(),
+                                    resident,
+                                    &mut hosts,
+                                    &mut get,
+                                )?;
+                                Ok(())
+                            },
+                            &mut |r: &Round, (): &()| {
+                                memcpy.run(r.batches.clone(), &mut base);
+                                Ok(())
+                            },
+                        ],
+                    )?;
                     if store.stats().disk_hits > 0 {
                         return Err("a memory get was served from disk: the case is invalid".into());
                     }

@@ -8,6 +8,7 @@
 use super::baseline::Memcpy;
 use super::device;
 use super::report::Row;
+use super::schedule::{self, Round};
 use super::{data, rounds, BenchArgs, BenchResult, Measurement, GET_ROUNDS, PUT_ROUNDS};
 use kvtier::size::format_size;
 use kvtier::{PutOptions, PutTier};
@@ -348,27 +349,40 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         tcp.run(value_size * batch, false, 0..1, &mut ignored)?;
                     }
                 }
-                for round in rounds(batches, PUT_ROUNDS) {
-                    for b in round.clone() {
-                        let keys: Vec<Vec<u8>> = (0..batch as u64)
+                // The store's side puts a round's batches, then reads them
+                // back; the baseline moves the same bytes each way.
+                let mut store_side = |r: &Round, (): &()| -> BenchResult<()> {
+                    let keys = |remote: &Remote, b: u64| -> Vec<Vec<u8>> {
+                        (0..batch as u64)
                             .map(|i| remote.key("memory", batch, (b % set) * batch as u64 + i))
-                            .collect();
+                            .collect()
+                    };
+                    for b in r.batches.clone() {
+                        let keys = keys(&remote, b);
                         remote.put(&keys, &memory_only, &mut scratch, &mut put)?;
                     }
-                    for b in round.clone() {
-                        let keys: Vec<Vec<u8>> = (0..batch as u64)
-                            .map(|i| remote.key("memory", batch, (b % set) * batch as u64 + i))
-                            .collect();
+                    for b in r.batches.clone() {
+                        let keys = keys(&remote, b);
                         verified += remote.get(&keys, &mut scratch, &mut get)?;
                     }
+                    Ok(())
+                };
+                let mut baseline_side = |r: &Round, (): &()| -> BenchResult<()> {
                     match &mut tcp_baseline {
                         Some(tcp) => {
-                            tcp.run(value_size * batch, true, round.clone(), &mut base_put)?;
-                            tcp.run(value_size * batch, false, round, &mut base)?;
+                            tcp.run(value_size * batch, true, r.batches.clone(), &mut base_put)?;
+                            tcp.run(value_size * batch, false, r.batches.clone(), &mut base)?;
                         }
-                        None => memcpy.run(round, &mut base),
+                        None => memcpy.run(r.batches.clone(), &mut base),
                     }
-                }
+                    Ok(())
+                };
+                schedule::run_rounds(
+                    rounds(batches, PUT_ROUNDS),
+                    1,
+                    |_| Ok(()),
+                    &mut [&mut store_side, &mut baseline_side],
+                )?;
                 // Leave the pool as it was found for the next case.
                 for b in 0..set.min(batches) {
                     for i in 0..batch as u64 {
@@ -437,28 +451,30 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 let write_shape = device::sweep_writes(&scratch_path, sweep_budget)?;
                 let mut writer = device::CeilingWriter::create(&scratch_path, write_shape)?;
                 let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
-                for (r, round) in rounds(batches, PUT_ROUNDS).into_iter().enumerate() {
-                    let bytes = (round.end - round.start) * (batch * value_size) as u64;
-                    // Who goes first alternates, as in the embedded bench.
-                    if r % 2 == 1 {
-                        writer.write(bytes, &mut base_write)?;
-                    }
+                let bytes =
+                    |r: &Round| (r.batches.end - r.batches.start) * (batch * value_size) as u64;
+                let mut store_side = |r: &Round, (): &()| -> BenchResult<()> {
                     let started = Instant::now();
                     let mut calls = Measurement::new();
-                    for b in round.clone() {
+                    for b in r.batches.clone() {
                         let keys: Vec<Vec<u8>> = (0..batch as u64)
                             .map(|i| remote.key("disk", batch, b * batch as u64 + i))
                             .collect();
                         remote.put(&keys, &write_through, &mut scratch, &mut calls)?;
                     }
                     remote.client.flush()?;
-                    put.add_span(started.elapsed(), bytes);
-                    put.latency_us.add(&calls.latency_us).ok();
-                    put.calls += calls.calls;
-                    if r % 2 == 0 {
-                        writer.write(bytes, &mut base_write)?;
-                    }
-                }
+                    put.add_span(started.elapsed(), bytes(r));
+                    put.merge_calls(&calls);
+                    Ok(())
+                };
+                let mut ceiling_side =
+                    |r: &Round, (): &()| Ok(writer.write(bytes(r), &mut base_write)?);
+                schedule::run_rounds(
+                    rounds(batches, PUT_ROUNDS),
+                    1,
+                    |_| Ok(()),
+                    &mut [&mut store_side, &mut ceiling_side],
+                )?;
                 let mut ignored = Measurement::new();
                 for b in batches..batches + filler_batches {
                     let keys: Vec<Vec<u8>> = (0..batch as u64)
@@ -497,29 +513,25 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     let before = remote.client.stats()?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
-                    for (r, round) in rounds(batches, GET_ROUNDS).into_iter().enumerate() {
-                        let bytes = (round.end - round.start) * (batch * value_size) as u64;
-                        let store_round = |remote: &mut Remote,
-                                           get: &mut Measurement,
-                                           scratch: &mut Vec<Vec<u8>>|
-                         -> BenchResult<u64> {
-                            let mut v = 0;
-                            for b in round.clone() {
-                                let keys: Vec<Vec<u8>> = (0..batch as u64)
-                                    .map(|i| remote.key("disk", batch, b * batch as u64 + i))
-                                    .collect();
-                                v += remote.get(&keys, scratch, get)?;
-                            }
-                            Ok(v)
-                        };
-                        if r % 2 == 0 {
-                            verified += store_round(&mut remote, &mut get, &mut scratch)?;
-                            reader.read(bytes, &mut base)?;
-                        } else {
-                            reader.read(bytes, &mut base)?;
-                            verified += store_round(&mut remote, &mut get, &mut scratch)?;
+                    let mut store_side = |r: &Round, (): &()| -> BenchResult<()> {
+                        for b in r.batches.clone() {
+                            let keys: Vec<Vec<u8>> = (0..batch as u64)
+                                .map(|i| remote.key("disk", batch, b * batch as u64 + i))
+                                .collect();
+                            verified += remote.get(&keys, &mut scratch, &mut get)?;
                         }
-                    }
+                        Ok(())
+                    };
+                    let mut ceiling_side = |r: &Round, (): &()| {
+                        let bytes = (r.batches.end - r.batches.start) * (batch * value_size) as u64;
+                        Ok(reader.read(bytes, &mut base)?)
+                    };
+                    schedule::run_rounds(
+                        rounds(batches, GET_ROUNDS),
+                        1,
+                        |_| Ok(()),
+                        &mut [&mut store_side, &mut ceiling_side],
+                    )?;
                     let after = remote.client.stats()?;
                     let memory_hits = after["store"]["memory_hits"].as_u64().unwrap_or(0)
                         - before["store"]["memory_hits"].as_u64().unwrap_or(0);
