@@ -974,7 +974,12 @@ fn a_routing_client_of_a_lone_server_talks_to_it_alone() {
 
 /// Sends hello then `body` as one BatchPut frame on a fresh connection;
 /// returns the reply's status and body (`None`: closed without one).
-fn raw_put(server: &ServerProcess, body: &[u8], then: Option<&[u8]>) -> Option<(i32, Vec<u8>)> {
+fn raw_put(
+    server: &ServerProcess,
+    flags: i32,
+    body: &[u8],
+    then: Option<&[u8]>,
+) -> Option<(i32, Vec<u8>)> {
     let mut stream = TcpStream::connect(&server.tcp).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -989,12 +994,12 @@ fn raw_put(server: &ServerProcess, body: &[u8], then: Option<&[u8]>) -> Option<(
         Some((status, body))
     };
     let hello = hello_body(TEST_TOKEN, "");
-    let frame = |op: u16, id: u64, body: &[u8]| {
+    let frame = |op: u16, id: u64, body: &[u8], status: i32| {
         let mut f = Header {
             op,
             request_id: id,
             body_len: body.len() as u32,
-            status: 0,
+            status,
         }
         .encode()
         .to_vec();
@@ -1002,17 +1007,17 @@ fn raw_put(server: &ServerProcess, body: &[u8], then: Option<&[u8]>) -> Option<(
         f
     };
     stream
-        .write_all(&frame(Op::Hello as u16, 1, &hello))
+        .write_all(&frame(Op::Hello as u16, 1, &hello, 0))
         .unwrap();
     read_reply(&mut stream)?;
     stream
-        .write_all(&frame(Op::BatchPut as u16, 2, body))
+        .write_all(&frame(Op::BatchPut as u16, 2, body, flags))
         .ok()?;
     let reply = read_reply(&mut stream);
     if let Some(next) = then {
         // The connection goes on after a frame it accepted.
         stream
-            .write_all(&frame(Op::BatchPut as u16, 3, next))
+            .write_all(&frame(Op::BatchPut as u16, 3, next, 0))
             .unwrap();
         let (status, _) = read_reply(&mut stream).expect("a second reply");
         assert_eq!(status, 0);
@@ -1047,8 +1052,17 @@ fn a_put_frame_read_value_by_value_is_checked_as_a_whole() {
     empty_key.u8(0).u32(2);
     item(&mut empty_key, b"before-empty", 5000);
     empty_key.u16(0).u64(1).bytes(&[1]);
-    for body in [&w.buf, &trailing.buf, &empty_key.buf] {
-        let reply = raw_put(&server, body, None);
+    // A well-formed put with a request flag no server knows.
+    let mut unknown_flag = Writer::default();
+    unknown_flag.u8(0).u32(1);
+    item(&mut unknown_flag, b"unknown-flag", 1000);
+    for (flags, body) in [
+        (0, &w.buf),
+        (0, &trailing.buf),
+        (0, &empty_key.buf),
+        (2, &unknown_flag.buf),
+    ] {
+        let reply = raw_put(&server, flags, body, None);
         if let Some((status, message)) = &reply {
             assert_eq!(*status, kvtier_net::protocol::code::PROTOCOL, "{reply:?}");
             assert!(!message.is_empty());
@@ -1083,7 +1097,7 @@ fn a_put_frame_read_value_by_value_is_checked_as_a_whole() {
     let mut next = Writer::default();
     next.u8(0).u32(1);
     item(&mut next, b"next-frame", 1000);
-    let (status, body) = raw_put(&server, &mixed.buf, Some(&next.buf)).expect("a reply");
+    let (status, body) = raw_put(&server, 0, &mixed.buf, Some(&next.buf)).expect("a reply");
     assert_eq!(status, 0);
     let codes: Vec<i32> = body[4..]
         .chunks(4)

@@ -144,15 +144,16 @@ impl<'a> Session<'a> {
             };
             let mut body = std::mem::take(&mut self.state.body);
             // A put this node runs on its own store alone (no cluster, or a
-            // peer's LOCAL_ONLY request) is read value by value straight
-            // into the pool.
-            let stream_puts = authenticated;
+            // LOCAL_ONLY request) is read value by value straight into the
+            // pool. Frames with unknown flags take the plain path, which
+            // refuses them.
             let local = shared.peers.is_none();
             let read = self
                 .transport
                 .read_frame_or_stream(&mut body, &frame_limits, |h| {
-                    stream_puts
+                    authenticated
                         && h.op == Op::BatchPut as u16
+                        && h.status & !request_flags::LOCAL_ONLY == 0
                         && (local || h.status == request_flags::LOCAL_ONLY)
                 });
             let (header, fd) = match read {
