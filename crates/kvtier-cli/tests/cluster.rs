@@ -620,4 +620,25 @@ fn a_routing_client_sends_each_key_to_its_owners() {
         .collect();
     put_all(&mut routed, &fresh);
     assert_eq!(read_all(&mut routed, &fresh).0, 500);
+
+    // The client's own server dies: the client carries on with the member
+    // that is left, asking it for the member list from then on.
+    let on_node_2 = nodes[1].stats()["store"]["entries"].as_u64().unwrap();
+    nodes[0].signal(libc::SIGKILL);
+    nodes[0].wait();
+    wait_for_members(&[&nodes[1]], 1, Duration::from_secs(15));
+    std::thread::sleep(Duration::from_millis(1200));
+    let started = Instant::now();
+    let (hits, _, wrong, slowest) = read_all(&mut routed, &fresh);
+    eprintln!(
+        "routing client, its own server killed: {hits} of 500 hit on the member left, slowest batch {slowest:?}, {:?} in all",
+        started.elapsed()
+    );
+    assert_eq!(wrong, 0);
+    assert!(hits > 100 && hits < 500, "{hits} (node 2 held {on_node_2} keys)");
+    let later: Vec<Vec<u8>> = (0..300)
+        .map(|i| format!("later-{i}").into_bytes())
+        .collect();
+    put_all(&mut routed, &later);
+    assert_eq!(read_all(&mut routed, &later).0, 300, "all on the member left");
 }

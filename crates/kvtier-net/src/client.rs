@@ -596,18 +596,28 @@ impl Client {
     fn routed<T>(&mut self, call: impl FnOnce(&Router<'_>) -> T) -> Option<T> {
         let routing = Arc::clone(self.routing.as_ref()?);
         if routing.due() {
-            let answer = self
-                .cluster_view()
-                .and_then(|json| ServerView::parse(&json).map_err(protocol_error));
+            let answer = if routing.entry_usable() {
+                self.cluster_view()
+                    .and_then(|json| ServerView::parse(&json).map_err(protocol_error))
+            } else {
+                Err(Error::invalid(
+                    "this client's server failed to answer a moment ago",
+                ))
+            };
             match answer {
                 Ok(view) => routing.update(view),
-                Err(e) => match routing.view_from_members() {
-                    Some(view) => routing.update(Some(view)),
-                    None => {
-                        tracing::warn!(error = %e, "the cluster view could not be refreshed; keeping the last one");
-                        routing.keep();
+                Err(e) => {
+                    if routing.entry_usable() {
+                        routing.entry_failed();
                     }
-                },
+                    match routing.view_from_members() {
+                        Some(view) => routing.update(Some(view)),
+                        None => {
+                            tracing::warn!(error = %e, "the cluster view could not be refreshed; keeping the last one");
+                            routing.keep();
+                        }
+                    }
+                }
             }
         }
         let router = routing.router()?;

@@ -33,7 +33,14 @@ pub struct DirectRouting {
     namespace: String,
     /// When the member list was last asked for (`None`: never).
     checked: Mutex<Option<Instant>>,
+    /// Until when the client's own server is not asked (it failed to
+    /// answer): a server that is down must not cost every refresh a
+    /// connect timeout while the members serve on.
+    entry_skipped_until: Mutex<Option<Instant>>,
 }
+
+/// How long the client's own server is skipped after failing a refresh.
+const SKIP_ENTRY_AFTER_FAILURE: Duration = Duration::from_secs(10);
 
 /// The member list a server answers ClusterView with.
 #[derive(Debug, PartialEq, Eq)]
@@ -90,7 +97,22 @@ impl DirectRouting {
             peers: Peers::new(view, token, tls_ca, timeout.min(MEMBER_TIMEOUT)),
             namespace: namespace.to_string(),
             checked: Mutex::new(None),
+            entry_skipped_until: Mutex::new(None),
         }
+    }
+
+    /// Whether to ask the client's own server for the member list (it has
+    /// not failed to answer within the last few seconds).
+    pub fn entry_usable(&self) -> bool {
+        self.entry_skipped_until
+            .lock()
+            .unwrap()
+            .is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// The client's own server failed to answer a refresh.
+    pub fn entry_failed(&self) {
+        *self.entry_skipped_until.lock().unwrap() = Some(Instant::now() + SKIP_ENTRY_AFTER_FAILURE);
     }
 
     /// Whether the member list should be asked for again.
