@@ -635,10 +635,17 @@ fn a_routing_client_sends_each_key_to_its_owners() {
         started.elapsed()
     );
     assert_eq!(wrong, 0);
-    assert!(hits > 100 && hits < 500, "{hits} (node 2 held {on_node_2} keys)");
+    assert!(
+        hits > 100 && hits < 500,
+        "{hits} (node 2 held {on_node_2} keys)"
+    );
     let later: Vec<Vec<u8>> = (0..300)
         .map(|i| format!("later-{i}").into_bytes())
         .collect();
     put_all(&mut routed, &later);
-    assert_eq!(read_all(&mut routed, &later).0, 300, "all on the member left");
+    assert_eq!(
+        read_all(&mut routed, &later).0,
+        300,
+        "all on the member left"
+    );
 }

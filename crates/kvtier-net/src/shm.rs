@@ -51,7 +51,7 @@ impl SharedRegion {
             return Err(io::Error::last_os_error());
         }
         // The client's own buffer is pre-faulted: it is about to be filled.
-        Self::map_fd(fd, len, libc::MAP_POPULATE)
+        Self::map_fd(fd, len, true)
     }
 
     /// Maps a descriptor a client sent (server side), after checking that
@@ -94,24 +94,43 @@ impl SharedRegion {
         }
         // Not pre-faulted: the server touches pages only where values are
         // copied, and never populates what a client merely announced.
-        Self::map_fd(fd, len, 0)
+        Self::map_fd(fd, len, false)
     }
 
-    /// Maps `len` bytes of `fd`, shared, with extra mmap `flags`.
-    fn map_fd(fd: OwnedFd, len: usize, flags: libc::c_int) -> io::Result<SharedRegion> {
+    /// Maps `len` bytes of `fd`, shared, asking for huge pages (taken where
+    /// the system allows them for shared memory: `shmem_enabled` set to
+    /// `advise` or `always`; with 4 KiB pages a copy into the buffer runs
+    /// about a tenth slower than between huge-paged buffers), and with
+    /// `populate` faults every page in.
+    fn map_fd(fd: OwnedFd, len: usize, populate: bool) -> io::Result<SharedRegion> {
         // SAFETY: a shared mapping of a descriptor we own; checked below.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | flags,
+                libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 0,
             )
         };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
+        }
+        // SAFETY: advice on the mapping just made; failure only means no
+        // huge pages.
+        unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+        if populate {
+            // MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without
+            // writing them; older kernels get the pages touched instead.
+            const MADV_POPULATE_WRITE: libc::c_int = 23;
+            // SAFETY: as above.
+            if unsafe { libc::madvise(ptr, len, MADV_POPULATE_WRITE) } != 0 {
+                for page in (0..len).step_by(4096) {
+                    // SAFETY: inside the fresh mapping, which holds zeros.
+                    unsafe { ptr.cast::<u8>().add(page).write_volatile(0) };
+                }
+            }
         }
         Ok(SharedRegion {
             ptr: ptr.cast(),
