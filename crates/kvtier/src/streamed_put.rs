@@ -11,7 +11,7 @@
 //! than the pool behaves as an in-memory batch does.
 
 use crate::config::PAGE_SIZE;
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::store::{Inner, NamespacedStore, PutOptions, ReceivingValue};
 
 /// One batch of streamed puts (see [`NamespacedStore::streamed_puts`]).
@@ -63,10 +63,19 @@ impl<'s> StreamedPuts<'s> {
         {
             self.enter_pending();
         }
-        match self
+        let mut begun = self
             .inner
-            .begin_put(self.store.namespace(), key, len, &self.options)
-        {
+            .begin_put(self.store.namespace(), key, len, &self.options);
+        // Free bytes are not free extents: a pool short of a long enough one
+        // gets the received values entered (so they may be evicted), and one
+        // more try.
+        if matches!(&begun, Err(e) if e.kind() == ErrorKind::NoSpace) && !self.pending.is_empty() {
+            self.enter_pending();
+            begun = self
+                .inner
+                .begin_put(self.store.namespace(), key, len, &self.options);
+        }
+        match begun {
             Ok(Some(value)) => Some(value),
             Ok(None) => {
                 self.results.push(Ok(()));
