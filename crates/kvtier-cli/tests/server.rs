@@ -395,6 +395,24 @@ fn sigkill_under_load_then_restart_keeps_flushed_entries() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(300));
+    // Durable puts over TCP (the server reads them value by value into
+    // the pool): acknowledged only once on disk, so no flush is needed.
+    let durable_keys: Vec<Vec<u8>> = (0..16)
+        .map(|i| format!("durable-{i}").into_bytes())
+        .collect();
+    let durable_values: Vec<Vec<u8>> = durable_keys.iter().map(|k| value_for(k, 70_000)).collect();
+    let mut tcp = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    let durable = kvtier::PutOptions {
+        durable: true,
+        ..Default::default()
+    };
+    for r in tcp
+        .batch_put_with(&durable_keys, &durable_values, &durable)
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    // Killed the moment the durable puts are acknowledged.
     server.signal(libc::SIGKILL);
     server.wait();
     for l in loaders {
@@ -418,6 +436,17 @@ fn sigkill_under_load_then_restart_keeps_flushed_entries() {
         );
     }
     assert_eq!(bufs, values);
+    let mut bufs: Vec<Vec<u8>> = durable_values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let got = client.batch_get_into(&durable_keys, &mut slices).unwrap();
+    for (i, result) in got.iter().enumerate() {
+        assert_eq!(
+            result.as_ref().unwrap(),
+            &Some(70_000),
+            "durable key {i} lost"
+        );
+    }
+    assert_eq!(bufs, durable_values);
     let stats = client.stats().unwrap();
     assert_eq!(stats["store"]["checksum_failures"], 0);
 }
