@@ -303,26 +303,7 @@ impl Transport {
                 "the frame's items run past its body".into(),
             )));
         }
-        let mut fd = None;
-        let mut filled = 0usize;
-        let mut last_progress = Instant::now();
-        while filled < buf.len() {
-            match self.read_some(&mut buf[filled..], &mut fd) {
-                Ok(0) => return Err(eof("connection closed inside a frame body")),
-                Ok(n) => {
-                    filled += n;
-                    last_progress = Instant::now();
-                }
-                Err(e) if is_timeout(&e) => {
-                    check_time(true, last_progress, body.stall, body.deadline)?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(ReadError::Io(e)),
-            }
-            if body.deadline.is_some_and(|d| Instant::now() > d) && filled < buf.len() {
-                return Err(too_slow());
-            }
-        }
+        self.fill_within(buf, body.stall, body.deadline)?;
         body.remaining -= buf.len() as u64;
         Ok(())
     }
@@ -331,6 +312,17 @@ impl Transport {
     /// arrived for `stall` (a client reading a reply straight into its
     /// destination buffers).
     pub fn read_exact_within(&mut self, buf: &mut [u8], stall: Duration) -> Result<(), ReadError> {
+        self.fill_within(buf, stall, None)
+    }
+
+    /// Fills `buf` from the connection, failing once no byte has arrived
+    /// for `stall` or past `deadline`.
+    fn fill_within(
+        &mut self,
+        buf: &mut [u8],
+        stall: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<(), ReadError> {
         let mut fd = None;
         let mut filled = 0usize;
         let mut last_progress = Instant::now();
@@ -341,9 +333,12 @@ impl Transport {
                     filled += n;
                     last_progress = Instant::now();
                 }
-                Err(e) if is_timeout(&e) => check_time(true, last_progress, stall, None)?,
+                Err(e) if is_timeout(&e) => check_time(true, last_progress, stall, deadline)?,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(ReadError::Io(e)),
+            }
+            if deadline.is_some_and(|d| Instant::now() > d) && filled < buf.len() {
+                return Err(too_slow());
             }
         }
         Ok(())

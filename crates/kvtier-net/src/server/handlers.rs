@@ -232,10 +232,21 @@ pub(crate) fn batch_get<'b>(
             None => {}
         }
     }
+    get_reply(w, bytes_out, tail, &results)
+}
+
+/// A batch get's reply: the per-key table (`get_table`), then the values
+/// of the hits in `tail`.
+pub(crate) fn get_reply<'b>(
+    table: Writer,
+    bytes_out: u64,
+    tail: Vec<&'b [u8]>,
+    results: &[kvtier::Result<Option<usize>>],
+) -> Reply<'b> {
     Reply {
         tail,
-        ..Reply::ok(w.buf).with_sample(Sample {
-            keys: items.len() as u64,
+        ..Reply::ok(table.buf).with_sample(Sample {
+            keys: results.len() as u64,
             bytes_out,
             error: results.iter().any(|r| r.is_err()),
             ..Sample::default()

@@ -6,7 +6,7 @@ use super::handlers::{self, Reply};
 use super::limits::Permit;
 use super::{streamed_put, Shared, POLL};
 use crate::cluster::Router;
-use crate::metrics::{Metrics, Sample};
+use crate::metrics::Metrics;
 use crate::protocol::{self, code, decode_request, request_flags, Header, Op, Request, Writer};
 use crate::shm::SharedRegion;
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
@@ -178,18 +178,13 @@ impl<'a> Session<'a> {
                         Ok(reply) => reply,
                         Err(e) => return self.read_failed(e),
                     };
-                    let sent = send(
+                    if !answer(
                         &mut self.transport,
-                        header.op,
-                        header.request_id,
-                        reply.status,
-                        &reply.body,
-                        &reply.tail,
-                    );
-                    shared
-                        .metrics
-                        .record(header.op, started.elapsed(), reply.sample);
-                    if sent.is_err() {
+                        &shared.metrics,
+                        &header,
+                        reply,
+                        started,
+                    ) {
                         return End::Closed;
                     }
                     idle_since = Instant::now();
@@ -218,21 +213,17 @@ impl<'a> Session<'a> {
             let reply = self
                 .state
                 .handle(&header, &body[..header.body_len as usize], fd);
-            let sent = send(
+            let go_on = answer(
                 &mut self.transport,
-                header.op,
-                header.request_id,
-                reply.status,
-                &reply.body,
-                &reply.tail,
+                &shared.metrics,
+                &header,
+                reply,
+                started,
             );
-            let (sample, close) = (reply.sample, reply.close);
-            drop(reply);
             // Sent: the pool extents may go as soon as nothing else holds them.
             self.state.leases.clear();
             self.state.body = body;
-            shared.metrics.record(header.op, started.elapsed(), sample);
-            if sent.is_err() || close {
+            if !go_on {
                 return End::Closed;
             }
             idle_since = Instant::now();
@@ -480,15 +471,7 @@ impl State<'_> {
                         _ => None,
                     })
                     .collect();
-                Reply {
-                    tail,
-                    ..Reply::ok(w.buf).with_sample(Sample {
-                        keys: items.len() as u64,
-                        bytes_out,
-                        error: results.iter().any(|r| r.is_err()),
-                        ..Sample::default()
-                    })
-                }
+                handlers::get_reply(w, bytes_out, tail, &results)
             }
             Request::BatchExists { keys } => {
                 handlers::exists_reply(&router.exists(Some(store), keys))
@@ -674,6 +657,27 @@ fn crosses_members(router: &Router<'_>, request: &Request<'_>) -> bool {
         _ => return false,
     };
     !router.all_local(&keys)
+}
+
+/// Sends `reply` to `header`'s request and records it; whether the
+/// connection goes on (sent, and the reply does not close it).
+fn answer(
+    transport: &mut Transport,
+    metrics: &Metrics,
+    header: &Header,
+    reply: Reply<'_>,
+    started: Instant,
+) -> bool {
+    let sent = send(
+        transport,
+        header.op,
+        header.request_id,
+        reply.status,
+        &reply.body,
+        &reply.tail,
+    );
+    metrics.record(header.op, started.elapsed(), reply.sample);
+    sent.is_ok() && !reply.close
 }
 
 fn unknown_buffer<'b>(buffer: u32) -> Reply<'b> {
