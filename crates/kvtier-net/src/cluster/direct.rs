@@ -11,7 +11,7 @@
 //! every member answers only from its own verified store.
 
 use super::{ClusterView, Member, Peers, Router};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How often the member list is asked for again. A member that joins is
@@ -152,15 +152,6 @@ impl DirectRouting {
     /// A router over the current view; `None` while it is empty.
     pub fn router(&self) -> Option<Router<'_>> {
         Router::new(&self.peers, &self.namespace)
-    }
-
-    /// Calls to each member so far.
-    pub fn peers(&self) -> &Peers {
-        &self.peers
-    }
-
-    pub fn members(&self) -> Arc<Vec<Member>> {
-        self.peers.view.members()
     }
 }
 
