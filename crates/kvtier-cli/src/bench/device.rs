@@ -7,6 +7,14 @@
 //!   beside the store; nothing can read or write the device faster, so the
 //!   store's ratio to it is at most 1 (the ceiling is the best rate any side
 //!   reached in the case, the store's included);
+//!   The ceiling's transfers land in (or come from) as many buffers as it
+//!   keeps in flight, reused again and again, as fio's are: a few MiB that
+//!   can stay in the CPU's caches. The store cannot do that (a batch lands
+//!   in, or comes from, the caller's memory: value size x batch), so disk
+//!   cases also measure the same best shape **in the batch's memory**
+//!   (enough buffers, taken in turn, to cover the batch's bytes): what
+//!   separates the two is what the cache-resident buffers are worth on
+//!   this host, not the store;
 //! - the **shape-matched** stream: exactly the store's requests (same
 //!   offsets, piece size and depth; for puts, the flusher's batches, writes
 //!   and syncs), verified as the store verifies (reads are checksummed
@@ -100,8 +108,10 @@ impl std::fmt::Display for Shape {
 /// Runs `count` transfers on `ring`, at most `depth` in flight, refilling
 /// as each completes (fio's `iodepth`). `prepare(i, done, slot)` builds the
 /// SQE for the rest of transfer `i` after `done` bytes, in buffer slot
-/// `slot` (a slot is free again once its transfer completes); `len(i)` is
-/// its length; `on_done(i)` runs when it completes, in completion order.
+/// `slot` of `slots` (at least `depth`; a slot is free again once its
+/// transfer completes, and free slots are taken in turn, oldest first);
+/// `len(i)` is its length; `on_done(i)` runs when it completes, in
+/// completion order.
 ///
 /// # Safety
 /// The SQEs must point into buffers that stay valid until this returns,
@@ -111,13 +121,14 @@ unsafe fn run(
     ring: &mut IoUring,
     count: usize,
     depth: usize,
+    slots: usize,
     len: impl Fn(usize) -> usize,
     prepare: impl Fn(usize, usize, usize) -> squeue::Entry,
     mut on_done: impl FnMut(usize),
 ) -> io::Result<()> {
     let mut done = vec![0usize; count];
     let mut slot_of = vec![usize::MAX; count];
-    let mut free: Vec<usize> = (0..depth).rev().collect();
+    let mut free: std::collections::VecDeque<usize> = (0..slots.max(depth)).collect();
     let mut queue: std::collections::VecDeque<usize> = (0..count).collect();
     let mut in_flight = 0usize;
     let mut finished = 0usize;
@@ -126,7 +137,7 @@ unsafe fn run(
         while failure.is_none() && in_flight < depth {
             let Some(&i) = queue.front() else { break };
             if slot_of[i] == usize::MAX {
-                match free.pop() {
+                match free.pop_front() {
                     Some(slot) => slot_of[i] = slot,
                     None => break,
                 }
@@ -171,7 +182,7 @@ unsafe fn run(
                     queue.push_front(i);
                 } else {
                     finished += 1;
-                    free.push(slot_of[i]);
+                    free.push_back(slot_of[i]);
                     on_done(i);
                 }
             }
@@ -185,6 +196,31 @@ unsafe fn run(
 
 fn ring_for(depth: usize) -> io::Result<IoUring> {
     IoUring::new(depth.next_power_of_two().max(2) as u32)
+}
+
+/// The buffers a ceiling's transfers land in (reads) or come from
+/// (writes): transfer-sized slots in one page-aligned area, one per
+/// transfer in flight (fio's layout), or enough to cover `footprint`
+/// bytes when that is more (a batch's memory).
+struct Slots {
+    area: AlignedBuf,
+    size: usize,
+    count: usize,
+}
+
+impl Slots {
+    fn new(shape: Shape, footprint: usize) -> Slots {
+        let count = shape.depth.max(footprint.div_ceil(shape.size));
+        Slots {
+            area: super::data::touched_buffer(count * shape.size),
+            size: shape.size,
+            count,
+        }
+    }
+
+    fn base(&mut self) -> *mut u8 {
+        self.area.as_mut_slice().as_mut_ptr()
+    }
 }
 
 /// A set of files (a store's region files) opened O_DIRECT for reading.
@@ -240,20 +276,20 @@ pub struct CeilingReader<'a> {
     set: &'a FileSet,
     shape: Shape,
     ring: IoUring,
-    bufs: Vec<AlignedBuf>,
+    slots: Slots,
     file: usize,
     offset: u64,
 }
 
 impl<'a> CeilingReader<'a> {
-    pub fn new(set: &'a FileSet, shape: Shape) -> io::Result<Self> {
+    /// Reads landing in `shape.depth` reused buffers, or in buffers
+    /// covering `footprint` bytes, taken in turn, when that is more.
+    pub fn new(set: &'a FileSet, shape: Shape, footprint: usize) -> io::Result<Self> {
         Ok(CeilingReader {
             set,
             shape,
             ring: ring_for(shape.depth)?,
-            bufs: (0..shape.depth)
-                .map(|_| super::data::touched_buffer(shape.size))
-                .collect(),
+            slots: Slots::new(shape, footprint),
             file: 0,
             offset: 0,
         })
@@ -274,23 +310,21 @@ impl<'a> CeilingReader<'a> {
                 self.file = (self.file + 1) % self.set.files.len();
             }
         }
-        let ptrs: Vec<*mut u8> = self
-            .bufs
-            .iter_mut()
-            .map(|b| b.as_mut_slice().as_mut_ptr())
-            .collect();
+        let (base, size, slots) = (self.slots.base(), self.slots.size, self.slots.count);
         let started = Instant::now();
-        // SAFETY: each transfer reads into its own slot's buffer, which
-        // lives in `self` across the call; slots are never shared in flight.
+        // SAFETY: each transfer reads into its own slot, which lives in
+        // `self` across the call; slots are never shared in flight.
         unsafe {
             run(
                 &mut self.ring,
                 plan.len(),
                 self.shape.depth,
+                slots,
                 |i| plan[i].2,
                 |i, done, slot| {
                     let (fd, offset, len) = plan[i];
-                    opcode::Read::new(types::Fd(fd), ptrs[slot].add(done), (len - done) as u32)
+                    let into = base.add(slot * size + done);
+                    opcode::Read::new(types::Fd(fd), into, (len - done) as u32)
                         .offset(offset + done as u64)
                         .build()
                 },
@@ -349,7 +383,7 @@ fn sweep(
 /// The read sweep over `set`: its fastest shape.
 pub fn sweep_reads(set: &FileSet, budget: u64) -> io::Result<Shape> {
     sweep(set.total(), budget, |shape, bytes, m| {
-        CeilingReader::new(set, shape)?.read(bytes, m)
+        CeilingReader::new(set, shape, 0)?.read(bytes, m)
     })
 }
 
@@ -359,24 +393,22 @@ pub struct CeilingWriter {
     file: File,
     shape: Shape,
     ring: IoUring,
-    bufs: Vec<AlignedBuf>,
+    slots: Slots,
     offset: u64,
 }
 
 impl CeilingWriter {
-    pub fn create(path: &Path, shape: Shape) -> io::Result<Self> {
+    /// Writes coming from `shape.depth` reused buffers, or from buffers
+    /// covering `footprint` bytes, taken in turn, when that is more.
+    pub fn create(path: &Path, shape: Shape, footprint: usize) -> io::Result<Self> {
+        let mut slots = Slots::new(shape, footprint);
+        super::data::fill(b"ceiling", slots.area.as_mut_slice());
         Ok(CeilingWriter {
             path: path.to_path_buf(),
             file: open_direct(path, true, true)?,
             shape,
             ring: ring_for(shape.depth)?,
-            bufs: (0..shape.depth)
-                .map(|_| {
-                    let mut buf = AlignedBuf::zeroed(shape.size);
-                    super::data::fill(b"ceiling", buf.as_mut_slice());
-                    buf
-                })
-                .collect(),
+            slots,
             offset: 0,
         })
     }
@@ -388,17 +420,19 @@ impl CeilingWriter {
         let size = self.shape.size;
         let fd = self.file.as_raw_fd();
         let base = self.offset;
-        let ptrs: Vec<*const u8> = self.bufs.iter().map(|b| b.as_slice().as_ptr()).collect();
+        let (from, slots) = (self.slots.base().cast_const(), self.slots.count);
         let started = Instant::now();
-        // SAFETY: writes only read their slot's buffer, owned by `self`.
+        // SAFETY: writes only read their slot, owned by `self`.
         unsafe {
             run(
                 &mut self.ring,
                 count,
                 self.shape.depth,
+                slots,
                 |_| size,
                 |i, done, slot| {
-                    opcode::Write::new(types::Fd(fd), ptrs[slot].add(done), (size - done) as u32)
+                    let source = from.add(slot * size + done);
+                    opcode::Write::new(types::Fd(fd), source, (size - done) as u32)
                         .offset(base + (i * size + done) as u64)
                         .build()
                 },
@@ -424,7 +458,7 @@ impl Drop for CeilingWriter {
 /// `fdatasync`): its fastest shape.
 pub fn sweep_writes(path: &Path, budget: u64) -> io::Result<Shape> {
     sweep(u64::MAX, budget, |shape, bytes, m| {
-        CeilingWriter::create(path, shape)?.write(bytes, m)
+        CeilingWriter::create(path, shape, 0)?.write(bytes, m)
     })
 }
 
@@ -545,6 +579,7 @@ impl<'a> ShapeReader<'a> {
             run(
                 &mut caller.ring,
                 pieces.len(),
+                self.depth,
                 self.depth,
                 |i| pieces[i].len,
                 |i, done, _slot| {
@@ -697,6 +732,7 @@ impl ShapeWriter {
                     &mut self.ring,
                     chunks.len(),
                     self.depth,
+                    self.depth,
                     |i| chunks[i].1,
                     |i, done, _| {
                         let (at, len) = chunks[i];
@@ -713,6 +749,7 @@ impl ShapeWriter {
             unsafe {
                 run(
                     &mut self.ring,
+                    1,
                     1,
                     1,
                     |_| record_len,

@@ -676,9 +676,18 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     store.config().configured_flush_batch_bytes(),
                 )?;
                 let mut ceiling_writer =
-                    device::CeilingWriter::create(&scratch("ceiling"), write_ceiling)?;
-                let (mut put, mut shape, mut ceiling) =
-                    (Measurement::new(), Measurement::new(), Measurement::new());
+                    device::CeilingWriter::create(&scratch("ceiling"), write_ceiling, 0)?;
+                let mut landed_writer = device::CeilingWriter::create(
+                    &scratch("ceiling-batch-memory"),
+                    write_ceiling,
+                    value_size as usize * batch,
+                )?;
+                let (mut put, mut shape, mut ceiling, mut landed) = (
+                    Measurement::new(),
+                    Measurement::new(),
+                    Measurement::new(),
+                    Measurement::new(),
+                );
                 // The twin and the raw sides get the same prepared values,
                 // laid out before any timing.
                 let mut store_side =
@@ -704,6 +713,9 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                 let mut ceiling_side = |_: &Round, (_, bytes): &(Vec<Vec<PreparedBatch>>, u64)| {
                     Ok(ceiling_writer.write(*bytes, &mut ceiling)?)
                 };
+                let mut landed_side = |_: &Round, (_, bytes): &(Vec<Vec<PreparedBatch>>, u64)| {
+                    Ok(landed_writer.write(*bytes, &mut landed)?)
+                };
                 schedule::run_rounds(
                     case_rounds(&case, PUT_ROUNDS),
                     1,
@@ -714,11 +726,16 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                             case.bytes(&round.batches),
                         ))
                     },
-                    &mut [&mut store_side, &mut shape_side, &mut ceiling_side],
+                    &mut [
+                        &mut store_side,
+                        &mut shape_side,
+                        &mut ceiling_side,
+                        &mut landed_side,
+                    ],
                 )?;
                 store.close()?;
                 twin.close()?;
-                drop((twin, shape_writer, ceiling_writer));
+                drop((twin, shape_writer, ceiling_writer, landed_writer));
                 if wants(args, "put", "disk") {
                     let row = Row::against_device(
                         "put",
@@ -727,6 +744,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         &put,
                         Some(&shape),
                         &ceiling,
+                        Some(&landed),
                         write_ceiling.to_string(),
                         engine_name,
                         0,
@@ -787,17 +805,25 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                             device::ShapeReader::new(set, at, depth, args.read_piece as usize)
                         })
                         .collect();
+                    let slot = (value_size as usize).div_ceil(4096) * 4096;
                     let mut ceilings = sets
                         .iter()
-                        .map(|set| device::CeilingReader::new(set, read_ceiling))
+                        .map(|set| device::CeilingReader::new(set, read_ceiling, 0))
                         .collect::<std::io::Result<Vec<_>>>()?;
-                    let slot = (value_size as usize).div_ceil(4096) * 4096;
+                    let mut landed_readers = sets
+                        .iter()
+                        .map(|set| device::CeilingReader::new(set, read_ceiling, slot * batch))
+                        .collect::<std::io::Result<Vec<_>>>()?;
                     let in_flight = args.threads * args.pipeline;
                     let mut callers = (0..in_flight)
                         .map(|_| device::ShapeCaller::new(depth, slot * batch))
                         .collect::<std::io::Result<Vec<_>>>()?;
-                    let (mut get, mut shape, mut ceiling) =
-                        (Measurement::new(), Measurement::new(), Measurement::new());
+                    let (mut get, mut shape, mut ceiling, mut landed) = (
+                        Measurement::new(),
+                        Measurement::new(),
+                        Measurement::new(),
+                        Measurement::new(),
+                    );
                     let mut verified = 0;
                     let mut shape_verified = 0;
                     let mut hosts = host_buffers(&case, in_flight);
@@ -841,6 +867,10 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     let mut ceiling_side = |r: &Round, (): &()| {
                         Ok(ceilings[raw_copy(r)].read(case.bytes(&r.batches), &mut ceiling)?)
                     };
+                    let mut landed_side = |r: &Round, (): &()| {
+                        let reader = &mut landed_readers[raw_copy(r)];
+                        Ok(reader.read(case.bytes(&r.batches), &mut landed)?)
+                    };
                     schedule::run_rounds(
                         round_list,
                         2,
@@ -848,7 +878,12 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                             progress.round_done();
                             Ok(())
                         },
-                        &mut [&mut store_side, &mut shape_side, &mut ceiling_side],
+                        &mut [
+                            &mut store_side,
+                            &mut shape_side,
+                            &mut ceiling_side,
+                            &mut landed_side,
+                        ],
                     )?;
                     if stores.iter().any(|s| s.stats().memory_hits > 0) {
                         return Err("a disk get was served from memory: the case is invalid".into());
@@ -866,6 +901,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         &get,
                         Some(&shape),
                         &ceiling,
+                        Some(&landed),
                         read_ceiling.to_string(),
                         engine_name,
                         verified,
@@ -873,7 +909,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     row.pipeline = (args.pipeline > 1).then_some(args.pipeline);
                     progress.row(&row);
                     rows.push(row);
-                    drop((ceilings, shapes));
+                    drop((ceilings, landed_readers, shapes));
                     for store in stores {
                         store.close()?;
                     }

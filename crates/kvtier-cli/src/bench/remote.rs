@@ -449,7 +449,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     .data_dir
                     .join(format!("remote-ceiling-{value_size}-{batch}.scratch"));
                 let write_shape = device::sweep_writes(&scratch_path, sweep_budget)?;
-                let mut writer = device::CeilingWriter::create(&scratch_path, write_shape)?;
+                let mut writer = device::CeilingWriter::create(&scratch_path, write_shape, 0)?;
                 let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
                 let bytes =
                     |r: &Round| (r.batches.end - r.batches.start) * (batch * value_size) as u64;
@@ -491,6 +491,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         &put,
                         None,
                         &base_write,
+                        None,
                         format!("{write_shape} on a scratch file beside the bench"),
                         &engine,
                         0,
@@ -509,7 +510,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         ),
                     };
                     let read_shape = device::sweep_reads(&set, sweep_budget)?;
-                    let mut reader = device::CeilingReader::new(&set, read_shape)?;
+                    let mut reader = device::CeilingReader::new(&set, read_shape, 0)?;
                     let before = remote.client.stats()?;
                     let (mut get, mut base) = (Measurement::new(), Measurement::new());
                     let mut verified = 0;
@@ -545,6 +546,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         &get,
                         None,
                         &base,
+                        None,
                         format!("{read_shape} on {place}"),
                         &engine,
                         verified,

@@ -51,6 +51,15 @@ pub struct Row {
     pub ceiling_shape: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ratio_to_ceiling: Option<f64>,
+    /// Local disk rows: the ceiling's best shape re-measured with its
+    /// transfers landing in (reads) or coming from (writes) buffers that
+    /// cover the batch's bytes, taken in turn, as the store's do (the
+    /// ceiling reuses as many buffers as it keeps in flight), and the
+    /// store's ratio to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling_in_batch_memory_mb_per_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio_to_ceiling_in_batch_memory: Option<f64>,
     /// Disk rows: the shape-matched raw stream (the store's own requests)
     /// and the store's ratio to it: its software overhead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -73,11 +82,12 @@ pub struct Row {
 
 impl Row {
     /// A disk row: the store against the device ceiling (`ratio`) and, where
-    /// measured, the shape-matched stream. The ceiling is the best rate of
-    /// the case: the ceiling shape's, or the shape-matched stream's or the
-    /// store's if either went faster (the device did it, so it can), which
-    /// keeps `ratio_to_ceiling` at most 1 by construction; `ceiling_shape`
-    /// says which. Latency of the baseline is the shape-matched stream's
+    /// measured, the shape-matched stream and the ceiling's shape in the
+    /// batch's memory. The ceiling is the best rate of the case: the
+    /// ceiling shape's, or any other side's (the store's included) if it
+    /// went faster (the device did it, so it can), which keeps
+    /// `ratio_to_ceiling` at most 1 by construction; `ceiling_shape` says
+    /// which. Latency of the baseline is the shape-matched stream's
     /// per call (comparable with the store's calls), else the ceiling's.
     #[expect(clippy::too_many_arguments, reason = "one row's worth of facts")]
     pub fn against_device(
@@ -87,6 +97,7 @@ impl Row {
         store: &Measurement,
         shape: Option<&Measurement>,
         ceiling: &Measurement,
+        in_batch_memory: Option<&Measurement>,
         ceiling_shape: String,
         io_engine: &str,
         verified_bytes: u64,
@@ -103,9 +114,15 @@ impl Row {
             verified_bytes,
         );
         let mut candidates = vec![
-            (ceiling.mb_per_s(), ceiling_shape),
+            (ceiling.mb_per_s(), ceiling_shape.clone()),
             (store.mb_per_s(), "the store's own run".to_string()),
         ];
+        if let Some(landed) = in_batch_memory {
+            candidates.push((
+                landed.mb_per_s(),
+                format!("{ceiling_shape} in the batch's memory"),
+            ));
+        }
         if let Some(shape) = shape {
             candidates.push((
                 shape.mb_per_s(),
@@ -126,6 +143,10 @@ impl Row {
             row.shape_mb_per_s = Some(shape.mb_per_s());
             row.ratio_to_shape = Some(ratio(shape.mb_per_s()));
             row.baseline_p50_us = shape.latency_us.value_at_quantile(0.50);
+        }
+        if let Some(landed) = in_batch_memory {
+            row.ceiling_in_batch_memory_mb_per_s = Some(landed.mb_per_s());
+            row.ratio_to_ceiling_in_batch_memory = Some(ratio(landed.mb_per_s()));
         }
         row
     }
@@ -252,7 +273,15 @@ impl Row {
                 (Some(n), None) => format!("  ({n} entries)"),
                 _ => match (&self.ceiling_shape, self.ratio_to_shape, self.shape_mb_per_s) {
                     (Some(ceiling), Some(to_shape), Some(shape)) => format!(
-                        "  (ceiling: {ceiling}; shape-matched {shape:.0} MB/s, ratio {to_shape:.2})"
+                        "  (ceiling: {ceiling}; shape-matched {shape:.0} MB/s, ratio {to_shape:.2}{})",
+                        match (
+                            self.ceiling_in_batch_memory_mb_per_s,
+                            self.ratio_to_ceiling_in_batch_memory
+                        ) {
+                            (Some(rate), Some(r)) =>
+                                format!("; in the batch's memory {rate:.0} MB/s, ratio {r:.2}"),
+                            _ => String::new(),
+                        }
                     ),
                     _ => String::new(),
                 },
@@ -342,13 +371,13 @@ fn spread(r: &Row, field: &str, value: f64, digits: usize) -> String {
 /// The rows as a Markdown table (store rows, then index and reopen rows).
 pub fn markdown(rows: &[Row]) -> String {
     let mut out = String::from(
-        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | ceiling shape | shape-matched MB/s | ratio to shape | p50 µs | p99 µs | verified |\n\
-         |---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n",
+        "| op | tier | value | batch | MB/s | baseline MB/s | ratio | ceiling shape | shape-matched MB/s | ratio to shape | ceiling in batch memory MB/s | ratio to it | p50 µs | p99 µs | verified |\n\
+         |---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows.iter().filter(|r| r.value_size > 0) {
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.op,
             r.tier,
             format_size(r.value_size).replace(".00 ", " "),
@@ -364,6 +393,20 @@ pub fn markdown(rows: &[Row]) -> String {
                 .map_or("-".to_string(), |v| spread(r, "shape_mb_per_s", v, 0)),
             r.ratio_to_shape
                 .map_or("-".to_string(), |v| spread(r, "ratio_to_shape", v, 2)),
+            r.ceiling_in_batch_memory_mb_per_s
+                .map_or("-".to_string(), |v| spread(
+                    r,
+                    "ceiling_in_batch_memory_mb_per_s",
+                    v,
+                    0
+                )),
+            r.ratio_to_ceiling_in_batch_memory
+                .map_or("-".to_string(), |v| spread(
+                    r,
+                    "ratio_to_ceiling_in_batch_memory",
+                    v,
+                    2
+                )),
             r.p50_us,
             r.p99_us,
             format_size(r.verified_bytes).replace(".00 ", " ")
