@@ -295,6 +295,21 @@ impl<'a> CeilingReader<'a> {
         })
     }
 
+    /// The reader, continuing at `(file, offset)` of its set (from an
+    /// earlier reader's `position` over the same files, some of which may
+    /// have grown since); from the start where that is past the set.
+    pub fn starting_at(mut self, (file, offset): (usize, u64)) -> Self {
+        if self.set.files.get(file).is_some_and(|f| offset < f.2) {
+            (self.file, self.offset) = (file, offset);
+        }
+        self
+    }
+
+    /// Where the next read starts: a file of the set and an offset in it.
+    pub fn position(&self) -> (usize, u64) {
+        (self.file, self.offset)
+    }
+
     /// Reads at least `bytes` (whole transfers), timed into `m` as one span.
     pub fn read(&mut self, bytes: u64, m: &mut Measurement) -> io::Result<()> {
         let mut plan: Vec<(RawFd, u64, usize)> = Vec::new();

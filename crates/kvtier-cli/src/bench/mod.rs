@@ -498,7 +498,7 @@ fn case_rounds(case: &Case<'_>, most: u64) -> Vec<std::ops::Range<u64>> {
 }
 
 /// Splits `0..batches` into up to `most` rounds.
-fn rounds(batches: u64, most: u64) -> Vec<std::ops::Range<u64>> {
+pub(crate) fn rounds(batches: u64, most: u64) -> Vec<std::ops::Range<u64>> {
     let n = batches.min(most);
     (0..n)
         .map(|r| (batches * r / n)..(batches * (r + 1) / n))

@@ -7,13 +7,22 @@
 //! prefix up to its block); `prefix_len` finds the cached prefix; those
 //! blocks are loaded with `batch_get_into` and verified; the rest are
 //! "prefilled" and stored with `batch_put`. Hit rates count whole blocks.
+//!
+//! A replay runs on the bench's round scheduler: the requests are cut into
+//! rounds, and with a disk tier each round also runs the device ceiling at
+//! the replay's own disk transfer size and depth over the store's region
+//! files, in rotating order with the replay. A replay is one ordered
+//! sequence, so the ceiling's share of a round is what the replay's disk
+//! loads read in its latest round, at the shape of its disk loads so far.
 
-use super::baseline::RawFile;
+use super::device::{CeilingReader, FileSet, Shape};
+use super::schedule::{self, Round};
 use super::{data, BenchArgs, BenchResult, Measurement};
 use hdrhistogram::Histogram;
 use kvtier::size::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
 use serde::{Deserialize, Serialize};
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::io::BufRead;
@@ -22,6 +31,11 @@ use std::time::{Duration, Instant};
 
 /// Tokens per block in Mooncake's traces.
 pub const BLOCK_TOKENS: u64 = 512;
+
+/// Rounds a replay is cut into (by request count; fewer for a shorter
+/// trace): often enough that a drift in the device's speed reaches the
+/// replay and its ceiling alike.
+const TRACE_ROUNDS: u64 = 32;
 
 /// The fields a replay uses (`input_length` and `output_length` are
 /// implied by the blocks for hit rates counted in whole blocks).
@@ -61,9 +75,11 @@ pub struct TraceRow {
     #[serde(default)]
     pub disk_load_mb_per_s: f64,
     /// The device ceiling at the replay's own disk transfer size and depth
-    /// (raw O_DIRECT io_uring reads of the value size, or 2 MiB pieces, at
-    /// the mean disk hits per load call), measured right after a replay
-    /// with disk hits (0 otherwise).
+    /// (raw O_DIRECT io_uring reads of the store's region files in pieces
+    /// of the value size, or the store's read piece if smaller, with as
+    /// many in flight as the disk loads so far read per call, at most the
+    /// store's io_depth), measured round by round beside a replay with
+    /// disk hits (0 otherwise).
     pub baseline_mb_per_s: f64,
     /// `disk_load_mb_per_s / baseline_mb_per_s`.
     pub ratio: f64,
@@ -261,7 +277,6 @@ pub fn run(
         let _ = std::fs::remove_dir_all(&args.data_dir);
     } else {
         let _ = std::fs::remove_dir_all(args.data_dir.join("trace-store"));
-        let _ = std::fs::remove_file(args.data_dir.join("trace-baseline.scratch"));
     }
     result?;
     Ok(rows)
@@ -301,85 +316,150 @@ fn replay(
     let (mut hit_blocks, mut blocks, mut verified, mut written) = (0u64, 0u64, 0u64, 0u64);
     // Loads are split by tier: the hit blocks with a memory copy are read
     // in one call, the rest (disk hits) in another, each timed on its own.
-    let (mut memory_load, mut disk_load) = (Load::default(), Load::default());
+    let mut memory_load = Load::default();
+    let disk_load = Cell::new(Load::default());
+    // What the disk loads read in the replay's latest round: the ceiling's
+    // share of a round.
+    let latest_disk_bytes = Cell::new(0u64);
+    // Time the ceiling took: not the replay's (arrival times and `seconds`
+    // leave it out).
+    let ceiling_time = Cell::new(Duration::ZERO);
     let started = Instant::now();
-    for request in requests {
-        if let Some(speed) = args.speed.filter(|s| *s > 0.0) {
-            let due = Duration::from_secs_f64(request.timestamp as f64 / 1e3 / speed);
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                std::thread::sleep(wait);
-            }
-        }
-        let keys = chain(&request.hash_ids);
-        let call = Instant::now();
-        let cached = store.prefix_len(&keys);
-        let mut loaded = 0;
-        if cached > 0 {
-            let resident = store.batch_in_memory(&keys[..cached]);
-            let mut hit = vec![false; cached];
-            let mut slices: Vec<Option<&mut [u8]>> = host
-                .as_mut_slice()
-                .chunks_mut(slot)
-                .take(cached)
-                .map(Some)
-                .collect();
-            for (in_memory, load) in [(true, &mut memory_load), (false, &mut disk_load)] {
-                let picked: Vec<usize> =
-                    (0..cached).filter(|&i| resident[i] == in_memory).collect();
-                if picked.is_empty() {
-                    continue;
+    let mut replay_side = |round: &Round, (): &()| -> BenchResult<()> {
+        let disk_bytes_before = disk_load.get().bytes;
+        for request in &requests[round.batches.start as usize..round.batches.end as usize] {
+            if let Some(speed) = args.speed.filter(|s| *s > 0.0) {
+                let due = Duration::from_secs_f64(request.timestamp as f64 / 1e3 / speed);
+                let replayed = started.elapsed().saturating_sub(ceiling_time.get());
+                if let Some(wait) = due.checked_sub(replayed) {
+                    std::thread::sleep(wait);
                 }
-                let part_keys: Vec<&[u8; 16]> = picked.iter().map(|&i| &keys[i]).collect();
-                let mut part_bufs: Vec<&mut [u8]> = picked
-                    .iter()
-                    .map(|&i| slices[i].take().expect("each block is loaded once"))
+            }
+            let keys = chain(&request.hash_ids);
+            let call = Instant::now();
+            let cached = store.prefix_len(&keys);
+            let mut loaded = 0;
+            if cached > 0 {
+                let resident = store.batch_in_memory(&keys[..cached]);
+                let mut hit = vec![false; cached];
+                let mut slices: Vec<Option<&mut [u8]>> = host
+                    .as_mut_slice()
+                    .chunks_mut(slot)
+                    .take(cached)
+                    .map(Some)
                     .collect();
-                let part = Instant::now();
-                let results = store.batch_get_into(&part_keys, &mut part_bufs);
-                load.busy += part.elapsed();
-                load.calls += 1;
-                for (&i, result) in picked.iter().zip(&results) {
-                    match result {
-                        Ok(Some(_)) => {
-                            hit[i] = true;
-                            load.bytes += value_size;
+                for in_memory in [true, false] {
+                    let picked: Vec<usize> =
+                        (0..cached).filter(|&i| resident[i] == in_memory).collect();
+                    if picked.is_empty() {
+                        continue;
+                    }
+                    let part_keys: Vec<&[u8; 16]> = picked.iter().map(|&i| &keys[i]).collect();
+                    let mut part_bufs: Vec<&mut [u8]> = picked
+                        .iter()
+                        .map(|&i| slices[i].take().expect("each block is loaded once"))
+                        .collect();
+                    let part = Instant::now();
+                    let results = store.batch_get_into(&part_keys, &mut part_bufs);
+                    let mut load = if in_memory {
+                        memory_load
+                    } else {
+                        disk_load.get()
+                    };
+                    load.busy += part.elapsed();
+                    load.calls += 1;
+                    for (&i, result) in picked.iter().zip(&results) {
+                        match result {
+                            Ok(Some(_)) => {
+                                hit[i] = true;
+                                load.bytes += value_size;
+                            }
+                            Ok(None) => {}
+                            Err(e) => return Err(format!("loading a hit block failed: {e}").into()),
                         }
-                        Ok(None) => {}
-                        Err(e) => return Err(format!("loading a hit block failed: {e}").into()),
+                    }
+                    if in_memory {
+                        memory_load = load;
+                    } else {
+                        disk_load.set(load);
                     }
                 }
+                // A block evicted between the lookup and the read ends the hit.
+                loaded = hit.iter().take_while(|&&h| h).count();
             }
-            // A block evicted between the lookup and the read ends the hit.
-            loaded = hit.iter().take_while(|&&h| h).count();
-        }
-        let elapsed = call.elapsed();
-        latency.saturating_record((elapsed.as_micros() as u64).max(1));
-        for (key, buffer) in keys[..loaded].iter().zip(host.as_slice().chunks(slot)) {
-            if !data::verify(key, &buffer[..value_size as usize]) {
-                return Err(format!("trace replay read wrong bytes for block {}", hex(key)).into());
+            let elapsed = call.elapsed();
+            latency.saturating_record((elapsed.as_micros() as u64).max(1));
+            for (key, buffer) in keys[..loaded].iter().zip(host.as_slice().chunks(slot)) {
+                if !data::verify(key, &buffer[..value_size as usize]) {
+                    return Err(
+                        format!("trace replay read wrong bytes for block {}", hex(key)).into(),
+                    );
+                }
+                verified += value_size;
             }
-            verified += value_size;
-        }
-        hit_blocks += loaded as u64;
-        blocks += keys.len() as u64;
-        // "Prefill" the rest and store it.
-        let missing = &keys[loaded..];
-        if !missing.is_empty() {
-            let values: Vec<Vec<u8>> = missing
-                .iter()
-                .map(|k| {
-                    let mut v = vec![0u8; value_size as usize];
-                    data::fill(k, &mut v);
-                    v
-                })
-                .collect();
-            for result in store.batch_put(missing, &values) {
-                result.map_err(|e| format!("storing prefilled blocks failed: {e}"))?;
+            hit_blocks += loaded as u64;
+            blocks += keys.len() as u64;
+            // "Prefill" the rest and store it.
+            let missing = &keys[loaded..];
+            if !missing.is_empty() {
+                let values: Vec<Vec<u8>> = missing
+                    .iter()
+                    .map(|k| {
+                        let mut v = vec![0u8; value_size as usize];
+                        data::fill(k, &mut v);
+                        v
+                    })
+                    .collect();
+                for result in store.batch_put(missing, &values) {
+                    result.map_err(|e| format!("storing prefilled blocks failed: {e}"))?;
+                }
+                written += missing.len() as u64 * value_size;
             }
-            written += missing.len() as u64 * value_size;
         }
+        latest_disk_bytes.set(disk_load.get().bytes - disk_bytes_before);
+        Ok(())
+    };
+    // The device limit for this replay's disk reads: raw reads of its
+    // transfer size (the value, in pieces of at most the read piece, as
+    // the store reads) at its mean depth (pieces of the disk hits per disk
+    // load call, at most the store's io_depth), over the store's own
+    // region files, continuing where the previous round stopped.
+    let mut ceiling = Measurement::new();
+    let mut ceiling_at = (0usize, 0u64);
+    let mut ceiling_side = |_: &Round, (): &()| -> BenchResult<()> {
+        let load = disk_load.get();
+        let bytes = latest_disk_bytes.get();
+        if bytes == 0 || load.calls == 0 {
+            return Ok(());
+        }
+        let began = Instant::now();
+        let values_per_call = (load.bytes / value_size) as f64 / load.calls as f64;
+        let piece = args.read_piece as usize;
+        let pieces = (value_size as usize).div_ceil(piece);
+        let shape = Shape {
+            size: (value_size as usize).min(piece),
+            depth: ((values_per_call * pieces as f64).round() as usize)
+                .clamp(1, args.io_depth as usize),
+        };
+        let set = FileSet::regions_of(&[dir.as_path()])?;
+        let mut reader = CeilingReader::new(&set, shape, 0)?.starting_at(ceiling_at);
+        reader.read(bytes, &mut ceiling)?;
+        ceiling_at = reader.position();
+        ceiling_time.set(ceiling_time.get() + began.elapsed());
+        Ok(())
+    };
+    let round_list = super::rounds(requests.len() as u64, TRACE_ROUNDS);
+    let mut sides: Vec<schedule::Side<'_, ()>> = vec![&mut replay_side];
+    if disk > 0 {
+        sides.push(&mut ceiling_side);
     }
-    let seconds = started.elapsed().as_secs_f64();
+    schedule::run_rounds(round_list, 1, |_| Ok(()), &mut sides)?;
+    drop(sides);
+    let seconds = started
+        .elapsed()
+        .saturating_sub(ceiling_time.get())
+        .as_secs_f64();
+    let disk_load = disk_load.get();
     let stats = store.stats();
     let per_entry = |bytes: u64| bytes as f64 / stats.entries.max(1) as f64;
     store.close()?;
@@ -391,25 +471,7 @@ fn replay(
         bytes: memory_load.bytes + disk_load.bytes,
         calls: memory_load.calls + disk_load.calls,
     };
-    // The device limit for this replay's disk reads: raw reads of its
-    // transfer size (the value, in pieces of at most 2 MiB as the store
-    // reads) at its mean depth (disk hits per disk load call, at most
-    // the store's io_depth).
-    let baseline_mb_per_s = if disk > 0 && disk_load.calls > 0 {
-        let values_per_call = (disk_load.bytes / value_size) as f64 / disk_load.calls as f64;
-        let piece = args.read_piece as usize;
-        let pieces = (value_size as usize).div_ceil(piece);
-        let transfer = (value_size as usize).min(piece);
-        let depth =
-            ((values_per_call * pieces as f64).round() as usize).clamp(1, args.io_depth as usize);
-        raw_read_mb_per_s(
-            &args.data_dir.join("trace-baseline.scratch"),
-            transfer,
-            depth,
-        )?
-    } else {
-        0.0
-    };
+    let baseline_mb_per_s = ceiling.mb_per_s();
     let token_hit_rate = hit_blocks as f64 / blocks.max(1) as f64;
     Ok(TraceRow {
         workload: String::new(),
@@ -452,24 +514,8 @@ fn replay(
     })
 }
 
-/// Raw O_DIRECT io_uring reads of `value_size` at `depth`, over at most
-/// 512 MiB or 32,768 values.
-fn raw_read_mb_per_s(path: &Path, value_size: usize, depth: usize) -> BenchResult<f64> {
-    let by_bytes = (512u64 << 20) / (value_size * depth) as u64;
-    let by_count = 32_768 / depth as u64;
-    let batches = by_bytes.min(by_count).max(4);
-    let mut raw = RawFile::create(path, value_size, depth)?;
-    let mut ignored = Measurement::new();
-    raw.write(0..batches, &mut ignored)?;
-    let mut m = Measurement::new();
-    raw.read(0..batches, &mut m)?;
-    drop(raw);
-    let _ = std::fs::remove_file(path);
-    Ok(m.mb_per_s())
-}
-
 /// Time and bytes of one kind of load call.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 struct Load {
     busy: Duration,
     bytes: u64,
