@@ -262,6 +262,22 @@ impl FileSet {
         self.files.iter().map(|f| f.2).sum()
     }
 
+    /// The position (a file of the set and a page-aligned offset in it)
+    /// half of the set's bytes in: where a second reader starts so that
+    /// two readers taking the same steps never read the same blocks (on a
+    /// disk with a cache below it, the second reader of a block is served
+    /// from that cache).
+    pub fn halfway(&self) -> (usize, u64) {
+        let mut left = self.total() / 2 / 4096 * 4096;
+        for (i, (_, _, len)) in self.files.iter().enumerate() {
+            if left < *len {
+                return (i, left);
+            }
+            left -= len;
+        }
+        (0, 0)
+    }
+
     fn fd(&self, path: &Path) -> Option<RawFd> {
         self.files
             .iter()
@@ -804,4 +820,42 @@ pub fn locations(
             .ok_or_else(|| format!("{} is not on disk", String::from_utf8_lossy(&key)))
     })
     .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reader_started_halfway_never_reads_what_one_from_the_start_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut paths = Vec::new();
+        for (i, pages) in [2usize, 5, 3].into_iter().enumerate() {
+            let path = dir.path().join(format!("{i}.kvr"));
+            std::fs::write(&path, vec![i as u8 + 1; pages * 4096]).unwrap();
+            paths.push(path);
+        }
+        let set = FileSet::open(&paths).unwrap();
+        // 10 pages: the middle is page 5, the fourth page of the second file.
+        assert_eq!(set.halfway(), (1, 3 * 4096));
+        let shape = Shape {
+            size: 4096,
+            depth: 1,
+        };
+        let mut first = CeilingReader::new(&set, shape, 0).unwrap();
+        let mut second = CeilingReader::new(&set, shape, 0)
+            .unwrap()
+            .starting_at(set.halfway());
+        let mut m = Measurement::new();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..5 {
+            a.push(first.position());
+            b.push(second.position());
+            first.read(4096, &mut m).unwrap();
+            second.read(4096, &mut m).unwrap();
+        }
+        assert!(a.iter().all(|p| !b.contains(p)), "{a:?} {b:?}");
+        // Past the end, it wraps to the start.
+        assert_eq!(second.position(), (0, 0));
+    }
 }

@@ -810,9 +810,15 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                         .iter()
                         .map(|set| device::CeilingReader::new(set, read_ceiling, 0))
                         .collect::<std::io::Result<Vec<_>>>()?;
+                    // The ceiling reads each copy from its start; this side
+                    // from its middle, so the two never read the same blocks.
                     let mut landed_readers = sets
                         .iter()
-                        .map(|set| device::CeilingReader::new(set, read_ceiling, slot * batch))
+                        .map(|set| {
+                            let reader =
+                                device::CeilingReader::new(set, read_ceiling, slot * batch)?;
+                            Ok(reader.starting_at(set.halfway()))
+                        })
                         .collect::<std::io::Result<Vec<_>>>()?;
                     let in_flight = args.threads * args.pipeline;
                     let mut callers = (0..in_flight)
