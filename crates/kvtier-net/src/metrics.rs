@@ -827,6 +827,8 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "policy_bytes": s.policy_bytes,
         "eviction_mode": s.eviction_mode,
         "io_engine": s.io_engine,
+        "io_depth": s.io_depth,
+        "read_piece": s.read_piece,
         "direct_io": s.direct_io,
         "io_fixed_buffers": s.io_fixed_buffers,
         "io_registered_files": s.io_registered_files,

@@ -164,7 +164,7 @@ fn holds_regions(region_dir: &Path) -> Result<bool> {
     }
 }
 
-fn read_secret(dir: &Path) -> Result<KeySecret> {
+pub(crate) fn read_secret(dir: &Path) -> Result<KeySecret> {
     let path = dir.join(KEY_SECRET_FILE);
     let mut bytes = Vec::new();
     File::open(&path)

@@ -57,6 +57,11 @@ pub struct Stats {
     /// choice, simulations); counted only with `Config::time_policy`.
     pub policy_ns: u64,
     pub io_engine: &'static str,
+    /// The io engine's queue depth and disk read piece in effect
+    /// (`Config::io_depth`, `Config::read_piece`): the shape of the store's
+    /// disk reads.
+    pub io_depth: u32,
+    pub read_piece: u64,
     /// Whether region files are read and written with O_DIRECT (false where
     /// the file system refused it and buffered I/O is used).
     pub direct_io: bool,

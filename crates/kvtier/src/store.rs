@@ -1388,6 +1388,8 @@ impl Inner {
             eviction_mode,
             policy_ns: Counters::get(&c.policy_ns),
             io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
+            io_depth: self.config.configured_io_depth(),
+            read_piece: self.config.configured_read_piece(),
             direct_io: self.disk.as_ref().is_some_and(|d| d.direct_io()),
             io_fixed_buffers: self
                 .disk

@@ -731,3 +731,39 @@ fn region_files_carry_the_node_id_and_older_names_still_read() {
     assert_eq!(e.kind(), ErrorKind::Corruption, "{e}");
     assert!(e.to_string().contains("two region files"), "{e}");
 }
+
+#[test]
+fn value_locations_read_beside_an_open_store_agree_with_its_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(small_config(dir.path()));
+    for i in 0..30 {
+        store
+            .put(key(i), value_for(&key(i), 0, 70_000 + i as usize))
+            .unwrap();
+    }
+    store.flush().unwrap();
+    // A newer put and a removal, in later batches.
+    store.put(key(3), value_for(&key(3), 1, 5_000)).unwrap();
+    assert!(store.remove(key(5)).unwrap());
+    store.flush().unwrap();
+    let found = kvtier::disk::value_locations(dir.path()).unwrap();
+    assert_eq!(found.len(), 29, "every live key once, the removed one not");
+    let namespace = store.default_namespace();
+    for i in (0..30).filter(|&i| i != 5) {
+        let at = &found[namespace.qualify(&key(i)).as_ref()];
+        let indexed = store.disk_location(key(i)).unwrap().unwrap();
+        assert_eq!(
+            (&at.path, at.offset, at.len, at.digest, at.checksum),
+            (
+                &indexed.path,
+                indexed.offset,
+                indexed.len,
+                indexed.digest,
+                indexed.checksum
+            ),
+            "key {i}"
+        );
+    }
+    assert_eq!(found[namespace.qualify(&key(3)).as_ref()].len, 5_000);
+    assert!(!found.contains_key(namespace.qualify(&key(5)).as_ref()));
+}

@@ -512,8 +512,30 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     let read_shape = device::sweep_reads(&set, sweep_budget)?;
                     let mut reader = device::CeilingReader::new(&set, read_shape, 0)?;
                     let before = remote.client.stats()?;
-                    let (mut get, mut base) = (Measurement::new(), Measurement::new());
-                    let mut verified = 0;
+                    // Beside the server, also the shape-matched stream: the
+                    // server's own disk reads of the case's values (where
+                    // their batch records put them, in its read pieces at
+                    // its io_depth), raw and verified as it verifies.
+                    let located = match &args.server_data_dir {
+                        Some(dir) => Some(server_locations(
+                            dir,
+                            &before,
+                            (0..batches * batch as u64).map(|i| remote.key("disk", batch, i)),
+                        )?),
+                        None => None,
+                    };
+                    let shape_reader = located.as_ref().map(|(at, depth, piece)| {
+                        device::ShapeReader::new(&set, at, *depth, *piece)
+                    });
+                    let mut callers = match &located {
+                        Some((_, depth, _)) => {
+                            vec![device::ShapeCaller::new(*depth, remote.slot() * batch)?]
+                        }
+                        None => Vec::new(),
+                    };
+                    let (mut get, mut base, mut shape) =
+                        (Measurement::new(), Measurement::new(), Measurement::new());
+                    let (mut verified, mut shape_verified) = (0, 0);
                     let mut store_side = |r: &Round, (): &()| -> BenchResult<()> {
                         for b in r.batches.clone() {
                             let keys: Vec<Vec<u8>> = (0..batch as u64)
@@ -527,12 +549,36 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         let bytes = (r.batches.end - r.batches.start) * (batch * value_size) as u64;
                         Ok(reader.read(bytes, &mut base)?)
                     };
-                    schedule::run_rounds(
-                        rounds(batches, GET_ROUNDS),
-                        1,
-                        |_| Ok(()),
-                        &mut [&mut store_side, &mut ceiling_side],
-                    )?;
+                    let mut shape_side = |r: &Round, (): &()| -> BenchResult<()> {
+                        let Some(shape_reader) = &shape_reader else {
+                            return Ok(());
+                        };
+                        let bytes = (r.batches.end - r.batches.start) * (batch * value_size) as u64;
+                        shape_verified += super::on_callers(
+                            r.batches.clone(),
+                            &mut callers,
+                            &mut shape,
+                            bytes,
+                            |b, caller| {
+                                let first = b * batch as u64;
+                                shape_reader.read_batch(first..first + batch as u64, caller)
+                            },
+                        )?;
+                        Ok(())
+                    };
+                    let mut sides: Vec<schedule::Side<'_, ()>> =
+                        vec![&mut store_side, &mut ceiling_side];
+                    if shape_reader.is_some() {
+                        sides.push(&mut shape_side);
+                    }
+                    schedule::run_rounds(rounds(batches, GET_ROUNDS), 1, |_| Ok(()), &mut sides)?;
+                    drop(sides);
+                    if shape_reader.is_some() && shape_verified != verified {
+                        return Err(format!(
+                            "the shape-matched reader verified {shape_verified} bytes, the store {verified}"
+                        )
+                        .into());
+                    }
                     let after = remote.client.stats()?;
                     let memory_hits = after["store"]["memory_hits"].as_u64().unwrap_or(0)
                         - before["store"]["memory_hits"].as_u64().unwrap_or(0);
@@ -544,7 +590,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         value_size as u64,
                         batch,
                         &get,
-                        None,
+                        shape_reader.is_some().then_some(&shape),
                         &base,
                         None,
                         format!("{read_shape} on {place}"),
@@ -559,4 +605,47 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
         client = remote.client;
     }
     Ok(rows)
+}
+
+/// Where the server keeps each of `keys` (read from its batch records in
+/// `data_dir`, beside it) and the shape of its disk reads (its io_depth
+/// and read piece, from `stats`): what the shape-matched stream replays.
+fn server_locations(
+    data_dir: &std::path::Path,
+    stats: &serde_json::Value,
+    keys: impl Iterator<Item = Vec<u8>>,
+) -> BenchResult<(Vec<kvtier::DiskLocation>, usize, usize)> {
+    let reported = |field: &str| {
+        stats["store"][field]
+            .as_u64()
+            .filter(|v| *v > 0)
+            .ok_or_else(|| {
+                format!("the server's stats carry no {field} (a server older than this bench?)")
+            })
+    };
+    let depth = reported("io_depth")? as usize;
+    let piece = reported("read_piece")? as usize;
+    // Batch records hold qualified keys (namespace length, namespace,
+    // key); the bench knows its keys unqualified.
+    let mut by_key = std::collections::HashMap::new();
+    for (qualified, location) in kvtier::disk::value_locations(data_dir)? {
+        let Some((&ns_len, rest)) = qualified.split_first() else {
+            continue;
+        };
+        if let Some(key) = rest.get(ns_len as usize..) {
+            by_key.insert(key.to_vec(), location);
+        }
+    }
+    let located = keys
+        .map(|key| {
+            by_key.remove(&key).ok_or_else(|| {
+                format!(
+                    "{} is in no batch record under {}",
+                    String::from_utf8_lossy(&key),
+                    data_dir.display()
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((located, depth, piece))
 }

@@ -342,16 +342,22 @@ impl DiskTier {
             report.regions += 1;
             report.max_seq = report.max_seq.max(header.first_seq.saturating_sub(1));
             let region = Region::new(id, file, path, file_len, &self.engine);
-            let scan = self.scan_region(&region, file_len, |batch_start, entries| {
-                report.batches += 1;
-                for entry in entries {
-                    report.records += 1;
-                    report.max_seq = report.max_seq.max(entry.seq);
-                    let page = (batch_start + entry.value_offset) / PAGE_SIZE;
-                    let loc = DiskLoc::new(id, page as u32);
-                    apply(RecoveredEntry { entry, loc });
-                }
-            })?;
+            let scan = scan_region(
+                &region.file,
+                id,
+                file_len,
+                &self.secret,
+                |batch_start, entries| {
+                    report.batches += 1;
+                    for entry in entries {
+                        report.records += 1;
+                        report.max_seq = report.max_seq.max(entry.seq);
+                        let page = (batch_start + entry.value_offset) / PAGE_SIZE;
+                        let loc = DiskLoc::new(id, page as u32);
+                        apply(RecoveredEntry { entry, loc });
+                    }
+                },
+            )?;
             if let Some((offset, reason)) = &scan.first_problem {
                 report.damaged_regions += 1;
                 report.skipped_pages += scan.skipped_pages;
@@ -364,95 +370,25 @@ impl DiskTier {
         Ok(report)
     }
 
-    /// Visits each valid batch of `region` in order. A page where no valid
-    /// batch starts (torn, corrupt, unreadable, or past `file_len`) is
-    /// skipped and the scan resynchronises on the next page that starts a
-    /// valid batch, so one bad record never hides the good ones (or the
-    /// tombstones) after it. A record cannot be forged inside a value:
-    /// every entry's digest is keyed with the directory's secret.
-    fn scan_region(
-        &self,
-        region: &Region,
-        file_len: u64,
-        mut visit: impl FnMut(u64, Vec<RecordEntry>),
-    ) -> Result<ScanEnd> {
-        let mut scan = ScanEnd {
-            end: REGION_HEADER_LEN,
-            skipped_pages: 0,
-            first_problem: None,
-        };
-        let mut buf = AlignedBuf::zeroed(PAGE_SIZE as usize);
-        let mut offset = REGION_HEADER_LEN;
-        while offset + PAGE_SIZE <= file_len {
-            match self.read_batch_at(region, file_len, offset, &mut buf) {
-                Ok((batch_len, entries)) => {
-                    visit(offset, entries);
-                    offset += batch_len;
-                    scan.end = offset;
-                }
-                Err(reason) => {
-                    if scan.first_problem.is_none() {
-                        scan.first_problem = Some((offset, reason));
-                    }
-                    scan.skipped_pages += 1;
-                    offset += PAGE_SIZE;
-                }
-            }
-        }
-        if offset < file_len && scan.first_problem.is_none() {
-            scan.first_problem = Some((offset, "partial page at the end of the file".into()));
-        }
-        Ok(scan)
-    }
-
-    /// Reads and verifies the batch starting at `offset`: its length and
-    /// record entries.
-    fn read_batch_at(
-        &self,
-        region: &Region,
-        file_len: u64,
-        offset: u64,
-        buf: &mut AlignedBuf,
-    ) -> std::result::Result<(u64, Vec<RecordEntry>), String> {
-        pread_full(
-            &region.file,
-            offset,
-            &mut buf.as_mut_slice()[..PAGE_SIZE as usize],
-        )
-        .map_err(|e| format!("read failed: {e}"))?;
-        let header = BatchHeader::decode(buf.as_slice(), region.id)?;
-        if offset + header.batch_len > file_len {
-            return Err("batch extends past the end of the file".into());
-        }
-        let padded = header.padded_record_len() as usize;
-        if padded > buf.len() {
-            let mut bigger = AlignedBuf::zeroed(padded);
-            bigger.as_mut_slice()[..PAGE_SIZE as usize]
-                .copy_from_slice(&buf.as_slice()[..PAGE_SIZE as usize]);
-            *buf = bigger;
-        }
-        if padded > PAGE_SIZE as usize {
-            let rest = &mut buf.as_mut_slice()[PAGE_SIZE as usize..padded];
-            pread_full(&region.file, offset + PAGE_SIZE, rest)
-                .map_err(|e| format!("read failed: {e}"))?;
-        }
-        let entries = format::decode_record(buf.as_slice(), &header, &self.secret)?;
-        Ok((header.batch_len, entries))
-    }
-
     /// Every record entry of a region with its value's location, for the
     /// reclaimer.
     pub fn region_entries(&self, region: &Region) -> Result<Vec<RecoveredEntry>> {
         let mut out = Vec::new();
-        self.scan_region(region, region.len(), |batch_start, entries| {
-            for entry in entries {
-                let page = ((batch_start + entry.value_offset) / PAGE_SIZE) as u32;
-                out.push(RecoveredEntry {
-                    entry,
-                    loc: DiskLoc::new(region.id, page),
-                });
-            }
-        })?;
+        scan_region(
+            &region.file,
+            region.id,
+            region.len(),
+            &self.secret,
+            |batch_start, entries| {
+                for entry in entries {
+                    let page = ((batch_start + entry.value_offset) / PAGE_SIZE) as u32;
+                    out.push(RecoveredEntry {
+                        entry,
+                        loc: DiskLoc::new(region.id, page),
+                    });
+                }
+            },
+        )?;
         Ok(out)
     }
 
@@ -698,6 +634,142 @@ impl DiskTier {
     pub fn direct_io(&self) -> bool {
         self.direct_io.load(Ordering::Relaxed)
     }
+}
+
+/// Where each value stored in the data directory `data_dir` lies, read
+/// from its region files' batch records without opening the store (so it
+/// may run beside a live store or server, read-only): each qualified key's
+/// newest put, unless a newer tombstone removed it. A snapshot for tools
+/// that replay the store's disk reads raw (the bench's shape-matched stream
+/// through a server); the store's own index stays the authority. Meant for
+/// a directory one node writes (sequence numbers order one node's puts).
+pub fn value_locations(
+    data_dir: &Path,
+) -> Result<std::collections::HashMap<Vec<u8>, crate::DiskLocation>> {
+    let secret = crate::data_dir::read_secret(data_dir)?;
+    let dir = data_dir.join(REGION_DIR);
+    let listing =
+        fs::read_dir(&dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+    let mut newest: std::collections::HashMap<Vec<u8>, (u64, Option<crate::DiskLocation>)> =
+        std::collections::HashMap::new();
+    for item in listing {
+        let path = item
+            .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?
+            .path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let Some(RegionName { id, .. }) = parse_region_name(&name) else {
+            continue;
+        };
+        let file =
+            File::open(&path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| Error::io(format!("reading size of {}", path.display()), e))?
+            .len();
+        let mut page = AlignedBuf::zeroed(PAGE_SIZE as usize);
+        let named = file_len >= REGION_HEADER_LEN
+            && pread_full(&file, 0, page.as_mut_slice()).is_ok()
+            && RegionHeader::decode(page.as_slice()).is_ok_and(|h| h.region == id);
+        if !named {
+            continue;
+        }
+        scan_region(&file, id, file_len, &secret, |batch_start, entries| {
+            for entry in entries {
+                if newest
+                    .get(&entry.key)
+                    .is_some_and(|(seq, _)| *seq > entry.seq)
+                {
+                    continue;
+                }
+                let location =
+                    (entry.kind == format::RecordKind::Put).then(|| crate::DiskLocation {
+                        path: path.clone(),
+                        offset: batch_start + entry.value_offset,
+                        len: entry.value_len,
+                        digest: entry.digest,
+                        checksum: entry.checksum,
+                    });
+                newest.insert(entry.key, (entry.seq, location));
+            }
+        })?;
+    }
+    Ok(newest
+        .into_iter()
+        .filter_map(|(key, (_, location))| Some((key, location?)))
+        .collect())
+}
+
+/// Visits each valid batch of region `id` (in `file`) in order. A page where no valid
+/// batch starts (torn, corrupt, unreadable, or past `file_len`) is
+/// skipped and the scan resynchronises on the next page that starts a
+/// valid batch, so one bad record never hides the good ones (or the
+/// tombstones) after it. A record cannot be forged inside a value:
+/// every entry's digest is keyed with the directory's secret.
+fn scan_region(
+    file: &File,
+    id: u32,
+    file_len: u64,
+    secret: &KeySecret,
+    mut visit: impl FnMut(u64, Vec<RecordEntry>),
+) -> Result<ScanEnd> {
+    let mut scan = ScanEnd {
+        end: REGION_HEADER_LEN,
+        skipped_pages: 0,
+        first_problem: None,
+    };
+    let mut buf = AlignedBuf::zeroed(PAGE_SIZE as usize);
+    let mut offset = REGION_HEADER_LEN;
+    while offset + PAGE_SIZE <= file_len {
+        match read_batch_at(file, id, file_len, secret, offset, &mut buf) {
+            Ok((batch_len, entries)) => {
+                visit(offset, entries);
+                offset += batch_len;
+                scan.end = offset;
+            }
+            Err(reason) => {
+                if scan.first_problem.is_none() {
+                    scan.first_problem = Some((offset, reason));
+                }
+                scan.skipped_pages += 1;
+                offset += PAGE_SIZE;
+            }
+        }
+    }
+    if offset < file_len && scan.first_problem.is_none() {
+        scan.first_problem = Some((offset, "partial page at the end of the file".into()));
+    }
+    Ok(scan)
+}
+
+/// Reads and verifies the batch starting at `offset`: its length and
+/// record entries.
+fn read_batch_at(
+    file: &File,
+    id: u32,
+    file_len: u64,
+    secret: &KeySecret,
+    offset: u64,
+    buf: &mut AlignedBuf,
+) -> std::result::Result<(u64, Vec<RecordEntry>), String> {
+    pread_full(file, offset, &mut buf.as_mut_slice()[..PAGE_SIZE as usize])
+        .map_err(|e| format!("read failed: {e}"))?;
+    let header = BatchHeader::decode(buf.as_slice(), id)?;
+    if offset + header.batch_len > file_len {
+        return Err("batch extends past the end of the file".into());
+    }
+    let padded = header.padded_record_len() as usize;
+    if padded > buf.len() {
+        let mut bigger = AlignedBuf::zeroed(padded);
+        bigger.as_mut_slice()[..PAGE_SIZE as usize]
+            .copy_from_slice(&buf.as_slice()[..PAGE_SIZE as usize]);
+        *buf = bigger;
+    }
+    if padded > PAGE_SIZE as usize {
+        let rest = &mut buf.as_mut_slice()[PAGE_SIZE as usize..padded];
+        pread_full(file, offset + PAGE_SIZE, rest).map_err(|e| format!("read failed: {e}"))?;
+    }
+    let entries = format::decode_record(buf.as_slice(), &header, secret)?;
+    Ok((header.batch_len, entries))
 }
 
 #[derive(Debug)]
