@@ -33,26 +33,46 @@ impl Remote {
         self.value_size.div_ceil(4096) * 4096
     }
 
-    /// Puts one batch; only the client call is timed (values are generated
-    /// first, into the shared buffer on unix).
-    fn put(
+    /// Generates the values of `keys` into value places `first..` (of the
+    /// shared buffer on unix, of `scratch` over TCP), untimed, for `put`.
+    fn stage(
         &mut self,
         keys: &[Vec<u8>],
-        options: &PutOptions,
+        first: usize,
         scratch: &mut [Vec<u8>],
-        m: &mut Measurement,
     ) -> BenchResult<()> {
-        let slot = self.slot();
-        let results = if self.unix {
+        let (slot, value_size) = (self.slot(), self.value_size);
+        if self.unix {
             let shm = self
                 .client
                 .registered_buffer()
                 .ok_or("no registered buffer")?;
             for (i, key) in keys.iter().enumerate() {
-                data::fill(key, &mut shm[i * slot..i * slot + self.value_size]);
+                let at = (first + i) * slot;
+                data::fill(key, &mut shm[at..at + value_size]);
             }
+        } else {
+            for (key, value) in keys.iter().zip(&mut scratch[first..]) {
+                data::fill(key, value);
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts one batch whose values `stage` placed at value places
+    /// `first..`; only the client call is timed.
+    fn put(
+        &mut self,
+        keys: &[Vec<u8>],
+        first: usize,
+        options: &PutOptions,
+        scratch: &[Vec<u8>],
+        m: &mut Measurement,
+    ) -> BenchResult<()> {
+        let slot = self.slot();
+        let results = if self.unix {
             let ranges: Vec<(u64, u64)> = (0..keys.len())
-                .map(|i| ((i * slot) as u64, self.value_size as u64))
+                .map(|i| (((first + i) * slot) as u64, self.value_size as u64))
                 .collect();
             let call = Instant::now();
             let results = self.client.batch_put_registered(keys, &ranges, options)?;
@@ -61,13 +81,10 @@ impl Remote {
             m.add_span(elapsed, (keys.len() * self.value_size) as u64);
             results
         } else {
-            for (key, value) in keys.iter().zip(scratch.iter_mut()) {
-                data::fill(key, value);
-            }
             let call = Instant::now();
-            let results = self
-                .client
-                .batch_put_with(keys, &scratch[..keys.len()], options)?;
+            let results =
+                self.client
+                    .batch_put_with(keys, &scratch[first..first + keys.len()], options)?;
             let elapsed = call.elapsed();
             m.record_call(elapsed);
             m.add_span(elapsed, (keys.len() * self.value_size) as u64);
@@ -247,8 +264,13 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
     let unix = url.starts_with("unix://");
     let max_batch = *args.batches.iter().max().unwrap_or(&1);
     let max_value = *args.value_sizes.iter().max().unwrap_or(&1) as usize;
+    // Room for the values of a disk put round (staged before its clock).
     let shm_size = if unix {
-        max_batch * max_value.div_ceil(4096) * 4096
+        args.value_sizes
+            .iter()
+            .map(|&v| round_places(args, v) * (v as usize).div_ceil(4096) * 4096)
+            .max()
+            .unwrap_or(0)
     } else {
         0
     };
@@ -308,7 +330,9 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
         let mut scratch: Vec<Vec<u8>> = if unix {
             Vec::new()
         } else {
-            (0..max_batch).map(|_| vec![0u8; value_size]).collect()
+            (0..round_places(args, value_size as u64))
+                .map(|_| vec![0u8; value_size])
+                .collect()
         };
         for &batch in &args.batches {
             let batches = super::batches_for(args.bytes_per_case, value_size as u64, batch);
@@ -342,7 +366,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         .map(|i| remote.key("memory", batch, i))
                         .collect();
                     let mut ignored = Measurement::new();
-                    remote.put(&keys, &memory_only, &mut scratch, &mut ignored)?;
+                    remote.stage(&keys, 0, &mut scratch)?;
+                    remote.put(&keys, 0, &memory_only, &scratch, &mut ignored)?;
                     remote.get(&keys, &mut scratch, &mut ignored)?;
                     if let Some(tcp) = &mut tcp_baseline {
                         tcp.run(value_size * batch, true, 0..1, &mut ignored)?;
@@ -359,7 +384,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     };
                     for b in r.batches.clone() {
                         let keys = keys(&remote, b);
-                        remote.put(&keys, &memory_only, &mut scratch, &mut put)?;
+                        remote.stage(&keys, 0, &mut scratch)?;
+                        remote.put(&keys, 0, &memory_only, &scratch, &mut put)?;
                     }
                     for b in r.batches.clone() {
                         let keys = keys(&remote, b);
@@ -440,8 +466,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 // files when --server-data-dir names them (the bench runs
                 // beside the server with read access), else over a scratch
                 // file the bench writes in --data-dir; for writes always on
-                // such a scratch file. No shape-matched stream: the bench
-                // cannot see where the server put each value.
+                // such a scratch file. With --server-data-dir, disk gets also
+                // replay the server's reads raw (shape-matched).
                 let filler_batches = memory.div_ceil((value_size * batch) as u64) + 1;
                 let write_through = PutOptions::default();
                 let sweep_budget = (2 * args.bytes_per_case).max(16 << 20);
@@ -453,14 +479,27 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 let (mut put, mut base_write) = (Measurement::new(), Measurement::new());
                 let bytes =
                     |r: &Round| (r.batches.end - r.batches.start) * (batch * value_size) as u64;
+                // The round's values are generated before its clock starts
+                // (the server's flusher writes in the background, so no
+                // untimed gap may fall between the calls); the calls and the
+                // flush are timed together on the wall clock.
                 let mut store_side = |r: &Round, (): &()| -> BenchResult<()> {
+                    let batches_keys: Vec<Vec<Vec<u8>>> = r
+                        .batches
+                        .clone()
+                        .map(|b| {
+                            (0..batch as u64)
+                                .map(|i| remote.key("disk", batch, b * batch as u64 + i))
+                                .collect()
+                        })
+                        .collect();
+                    for (j, keys) in batches_keys.iter().enumerate() {
+                        remote.stage(keys, j * batch, &mut scratch)?;
+                    }
                     let started = Instant::now();
                     let mut calls = Measurement::new();
-                    for b in r.batches.clone() {
-                        let keys: Vec<Vec<u8>> = (0..batch as u64)
-                            .map(|i| remote.key("disk", batch, b * batch as u64 + i))
-                            .collect();
-                        remote.put(&keys, &write_through, &mut scratch, &mut calls)?;
+                    for (j, keys) in batches_keys.iter().enumerate() {
+                        remote.put(keys, j * batch, &write_through, &scratch, &mut calls)?;
                     }
                     remote.client.flush()?;
                     put.add_span(started.elapsed(), bytes(r));
@@ -480,7 +519,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                     let keys: Vec<Vec<u8>> = (0..batch as u64)
                         .map(|i| remote.key("disk", batch, b * batch as u64 + i))
                         .collect();
-                    remote.put(&keys, &write_through, &mut scratch, &mut ignored)?;
+                    remote.stage(&keys, 0, &mut scratch)?;
+                    remote.put(&keys, 0, &write_through, &scratch, &mut ignored)?;
                 }
                 remote.client.flush()?;
                 if wants("put", "disk") {
@@ -648,4 +688,22 @@ fn server_locations(
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok((located, depth, piece))
+}
+
+/// Values of `value_size` in the largest disk put round of any batch count
+/// (at least one batch): what the staging places must hold.
+fn round_places(args: &BenchArgs, value_size: u64) -> usize {
+    args.batches
+        .iter()
+        .map(|&batch| {
+            let batches = super::batches_for(args.bytes_per_case, value_size, batch);
+            let most = rounds(batches, PUT_ROUNDS)
+                .iter()
+                .map(|r| r.end - r.start)
+                .max()
+                .unwrap_or(1);
+            most as usize * batch
+        })
+        .max()
+        .unwrap_or(1)
 }
