@@ -660,8 +660,12 @@ pub fn value_locations(
         let Some(RegionName { id, .. }) = parse_region_name(&name) else {
             continue;
         };
-        let file =
-            File::open(&path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            // Reclaimed by the live store since the listing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+        };
         let file_len = file
             .metadata()
             .map_err(|e| Error::io(format!("reading size of {}", path.display()), e))?
