@@ -507,6 +507,18 @@ pub struct ShapeReader<'a> {
     piece: usize,
 }
 
+/// Fails unless the shape-matched stream verified as many bytes as the
+/// store's gets did: both must have read the case's values, all of them.
+pub fn check_same_verified(shape: u64, store: u64) -> Result<(), String> {
+    if shape == store {
+        Ok(())
+    } else {
+        Err(format!(
+            "the shape-matched reader verified {shape} bytes, the store {store}"
+        ))
+    }
+}
+
 /// One caller thread's ring and host buffer for a `ShapeReader`.
 pub struct ShapeCaller {
     ring: IoUring,

@@ -894,12 +894,7 @@ fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
                     if stores.iter().any(|s| s.stats().memory_hits > 0) {
                         return Err("a disk get was served from memory: the case is invalid".into());
                     }
-                    if shape_verified != verified {
-                        return Err(format!(
-                            "the shape-matched reader verified {shape_verified} bytes, the store {verified}"
-                        )
-                        .into());
-                    }
+                    device::check_same_verified(shape_verified, verified)?;
                     let mut row = Row::against_device(
                         "get",
                         value_size,

@@ -316,7 +316,7 @@ fn replay(
     let (mut hit_blocks, mut blocks, mut verified, mut written) = (0u64, 0u64, 0u64, 0u64);
     // Loads are split by tier: the hit blocks with a memory copy are read
     // in one call, the rest (disk hits) in another, each timed on its own.
-    let mut memory_load = Load::default();
+    let memory_load = Cell::new(Load::default());
     let disk_load = Cell::new(Load::default());
     // What the disk loads read in the replay's latest round: the ceiling's
     // share of a round.
@@ -361,11 +361,8 @@ fn replay(
                         .collect();
                     let part = Instant::now();
                     let results = store.batch_get_into(&part_keys, &mut part_bufs);
-                    let mut load = if in_memory {
-                        memory_load
-                    } else {
-                        disk_load.get()
-                    };
+                    let tier_load = if in_memory { &memory_load } else { &disk_load };
+                    let mut load = tier_load.get();
                     load.busy += part.elapsed();
                     load.calls += 1;
                     for (&i, result) in picked.iter().zip(&results) {
@@ -378,11 +375,7 @@ fn replay(
                             Err(e) => return Err(format!("loading a hit block failed: {e}").into()),
                         }
                     }
-                    if in_memory {
-                        memory_load = load;
-                    } else {
-                        disk_load.set(load);
-                    }
+                    tier_load.set(load);
                 }
                 // A block evicted between the lookup and the read ends the hit.
                 loaded = hit.iter().take_while(|&&h| h).count();
@@ -459,7 +452,7 @@ fn replay(
         .elapsed()
         .saturating_sub(ceiling_time.get())
         .as_secs_f64();
-    let disk_load = disk_load.get();
+    let (memory_load, disk_load) = (memory_load.get(), disk_load.get());
     let stats = store.stats();
     let per_entry = |bytes: u64| bytes as f64 / stats.entries.max(1) as f64;
     store.close()?;
