@@ -20,6 +20,10 @@ pub const DATA_DIR_FORMAT: u32 = 3;
 pub const FORMAT_FILE: &str = "FORMAT";
 pub const KEY_SECRET_FILE: &str = "key-secret";
 pub const NODE_ID_FILE: &str = "node-id";
+/// The secret's check value (`KeySecret::check_value`): a damaged or
+/// swapped `key-secret` is refused by name instead of read as a directory
+/// of damaged regions (which reclaim would then destroy).
+pub const KEY_CHECK_FILE: &str = "key-check";
 
 /// Who a data directory is: the key of its digests, and the node it makes
 /// (stable for the directory's life; 32 lower-case hex digits).
@@ -27,6 +31,10 @@ pub const NODE_ID_FILE: &str = "node-id";
 pub struct Identity {
     pub secret: KeySecret,
     pub node_id: String,
+    /// Whether `key-check` confirmed the secret. Directories written
+    /// before it existed have none: the store confirms the secret against
+    /// their records instead, then writes it.
+    pub confirmed: bool,
 }
 const FORMAT_PREFIX: &str = "kvtier data directory format ";
 
@@ -42,8 +50,12 @@ pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<Identity> {
                 .strip_prefix(FORMAT_PREFIX)
                 .and_then(|v| v.parse::<u32>().ok());
             match version {
-                Some(DATA_DIR_FORMAT) => Ok(Identity {
-                    secret: read_secret(dir)?,
+                Some(DATA_DIR_FORMAT) => {
+                    let secret = read_secret(dir)?;
+                    let confirmed = check_secret(dir, &secret)?;
+                    Ok(Identity {
+                    secret,
+                    confirmed,
                     node_id: read_node_id(dir)?.ok_or_else(|| {
                         Error::new(
                             ErrorKind::Corruption,
@@ -54,7 +66,8 @@ pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<Identity> {
                             ),
                         )
                     })?,
-                }),
+                })
+                }
                 Some(2) => upgrade_from_2(dir),
                 Some(other) => Err(Error::new(
                     ErrorKind::InvalidArgument,
@@ -113,7 +126,12 @@ fn upgrade_from_2(dir: &Path) -> Result<Identity> {
     write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
     sync_dir(dir)?;
     tracing::info!(dir = %dir.display(), node_id = %node_id, "upgraded the data directory from format 2 to 3");
-    Ok(Identity { secret, node_id })
+    let confirmed = check_secret(dir, &secret)?;
+    Ok(Identity {
+        secret,
+        node_id,
+        confirmed,
+    })
 }
 
 /// The node id in `dir`, if the file exists; an error if it is not one.
@@ -134,6 +152,64 @@ fn read_node_id(dir: &Path) -> Result<Option<String>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
     }
+}
+
+/// Whether `key-check` confirms `secret`: `Ok(true)` if it does,
+/// `Ok(false)` if the file is absent (older directories), an error naming
+/// the file if it does not match or is damaged.
+fn check_secret(dir: &Path, secret: &KeySecret) -> Result<bool> {
+    let path = dir.join(KEY_CHECK_FILE);
+    match fs::read_to_string(&path) {
+        Ok(text) if text.trim() == secret.check_value() => Ok(true),
+        Ok(_) => Err(Error::new(
+            ErrorKind::Corruption,
+            format!(
+                "{} does not match {}: the key-secret is damaged or belongs to another \
+                 directory, and every stored block would fail verification. Restore the \
+                 right key-secret (nothing was changed)",
+                path.display(),
+                dir.join(KEY_SECRET_FILE).display()
+            ),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io(format!("reading {}", path.display()), e)),
+    }
+}
+
+/// Writes `key-check` for `secret` (once the secret is known to be right).
+pub fn write_key_check(dir: &Path, secret: &KeySecret) -> Result<()> {
+    write_synced(
+        dir,
+        KEY_CHECK_FILE,
+        format!("{}\n", secret.check_value()).as_bytes(),
+        0o600,
+    )?;
+    sync_dir(dir)
+}
+
+/// Left by a clean close, taken by the next open: its absence at open
+/// means the previous run ended without closing (docs/design.md, "Tail
+/// scrub").
+pub const CLEAN_MARKER_FILE: &str = "clean-shutdown";
+
+/// Whether the previous run closed cleanly; removes the marker (synced),
+/// so that this run's crash is noticed by the next open.
+pub fn take_clean_marker(dir: &Path) -> Result<bool> {
+    let path = dir.join(CLEAN_MARKER_FILE);
+    match fs::remove_file(&path) {
+        Ok(()) => {
+            sync_dir(dir)?;
+            Ok(true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(Error::io(format!("removing {}", path.display()), e)),
+    }
+}
+
+/// Marks the shutdown clean (after the last flush succeeded).
+pub fn leave_clean_marker(dir: &Path) -> Result<()> {
+    write_synced(dir, CLEAN_MARKER_FILE, b"closed cleanly\n", 0o600)?;
+    sync_dir(dir)
 }
 
 /// Whether `text` is a node id: 32 lower-case hex digits.
@@ -198,12 +274,22 @@ pub(crate) fn read_secret(dir: &Path) -> Result<KeySecret> {
 fn create(dir: &Path) -> Result<Identity> {
     let secret = KeySecret::generate()?;
     write_synced(dir, KEY_SECRET_FILE, secret.as_bytes(), 0o600)?;
+    write_synced(
+        dir,
+        KEY_CHECK_FILE,
+        format!("{}\n", secret.check_value()).as_bytes(),
+        0o600,
+    )?;
     let node_id = new_node_id()?;
     write_synced(dir, NODE_ID_FILE, format!("{node_id}\n").as_bytes(), 0o644)?;
     let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
     write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
     sync_dir(dir)?;
-    Ok(Identity { secret, node_id })
+    Ok(Identity {
+        secret,
+        node_id,
+        confirmed: true,
+    })
 }
 
 fn write_synced(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<()> {
@@ -309,6 +395,25 @@ mod tests {
         fs::remove_file(dir.path().join(NODE_ID_FILE)).unwrap();
         let e = open_or_create(dir.path(), &regions).unwrap_err();
         assert!(e.to_string().contains("node-id"), "{e}");
+    }
+
+    #[test]
+    fn a_damaged_secret_is_refused_by_its_check_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let regions = dir.path().join("regions");
+        let created = open_or_create(dir.path(), &regions).unwrap();
+        assert!(created.confirmed);
+        let path = dir.path().join(KEY_SECRET_FILE);
+        let mut bytes = fs::read(&path).unwrap();
+        bytes[5] ^= 1;
+        fs::write(&path, &bytes).unwrap();
+        let e = open_or_create(dir.path(), &regions).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corruption);
+        assert!(e.to_string().contains(KEY_CHECK_FILE), "{e}");
+        // Without the check value (an older directory) the secret is
+        // taken as unconfirmed, for the store to check against records.
+        fs::remove_file(dir.path().join(KEY_CHECK_FILE)).unwrap();
+        assert!(!open_or_create(dir.path(), &regions).unwrap().confirmed);
     }
 
     #[test]

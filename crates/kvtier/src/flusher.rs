@@ -150,11 +150,11 @@ impl Inner {
         let Some(region) = disk.oldest_region() else {
             return false;
         };
-        let entries = match disk.region_entries(&region) {
-            Ok(entries) => entries,
+        let (entries, complete) = match disk.region_entries(&region) {
+            Ok(found) => found,
             Err(e) => {
                 tracing::warn!(region = region.id, error = %e, "could not read region records; dropping its entries");
-                Vec::new()
+                (Vec::new(), false)
             }
         };
         let budget = region.len() / 4 * 3;
@@ -192,6 +192,16 @@ impl Inner {
             tracing::error!(region = region.id, error = %e, "removing a reclaimed region; will retry");
             drop(carry);
             return false;
+        }
+        if !complete {
+            // Records that no longer read (damaged since they were indexed)
+            // still have index entries pointing here: sweep them, so that
+            // `exists` and `prefix_len` never count a region that is gone.
+            let swept = self.index.clear_region(region.id);
+            if swept > 0 {
+                tracing::warn!(region = region.id, entries = swept, "dropped index entries of a reclaimed region whose records could not all be read");
+            }
+            dropped += swept;
         }
         let carried = self.carry_forward(disk, &region, carry);
         Counters::add(&self.counters.reclaimed_regions, 1);

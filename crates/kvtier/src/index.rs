@@ -459,6 +459,32 @@ impl Index {
         found
     }
 
+    /// Forgets every disk copy in `region` (gone); entries left in no tier
+    /// are removed. Takes each shard's lock once. Returns how many.
+    pub fn clear_region(&self, region: u32) -> u64 {
+        let mut cleared = 0;
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap();
+            let doomed: Vec<(KeyDigest, u64, DiskLoc)> = shard
+                .map
+                .iter()
+                .filter_map(|(key, entry)| {
+                    let loc = entry.disk?;
+                    (loc.region() == region).then(|| {
+                        let digest = KeyDigest(u128::from(key.high) << 64 | u128::from(key.low));
+                        (digest, entry.seq(), loc)
+                    })
+                })
+                .collect();
+            for (digest, seq, loc) in doomed {
+                if shard.clear_disk(digest, seq, loc) {
+                    cleared += 1;
+                }
+            }
+        }
+        cleared
+    }
+
     /// Drops every entry (and with them the pool leases they hold).
     pub fn clear(&self) {
         for shard in self.shards.iter() {

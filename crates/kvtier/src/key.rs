@@ -79,6 +79,17 @@ impl KeySecret {
         &self.0
     }
 
+    /// A value that names this secret without revealing it (`key-check`
+    /// in the data directory): 16 bytes of a BLAKE3 hash keyed with the
+    /// secret over a fixed label, as 32 lower-case hex digits.
+    pub fn check_value(&self) -> String {
+        let hash = blake3::keyed_hash(&self.0, b"kvtier key-secret check value v1");
+        hash.as_bytes()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// The digest of a qualified key (as a batch record stores it).
     pub fn digest_qualified(&self, qualified: &[u8]) -> KeyDigest {
         let hash = blake3::keyed_hash(&self.0, qualified);

@@ -9,7 +9,7 @@
 use crate::config::{page_round_up, Config, FlushPolicy, PAGE_SIZE};
 use crate::disk::format::{self, RecordKind};
 use crate::disk::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
-use crate::disk::{DiskTier, RecoveryReport, Region};
+use crate::disk::{DiskTier, RecoveryChecks, RecoveryReport, Region};
 use crate::error::{Error, ErrorKind, Result};
 use crate::index::{DiskLoc, Entry, Index};
 use crate::key::{validate_key, KeyDigest, KeySecret, Namespace, ValueChecksum};
@@ -180,16 +180,30 @@ impl Store {
         let node_id = identity.node_id;
         let default_namespace = Namespace::new(Arc::clone(&secret), &config.namespace)?;
         let index = Index::default();
+        // Whether the last run closed cleanly: taken (and synced away) now,
+        // so that a crash of this run is noticed by the next.
+        let clean = crate::data_dir::take_clean_marker(&config.data_dir)?;
         let (disk, recovery) = if config.disk_enabled() {
             let mut tombstones: HashMap<u128, u64> = HashMap::new();
-            let (disk, report) =
-                DiskTier::open(&config, Arc::clone(&secret), &node_id, |recovered| {
-                    apply_recovered(&index, &mut tombstones, recovered)
-                })?;
+            let checks = RecoveryChecks {
+                identity_confirmed: identity.confirmed,
+                scrub_tail: !clean,
+            };
+            let (disk, report) = DiskTier::open(
+                &config,
+                Arc::clone(&secret),
+                &node_id,
+                checks,
+                |recovered| apply_recovered(&index, &mut tombstones, recovered),
+            )?;
             (Some(disk), report)
         } else {
             (None, RecoveryReport::default())
         };
+        if !identity.confirmed {
+            // The records (if any) verified under the secret: record it.
+            crate::data_dir::write_key_check(&config.data_dir, &secret)?;
+        }
         let pool = PoolCore::new(config.memory_capacity)?;
         if let Some(disk) = &disk {
             // The flusher writes straight from the pool: pinned once here,
@@ -210,6 +224,14 @@ impl Store {
                 damaged_regions = recovery.damaged_regions,
                 skipped_pages = recovery.skipped_pages,
                 quarantined_regions = recovery.quarantined_regions,
+                damaged_headers = recovery.damaged_headers,
+                foreign_regions = recovery.foreign_regions,
+                skipped_files = recovery.skipped_files,
+                buffered_regions = recovery.buffered_regions,
+                regions_behind_gap = recovery.regions_behind_gap,
+                scrubbed_entries = recovery.scrubbed_entries,
+                scrub_dropped = recovery.scrub_dropped,
+                scrub_ms = recovery.scrub_ms,
                 io_engine = disk.engine_name(),
                 direct_io = disk.direct_io(),
                 fixed_buffers = disk.engine().uses_fixed_buffers(),
@@ -445,6 +467,13 @@ impl Store {
             Ok(())
         };
         self.inner.index.clear();
+        if result.is_ok() {
+            // Everything acknowledged is on disk and nothing writes any
+            // more: the next open need not scrub the tail.
+            if let Err(e) = crate::data_dir::leave_clean_marker(&self.inner.config.data_dir) {
+                tracing::warn!(error = %e, "could not mark the shutdown clean; the next open scrubs the newest region");
+            }
+        }
         self.inner.lock.lock().unwrap().take();
         result
     }
@@ -1114,7 +1143,6 @@ impl Inner {
         }
         let mut results: Vec<Result<Option<usize>>> = Vec::with_capacity(keys.len());
         let mut disk_reads: Vec<Option<DiskRead>> = Vec::with_capacity(keys.len());
-        let direct = self.disk.as_ref().is_some_and(|d| d.direct_io());
         for (key, buf) in keys.iter().zip(bufs.iter_mut()) {
             let key = key.as_ref();
             let mut disk_read = None;
@@ -1140,6 +1168,8 @@ impl Inner {
                     } => {
                         check_buffer(len, buf.capacity())?;
                         let padded = page_round_up(len as u64) as usize;
+                        // Alignment is a fact of the file, not the store.
+                        let direct = region.direct_io();
                         // Straight into the caller's buffer when it is one
                         // slice and O_DIRECT allows it; through a bounce
                         // buffer otherwise.

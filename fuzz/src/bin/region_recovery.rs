@@ -5,7 +5,7 @@
 //! - recovery changes nothing it keeps: opening the directory again
 //!   recovers exactly the same entries.
 
-use kvtier::disk::DiskTier;
+use kvtier::disk::{DiskTier, RecoveryChecks};
 use kvtier::{Config, IoEngineKind, KeySecret};
 use kvtier_fuzz::sample_region;
 use std::sync::Arc;
@@ -14,7 +14,11 @@ fn recover(config: &Config, secret: &Arc<KeySecret>) -> Vec<(u64, u128, u32, u32
     let mut seen = Vec::new();
     // Region files named by id alone (format 2's names) are still read.
     let node_id = "0123456789abcdef0123456789abcdef";
-    let (_tier, _report) = DiskTier::open(config, Arc::clone(secret), node_id, |r| {
+    let checks = RecoveryChecks {
+        identity_confirmed: true,
+        scrub_tail: true,
+    };
+    let (_tier, _report) = DiskTier::open(config, Arc::clone(secret), node_id, checks, |r| {
         assert_eq!(secret.digest_qualified(&r.entry.key), r.entry.digest);
         seen.push((r.entry.seq, r.entry.digest.0, r.loc.region(), r.loc.page()));
     })

@@ -22,6 +22,47 @@ const TRAILER_LEN: usize = 8;
 /// Upper bound on a record, so a corrupt length cannot make recovery
 /// allocate without limit.
 pub const MAX_RECORD_LEN: u64 = 256 * 1024 * 1024;
+/// Upper bound on a batch (record plus values): 64 GiB, far above any
+/// region the store writes (regions are at most the disk capacity, and a
+/// batch lies inside one region), and low enough that `offset + batch_len`
+/// cannot wrap for any offset a file can have.
+pub const MAX_BATCH_LEN: u64 = 1 << 36;
+
+/// Why a batch record did not verify. A record whose trailer checks out
+/// but whose keys do not hash to their digests under this directory's
+/// secret was written under another secret (or the `key-secret` file is
+/// wrong): recovery tells the two apart, so that a wrong identity is
+/// refused instead of being read as a directory of damaged regions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordFault {
+    /// Torn, corrupt, truncated or implausible: damage.
+    Damaged(String),
+    /// Intact, but keyed with another secret.
+    ForeignDigests,
+}
+
+impl RecordFault {
+    pub fn reason(&self) -> String {
+        match self {
+            RecordFault::Damaged(reason) => reason.clone(),
+            RecordFault::ForeignDigests => {
+                "record keys do not match their digests under this directory's key-secret".into()
+            }
+        }
+    }
+}
+
+impl From<String> for RecordFault {
+    fn from(reason: String) -> Self {
+        RecordFault::Damaged(reason)
+    }
+}
+
+impl From<&str> for RecordFault {
+    fn from(reason: &str) -> Self {
+        RecordFault::Damaged(reason.to_string())
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionHeader {
@@ -132,7 +173,10 @@ impl BatchHeader {
         if record_len < (BATCH_HEADER_LEN + TRAILER_LEN) as u64 || record_len > MAX_RECORD_LEN {
             return Err(format!("implausible record length {record_len}"));
         }
-        if header.batch_len % PAGE_SIZE != 0 || header.batch_len < header.padded_record_len() {
+        if header.batch_len % PAGE_SIZE != 0
+            || header.batch_len < header.padded_record_len()
+            || header.batch_len > MAX_BATCH_LEN
+        {
             return Err(format!("implausible batch length {}", header.batch_len));
         }
         Ok(header)
@@ -185,12 +229,13 @@ pub fn encode_record(
 
 /// Decodes and verifies a whole record (`bytes` holds at least
 /// `header.record_len` bytes). Any inconsistency rejects the whole batch;
-/// each entry's qualified key must hash to its digest under `secret`.
+/// each entry's qualified key must hash to its digest under `secret`
+/// (a record that is intact but fails only that is `ForeignDigests`).
 pub fn decode_record(
     bytes: &[u8],
     header: &BatchHeader,
     secret: &KeySecret,
-) -> Result<Vec<RecordEntry>, String> {
+) -> Result<Vec<RecordEntry>, RecordFault> {
     let len = header.record_len as usize;
     if bytes.len() < len {
         return Err("record is truncated".into());
@@ -200,15 +245,16 @@ pub fn decode_record(
         return Err("batch record checksum mismatch".into());
     }
     let mut entries = Vec::with_capacity((header.entries as usize).min(1 << 16));
+    let mut foreign = false;
     let mut at = BATCH_HEADER_LEN;
     for _ in 0..header.entries {
-        if at + ENTRY_FIXED_LEN > body.len() {
+        if body.len().saturating_sub(at) < ENTRY_FIXED_LEN {
             return Err("record entry runs past the record".into());
         }
         let kind = match body[at + 44] {
             1 => RecordKind::Put,
             2 => RecordKind::Tombstone,
-            other => return Err(format!("unknown record entry kind {other}")),
+            other => return Err(format!("unknown record entry kind {other}").into()),
         };
         let key_len = usize::from(u16::from_le_bytes([body[at + 46], body[at + 47]]));
         let entry = RecordEntry {
@@ -224,25 +270,27 @@ pub fn decode_record(
         };
         at += ENTRY_FIXED_LEN;
         if entry.seq > MAX_SEQ {
-            return Err(format!(
-                "record sequence number {} is out of range",
-                entry.seq
-            ));
+            return Err(format!("record sequence number {} is out of range", entry.seq).into());
         }
-        if at + key_len > body.len() || split_qualified(&body[at..at + key_len]).is_none() {
-            return Err(format!("bad qualified key of {key_len} bytes in record"));
+        if body.len().saturating_sub(at) < key_len
+            || split_qualified(&body[at..at + key_len]).is_none()
+        {
+            return Err(format!("bad qualified key of {key_len} bytes in record").into());
         }
         let key = body[at..at + key_len].to_vec();
         at += key_len;
         if secret.digest_qualified(&key) != entry.digest {
-            return Err("record key does not match its digest".into());
+            // Keep checking the rest: only a record that is otherwise
+            // whole counts as foreign rather than damaged.
+            foreign = true;
         }
         if kind == RecordKind::Put {
-            let end = entry.value_offset + u64::from(entry.value_len);
+            // Checked: a length from disk must not wrap past the batch.
+            let end = entry.value_offset.checked_add(u64::from(entry.value_len));
             if entry.value_len == 0
                 || entry.value_offset % PAGE_SIZE != 0
                 || entry.value_offset < header.padded_record_len()
-                || end > header.batch_len
+                || end.is_none_or(|end| end > header.batch_len)
             {
                 return Err("record entry points outside its batch".into());
             }
@@ -251,6 +299,9 @@ pub fn decode_record(
     }
     if at != body.len() {
         return Err("record has trailing bytes".into());
+    }
+    if foreign {
+        return Err(RecordFault::ForeignDigests);
     }
     Ok(entries)
 }
@@ -330,8 +381,13 @@ mod tests {
             let mut buf = vec![0u8; page_round_up(len as u64) as usize];
             encode_record(&mut buf, 3, 300 * PAGE_SIZE, &entries);
             buf[at % len] ^= 1 << bit;
-            let ok = BatchHeader::decode(&buf, 3).and_then(|h| decode_record(&buf, &h, &secret()));
+            let ok = BatchHeader::decode(&buf, 3)
+                .map_err(RecordFault::from)
+                .and_then(|h| decode_record(&buf, &h, &secret()));
             prop_assert!(ok.is_err());
+            // Damage is never mistaken for a record of another secret
+            // (which is refused or quarantined instead of skipped).
+            prop_assert!(ok != Err(RecordFault::ForeignDigests) || at % len < BATCH_HEADER_LEN);
         }
 
         /// Decoding arbitrary bytes never panics.
@@ -348,6 +404,58 @@ mod tests {
             }
             let _ = RegionHeader::decode(&bytes);
         }
+    }
+
+    /// An intact record under another secret is told apart from damage.
+    #[test]
+    fn a_record_under_another_secret_is_foreign_not_damaged() {
+        let ns = crate::key::test_namespace("a");
+        let entry = RecordEntry {
+            kind: RecordKind::Put,
+            seq: 5,
+            digest: ns.digest(b"k"),
+            value_offset: PAGE_SIZE,
+            value_len: 10,
+            checksum: 1,
+            key: ns.qualify(b"k").into_vec(),
+        };
+        let mut buf = vec![0u8; PAGE_SIZE as usize];
+        encode_record(&mut buf, 1, 2 * PAGE_SIZE, std::slice::from_ref(&entry));
+        let header = BatchHeader::decode(&buf, 1).unwrap();
+        assert_eq!(
+            decode_record(&buf, &header, &secret()).unwrap(),
+            vec![entry]
+        );
+        let other = KeySecret::from_bytes([8; crate::key::KEY_SECRET_LEN]);
+        assert_eq!(
+            decode_record(&buf, &header, &other),
+            Err(RecordFault::ForeignDigests)
+        );
+    }
+
+    /// Lengths from disk that would wrap are rejected, not wrapped.
+    #[test]
+    fn wrapping_lengths_are_rejected() {
+        let ns = crate::key::test_namespace("a");
+        let entry = RecordEntry {
+            kind: RecordKind::Put,
+            seq: 5,
+            digest: ns.digest(b"k"),
+            value_offset: u64::MAX - 4095,
+            value_len: 8192,
+            checksum: 1,
+            key: ns.qualify(b"k").into_vec(),
+        };
+        let mut buf = vec![0u8; PAGE_SIZE as usize];
+        encode_record(&mut buf, 1, 2 * PAGE_SIZE, std::slice::from_ref(&entry));
+        let header = BatchHeader::decode(&buf, 1).unwrap();
+        assert!(matches!(
+            decode_record(&buf, &header, &secret()),
+            Err(RecordFault::Damaged(_))
+        ));
+        // A batch length near the top of the range is implausible.
+        encode_record(&mut buf, 1, u64::MAX / PAGE_SIZE * PAGE_SIZE, &[]);
+        assert!(BatchHeader::decode(&buf, 1).is_err());
     }
 
     #[test]

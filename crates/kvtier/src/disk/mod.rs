@@ -15,13 +15,13 @@ pub mod uring;
 use crate::config::{page_round_up, Config, IoEngineKind, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::index::DiskLoc;
-use crate::key::KeySecret;
-use format::{BatchHeader, RecordEntry, RegionHeader, REGION_HEADER_LEN};
+use crate::key::{KeySecret, ValueChecksum};
+use format::{BatchHeader, RecordEntry, RecordFault, RegionHeader, REGION_HEADER_LEN};
 use io::{pread_full, AlignedBuf, BufferPool, IoEngine, PsyncEngine};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::IoSlice;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -32,12 +32,44 @@ pub(crate) const QUARANTINE_DIR: &str = "quarantine";
 /// How often recovery logs its progress.
 const RECOVERY_PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 const REGION_SUFFIX: &str = ".kvr";
+/// The newest region id the log has created, beside `regions/`: lets
+/// recovery notice newest region files that went missing (their
+/// tombstones with them). See docs/design.md, "Log head".
+pub(crate) const HEAD_FILE: &str = "log-head";
+/// The highest region id ever handed out. Ids are never reused, so a log
+/// that creates one region a second runs for 136 years before it nears
+/// this; a region file named above it is set aside rather than allowed
+/// to stop every later write.
+pub const MAX_REGION_ID: u32 = u32::MAX - 1;
+/// Recovery reads region files in windows this large once it is
+/// resynchronising through damage (a page at a time would crawl).
+const SCAN_WINDOW: usize = 8 << 20;
+/// Piece size of the tail scrub's value reads.
+const SCRUB_PIECE: usize = 8 << 20;
+
+/// What recovery may assume, decided by the store from the data
+/// directory's files before the disk tier opens.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecoveryChecks {
+    /// The key-secret matched its check value: no need to refuse a
+    /// directory where no record verifies (older directories have no check
+    /// value, and are refused when nothing verifies but something would
+    /// under another secret).
+    pub identity_confirmed: bool,
+    /// The previous run did not close cleanly: verify the values of the
+    /// newest region's batches before indexing them.
+    pub scrub_tail: bool,
+}
 
 #[derive(Debug)]
 pub struct Region {
     pub id: u32,
     pub file: File,
     path: PathBuf,
+    /// Whether this file was opened with O_DIRECT: decided per file, since
+    /// one file (moved to another file system and linked back, say) may
+    /// refuse it while the others keep it.
+    direct: bool,
     /// Bytes of the file in use (header plus every batch written).
     len: AtomicU64,
     /// Told when the file opens and before it closes (registered files).
@@ -55,12 +87,20 @@ impl Region {
         &self.path
     }
 
-    fn new(id: u32, file: File, path: PathBuf, len: u64, engine: &Arc<dyn IoEngine>) -> Region {
+    fn new(
+        id: u32,
+        file: File,
+        path: PathBuf,
+        len: u64,
+        direct: bool,
+        engine: &Arc<dyn IoEngine>,
+    ) -> Region {
         engine.register_file(&file);
         Region {
             id,
             file,
             path,
+            direct,
             len: AtomicU64::new(len),
             engine: Arc::clone(engine),
         }
@@ -68,6 +108,11 @@ impl Region {
 
     pub fn len(&self) -> u64 {
         self.len.load(Ordering::Acquire)
+    }
+
+    /// Whether reads of this file must be O_DIRECT-aligned.
+    pub fn direct_io(&self) -> bool {
+        self.direct
     }
 
     pub fn is_empty(&self) -> bool {
@@ -86,6 +131,8 @@ pub struct RecoveredEntry {
 #[derive(Debug, Default, Clone)]
 pub struct RecoveryReport {
     pub regions: u64,
+    /// Batches whose records verified (and were applied, unless behind a
+    /// missing region or dropped by the tail scrub).
     pub batches: u64,
     pub records: u64,
     /// Regions with pages where no valid batch starts (a torn tail after a
@@ -100,6 +147,29 @@ pub struct RecoveryReport {
     pub empty_regions_removed: u64,
     /// Highest sequence number seen in any header or record.
     pub max_seq: u64,
+    /// Regions whose header was damaged but whose batches verified on
+    /// their own (kept: the header holds nothing the batches need).
+    pub damaged_headers: u64,
+    /// Regions whose records were intact but keyed with another secret
+    /// (quarantined, never reclaimed as if they were this store's).
+    pub foreign_regions: u64,
+    /// Files under a region name that recovery could neither use nor
+    /// quarantine (left in place, not indexed).
+    pub skipped_files: u64,
+    /// Regions read without O_DIRECT because their file refused it.
+    pub buffered_regions: u64,
+    /// Regions older than a missing one (a gap in the region ids, or a
+    /// newest region the log head names but the directory lacks), and
+    /// their record entries, which were not indexed: the missing region
+    /// may have held the tombstones that removed them.
+    pub regions_behind_gap: u64,
+    pub entries_behind_gap: u64,
+    /// The tail scrub after an unclean shutdown: values of the newest
+    /// region checked before indexing, those that did not verify, and the
+    /// milliseconds it took.
+    pub scrubbed_entries: u64,
+    pub scrub_dropped: u64,
+    pub scrub_ms: u64,
 }
 
 /// A batch ready to write: its record entries (value offsets are filled in
@@ -155,11 +225,15 @@ impl DiskTier {
         config: &Config,
         secret: Arc<KeySecret>,
         node_id: &str,
+        checks: RecoveryChecks,
         mut apply: impl FnMut(RecoveredEntry),
     ) -> Result<(DiskTier, RecoveryReport)> {
         let dir = config.data_dir.join(REGION_DIR);
         fs::create_dir_all(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        // Cached values are private to the store's user.
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
+            .map_err(|e| Error::io(format!("restricting {}", dir.display()), e))?;
         let engine: Arc<dyn IoEngine> = match config.io_engine {
             IoEngineKind::Psync => Arc::new(PsyncEngine::new(config.io_threads)),
             IoEngineKind::Uring => {
@@ -201,7 +275,7 @@ impl DiskTier {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64),
         };
-        let report = tier.recover(&mut apply)?;
+        let report = tier.recover(checks, &mut apply)?;
         Ok((tier, report))
     }
 
@@ -247,9 +321,19 @@ impl DiskTier {
         self.used() + batch_len + REGION_HEADER_LEN > self.capacity
     }
 
-    fn recover(&self, apply: &mut impl FnMut(RecoveredEntry)) -> Result<RecoveryReport> {
+    /// Rebuilds what the log holds, newest region first (see docs/design.md,
+    /// "Recovery"). Nothing is deleted on recovery's own judgement except
+    /// empty files; what it cannot use is quarantined or skipped, and the
+    /// entries of regions older than a missing one are not indexed (a
+    /// missing region may have held the tombstones that removed them).
+    fn recover(
+        &self,
+        checks: RecoveryChecks,
+        apply: &mut impl FnMut(RecoveredEntry),
+    ) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
-        let mut ids: BTreeMap<u32, PathBuf> = BTreeMap::new();
+        let mut candidates: BTreeMap<u32, Vec<PathBuf>> = BTreeMap::new();
+        let mut next_region = 0u32;
         let listing = fs::read_dir(&self.dir)
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;
         for item in listing {
@@ -264,29 +348,34 @@ impl DiskTier {
                     // only what it wrote and verified.
                     tracing::warn!(file = %name, "ignoring a region file of another node")
                 }
+                Some(RegionName { id, .. }) if id > MAX_REGION_ID => {
+                    // No writer of this directory gets here (ids are handed
+                    // out in order and refused past MAX_REGION_ID): a name
+                    // that would stop every later write must not count.
+                    self.set_aside(&item.path(), "region id out of range", &mut report);
+                }
                 Some(RegionName { id, .. }) => {
-                    if let Some(other) = ids.insert(id, item.path()) {
-                        return Err(Error::new(
-                            crate::ErrorKind::Corruption,
-                            format!(
-                                "two region files claim region {id}: {} and {}; move one aside",
-                                other.display(),
-                                item.path().display()
-                            ),
-                        ));
-                    }
+                    candidates.entry(id).or_default().push(item.path());
                 }
                 None => {
                     tracing::warn!(file = %name, "ignoring unknown file in the region directory")
                 }
             }
         }
-        let mut next_region = 0u32;
-        // A large directory takes a while: say how far along it is.
-        let total = ids.len();
+        let head = self.read_head();
+        // Newest first: a missing region is noticed before any older entry
+        // is applied (per key, the highest sequence wins in any order).
+        let total = candidates.len();
         let started = std::time::Instant::now();
         let mut reported = started;
-        for (done, (id, path)) in ids.into_iter().enumerate() {
+        let mut expected = head;
+        let mut behind_gap = false;
+        let mut newest_seen = false;
+        let mut foreign_only: Vec<(u32, PathBuf)> = Vec::new();
+        let mut verified_batches = 0u64;
+        let mut foreign_batches = 0u64;
+        let mut scrub_time = std::time::Duration::ZERO;
+        for (done, (id, paths)) in candidates.into_iter().rev().enumerate() {
             if reported.elapsed() >= RECOVERY_PROGRESS_EVERY {
                 reported = std::time::Instant::now();
                 tracing::info!(
@@ -297,19 +386,19 @@ impl DiskTier {
                     "recovering the disk tier: {done} of {total} regions scanned"
                 );
             }
-            next_region = next_region.max(id.saturating_add(1));
-            let file = self.open_file(&path, false)?;
-            let file_len = file
-                .metadata()
-                .map_err(|e| Error::io(format!("reading size of {}", path.display()), e))?
-                .len();
-            let mut page = AlignedBuf::zeroed(PAGE_SIZE as usize);
+            let Some((path, file, direct, file_len)) =
+                self.open_candidate(id, paths, &mut report)?
+            else {
+                continue;
+            };
+            let mut reader = RegionReader::new(&file, file_len);
             let header = if file_len < REGION_HEADER_LEN {
                 Err("region file shorter than its header".to_string())
             } else {
-                pread_full(&file, 0, page.as_mut_slice())
+                reader
+                    .read(0, PAGE_SIZE as usize, false)
                     .map_err(|e| e.to_string())
-                    .and_then(|()| RegionHeader::decode(page.as_slice()))
+                    .and_then(RegionHeader::decode)
                     .and_then(|h| {
                         if h.region == id {
                             Ok(h)
@@ -318,66 +407,306 @@ impl DiskTier {
                         }
                     })
             };
-            let header = match header {
-                Ok(header) => header,
-                Err(_) if file_len == 0 => {
-                    // Created, but its header never written: it holds
-                    // nothing (headers are synced before any batch).
-                    drop(file);
-                    self.unlink(&path)?;
-                    report.empty_regions_removed += 1;
-                    continue;
+            if header.is_err() && file_len == 0 {
+                // Created, but its header never written: it holds nothing
+                // (headers are synced before any batch).
+                drop(reader);
+                drop(file);
+                self.unlink(&path)?;
+                report.empty_regions_removed += 1;
+                continue;
+            }
+            // A bad header hides nothing: every batch names its region and
+            // verifies on its own, so the batches are read either way.
+            let scrub = checks.scrub_tail && !newest_seen;
+            let mut scrub_buf = None;
+            let mut entries_here: Vec<(u64, RecordEntry)> = Vec::new();
+            let scan = scan_region(&mut reader, id, &self.secret, |batch_start, entries| {
+                for entry in entries {
+                    entries_here.push((batch_start, entry));
                 }
-                Err(reason) => {
-                    // Never deleted on recovery's own judgement: a read
-                    // error may be transient, and the bytes may matter to
-                    // whoever investigates.
-                    drop(file);
-                    let moved = self.quarantine(&path, &reason)?;
-                    tracing::error!(path = %path.display(), quarantined = %moved.display(), %reason, "region header unreadable; moved the file to quarantine");
-                    report.quarantined_regions += 1;
-                    continue;
-                }
-            };
-            report.regions += 1;
-            report.max_seq = report.max_seq.max(header.first_seq.saturating_sub(1));
-            let region = Region::new(id, file, path, file_len, &self.engine);
-            let scan = scan_region(
-                &region.file,
-                id,
-                file_len,
-                &self.secret,
-                |batch_start, entries| {
-                    report.batches += 1;
-                    for entry in entries {
-                        report.records += 1;
-                        report.max_seq = report.max_seq.max(entry.seq);
-                        let page = (batch_start + entry.value_offset) / PAGE_SIZE;
-                        let loc = DiskLoc::new(id, page as u32);
-                        apply(RecoveredEntry { entry, loc });
+            })?;
+            if scan.verified_batches == 0 && header.is_err() {
+                let reason = match (&header, scan.foreign_batches) {
+                    (_, n) if n > 0 => {
+                        foreign_only.push((id, path));
+                        foreign_batches += n;
+                        continue;
                     }
-                },
-            )?;
+                    (Err(reason), _) => reason.clone(),
+                    (Ok(_), _) => unreachable!(),
+                };
+                // Never deleted on recovery's own judgement: a read error
+                // may be transient, and the bytes may matter to whoever
+                // investigates.
+                drop(reader);
+                drop(file);
+                self.set_aside(&path, &reason, &mut report);
+                continue;
+            }
+            if scan.verified_batches == 0 && scan.foreign_batches > 0 {
+                // A whole header, but records keyed with another secret.
+                foreign_only.push((id, path));
+                foreign_batches += scan.foreign_batches;
+                continue;
+            }
+            verified_batches += scan.verified_batches;
+            foreign_batches += scan.foreign_batches;
+            if let Err(reason) = &header {
+                report.damaged_headers += 1;
+                tracing::warn!(region = id, path = %path.display(), %reason, batches = scan.verified_batches, "region header damaged; its batches verify on their own and are kept");
+            }
+            if scan.foreign_batches > 0 {
+                tracing::warn!(
+                    region = id,
+                    batches = scan.foreign_batches,
+                    "region holds records keyed with another secret; skipped them"
+                );
+            }
+            report.regions += 1;
+            if !direct {
+                report.buffered_regions += 1;
+            }
+            if let Ok(header) = &header {
+                report.max_seq = report.max_seq.max(header.first_seq.saturating_sub(1));
+            }
             if let Some((offset, reason)) = &scan.first_problem {
                 report.damaged_regions += 1;
                 report.skipped_pages += scan.skipped_pages;
                 tracing::warn!(region = id, offset, file_len, skipped_pages = scan.skipped_pages, %reason, "pages without a valid batch (a torn tail or damage); resynchronised past them");
             }
+            match expected {
+                Some(e) if id < e && !behind_gap => {
+                    behind_gap = true;
+                    tracing::error!(
+                        region = id,
+                        missing_from = id + 1,
+                        missing_to = e,
+                        "region files are missing from the middle of the log (deleted, renamed \
+                         or unreadable): entries of this region and older ones are not indexed, \
+                         since the missing regions may have removed them"
+                    );
+                }
+                _ => {}
+            }
+            if expected.is_none_or(|e| id <= e) {
+                expected = id.checked_sub(1);
+            }
+            for (batch_start, entry) in entries_here {
+                report.records += 1;
+                report.max_seq = report.max_seq.max(entry.seq);
+                if behind_gap {
+                    report.entries_behind_gap += 1;
+                    continue;
+                }
+                if scrub && entry.kind == format::RecordKind::Put {
+                    // The previous run did not close: a device that
+                    // acknowledged a flush it did not do may have kept
+                    // this record and lost its values. Read them first.
+                    let buf = scrub_buf.get_or_insert_with(|| AlignedBuf::zeroed(SCRUB_PIECE));
+                    report.scrubbed_entries += 1;
+                    let scrub_started = std::time::Instant::now();
+                    let verifies = value_verifies(&file, batch_start, &entry, buf);
+                    scrub_time += scrub_started.elapsed();
+                    if !verifies {
+                        report.scrub_dropped += 1;
+                        tracing::warn!(region = id, seq = entry.seq, "the newest region names a value that does not verify (lost by the device after an unclean shutdown); not indexed");
+                        continue;
+                    }
+                }
+                let page = (batch_start + entry.value_offset) / PAGE_SIZE;
+                let loc = DiskLoc::new(id, page as u32);
+                apply(RecoveredEntry { entry, loc });
+            }
+            if behind_gap {
+                report.regions_behind_gap += 1;
+            }
+            newest_seen = true;
+            drop(reader);
             self.used.fetch_add(file_len, Ordering::AcqRel);
+            let region = Region::new(id, file, path, file_len, direct, &self.engine);
             self.regions.write().unwrap().insert(id, Arc::new(region));
+        }
+        if !checks.identity_confirmed && verified_batches == 0 && foreign_batches > 0 {
+            // Nothing here verifies under this secret and something would
+            // under another: the key-secret file is wrong, not the regions.
+            // Refuse before anything is moved (or later reclaimed).
+            return Err(Error::new(
+                crate::ErrorKind::Corruption,
+                format!(
+                    "no batch record in {} verifies under this directory's key-secret, and {} \
+                     intact ones were keyed with another: the key-secret file is damaged or \
+                     belongs to another directory; restore it (nothing was changed)",
+                    self.dir.display(),
+                    foreign_batches
+                ),
+            ));
+        }
+        for (id, path) in foreign_only {
+            tracing::error!(region = id, "region records are keyed with another secret");
+            self.set_aside(
+                &path,
+                "records keyed with another secret (not this directory's)",
+                &mut report,
+            );
+            report.foreign_regions += 1;
+        }
+        report.batches = verified_batches;
+        report.scrub_ms = scrub_time.as_millis() as u64;
+        // The next id follows every region file still here (kept, or left
+        // in place because it could not be moved) and the log head; ids of
+        // files set aside are free again (the new file's name differs by
+        // node and incarnation), so they leave no gap.
+        if let Some(head) = head {
+            next_region = head.saturating_add(1);
+        }
+        for item in fs::read_dir(&self.dir)
+            .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?
+            .flatten()
+        {
+            if let Some(RegionName { id, node }) =
+                parse_region_name(&item.file_name().to_string_lossy())
+            {
+                if id <= MAX_REGION_ID && node.is_none_or(|node| node == self.node_id) {
+                    next_region = next_region.max(id + 1);
+                }
+            }
         }
         self.writer.lock().unwrap().next_region = next_region;
         Ok(report)
     }
 
+    /// Opens the file that holds region `id` (several names for one id keep
+    /// the longest; the others are set aside). Anything that is not a
+    /// regular file after following links, or cannot be opened, is set
+    /// aside or skipped with a warning instead of refusing the whole open.
+    fn open_candidate(
+        &self,
+        id: u32,
+        paths: Vec<PathBuf>,
+        report: &mut RecoveryReport,
+    ) -> Result<Option<(PathBuf, File, bool, u64)>> {
+        let mut opened: Vec<(PathBuf, File, bool, u64)> = Vec::new();
+        for path in paths {
+            match fs::metadata(&path) {
+                Ok(meta) if meta.is_file() => {}
+                Ok(_) => {
+                    self.set_aside(&path, "not a regular file", report);
+                    continue;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    // A dangling symlink (or gone since the listing).
+                    if fs::symlink_metadata(&path).is_ok() {
+                        self.set_aside(&path, "a link to nothing", report);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    self.set_aside(&path, &format!("cannot be examined: {e}"), report);
+                    continue;
+                }
+            }
+            match self.open_file(&path, false) {
+                Ok((file, direct)) => {
+                    let len = match file.metadata() {
+                        Ok(meta) if meta.is_file() => meta.len(),
+                        // Replaced between the check and the open.
+                        _ => {
+                            self.set_aside(&path, "not a regular file", report);
+                            continue;
+                        }
+                    };
+                    opened.push((path, file, direct, len));
+                }
+                Err(e) => {
+                    report.skipped_files += 1;
+                    tracing::error!(region = id, path = %path.display(), error = %e, "cannot open a region file; skipped (its entries are not indexed)");
+                }
+            }
+        }
+        // The longest copy holds every batch a shorter copy of the same
+        // log holds; the others are kept for inspection.
+        opened.sort_by(|a, b| b.3.cmp(&a.3).then_with(|| a.0.cmp(&b.0)));
+        let mut opened = opened.into_iter();
+        let chosen = opened.next();
+        for (path, file, _, _) in opened {
+            drop(file);
+            self.set_aside(
+                &path,
+                &format!("another file also claims region {id}"),
+                report,
+            );
+        }
+        Ok(chosen)
+    }
+
+    /// Moves what recovery cannot use into quarantine, or leaves it in place
+    /// with a warning if even that fails; never refuses the open for it.
+    fn set_aside(&self, path: &Path, reason: &str, report: &mut RecoveryReport) {
+        match self.quarantine(path, reason) {
+            Ok(moved) => {
+                report.quarantined_regions += 1;
+                tracing::error!(path = %path.display(), quarantined = %moved.display(), %reason, "moved a file recovery cannot use to quarantine");
+            }
+            Err(e) => {
+                report.skipped_files += 1;
+                tracing::error!(path = %path.display(), %reason, error = %e, "cannot use this file and cannot quarantine it either; skipped");
+            }
+        }
+    }
+
+    /// The id of the newest region the log has created, if the head file
+    /// is there and whole (directories written before it have none).
+    fn read_head(&self) -> Option<u32> {
+        let path = self.head_path();
+        let text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the log head; missing newest regions will not be noticed");
+                return None;
+            }
+        };
+        match parse_head(&text) {
+            Some(id) => Some(id),
+            None => {
+                tracing::warn!(path = %path.display(), "the log head file is damaged; missing newest regions will not be noticed");
+                None
+            }
+        }
+    }
+
+    fn head_path(&self) -> PathBuf {
+        self.dir.parent().unwrap_or(&self.dir).join(HEAD_FILE)
+    }
+
+    /// Records `id` as the newest region created: through a synced
+    /// temporary file and a rename, so the file is always whole.
+    fn write_head(&self, id: u32) -> std::io::Result<()> {
+        let path = self.head_path();
+        let tmp = path.with_extension("tmp");
+        let _ = fs::remove_file(&tmp);
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        std::io::Write::write_all(&mut file, format_head(id).as_bytes())?;
+        file.sync_data()?;
+        drop(file);
+        fs::rename(&tmp, &path)?;
+        sync_dir(self.dir.parent().unwrap_or(&self.dir))
+    }
+
     /// Every record entry of a region with its value's location, for the
-    /// reclaimer.
-    pub fn region_entries(&self, region: &Region) -> Result<Vec<RecoveredEntry>> {
+    /// reclaimer, and whether every page of it was read (if not, entries
+    /// the index holds may point into it unseen: the caller sweeps).
+    pub fn region_entries(&self, region: &Region) -> Result<(Vec<RecoveredEntry>, bool)> {
         let mut out = Vec::new();
-        scan_region(
-            &region.file,
+        let mut reader = RegionReader::new(&region.file, region.len());
+        let scan = scan_region(
+            &mut reader,
             region.id,
-            region.len(),
             &self.secret,
             |batch_start, entries| {
                 for entry in entries {
@@ -389,7 +718,7 @@ impl DiskTier {
                 }
             },
         )?;
-        Ok(out)
+        Ok((out, scan.first_problem.is_none()))
     }
 
     /// Writes one batch and makes it durable. On return, each put entry's
@@ -482,12 +811,19 @@ impl DiskTier {
 
     fn create_region(&self, writer: &mut WriterState, first_seq: u64) -> Result<Arc<Region>> {
         let id = writer.next_region;
-        writer.next_region = id
-            .checked_add(1)
-            .filter(|&next| next < u32::MAX)
-            .ok_or_else(|| Error::new(crate::ErrorKind::Corruption, "region ids exhausted"))?;
+        if id > MAX_REGION_ID {
+            return Err(Error::new(
+                crate::ErrorKind::NoSpace,
+                format!(
+                    "the region log in {} has used every region id (up to {MAX_REGION_ID}); \
+                     move the directory aside and start empty",
+                    self.dir.display()
+                ),
+            ));
+        }
+        writer.next_region = id + 1;
         let path = self.region_path(id);
-        let file = self.open_file(&path, true)?;
+        let (file, direct) = self.open_file(&path, true)?;
         let mut page = AlignedBuf::zeroed(REGION_HEADER_LEN as usize);
         RegionHeader {
             region: id,
@@ -499,6 +835,7 @@ impl DiskTier {
             file,
             path.clone(),
             REGION_HEADER_LEN,
+            direct,
             &self.engine,
         ));
         self.regions
@@ -510,7 +847,8 @@ impl DiskTier {
             .engine
             .write_vectored_at(&region.file, 0, &[IoSlice::new(page.as_slice())])
             .and_then(|()| self.engine.sync_data(&region.file))
-            .and_then(|()| sync_dir(&self.dir));
+            .and_then(|()| sync_dir(&self.dir))
+            .and_then(|()| self.write_head(id));
         if let Err(e) = written {
             // Nothing was committed to it: take it back out, so that a long
             // outage (a retry a second) does not pile up files and
@@ -519,7 +857,12 @@ impl DiskTier {
             self.regions.write().unwrap().remove(&id);
             self.used.fetch_sub(REGION_HEADER_LEN, Ordering::AcqRel);
             drop(region);
-            let _ = fs::remove_file(&path);
+            if fs::remove_file(&path).is_ok() {
+                // Nothing of it is left: the id is free again, so the ids
+                // of the log's regions stay contiguous (a gap reads as a
+                // missing region at the next recovery).
+                writer.next_region = id;
+            }
             return Err(Error::io(
                 format!("creating region file {}", path.display()),
                 e,
@@ -577,22 +920,44 @@ impl DiskTier {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let target = dir.join(format!("{name}.{stamp}"));
+        // Never over an earlier quarantined file: the first free suffix
+        // (the directory is locked, so no one else picks names here).
+        let free = |candidate: &Path| {
+            fs::symlink_metadata(candidate).is_err()
+                && fs::symlink_metadata(candidate.with_extension("why")).is_err()
+        };
+        let (target, why) = (0u32..)
+            .map(|n| {
+                let stem = if n == 0 {
+                    format!("{name}.{stamp}")
+                } else {
+                    format!("{name}.{stamp}.{n}")
+                };
+                (dir.join(&stem), dir.join(format!("{stem}.why")))
+            })
+            .find(|(target, why)| free(target) && free(why))
+            .expect("some suffix is free");
         fs::rename(path, &target)
             .map_err(|e| Error::io(format!("quarantining {} ({reason})", path.display()), e))?;
-        fs::write(
-            dir.join(format!("{name}.{stamp}.why")),
-            format!("{reason}\n"),
-        )
-        .map_err(|e| Error::io(format!("writing to {}", dir.display()), e))?;
+        fs::write(&why, format!("{reason}\n"))
+            .map_err(|e| Error::io(format!("writing to {}", dir.display()), e))?;
         sync_dir(&self.dir)
             .and_then(|()| sync_dir(&dir))
             .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))?;
         Ok(target)
     }
 
+    /// Removes a file; one already gone (deleted by hand under a running
+    /// store) counts as removed, or reclaim would retry it forever.
     fn unlink(&self, path: &Path) -> Result<()> {
-        fs::remove_file(path).map_err(|e| Error::io(format!("removing {}", path.display()), e))
+        match fs::remove_file(path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(path = %path.display(), "a region file was already gone when reclaimed");
+                Ok(())
+            }
+            Err(e) => Err(Error::io(format!("removing {}", path.display()), e)),
+        }
     }
 
     /// A new region file's path: `<node id>-<incarnation>-<region>.kvr`.
@@ -603,24 +968,29 @@ impl DiskTier {
         ))
     }
 
-    /// Opens a region file, with O_DIRECT unless the file system refuses it.
-    fn open_file(&self, path: &Path, create: bool) -> Result<File> {
+    /// Opens a region file, with O_DIRECT unless its file system refuses
+    /// it; returns whether it did. Only a new file (on the directory's own
+    /// file system) turns O_DIRECT off for the files that follow; an
+    /// existing file that refuses it is read buffered on its own.
+    fn open_file(&self, path: &Path, create: bool) -> Result<(File, bool)> {
         let mut options = OpenOptions::new();
         options.read(true).write(true);
         if create {
-            options.create_new(true);
+            options.create_new(true).mode(0o600);
         }
         if self.direct_io.load(Ordering::Relaxed) {
             let mut direct = options.clone();
             direct.custom_flags(libc::O_DIRECT);
             match direct.open(path) {
-                Ok(file) => return Ok(file),
+                Ok(file) => return Ok((file, true)),
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    tracing::warn!(dir = %self.dir.display(), "the file system refuses O_DIRECT; using buffered I/O");
-                    self.direct_io.store(false, Ordering::Relaxed);
                     if create {
+                        tracing::warn!(dir = %self.dir.display(), "the file system refuses O_DIRECT; using buffered I/O");
+                        self.direct_io.store(false, Ordering::Relaxed);
                         // The failed attempt may have created the file.
                         let _ = fs::remove_file(path);
+                    } else {
+                        tracing::warn!(path = %path.display(), "this region file refuses O_DIRECT; reading it buffered");
                     }
                 }
                 Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
@@ -628,6 +998,7 @@ impl DiskTier {
         }
         options
             .open(path)
+            .map(|file| (file, false))
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))
     }
 
@@ -670,14 +1041,15 @@ pub fn value_locations(
             .metadata()
             .map_err(|e| Error::io(format!("reading size of {}", path.display()), e))?
             .len();
-        let mut page = AlignedBuf::zeroed(PAGE_SIZE as usize);
+        let mut reader = RegionReader::new(&file, file_len);
         let named = file_len >= REGION_HEADER_LEN
-            && pread_full(&file, 0, page.as_mut_slice()).is_ok()
-            && RegionHeader::decode(page.as_slice()).is_ok_and(|h| h.region == id);
+            && reader
+                .read(0, PAGE_SIZE as usize, false)
+                .is_ok_and(|page| RegionHeader::decode(page).is_ok_and(|h| h.region == id));
         if !named {
             continue;
         }
-        scan_region(&file, id, file_len, &secret, |batch_start, entries| {
+        scan_region(&mut reader, id, &secret, |batch_start, entries| {
             for entry in entries {
                 if newest
                     .get(&entry.key)
@@ -703,39 +1075,117 @@ pub fn value_locations(
         .collect())
 }
 
-/// Visits each valid batch of region `id` (in `file`) in order. A page where no valid
-/// batch starts (torn, corrupt, unreadable, or past `file_len`) is
-/// skipped and the scan resynchronises on the next page that starts a
-/// valid batch, so one bad record never hides the good ones (or the
-/// tombstones) after it. A record cannot be forged inside a value:
-/// every entry's digest is keyed with the directory's secret.
-fn scan_region(
-    file: &File,
-    id: u32,
+/// Reads a region file through one aligned window: pieces the window
+/// holds are served from it; a miss reads a new window at the requested
+/// offset, the bytes asked for (healthy logs: a record's pages) or, while
+/// resynchronising through damage, `SCAN_WINDOW` bytes, so that an
+/// unreadable region is crossed in big reads instead of one page each.
+struct RegionReader<'f> {
+    file: &'f File,
     file_len: u64,
+    buf: AlignedBuf,
+    /// File offset of `buf[0]` and how many bytes of it are valid.
+    start: u64,
+    valid: usize,
+}
+
+impl<'f> RegionReader<'f> {
+    fn new(file: &'f File, file_len: u64) -> Self {
+        RegionReader {
+            file,
+            file_len,
+            buf: AlignedBuf::zeroed(PAGE_SIZE as usize),
+            start: 0,
+            valid: 0,
+        }
+    }
+
+    /// `len` bytes at page-aligned `offset`, which must lie inside the file.
+    fn read(&mut self, offset: u64, len: usize, ahead: bool) -> std::io::Result<&[u8]> {
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|&end| end <= self.file_len)
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("{len} bytes at {offset} lie past the end of the file"),
+                )
+            })?;
+        let held = offset >= self.start && end <= self.start + self.valid as u64;
+        if !held {
+            // Callers ask for whole pages inside the file; a window reaches
+            // further, up to the last whole page.
+            let whole_pages_end = self.file_len / PAGE_SIZE * PAGE_SIZE;
+            let mut want = page_round_up(len as u64);
+            if ahead {
+                want = want.max(SCAN_WINDOW as u64);
+            }
+            let want = want
+                .min(whole_pages_end.saturating_sub(offset))
+                .max(len as u64) as usize;
+            if self.buf.len() < want {
+                self.buf = AlignedBuf::zeroed(want);
+            }
+            self.valid = 0;
+            pread_full(self.file, offset, &mut self.buf.as_mut_slice()[..want])?;
+            self.start = offset;
+            self.valid = want;
+        }
+        let from = (offset - self.start) as usize;
+        Ok(&self.buf.as_slice()[from..from + len])
+    }
+}
+
+/// Visits each valid batch of region `id` in order. A page where no valid
+/// batch starts (torn, corrupt, unreadable, or past the end of the file)
+/// is skipped and the scan resynchronises on the next page that starts a
+/// valid batch, so one bad record never hides the good ones (or the
+/// tombstones) after it. A record cannot be forged inside a value: every
+/// entry's digest is keyed with the directory's secret. Every offset is
+/// checked arithmetic and strictly increases, so no content can make the
+/// scan loop or wrap.
+fn scan_region(
+    reader: &mut RegionReader<'_>,
+    id: u32,
     secret: &KeySecret,
     mut visit: impl FnMut(u64, Vec<RecordEntry>),
 ) -> Result<ScanEnd> {
+    let file_len = reader.file_len;
     let mut scan = ScanEnd {
         end: REGION_HEADER_LEN,
         skipped_pages: 0,
+        verified_batches: 0,
+        foreign_batches: 0,
         first_problem: None,
     };
-    let mut buf = AlignedBuf::zeroed(PAGE_SIZE as usize);
     let mut offset = REGION_HEADER_LEN;
-    while offset + PAGE_SIZE <= file_len {
-        match read_batch_at(file, id, file_len, secret, offset, &mut buf) {
+    let mut resyncing = false;
+    while offset
+        .checked_add(PAGE_SIZE)
+        .is_some_and(|end| end <= file_len)
+    {
+        match read_batch_at(reader, id, secret, offset, resyncing) {
             Ok((batch_len, entries)) => {
                 visit(offset, entries);
+                scan.verified_batches += 1;
+                // read_batch_at checked that the batch lies in the file.
                 offset += batch_len;
                 scan.end = offset;
+                resyncing = false;
             }
-            Err(reason) => {
+            Err((fault, batch_len)) => {
+                if fault == RecordFault::ForeignDigests {
+                    // Whole, but not ours: step over it as a batch.
+                    scan.foreign_batches += 1;
+                    offset += batch_len.unwrap_or(PAGE_SIZE);
+                    continue;
+                }
                 if scan.first_problem.is_none() {
-                    scan.first_problem = Some((offset, reason));
+                    scan.first_problem = Some((offset, fault.reason()));
                 }
                 scan.skipped_pages += 1;
                 offset += PAGE_SIZE;
+                resyncing = true;
             }
         }
     }
@@ -746,34 +1196,63 @@ fn scan_region(
 }
 
 /// Reads and verifies the batch starting at `offset`: its length and
-/// record entries.
+/// record entries. On failure, the batch's length where its header was
+/// whole enough to tell it.
 fn read_batch_at(
-    file: &File,
+    reader: &mut RegionReader<'_>,
     id: u32,
-    file_len: u64,
     secret: &KeySecret,
     offset: u64,
-    buf: &mut AlignedBuf,
-) -> std::result::Result<(u64, Vec<RecordEntry>), String> {
-    pread_full(file, offset, &mut buf.as_mut_slice()[..PAGE_SIZE as usize])
-        .map_err(|e| format!("read failed: {e}"))?;
-    let header = BatchHeader::decode(buf.as_slice(), id)?;
-    if offset + header.batch_len > file_len {
-        return Err("batch extends past the end of the file".into());
+    resyncing: bool,
+) -> std::result::Result<(u64, Vec<RecordEntry>), (RecordFault, Option<u64>)> {
+    let file_len = reader.file_len;
+    let first = reader
+        .read(offset, PAGE_SIZE as usize, resyncing)
+        .map_err(|e| (format!("read failed: {e}").into(), None))?;
+    let header = BatchHeader::decode(first, id).map_err(|e| (e.into(), None))?;
+    if offset
+        .checked_add(header.batch_len)
+        .is_none_or(|end| end > file_len)
+    {
+        return Err(("batch extends past the end of the file".into(), None));
     }
     let padded = header.padded_record_len() as usize;
-    if padded > buf.len() {
-        let mut bigger = AlignedBuf::zeroed(padded);
-        bigger.as_mut_slice()[..PAGE_SIZE as usize]
-            .copy_from_slice(&buf.as_slice()[..PAGE_SIZE as usize]);
-        *buf = bigger;
-    }
-    if padded > PAGE_SIZE as usize {
-        let rest = &mut buf.as_mut_slice()[PAGE_SIZE as usize..padded];
-        pread_full(file, offset + PAGE_SIZE, rest).map_err(|e| format!("read failed: {e}"))?;
-    }
-    let entries = format::decode_record(buf.as_slice(), &header, secret)?;
+    let record = reader
+        .read(offset, padded, resyncing)
+        .map_err(|e| (format!("read failed: {e}").into(), None))?;
+    let entries = format::decode_record(record, &header, secret)
+        .map_err(|fault| (fault, Some(header.batch_len)))?;
     Ok((header.batch_len, entries))
+}
+
+/// Whether the value a put entry names (in the batch at `batch_start`)
+/// reads back and matches its checksum; `buf` is scratch, at least a page.
+fn value_verifies(
+    file: &File,
+    batch_start: u64,
+    entry: &RecordEntry,
+    buf: &mut AlignedBuf,
+) -> bool {
+    let Some(mut at) = batch_start.checked_add(entry.value_offset) else {
+        return false;
+    };
+    let mut left = u64::from(entry.value_len);
+    let mut checksum = ValueChecksum::new(entry.digest);
+    while left > 0 {
+        let piece = left.min(buf.len() as u64);
+        let padded = page_round_up(piece) as usize;
+        if pread_full(file, at, &mut buf.as_mut_slice()[..padded]).is_err() {
+            // The last page of a value may end the file (buffered files):
+            // fall back to the exact length.
+            if pread_full(file, at, &mut buf.as_mut_slice()[..piece as usize]).is_err() {
+                return false;
+            }
+        }
+        checksum.update(&buf.as_slice()[..piece as usize]);
+        at += piece;
+        left -= piece;
+    }
+    checksum.finish() == entry.checksum
 }
 
 #[derive(Debug)]
@@ -783,6 +1262,10 @@ struct ScanEnd {
     end: u64,
     /// Pages where no valid batch started (skipped by resynchronising).
     skipped_pages: u64,
+    /// Batches that verified, and batches that were whole but keyed with
+    /// another secret (skipped).
+    verified_batches: u64,
+    foreign_batches: u64,
     /// The first such page and why.
     first_problem: Option<(u64, String)>,
 }
@@ -820,4 +1303,24 @@ fn parse_region_name(name: &str) -> Option<RegionName<'_>> {
 
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
+}
+
+/// The log head file's text: a line naming the newest region created, and
+/// a checksum of that line (docs/design.md, "Log head").
+fn format_head(id: u32) -> String {
+    let line = format!("kvtier log head {id:08x}");
+    format!(
+        "{line} {:016x}\n",
+        xxhash_rust::xxh3::xxh3_64(line.as_bytes())
+    )
+}
+
+fn parse_head(text: &str) -> Option<u32> {
+    let text = text.strip_suffix('\n')?;
+    let (line, sum) = text.rsplit_once(' ')?;
+    if u64::from_str_radix(sum, 16).ok()? != xxhash_rust::xxh3::xxh3_64(line.as_bytes()) {
+        return None;
+    }
+    let id = line.strip_prefix("kvtier log head ")?;
+    (id.len() == 8).then(|| u32::from_str_radix(id, 16).ok())?
 }
