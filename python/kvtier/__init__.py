@@ -1,6 +1,6 @@
 """kvtier: a tiered KV-cache store for LLM inference.
 
-``Store(path, memory="4GiB", disk="64GiB")`` opens an embedded store in this
+``Store(path, memory="1GiB", disk="16GiB")`` opens an embedded store in this
 process; ``Client("unix:///path/kvtier.sock")`` or ``Client("tcp://host:port")``
 talks to ``kvtier serve``. Both offer the same methods, including Mooncake's
 ``register_buffer``, ``batch_put_from``, ``batch_get_into`` and

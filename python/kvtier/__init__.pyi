@@ -102,8 +102,8 @@ class Store(_Engine):
     def __init__(
         self,
         path: str | PathLike[str],
-        memory: Size = "4GiB",
-        disk: Size = "64GiB",
+        memory: Size = "1GiB",
+        disk: Size = "16GiB",
         *,
         namespace: str = "",
         region_size: Size | None = None,

@@ -590,6 +590,26 @@ impl Collector for ServerCollector {
         )?;
         family(
             &mut e,
+            (
+                "kvtier_recovery_findings",
+                "What the last open found and did, by kind: damaged_headers (kept), \
+                 foreign_regions (quarantined), skipped_region_files, buffered_regions \
+                 (no O_DIRECT), regions_behind_gap (not indexed), scrub_dropped (values).",
+                None,
+                Gauge,
+            ),
+            "kind",
+            [
+                ("damaged_headers", s.damaged_headers),
+                ("foreign_regions", s.foreign_regions),
+                ("skipped_region_files", s.skipped_region_files),
+                ("buffered_regions", s.buffered_regions),
+                ("regions_behind_gap", s.regions_behind_gap),
+                ("scrub_dropped", s.scrub_dropped),
+            ],
+        )?;
+        family(
+            &mut e,
             ("kvtier_hits", "Get hits, by tier.", None, Counter),
             "tier",
             [("memory", s.memory_hits), ("disk", s.disk_hits)],
@@ -810,6 +830,12 @@ pub fn stats_json(s: &Stats) -> serde_json::Value {
         "disk_regions": s.disk_regions,
         "quarantined_regions": s.quarantined_regions,
         "damaged_regions": s.damaged_regions,
+        "damaged_headers": s.damaged_headers,
+        "foreign_regions": s.foreign_regions,
+        "skipped_region_files": s.skipped_region_files,
+        "buffered_regions": s.buffered_regions,
+        "regions_behind_gap": s.regions_behind_gap,
+        "scrub_dropped": s.scrub_dropped,
         "memory_hits": s.memory_hits,
         "disk_hits": s.disk_hits,
         "misses": s.misses,

@@ -24,6 +24,19 @@ pub struct Stats {
     /// without a valid batch: counted by the last open, not since creation.
     pub quarantined_regions: u64,
     pub damaged_regions: u64,
+    /// What else the last open decided (see `RecoveryReport`): regions
+    /// kept despite a damaged header, regions quarantined because their
+    /// records were keyed with another secret, files under region names it
+    /// could neither use nor move, regions read without O_DIRECT because
+    /// their file refused it, regions whose entries were not indexed
+    /// because a region newer than them is missing, and values the tail
+    /// scrub dropped after an unclean shutdown.
+    pub damaged_headers: u64,
+    pub foreign_regions: u64,
+    pub skipped_region_files: u64,
+    pub buffered_regions: u64,
+    pub regions_behind_gap: u64,
+    pub scrub_dropped: u64,
     pub memory_hits: u64,
     pub disk_hits: u64,
     pub misses: u64,

@@ -183,6 +183,9 @@ impl Store {
         // Whether the last run closed cleanly: taken (and synced away) now,
         // so that a crash of this run is noticed by the next.
         let clean = crate::data_dir::take_clean_marker(&config.data_dir)?;
+        // Keys whose newest value the tail scrub found lost: removed for
+        // good once the store runs (their records would index them again).
+        let mut lost: Vec<(KeyDigest, Box<[u8]>)> = Vec::new();
         let (disk, recovery) = if config.disk_enabled() {
             let mut tombstones: HashMap<u128, u64> = HashMap::new();
             let checks = RecoveryChecks {
@@ -194,7 +197,15 @@ impl Store {
                 Arc::clone(&secret),
                 &node_id,
                 checks,
-                |recovered| apply_recovered(&index, &mut tombstones, recovered),
+                |recovered| {
+                    if recovered.value_lost {
+                        lost.push((
+                            recovered.entry.digest,
+                            recovered.entry.key.clone().into_boxed_slice(),
+                        ));
+                    }
+                    apply_recovered(&index, &mut tombstones, recovered)
+                },
             )?;
             (Some(disk), report)
         } else {
@@ -238,6 +249,24 @@ impl Store {
                 registered_files = disk.engine().uses_registered_files(),
                 "opened kvtier store"
             );
+        }
+        if let Some(disk) = &disk {
+            if disk.used() > disk.capacity() {
+                // Said in one line, never done silently: a capacity smaller
+                // than what the directory holds costs its oldest regions.
+                tracing::warn!(
+                    dir = %config.data_dir.display(),
+                    held_bytes = disk.used(),
+                    capacity_bytes = disk.capacity(),
+                    regions = disk.region_count(),
+                    "the disk tier holds {} bytes but its capacity is {}: the oldest regions \
+                     (about {} bytes) will be reclaimed as writes arrive; the newest are kept. \
+                     Open with a larger disk capacity to keep them",
+                    disk.used(),
+                    disk.capacity(),
+                    disk.used() - disk.capacity()
+                );
+            }
         }
         let write_through = config.flush == FlushPolicy::WriteThrough;
         let inner = Arc::new(Inner {
@@ -284,11 +313,20 @@ impl Store {
         } else {
             None
         };
-        Ok(Store {
+        let store = Store {
             inner,
             flusher: Mutex::new(flusher),
             default_namespace,
-        })
+        };
+        if !lost.is_empty() {
+            let mut seqs = Vec::with_capacity(lost.len());
+            for (digest, key) in lost {
+                seqs.push(store.inner.log_removal(digest, key)?);
+            }
+            let (low, high) = (seqs[0], seqs[seqs.len() - 1]);
+            store.inner.wait_durable(low, high)?;
+        }
+        Ok(store)
     }
 
     /// A namespace of this store: keys used through it never meet equal
@@ -1364,6 +1402,15 @@ impl Inner {
         Ok(was_present)
     }
 
+    /// Queues a tombstone for a qualified key (one the tail scrub found
+    /// lost); returns its sequence number, for `wait_durable`.
+    fn log_removal(&self, digest: KeyDigest, key: Box<[u8]>) -> Result<u64> {
+        self.log.append(|seq| {
+            self.index.lock(digest).remove(digest);
+            Some(QueuedWrite::Tombstone { digest, key, seq })
+        })
+    }
+
     pub(crate) fn wake_flusher(&self, request: bool) {
         self.log.wake(request);
     }
@@ -1400,6 +1447,12 @@ impl Inner {
             disk_regions: self.disk.as_ref().map_or(0, |d| d.region_count() as u64),
             quarantined_regions: self.recovery.quarantined_regions,
             damaged_regions: self.recovery.damaged_regions,
+            damaged_headers: self.recovery.damaged_headers,
+            foreign_regions: self.recovery.foreign_regions,
+            skipped_region_files: self.recovery.skipped_files,
+            buffered_regions: self.recovery.buffered_regions,
+            regions_behind_gap: self.recovery.regions_behind_gap,
+            scrub_dropped: self.recovery.scrub_dropped,
             memory_hits: Counters::get(&c.memory_hits),
             disk_hits: Counters::get(&c.disk_hits),
             misses: Counters::get(&c.misses),

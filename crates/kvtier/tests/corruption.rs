@@ -4,11 +4,9 @@
 mod common;
 
 use common::*;
-use kvtier::disk::format::{BatchHeader, REGION_HEADER_LEN};
 use kvtier::Store;
 use std::fs::{self, OpenOptions};
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const VALUE: usize = 64 * 1024;
 
@@ -21,46 +19,6 @@ fn fill(dir: &Path, n: u64) {
         }
     }
     store.flush().unwrap();
-}
-
-fn region_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = fs::read_dir(dir.join("regions"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    files
-}
-
-/// Offsets of every batch record in a region file.
-fn batch_offsets(path: &Path) -> Vec<u64> {
-    let bytes = fs::read(path).unwrap();
-    // `<node>-<incarnation>-<region>.kvr`: the region id is the last part.
-    let stem = path.file_stem().unwrap().to_str().unwrap();
-    let id = u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap();
-    let mut offsets = Vec::new();
-    let mut at = REGION_HEADER_LEN;
-    while let Ok(header) = BatchHeader::decode(&bytes[at as usize..], id) {
-        offsets.push(at);
-        at += header.batch_len;
-        if at as usize >= bytes.len() {
-            break;
-        }
-    }
-    offsets
-}
-
-fn flip(path: &Path, offset: u64) {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8];
-    file.read_exact_at(&mut byte, offset).unwrap();
-    byte[0] ^= 0x5A;
-    file.write_all_at(&byte, offset).unwrap();
-    file.sync_all().unwrap();
 }
 
 /// Every key is either its exact value or a miss; returns the hit count.

@@ -125,6 +125,10 @@ impl Region {
 pub struct RecoveredEntry {
     pub entry: RecordEntry,
     pub loc: DiskLoc,
+    /// The tail scrub found this put's value lost: handed over as a
+    /// tombstone at the put's sequence (so no older value of the key comes
+    /// back either), for the store to log as a remove.
+    pub value_lost: bool,
 }
 
 /// What recovery saw, for logs and tests.
@@ -391,6 +395,26 @@ impl DiskTier {
             else {
                 continue;
             };
+            // A regular file holds this id: the region is not missing, even
+            // if nothing in it verifies (its unreadable records are damage
+            // like any other). Only ids with no such file are gaps.
+            match expected {
+                Some(e) if id < e && !behind_gap => {
+                    behind_gap = true;
+                    tracing::error!(
+                        region = id,
+                        missing_from = id + 1,
+                        missing_to = e,
+                        "region files are missing from the middle of the log (deleted, renamed \
+                         or unreadable): entries of this region and older ones are not indexed, \
+                         since the missing regions may have removed them"
+                    );
+                }
+                _ => {}
+            }
+            if expected.is_none_or(|e| id <= e) {
+                expected = id.checked_sub(1);
+            }
             let mut reader = RegionReader::new(&file, file_len);
             let header = if file_len < REGION_HEADER_LEN {
                 Err("region file shorter than its header".to_string())
@@ -441,7 +465,10 @@ impl DiskTier {
                 // investigates.
                 drop(reader);
                 drop(file);
-                self.set_aside(&path, &reason, &mut report);
+                // Only a member of the log (below its head or a region kept
+                // above it) keeps its place; anything above is not one.
+                let member = newest_seen || head.is_some_and(|h| id <= h);
+                self.set_aside_region(id, &path, &reason, member, &mut report);
                 continue;
             }
             if scan.verified_batches == 0 && scan.foreign_batches > 0 {
@@ -475,23 +502,6 @@ impl DiskTier {
                 report.skipped_pages += scan.skipped_pages;
                 tracing::warn!(region = id, offset, file_len, skipped_pages = scan.skipped_pages, %reason, "pages without a valid batch (a torn tail or damage); resynchronised past them");
             }
-            match expected {
-                Some(e) if id < e && !behind_gap => {
-                    behind_gap = true;
-                    tracing::error!(
-                        region = id,
-                        missing_from = id + 1,
-                        missing_to = e,
-                        "region files are missing from the middle of the log (deleted, renamed \
-                         or unreadable): entries of this region and older ones are not indexed, \
-                         since the missing regions may have removed them"
-                    );
-                }
-                _ => {}
-            }
-            if expected.is_none_or(|e| id <= e) {
-                expected = id.checked_sub(1);
-            }
             for (batch_start, entry) in entries_here {
                 report.records += 1;
                 report.max_seq = report.max_seq.max(entry.seq);
@@ -511,12 +521,29 @@ impl DiskTier {
                     if !verifies {
                         report.scrub_dropped += 1;
                         tracing::warn!(region = id, seq = entry.seq, "the newest region names a value that does not verify (lost by the device after an unclean shutdown); not indexed");
+                        let loc = DiskLoc::new(id, 0);
+                        let entry = RecordEntry {
+                            kind: format::RecordKind::Tombstone,
+                            value_offset: 0,
+                            value_len: 0,
+                            checksum: 0,
+                            ..entry
+                        };
+                        apply(RecoveredEntry {
+                            entry,
+                            loc,
+                            value_lost: true,
+                        });
                         continue;
                     }
                 }
                 let page = (batch_start + entry.value_offset) / PAGE_SIZE;
                 let loc = DiskLoc::new(id, page as u32);
-                apply(RecoveredEntry { entry, loc });
+                apply(RecoveredEntry {
+                    entry,
+                    loc,
+                    value_lost: false,
+                });
             }
             if behind_gap {
                 report.regions_behind_gap += 1;
@@ -542,11 +569,15 @@ impl DiskTier {
                 ),
             ));
         }
+        let newest_kept = self.regions.read().unwrap().keys().next_back().copied();
         for (id, path) in foreign_only {
+            let member = head.is_some_and(|h| id <= h) || newest_kept.is_some_and(|k| id < k);
             tracing::error!(region = id, "region records are keyed with another secret");
-            self.set_aside(
+            self.set_aside_region(
+                id,
                 &path,
                 "records keyed with another secret (not this directory's)",
+                member,
                 &mut report,
             );
             report.foreign_regions += 1;
@@ -655,6 +686,45 @@ impl DiskTier {
         }
     }
 
+    /// Sets aside a regular file that holds region `id` but nothing this
+    /// store can read, and leaves an empty region (a fresh header, no
+    /// batches) under its name: the log's ids stay contiguous, so the next
+    /// recovery does not take the set-aside region for a missing one (and
+    /// drop every older entry). The empty region is reclaimed in turn.
+    fn set_aside_region(
+        &self,
+        id: u32,
+        path: &Path,
+        reason: &str,
+        member: bool,
+        report: &mut RecoveryReport,
+    ) {
+        let before = report.quarantined_regions;
+        self.set_aside(path, reason, report);
+        if report.quarantined_regions == before || !member {
+            return;
+        }
+        let mut page = AlignedBuf::zeroed(REGION_HEADER_LEN as usize);
+        RegionHeader {
+            region: id,
+            first_seq: 0,
+        }
+        .encode(page.as_mut_slice());
+        let written = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .and_then(|mut file| {
+                std::io::Write::write_all(&mut file, page.as_slice())?;
+                file.sync_data()
+            })
+            .and_then(|()| sync_dir(&self.dir));
+        if let Err(e) = written {
+            tracing::warn!(path = %path.display(), error = %e, "could not leave an empty region in place of a quarantined one; the next open will see a gap in the log and not index older regions");
+        }
+    }
+
     /// The id of the newest region the log has created, if the head file
     /// is there and whole (directories written before it have none).
     fn read_head(&self) -> Option<u32> {
@@ -714,6 +784,7 @@ impl DiskTier {
                     out.push(RecoveredEntry {
                         entry,
                         loc: DiskLoc::new(region.id, page),
+                        value_lost: false,
                     });
                 }
             },
@@ -922,10 +993,7 @@ impl DiskTier {
             .unwrap_or_default();
         // Never over an earlier quarantined file: the first free suffix
         // (the directory is locked, so no one else picks names here).
-        let free = |candidate: &Path| {
-            fs::symlink_metadata(candidate).is_err()
-                && fs::symlink_metadata(candidate.with_extension("why")).is_err()
-        };
+        let free = |candidate: &Path| fs::symlink_metadata(candidate).is_err();
         let (target, why) = (0u32..)
             .map(|n| {
                 let stem = if n == 0 {
