@@ -213,6 +213,41 @@ def test_reopen_keeps_flushed_values(tmp_path):
         assert s.stats()["disk_entries"] == 2
 
 
+def test_recovery_findings_reach_python_logging_and_stats(tmp_path, caplog):
+    """What recovery decides is visible to the embedded store's user: a
+    quarantined region file and a region whose header was damaged come out
+    as a WARNING on the "kvtier" logger and as counts in stats()."""
+    import glob
+    import logging
+    import os
+
+    path = str(tmp_path / "s")
+    with kvtier.Store(path, memory="16MiB", disk="64MiB", region_size="1MiB") as s:
+        s.batch_put_from(["a", "b"], [b"1" * 5000, b"2" * 5000])
+        s.flush()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        with kvtier.Store(path, memory="16MiB", disk="64MiB", region_size="1MiB") as s:
+            assert s.stats()["quarantined_regions"] == 0
+    assert not [r for r in caplog.records if r.name == "kvtier"], "a healthy open says nothing"
+    (region,) = glob.glob(os.path.join(path, "regions", "*.kvr"))
+    with open(region, "r+b") as f:
+        f.seek(13)  # the region id in the header
+        byte = f.read(1)
+        f.seek(13)
+        f.write(bytes([byte[0] ^ 1]))
+    with open(os.path.join(path, "regions", "0000ffff.kvr"), "wb") as f:
+        f.write(b"\xab" * 8192)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        with kvtier.Store(path, memory="16MiB", disk="64MiB", region_size="1MiB") as s:
+            stats = s.stats()
+            assert s.get("a") == b"1" * 5000, "the damaged header hid nothing"
+    assert stats["quarantined_regions"] == 1 and stats["damaged_headers"] == 1, stats
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvtier"]
+    assert len(messages) == 1, messages
+    assert "quarantine" in messages[0] and "damaged header" in messages[0], messages
+
+
 def test_many_threads_share_one_object(engine):
     errors_seen = []
 
