@@ -36,10 +36,10 @@ const REGION_SUFFIX: &str = ".kvr";
 /// recovery notice newest region files that went missing (their
 /// tombstones with them). See docs/design.md, "Log head".
 pub(crate) const HEAD_FILE: &str = "log-head";
-/// The highest region id ever handed out. Ids are never reused, so a log
-/// that creates one region a second runs for 136 years before it nears
-/// this; a region file named above it is set aside rather than allowed
-/// to stop every later write.
+/// The highest region id ever handed out (docs/design.md has the
+/// arithmetic: 1 EiB written at the default region size). Reaching it is a
+/// clear `NoSpace` error; a region file named above it is set aside rather
+/// than allowed to stop every later write.
 pub const MAX_REGION_ID: u32 = u32::MAX - 1;
 /// Recovery reads region files in windows this large once it is
 /// resynchronising through damage (a page at a time would crawl).
