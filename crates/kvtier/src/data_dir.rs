@@ -176,14 +176,16 @@ fn check_secret(dir: &Path, secret: &KeySecret) -> Result<bool> {
     }
 }
 
-/// Writes `key-check` for `secret` (once the secret is known to be right).
+/// Writes `key-check` for `secret` (once the secret is known to be right);
+/// the caller syncs the directory.
+fn write_key_check_file(dir: &Path, secret: &KeySecret) -> Result<()> {
+    let text = format!("{}\n", secret.check_value());
+    write_synced(dir, KEY_CHECK_FILE, text.as_bytes(), 0o600)
+}
+
+/// Writes `key-check` for `secret` and syncs the directory.
 pub fn write_key_check(dir: &Path, secret: &KeySecret) -> Result<()> {
-    write_synced(
-        dir,
-        KEY_CHECK_FILE,
-        format!("{}\n", secret.check_value()).as_bytes(),
-        0o600,
-    )?;
+    write_key_check_file(dir, secret)?;
     sync_dir(dir)
 }
 
@@ -274,12 +276,7 @@ pub(crate) fn read_secret(dir: &Path) -> Result<KeySecret> {
 fn create(dir: &Path) -> Result<Identity> {
     let secret = KeySecret::generate()?;
     write_synced(dir, KEY_SECRET_FILE, secret.as_bytes(), 0o600)?;
-    write_synced(
-        dir,
-        KEY_CHECK_FILE,
-        format!("{}\n", secret.check_value()).as_bytes(),
-        0o600,
-    )?;
+    write_key_check_file(dir, &secret)?;
     let node_id = new_node_id()?;
     write_synced(dir, NODE_ID_FILE, format!("{node_id}\n").as_bytes(), 0o644)?;
     let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
@@ -293,20 +290,24 @@ fn create(dir: &Path) -> Result<Identity> {
 }
 
 fn write_synced(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> Result<()> {
+    replace_file(dir, name, bytes, mode)
+        .map_err(|e| Error::io(format!("writing {}", dir.join(name).display()), e))
+}
+
+/// Replaces `dir/name` with `bytes` whole: a synced temporary file renamed
+/// over it (the caller syncs `dir` when the rename must survive a crash).
+pub(crate) fn replace_file(dir: &Path, name: &str, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     let tmp = dir.join(format!("{name}.tmp"));
-    let path = dir.join(name);
     let _ = fs::remove_file(&tmp);
-    let written = OpenOptions::new()
+    let mut file = OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(mode)
-        .open(&tmp)
-        .and_then(|mut f| {
-            f.write_all(bytes)?;
-            f.sync_all()
-        })
-        .and_then(|()| fs::rename(&tmp, &path));
-    written.map_err(|e| Error::io(format!("writing {}", path.display()), e))
+        .open(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(&tmp, dir.join(name))
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
-//! The data directory's lock file: one process opens a directory at a time.
+//! The data directory's lock: one process opens a directory at a time.
 
 use crate::error::{Error, ErrorKind, Result};
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -24,25 +24,7 @@ impl DirLock {
     pub fn acquire(data_dir: &Path) -> Result<Self> {
         let dir = File::open(data_dir)
             .map_err(|e| Error::io(format!("opening {}", data_dir.display()), e))?;
-        // SAFETY: flock on a file descriptor we own.
-        let rc = unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let holder = std::fs::read_to_string(data_dir.join(LOCK_FILE)).unwrap_or_default();
-                let holder = holder.trim();
-                let holder = if holder.is_empty() { "unknown" } else { holder };
-                return Err(Error::new(
-                    ErrorKind::Locked,
-                    format!(
-                        "data directory {} is in use by another process (pid {holder}, per {})",
-                        data_dir.display(),
-                        data_dir.join(LOCK_FILE).display()
-                    ),
-                ));
-            }
-            return Err(Error::io(format!("locking {}", data_dir.display()), err));
-        }
+        lock_exclusive(&dir, data_dir, data_dir)?;
         let path = data_dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
             .read(true)
@@ -51,26 +33,7 @@ impl DirLock {
             .truncate(false)
             .open(&path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        // SAFETY: flock on a file descriptor we own.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
-                let holder = holder.trim();
-                let holder = if holder.is_empty() { "unknown" } else { holder };
-                return Err(Error::new(
-                    ErrorKind::Locked,
-                    format!(
-                        "data directory {} is in use by another process (pid {holder}, per {})",
-                        data_dir.display(),
-                        path.display()
-                    ),
-                ));
-            }
-            return Err(Error::io(format!("locking {}", path.display()), err));
-        }
+        lock_exclusive(&file, &path, data_dir)?;
         let pid = std::process::id().to_string();
         file.set_len(0)
             .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
@@ -81,4 +44,30 @@ impl DirLock {
             _file: file,
         })
     }
+}
+
+/// Takes `flock(LOCK_EX | LOCK_NB)` on `file` (which is `path`); if another
+/// holds it, a `Locked` error naming the holder's pid as `LOCK` says it.
+fn lock_exclusive(file: &File, path: &Path, data_dir: &Path) -> Result<()> {
+    // SAFETY: flock on a file descriptor we own.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+        return Err(Error::io(format!("locking {}", path.display()), err));
+    }
+    let lock_file = data_dir.join(LOCK_FILE);
+    let holder = std::fs::read_to_string(&lock_file).unwrap_or_default();
+    let holder = holder.trim();
+    let holder = if holder.is_empty() { "unknown" } else { holder };
+    Err(Error::new(
+        ErrorKind::Locked,
+        format!(
+            "data directory {} is in use by another process (pid {holder}, per {})",
+            data_dir.display(),
+            lock_file.display()
+        ),
+    ))
 }

@@ -6,36 +6,8 @@ mod common;
 use common::*;
 use kvtier::Store;
 use std::fs::{self, OpenOptions};
-use std::path::Path;
 
-const VALUE: usize = 64 * 1024;
-
-fn fill(dir: &Path, n: u64) {
-    let store = open(small_config(dir));
-    for i in 0..n {
-        store.put(key(i), value_for(&key(i), 7, VALUE)).unwrap();
-        if i % 5 == 4 {
-            store.flush().unwrap(); // several batches per region
-        }
-    }
-    store.flush().unwrap();
-}
-
-/// Every key is either its exact value or a miss; returns the hit count.
-fn check_all(store: &Store, n: u64) -> u64 {
-    let mut hits = 0;
-    for i in 0..n {
-        if let Some(v) = store.get(key(i)).unwrap() {
-            assert_eq!(
-                v,
-                value_for(&key(i), 7, VALUE),
-                "key {i} returned wrong bytes"
-            );
-            hits += 1;
-        }
-    }
-    hits
-}
+const VALUE: usize = DAMAGE_VALUE;
 
 fn still_serves(store: &Store) {
     store.put(b"after", value_for(b"after", 1, VALUE)).unwrap();

@@ -14,36 +14,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-const VALUE: usize = 64 * 1024;
-
-/// Puts keys 0..n (several batches per region), flushes, closes.
-fn fill(dir: &Path, n: u64) {
-    let store = open(small_config(dir));
-    for i in 0..n {
-        store.put(key(i), value_for(&key(i), 7, VALUE)).unwrap();
-        if i % 5 == 4 {
-            store.flush().unwrap();
-        }
-    }
-    store.close().unwrap();
-}
-
-/// Every key is its exact value or a miss, and `exists` agrees with the
-/// read (no phantoms); returns the hits.
-fn check_all(store: &Store, n: u64) -> u64 {
-    let mut hits = 0;
-    for i in 0..n {
-        let exists = store.exists(key(i));
-        match store.get(key(i)).unwrap() {
-            Some(v) => {
-                assert_eq!(v, value_for(&key(i), 7, VALUE), "key {i}: wrong bytes");
-                hits += 1;
-            }
-            None => assert!(!exists, "key {i}: exists but reads as a miss"),
-        }
-    }
-    hits
-}
+const VALUE: usize = DAMAGE_VALUE;
 
 /// Opens `dir` on a thread and fails if the open takes longer than a
 /// minute (a hang; not a timing assertion on speed).
@@ -656,11 +627,6 @@ mod model {
         value_for(&mkey(k), u64::from(version), usize::from(pages) * 4000 + 7)
     }
 
-    fn region_id(path: &Path) -> u32 {
-        let stem = path.file_stem().unwrap().to_str().unwrap();
-        u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap()
-    }
-
     /// Keys with any record in `path`, and where its batches start.
     fn records_of(path: &Path, secret: &KeySecret) -> (BTreeSet<u8>, Vec<u64>) {
         let bytes = fs::read(path).unwrap_or_default();
@@ -751,8 +717,13 @@ mod model {
                 let f = pick(*file);
                 let name = f.file_name().unwrap().to_str().unwrap().to_string();
                 let parts: Vec<&str> = name.split('-').collect();
-                let twin = format!("{}-{:016x}-{}", parts[0], 1, parts[2]);
-                fs::copy(&f, f.with_file_name(twin)).unwrap();
+                // A name no file has (never the source itself: a copy onto
+                // itself would empty it).
+                let twin = (1u64..)
+                    .map(|n| f.with_file_name(format!("{}-{n:016x}-{}", parts[0], parts[2])))
+                    .find(|twin| !twin.exists())
+                    .unwrap();
+                fs::copy(&f, twin).unwrap();
             }
             Damage::Rename { file } => {
                 let f = pick(*file);

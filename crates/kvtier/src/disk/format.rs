@@ -406,19 +406,24 @@ mod tests {
         }
     }
 
-    /// An intact record under another secret is told apart from damage.
-    #[test]
-    fn a_record_under_another_secret_is_foreign_not_damaged() {
+    /// One put of key "k" at `value_offset`, `value_len` bytes.
+    fn put_entry(value_offset: u64, value_len: u32) -> RecordEntry {
         let ns = crate::key::test_namespace("a");
-        let entry = RecordEntry {
+        RecordEntry {
             kind: RecordKind::Put,
             seq: 5,
             digest: ns.digest(b"k"),
-            value_offset: PAGE_SIZE,
-            value_len: 10,
+            value_offset,
+            value_len,
             checksum: 1,
             key: ns.qualify(b"k").into_vec(),
-        };
+        }
+    }
+
+    /// An intact record under another secret is told apart from damage.
+    #[test]
+    fn a_record_under_another_secret_is_foreign_not_damaged() {
+        let entry = put_entry(PAGE_SIZE, 10);
         let mut buf = vec![0u8; PAGE_SIZE as usize];
         encode_record(&mut buf, 1, 2 * PAGE_SIZE, std::slice::from_ref(&entry));
         let header = BatchHeader::decode(&buf, 1).unwrap();
@@ -436,16 +441,7 @@ mod tests {
     /// Lengths from disk that would wrap are rejected, not wrapped.
     #[test]
     fn wrapping_lengths_are_rejected() {
-        let ns = crate::key::test_namespace("a");
-        let entry = RecordEntry {
-            kind: RecordKind::Put,
-            seq: 5,
-            digest: ns.digest(b"k"),
-            value_offset: u64::MAX - 4095,
-            value_len: 8192,
-            checksum: 1,
-            key: ns.qualify(b"k").into_vec(),
-        };
+        let entry = put_entry(u64::MAX - 4095, 8192);
         let mut buf = vec![0u8; PAGE_SIZE as usize];
         encode_record(&mut buf, 1, 2 * PAGE_SIZE, std::slice::from_ref(&entry));
         let header = BatchHeader::decode(&buf, 1).unwrap();

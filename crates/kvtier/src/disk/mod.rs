@@ -753,19 +753,9 @@ impl DiskTier {
     /// Records `id` as the newest region created: through a synced
     /// temporary file and a rename, so the file is always whole.
     fn write_head(&self, id: u32) -> std::io::Result<()> {
-        let path = self.head_path();
-        let tmp = path.with_extension("tmp");
-        let _ = fs::remove_file(&tmp);
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        std::io::Write::write_all(&mut file, format_head(id).as_bytes())?;
-        file.sync_data()?;
-        drop(file);
-        fs::rename(&tmp, &path)?;
-        sync_dir(self.dir.parent().unwrap_or(&self.dir))
+        let data_dir = self.dir.parent().unwrap_or(&self.dir);
+        crate::data_dir::replace_file(data_dir, HEAD_FILE, format_head(id).as_bytes(), 0o600)?;
+        sync_dir(data_dir)
     }
 
     /// Every record entry of a region with its value's location, for the

@@ -132,9 +132,7 @@ pub fn region_files(dir: &Path) -> Vec<PathBuf> {
 /// Offsets of every batch record in a region file.
 pub fn batch_offsets(path: &Path) -> Vec<u64> {
     let bytes = fs::read(path).unwrap();
-    // `<node>-<incarnation>-<region>.kvr`: the region id is the last part.
-    let stem = path.file_stem().unwrap().to_str().unwrap();
-    let id = u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap();
+    let id = region_id(path);
     let mut offsets = Vec::new();
     let mut at = REGION_HEADER_LEN;
     while let Ok(header) = BatchHeader::decode(&bytes[at as usize..], id) {
@@ -158,4 +156,55 @@ pub fn flip(path: &Path, offset: u64) {
     byte[0] ^= 0x5A;
     file.write_all_at(&byte, offset).unwrap();
     file.sync_all().unwrap();
+}
+
+/// The region id in a region file's name (`<node>-<incarnation>-<region>.kvr`
+/// or format 2's `<region>.kvr`): the last part, in hex.
+pub fn region_id(path: &Path) -> u32 {
+    let stem = path.file_stem().unwrap().to_str().unwrap();
+    u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap()
+}
+
+/// The value size of the damage suites.
+pub const DAMAGE_VALUE: usize = 64 * 1024;
+
+/// Puts keys 0..n (version 7, `DAMAGE_VALUE` bytes; several batches per
+/// region), flushes, closes.
+pub fn fill(dir: &Path, n: u64) {
+    let store = open(small_config(dir));
+    for i in 0..n {
+        store
+            .put(key(i), value_for(&key(i), 7, DAMAGE_VALUE))
+            .unwrap();
+        if i % 5 == 4 {
+            store.flush().unwrap(); // several batches per region
+        }
+    }
+    store.close().unwrap();
+}
+
+/// Every key of 0..n is its exact `fill` value or a miss, and `exists`
+/// agrees with the read unless the read found damage (no phantoms);
+/// returns the hits.
+pub fn check_all(store: &Store, n: u64) -> u64 {
+    let mut hits = 0;
+    for i in 0..n {
+        let exists = store.exists(key(i));
+        let failures = store.stats().checksum_failures;
+        match store.get(key(i)).unwrap() {
+            Some(v) => {
+                assert_eq!(
+                    v,
+                    value_for(&key(i), 7, DAMAGE_VALUE),
+                    "key {i}: wrong bytes"
+                );
+                hits += 1;
+            }
+            None => assert!(
+                !exists || store.stats().checksum_failures > failures,
+                "key {i}: exists but reads as a miss, and the read found no damage"
+            ),
+        }
+    }
+    hits
 }
