@@ -4,29 +4,100 @@
 //!
 //! One thread does all disk writes, so batches land in sequence order and
 //! "durable up to sequence N" is a single number.
+//!
+//! Both workers are built from the handles they need (the write log, the
+//! disk tier, the index, the counters) and never hold the store: the store
+//! builds them, and nothing here names it.
 
-use crate::config::page_round_up;
 use crate::disk::format::{self, RecordEntry, RecordKind};
 use crate::disk::io::{AlignedBuf, ReadOp};
 use crate::disk::{DiskTier, PendingBatch, RecoveredEntry, Region};
 use crate::error::Error;
+use crate::error::Result;
+use crate::index::Index;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;
-use crate::store::{Inner, QueuedWrite};
-use crate::write_log::Work;
+use crate::units::page_round_up;
+use crate::write_log::{QueuedWrite, Work, WriteLog};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 /// Most record entries in one batch, which bounds a record to ~2.4 MiB.
 const MAX_BATCH_ENTRIES: usize = 8192;
 
-impl Inner {
-    pub(crate) fn run_flusher(&self) {
-        let disk = self
-            .disk
-            .as_ref()
-            .expect("the flusher runs with a disk tier");
+/// The flusher thread's work: a function of its handles.
+#[derive(Debug)]
+pub(crate) struct Flusher {
+    log: Arc<WriteLog>,
+    disk: Arc<DiskTier>,
+    index: Arc<Index>,
+    counters: Arc<Counters>,
+    reclaimer: Reclaimer,
+    /// `Config::flush_batch_bytes`: the most bytes one batch may take.
+    batch_bytes: u64,
+}
+
+/// The running flusher thread; joined by [`FlusherHandle::join`].
+#[derive(Debug)]
+pub(crate) struct FlusherHandle(JoinHandle<()>);
+
+impl FlusherHandle {
+    pub(crate) fn join(self) {
+        let _ = self.0.join();
+    }
+}
+
+impl Flusher {
+    pub(crate) fn new(
+        log: Arc<WriteLog>,
+        disk: Arc<DiskTier>,
+        index: Arc<Index>,
+        counters: Arc<Counters>,
+        batch_bytes: u64,
+    ) -> Self {
+        let reclaimer = Reclaimer {
+            log: Arc::clone(&log),
+            disk: Arc::clone(&disk),
+            index: Arc::clone(&index),
+            counters: Arc::clone(&counters),
+        };
+        Flusher {
+            log,
+            disk,
+            index,
+            counters,
+            reclaimer,
+            batch_bytes,
+        }
+    }
+
+    /// Starts the thread. A panic in it must not leave callers waiting for
+    /// a thread that is gone: the log turns every wait into an error
+    /// naming it.
+    pub(crate) fn spawn(self) -> Result<FlusherHandle> {
+        std::thread::Builder::new()
+            .name("kvtier-flusher".into())
+            .spawn(move || {
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run()));
+                if let Err(panic) = run {
+                    let why = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".to_string());
+                    tracing::error!(%why, "the flusher thread died");
+                    self.log.mark_dead(why);
+                }
+            })
+            .map(FlusherHandle)
+            .map_err(|e| Error::io("starting the flusher thread", e))
+    }
+
+    fn run(&self) {
+        let disk = &*self.disk;
         // A smaller configured capacity than the files on disk: shrink now.
-        while disk.used() > disk.capacity() && self.reclaim_oldest(disk) {}
-        let limit = self.config.flush_batch_bytes.min(disk.max_batch_len());
+        while disk.used() > disk.capacity() && self.reclaimer.reclaim_oldest() {}
+        let limit = self.batch_bytes.min(disk.max_batch_len());
         loop {
             let mut key_bytes = 0usize;
             let mut value_bytes = 0u64;
@@ -49,13 +120,14 @@ impl Inner {
                 true
             });
             match work {
-                Work::Batch(batch) => self.flush_one_batch(disk, batch),
+                Work::Batch(batch) => self.flush_one_batch(batch),
                 Work::Stop => return,
             }
         }
     }
 
-    fn flush_one_batch(&self, disk: &DiskTier, taken: Vec<QueuedWrite>) {
+    fn flush_one_batch(&self, taken: Vec<QueuedWrite>) {
+        let disk = &*self.disk;
         // Every queued put is written, even one replaced since: the newer
         // value may be memory-only (or already evicted), and a restart must
         // then bring back the newest write-through value. Recovery keeps the
@@ -97,7 +169,7 @@ impl Inner {
             }
         }
         let batch_len = batch.disk_len();
-        while disk.needs_reclaim(batch_len) && self.reclaim_oldest(disk) {}
+        while disk.needs_reclaim(batch_len) && self.reclaimer.reclaim_oldest() {}
         let first_seq = self.log.next_seq();
         let outcome = match disk.write_batch(&mut batch, first_seq) {
             Ok(locs) => {
@@ -128,7 +200,7 @@ impl Inner {
             .and_then(|e| e.raw_os_error())
             == Some(libc::ENOSPC);
         if full && disk.region_count() > 1 {
-            self.reclaim_oldest(disk);
+            self.reclaimer.reclaim_oldest();
         }
         // A failed batch goes back to the queue for another attempt in a
         // new region (its values stay pinned). Only at shutdown is a batch
@@ -139,14 +211,27 @@ impl Inner {
             }
         }
     }
+}
 
+/// Reclaims whole regions, oldest first, for the flusher (which alone
+/// writes, so reclaim and carried writes stay in log order).
+#[derive(Debug)]
+pub(crate) struct Reclaimer {
+    log: Arc<WriteLog>,
+    disk: Arc<DiskTier>,
+    index: Arc<Index>,
+    counters: Arc<Counters>,
+}
+
+impl Reclaimer {
     /// Reclaims the oldest region: entries read since they were written get
     /// a second chance (rewritten at the log head, up to three quarters of
     /// the region's bytes, and always the first such entry); the rest leave
     /// the disk tier. Carrying clears the read mark, so an entry is carried
     /// again only if it is read again. Returns false if there was no
     /// region to reclaim.
-    fn reclaim_oldest(&self, disk: &DiskTier) -> bool {
+    fn reclaim_oldest(&self) -> bool {
+        let disk = &*self.disk;
         let Some(region) = disk.oldest_region() else {
             return false;
         };
@@ -203,7 +288,7 @@ impl Inner {
             }
             dropped += swept;
         }
-        let carried = self.carry_forward(disk, &region, carry);
+        let carried = self.carry_forward(&region, carry);
         Counters::add(&self.counters.reclaimed_regions, 1);
         Counters::add(&self.counters.reclaimed_entries, dropped);
         Counters::add(&self.counters.carried_entries, carried);
@@ -212,7 +297,8 @@ impl Inner {
 
     /// Reads, verifies and rewrites second-chance entries at the log head.
     /// Returns how many made it.
-    fn carry_forward(&self, disk: &DiskTier, region: &Region, carry: Vec<RecoveredEntry>) -> u64 {
+    fn carry_forward(&self, region: &Region, carry: Vec<RecoveredEntry>) -> u64 {
+        let disk = &*self.disk;
         if carry.is_empty() {
             return 0;
         }
@@ -226,7 +312,7 @@ impl Inner {
                 .iter()
                 .zip(bufs.iter_mut())
                 .map(|(c, buf)| {
-                    let offset = u64::from(c.loc.page()) * crate::config::PAGE_SIZE;
+                    let offset = u64::from(c.loc.page()) * crate::units::PAGE_SIZE;
                     ReadOp::new(&region.file, offset, buf.as_mut_slice())
                 })
                 .collect();

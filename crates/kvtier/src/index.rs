@@ -6,7 +6,7 @@
 //! the data path. Every change to an entry's tiers goes through `Shard`
 //! methods, which keep those counters true.
 
-use crate::key::KeyDigest;
+use crate::key::{DigestHasher, KeyDigest};
 use crate::pool::PoolSlot;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
@@ -215,30 +215,6 @@ impl From<KeyDigest> for DigestKey {
 impl Hash for DigestKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
         state.write_u64(self.low);
-    }
-}
-
-/// The digest is already uniformly random; its low 64 bits are the hash.
-#[derive(Debug, Default)]
-pub struct DigestHasher(u64);
-
-impl Hasher for DigestHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        self.0 = value;
-    }
-
-    fn write_u128(&mut self, value: u128) {
-        self.0 = value as u64;
     }
 }
 

@@ -242,6 +242,30 @@ impl std::fmt::Debug for ValueChecksum {
     }
 }
 
+/// The digest is already uniformly random; its low 64 bits are the hash.
+#[derive(Debug, Default)]
+pub struct DigestHasher(u64);
+
+impl std::hash::Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.0 = value as u64;
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn test_namespace(name: &str) -> Namespace {
     Namespace::new(Arc::new(KeySecret::from_bytes([7; KEY_SECRET_LEN])), name).unwrap()

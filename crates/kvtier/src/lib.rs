@@ -38,11 +38,12 @@ pub mod size;
 mod stats;
 mod store;
 mod streamed_put;
+pub mod units;
 mod write_log;
 
 pub use config::{Config, EngineWrapper, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
-pub use disk::RecoveryReport;
+pub use disk::{DiskLocation, RecoveryReport};
 pub use error::{Error, ErrorKind, Result};
 pub use key::{
     validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace,
@@ -50,9 +51,7 @@ pub use key::{
 };
 pub use prefix::{block_keys, BlockKey};
 pub use stats::Stats;
-pub use store::{
-    DiskLocation, NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, ValueLease,
-};
+pub use store::{NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, ValueLease};
 pub use streamed_put::StreamedPuts;
 
 /// Bytes one index entry occupies, for capacity planning: the hash table

@@ -6,22 +6,23 @@
 //! disk hits are read together as one batch, straight into the caller's
 //! buffer when it is aligned, and verified before they count as hits.
 
-use crate::config::{page_round_up, Config, FlushPolicy, PAGE_SIZE};
+use crate::config::{Config, FlushPolicy};
 use crate::disk::format::{self, RecordKind};
 use crate::disk::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
-use crate::disk::{DiskTier, RecoveryChecks, RecoveryReport, Region};
+use crate::disk::{DiskLocation, DiskTier, RecoveryChecks, RecoveryReport, Region};
 use crate::error::{Error, ErrorKind, Result};
+use crate::flusher::{Flusher, FlusherHandle};
 use crate::index::{DiskLoc, Entry, Index};
 use crate::key::{validate_key, KeyDigest, KeySecret, Namespace, ValueChecksum};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
 use crate::streamed_put::StreamedPuts;
-use crate::write_log::WriteLog;
+use crate::units::{page_round_up, PAGE_SIZE};
+use crate::write_log::{QueuedWrite, WriteLog};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Where a put may keep its value.
@@ -46,50 +47,24 @@ pub struct PutOptions {
 }
 
 #[derive(Debug)]
-pub(crate) enum QueuedWrite {
-    Put {
-        digest: KeyDigest,
-        key: Box<[u8]>,
-        seq: u64,
-        slot: Arc<PoolSlot>,
-        /// `value_checksum` of the slot's bytes, computed by the put while
-        /// it copied them (so the flusher, which the disk paces, need not).
-        checksum: u64,
-    },
-    Tombstone {
-        digest: KeyDigest,
-        key: Box<[u8]>,
-        seq: u64,
-    },
-}
-
-impl QueuedWrite {
-    pub(crate) fn seq(&self) -> u64 {
-        match self {
-            QueuedWrite::Put { seq, .. } | QueuedWrite::Tombstone { seq, .. } => *seq,
-        }
-    }
-}
-
-#[derive(Debug)]
 pub(crate) struct Inner {
-    pub config: Config,
+    config: Config,
     /// The data directory's node id (`node-id`; docs/design.md).
-    pub node_id: String,
-    pub index: Index,
-    pub pool: Arc<PoolCore>,
-    pub eviction: Mutex<EvictionQueues>,
+    node_id: String,
+    index: Arc<Index>,
+    pool: Arc<PoolCore>,
+    eviction: Mutex<EvictionQueues>,
     /// The adaptive policy's simulations, fed by reads without the
     /// eviction lock.
     shadow: Option<Arc<crate::pool::Shadow>>,
-    pub disk: Option<DiskTier>,
+    disk: Option<Arc<DiskTier>>,
     /// Sequence numbers, the flusher's queue and the durable watermark.
-    pub log: WriteLog,
-    pub counters: Counters,
-    pub closed: AtomicBool,
+    log: Arc<WriteLog>,
+    counters: Arc<Counters>,
+    closed: AtomicBool,
     lock: Mutex<Option<DirLock>>,
-    pub recovery: RecoveryReport,
-    pub max_put_len: AtomicU64,
+    recovery: RecoveryReport,
+    max_put_len: AtomicU64,
     /// The process that opened the store (see `check_owner`).
     owner_pid: u32,
     /// The data directory's digest key (see `crate::data_dir`).
@@ -117,24 +92,10 @@ impl ValueLease {
     }
 }
 
-/// Where a value's durable copy lies (see [`NamespacedStore::disk_location`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskLocation {
-    /// The region file.
-    pub path: std::path::PathBuf,
-    /// Byte offset of the value in the file (a multiple of 4096).
-    pub offset: u64,
-    pub len: u32,
-    /// The key's digest, which seeds the value checksum.
-    pub digest: KeyDigest,
-    /// `value_checksum(digest, value)`.
-    pub checksum: u64,
-}
-
 #[derive(Debug)]
 pub struct Store {
     inner: Arc<Inner>,
-    flusher: Mutex<Option<JoinHandle<()>>>,
+    flusher: Mutex<Option<FlusherHandle>>,
     /// The namespace of the store's own methods (`Config::namespace`).
     default_namespace: Namespace,
 }
@@ -272,13 +233,13 @@ impl Store {
         let inner = Arc::new(Inner {
             max_put_len: AtomicU64::new(max_put_len(&config, disk.as_ref())),
             config,
-            index,
+            index: Arc::new(index),
             pool,
             shadow: eviction.shadow(),
             eviction: Mutex::new(eviction),
-            disk,
-            log: WriteLog::new(next_seq, write_through),
-            counters: Counters::default(),
+            disk: disk.map(Arc::new),
+            log: Arc::new(WriteLog::new(next_seq, write_through)),
+            counters: Arc::default(),
             closed: AtomicBool::new(false),
             lock: Mutex::new(Some(lock)),
             recovery,
@@ -286,32 +247,18 @@ impl Store {
             secret,
             node_id,
         });
-        let flusher = if inner.disk.is_some() {
-            let worker = Arc::clone(&inner);
-            Some(
-                std::thread::Builder::new()
-                    .name("kvtier-flusher".into())
-                    .spawn(move || {
-                        // A panic must not leave callers waiting for a
-                        // thread that is gone: the log turns every wait
-                        // into an error naming it.
-                        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            worker.run_flusher()
-                        }));
-                        if let Err(panic) = run {
-                            let why = panic
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| panic.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "a panic".to_string());
-                            tracing::error!(%why, "the flusher thread died");
-                            worker.log.mark_dead(why);
-                        }
-                    })
-                    .map_err(|e| Error::io("starting the flusher thread", e))?,
-            )
-        } else {
-            None
+        let flusher = match &inner.disk {
+            Some(disk) => Some(
+                Flusher::new(
+                    Arc::clone(&inner.log),
+                    Arc::clone(disk),
+                    Arc::clone(&inner.index),
+                    Arc::clone(&inner.counters),
+                    inner.config.flush_batch_bytes,
+                )
+                .spawn()?,
+            ),
+            None => None,
         };
         let store = Store {
             inner,
@@ -494,7 +441,7 @@ impl Store {
         }
         self.inner.log.shut_down();
         let had_flusher = if let Some(handle) = self.flusher.lock().unwrap().take() {
-            let _ = handle.join();
+            handle.join();
             true
         } else {
             false
@@ -907,6 +854,20 @@ fn apply_recovered(
 }
 
 impl Inner {
+    /// Tells the eviction policy a batch of `bytes` is arriving (so it does
+    /// not evict the batch's own first values for its last).
+    pub(crate) fn note_batch(&self, bytes: u64) {
+        self.eviction
+            .lock()
+            .unwrap()
+            .note_batch(bytes.div_ceil(PAGE_SIZE));
+    }
+
+    /// Bytes of the memory pool not held by any value.
+    pub(crate) fn pool_free_bytes(&self) -> u64 {
+        self.pool.free_bytes()
+    }
+
     pub(crate) fn check_open(&self) -> Result<()> {
         if self.closed.load(Ordering::Acquire) {
             Err(Error::closed())

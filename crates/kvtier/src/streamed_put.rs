@@ -10,9 +10,9 @@
 //! value, the values received so far are entered first, so a batch larger
 //! than the pool behaves as an in-memory batch does.
 
-use crate::config::PAGE_SIZE;
 use crate::error::{ErrorKind, Result};
 use crate::store::{Inner, NamespacedStore, PutOptions, ReceivingValue};
+use crate::units::PAGE_SIZE;
 
 /// One batch of streamed puts (see [`NamespacedStore::streamed_puts`]).
 #[derive(Debug)]
@@ -37,11 +37,7 @@ impl<'s> StreamedPuts<'s> {
         bytes: u64,
     ) -> StreamedPuts<'s> {
         if items > 1 {
-            inner
-                .eviction
-                .lock()
-                .unwrap()
-                .note_batch(bytes.div_ceil(PAGE_SIZE));
+            inner.note_batch(bytes);
         }
         StreamedPuts {
             inner,
@@ -59,7 +55,7 @@ impl<'s> StreamedPuts<'s> {
     /// and the key is present), and the caller discards its bytes.
     pub fn begin(&mut self, key: &[u8], len: u64) -> Option<ReceivingValue> {
         if !self.pending.is_empty()
-            && self.inner.pool.free_bytes() < len.div_ceil(PAGE_SIZE) * PAGE_SIZE
+            && self.inner.pool_free_bytes() < len.div_ceil(PAGE_SIZE) * PAGE_SIZE
         {
             self.enter_pending();
         }

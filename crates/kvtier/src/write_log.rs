@@ -20,10 +20,39 @@
 //!   naming why, instead of waiting forever.
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::store::QueuedWrite;
+use crate::key::KeyDigest;
+use crate::pool::PoolSlot;
 use std::collections::VecDeque;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// A write the flusher has yet to make durable: a put (its pool slot holds
+/// the bytes) or a tombstone, in sequence order.
+#[derive(Debug)]
+pub(crate) enum QueuedWrite {
+    Put {
+        digest: KeyDigest,
+        key: Box<[u8]>,
+        seq: u64,
+        slot: Arc<PoolSlot>,
+        /// `value_checksum` of the slot's bytes, computed by the put while
+        /// it copied them (so the flusher, which the disk paces, need not).
+        checksum: u64,
+    },
+    Tombstone {
+        digest: KeyDigest,
+        key: Box<[u8]>,
+        seq: u64,
+    },
+}
+
+impl QueuedWrite {
+    pub(crate) fn seq(&self) -> u64 {
+        match self {
+            QueuedWrite::Put { seq, .. } | QueuedWrite::Tombstone { seq, .. } => *seq,
+        }
+    }
+}
 
 /// Pause before retry `n` (1-based): 40 ms doubling, at most 1 s.
 fn backoff(attempt: u32) -> Duration {

@@ -254,7 +254,8 @@ fn run_crash_cycles(reclaim: bool) {
                 let matched = candidates
                     .rfind(|&(v, len)| len == bytes.len() && value_for(&key(k), v, len) == *bytes);
                 matched.unwrap_or_else(|| {
-                    panic!("cycle {cycle}: key {k} returned {} bytes matching no version it could hold", bytes.len())
+                    dump_records(dir.path(), &key(k));
+                    panic!("cycle {cycle}: key {k} returned {} bytes matching no version it could hold; {:?}; durable {:?} since {:?}", bytes.len(), store.recovery_report(), durable.get(&k), since_flush.get(&k))
                 })
             });
             let mut allowed: Vec<State> = std::iter::once(durable.get(&k).copied().flatten())
@@ -300,4 +301,43 @@ fn run_crash_cycles(reclaim: bool) {
         killed_mid_run * 2 >= cycles,
         "most kills must land while the child is working"
     );
+}
+
+fn dump_records(dir: &Path, k: &[u8]) {
+    use kvtier::disk::format::{decode_record, BatchHeader};
+    let secret = kvtier::KeySecret::from_bytes(
+        std::fs::read(dir.join("key-secret"))
+            .unwrap()
+            .try_into()
+            .unwrap(),
+    );
+    for f in region_files(dir) {
+        let bytes = std::fs::read(&f).unwrap();
+        let id = region_id(&f);
+        let mut at = 4096usize;
+        while at + 4096 <= bytes.len() {
+            match BatchHeader::decode(&bytes[at..], id).ok().and_then(|h| {
+                decode_record(&bytes[at..], &h, &secret)
+                    .ok()
+                    .map(|e| (h, e))
+            }) {
+                Some((h, entries)) => {
+                    for e in entries {
+                        if &e.key[1..] == k {
+                            eprintln!(
+                                "{} @{at}: seq {} {:?} len {} checksum {:x}",
+                                f.file_name().unwrap().to_string_lossy(),
+                                e.seq,
+                                e.kind,
+                                e.value_len,
+                                e.checksum
+                            );
+                        }
+                    }
+                    at += h.batch_len as usize;
+                }
+                None => at += 4096,
+            }
+        }
+    }
 }

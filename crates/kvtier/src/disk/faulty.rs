@@ -14,7 +14,7 @@
 //! completed sync, and the file's length at that sync.
 
 use super::io::{IoEngine, LongLivedMemory, ReadOp};
-use crate::config::PAGE_SIZE;
+use crate::units::PAGE_SIZE;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};

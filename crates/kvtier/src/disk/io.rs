@@ -2,7 +2,7 @@
 //! writes. The disk tier speaks only this trait, so an io_uring engine can
 //! replace `psync` without touching the tier.
 
-use crate::config::PAGE_SIZE;
+use crate::units::PAGE_SIZE;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fmt;
 use std::fs::File;

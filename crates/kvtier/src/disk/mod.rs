@@ -12,10 +12,11 @@ pub mod format;
 pub mod io;
 pub mod uring;
 
-use crate::config::{page_round_up, Config, IoEngineKind, PAGE_SIZE};
+use crate::config::{Config, IoEngineKind};
 use crate::error::{Error, Result};
 use crate::index::DiskLoc;
 use crate::key::{KeySecret, ValueChecksum};
+use crate::units::{page_round_up, PAGE_SIZE};
 use format::{BatchHeader, RecordEntry, RecordFault, RegionHeader, REGION_HEADER_LEN};
 use io::{pread_full, AlignedBuf, BufferPool, IoEngine, PsyncEngine};
 use std::collections::BTreeMap;
@@ -174,6 +175,20 @@ pub struct RecoveryReport {
     pub scrubbed_entries: u64,
     pub scrub_dropped: u64,
     pub scrub_ms: u64,
+}
+
+/// Where a value's durable copy lies (see [`crate::NamespacedStore::disk_location`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskLocation {
+    /// The region file.
+    pub path: std::path::PathBuf,
+    /// Byte offset of the value in the file (a multiple of 4096).
+    pub offset: u64,
+    pub len: u32,
+    /// The key's digest, which seeds the value checksum.
+    pub digest: crate::key::KeyDigest,
+    /// `value_checksum(digest, value)`.
+    pub checksum: u64,
 }
 
 /// A batch ready to write: its record entries (value offsets are filled in
@@ -1074,12 +1089,12 @@ impl DiskTier {
 /// a directory one node writes (sequence numbers order one node's puts).
 pub fn value_locations(
     data_dir: &Path,
-) -> Result<std::collections::HashMap<Vec<u8>, crate::DiskLocation>> {
+) -> Result<std::collections::HashMap<Vec<u8>, DiskLocation>> {
     let secret = crate::data_dir::read_secret(data_dir)?;
     let dir = data_dir.join(REGION_DIR);
     let listing =
         fs::read_dir(&dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
-    let mut newest: std::collections::HashMap<Vec<u8>, (u64, Option<crate::DiskLocation>)> =
+    let mut newest: std::collections::HashMap<Vec<u8>, (u64, Option<DiskLocation>)> =
         std::collections::HashMap::new();
     for item in listing {
         let path = item
@@ -1115,14 +1130,13 @@ pub fn value_locations(
                 {
                     continue;
                 }
-                let location =
-                    (entry.kind == format::RecordKind::Put).then(|| crate::DiskLocation {
-                        path: path.clone(),
-                        offset: batch_start + entry.value_offset,
-                        len: entry.value_len,
-                        digest: entry.digest,
-                        checksum: entry.checksum,
-                    });
+                let location = (entry.kind == format::RecordKind::Put).then(|| DiskLocation {
+                    path: path.clone(),
+                    offset: batch_start + entry.value_offset,
+                    len: entry.value_len,
+                    digest: entry.digest,
+                    checksum: entry.checksum,
+                });
                 newest.insert(entry.key, (entry.seq, location));
             }
         })?;

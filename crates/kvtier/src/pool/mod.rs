@@ -15,9 +15,9 @@ pub use allocator::ExtentAllocator;
 pub use eviction::EvictionQueues;
 pub use shadow::Shadow;
 
-use crate::config::PAGE_SIZE;
 use crate::error::{Error, Result};
 use crate::key::KeyDigest;
+use crate::units::PAGE_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 

@@ -18,7 +18,7 @@
 //! `prefix_len` leave the pool in its starting mode, S3-FIFO with a 25%
 //! probation queue.
 
-use crate::index::DigestHasher;
+use crate::key::DigestHasher;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU8, Ordering};
