@@ -16,15 +16,37 @@ pub const LOCK_FILE: &str = "LOCK";
 /// process, so a killed store never leaves a stale lock.
 #[derive(Debug)]
 pub struct DirLock {
-    _dir: File,
+    dir: File,
     _file: File,
 }
+
+/// How long an opener waits for a lock whose holder has exited: its
+/// io_uring writes may still be landing (see `IoEngine::hold_until_idle`).
+const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl DirLock {
     pub fn acquire(data_dir: &Path) -> Result<Self> {
         let dir = File::open(data_dir)
             .map_err(|e| Error::io(format!("opening {}", data_dir.display()), e))?;
-        lock_exclusive(&dir, data_dir, data_dir)?;
+        let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
+        let mut waited = false;
+        loop {
+            match lock_exclusive(&dir, data_dir, data_dir) {
+                Ok(()) => break,
+                Err(e)
+                    if e.kind() == ErrorKind::Locked
+                        && holder_is_gone(data_dir)
+                        && std::time::Instant::now() < deadline =>
+                {
+                    if !waited {
+                        waited = true;
+                        tracing::warn!(dir = %data_dir.display(), "the data directory's last holder has exited but its in-flight writes still hold the lock; waiting for them");
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => return Err(e),
+            }
+        }
         let path = data_dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
             .read(true)
@@ -39,11 +61,31 @@ impl DirLock {
             .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
             .and_then(|()| file.write_all(pid.as_bytes()))
             .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-        Ok(DirLock {
-            _dir: dir,
-            _file: file,
-        })
+        Ok(DirLock { dir, _file: file })
     }
+
+    /// The locked directory's descriptor (what the io engine holds while
+    /// its transfers may run).
+    pub fn dir_file(&self) -> &File {
+        &self.dir
+    }
+}
+
+/// Whether the pid `LOCK` names is not a live process other than this one
+/// (a process that exited leaves its pid there).
+fn holder_is_gone(data_dir: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(data_dir.join(LOCK_FILE)) else {
+        return false;
+    };
+    let Ok(pid) = text.trim().parse::<i32>() else {
+        return false;
+    };
+    if pid <= 0 || pid as u32 == std::process::id() {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 /// Takes `flock(LOCK_EX | LOCK_NB)` on `file` (which is `path`); if another

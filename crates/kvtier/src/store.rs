@@ -176,6 +176,11 @@ impl Store {
             // The records (if any) verified under the secret: record it.
             crate::data_dir::write_key_check(&config.data_dir, &secret)?;
         }
+        if let Some(disk) = &disk {
+            // The lock outlives this process for as long as the engine's
+            // writes may (io_uring finishes them after a kill).
+            disk.engine().hold_until_idle(lock.dir_file());
+        }
         let pool = PoolCore::new(config.memory_capacity)?;
         if let Some(disk) = &disk {
             // The flusher writes straight from the pool: pinned once here,
@@ -452,6 +457,10 @@ impl Store {
             Ok(())
         };
         self.inner.index.clear();
+        if let (Some(disk), Some(lock)) = (&self.inner.disk, &*self.inner.lock.lock().unwrap()) {
+            // The flusher is joined: no write of this store is in flight.
+            disk.engine().release_hold(lock.dir_file());
+        }
         if result.is_ok() {
             // Everything acknowledged is on disk and nothing writes any
             // more: the next open need not scrub the tail.

@@ -349,6 +349,14 @@ impl IoEngine for FaultyEngine {
         self.inner.unregister_file(file)
     }
 
+    fn hold_until_idle(&self, file: &File) -> bool {
+        self.inner.hold_until_idle(file)
+    }
+
+    fn release_hold(&self, file: &File) {
+        self.inner.release_hold(file)
+    }
+
     fn uses_fixed_buffers(&self) -> bool {
         self.inner.uses_fixed_buffers()
     }

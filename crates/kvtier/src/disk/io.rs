@@ -138,6 +138,23 @@ pub trait IoEngine: Send + Sync + fmt::Debug {
         let _ = file;
     }
 
+    /// Keeps `file` open for as long as transfers this engine started may
+    /// still run, until `release_hold`. io_uring finishes a killed
+    /// process's writes after the process is gone (the ring is torn down
+    /// asynchronously): the store holds its directory lock here, so that a
+    /// new opener cannot recover the directory while the last one's writes
+    /// still land in it. Returns whether the engine holds it. Default: no
+    /// (its transfers end with the threads that run them).
+    fn hold_until_idle(&self, file: &File) -> bool {
+        let _ = file;
+        false
+    }
+
+    /// Ends `hold_until_idle` (nothing is in flight any more).
+    fn release_hold(&self, file: &File) {
+        let _ = file;
+    }
+
     /// Whether `register_memory` took effect.
     fn uses_fixed_buffers(&self) -> bool {
         false

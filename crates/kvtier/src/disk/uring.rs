@@ -550,6 +550,40 @@ impl IoEngine for UringEngine {
         table.slots.insert(fd, slot);
     }
 
+    fn hold_until_idle(&self, file: &File) -> bool {
+        if self.files.is_some() {
+            // A slot of the sparse table every ring shares.
+            self.register_file(file);
+            return matches!(self.target(file.as_raw_fd()), FileTarget::Fixed(_));
+        }
+        // No table yet (registration off, or a kernel before sparse
+        // tables): a one-file table per ring.
+        let fd = file.as_raw_fd();
+        let held = self.rings.iter().all(|ring| {
+            ring.lock()
+                .unwrap()
+                .submitter()
+                .register_files(&[fd])
+                .is_ok()
+        });
+        if !held {
+            for ring in &self.rings {
+                let _ = ring.lock().unwrap().submitter().unregister_files();
+            }
+        }
+        held
+    }
+
+    fn release_hold(&self, file: &File) {
+        if self.files.is_some() {
+            self.unregister_file(file);
+        } else {
+            for ring in &self.rings {
+                let _ = ring.lock().unwrap().submitter().unregister_files();
+            }
+        }
+    }
+
     fn unregister_file(&self, file: &File) {
         let Some(table) = &self.files else { return };
         let mut table = table.write().unwrap();
