@@ -12,8 +12,7 @@
 use crate::disk::format::{self, RecordEntry, RecordKind};
 use crate::disk::io::{AlignedBuf, ReadOp};
 use crate::disk::{DiskTier, PendingBatch, RecoveredEntry, Region};
-use crate::error::Error;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::index::Index;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;

@@ -270,6 +270,9 @@ impl Store {
             flusher: Mutex::new(flusher),
             default_namespace,
         };
+        // A lost value whose key has a newer surviving put keeps that put:
+        // only keys recovery left absent get their tombstone.
+        lost.retain(|(digest, _)| store.inner.index.lock(*digest).get(*digest).is_none());
         if !lost.is_empty() {
             let mut seqs = Vec::with_capacity(lost.len());
             for (digest, key) in lost {
@@ -457,18 +460,20 @@ impl Store {
             Ok(())
         };
         self.inner.index.clear();
-        if let (Some(disk), Some(lock)) = (&self.inner.disk, &*self.inner.lock.lock().unwrap()) {
+        let lock = self.inner.lock.lock().unwrap().take();
+        if let (Some(disk), Some(lock)) = (&self.inner.disk, &lock) {
             // The flusher is joined: no write of this store is in flight.
             disk.engine().release_hold(lock.dir_file());
         }
         if result.is_ok() {
             // Everything acknowledged is on disk and nothing writes any
-            // more: the next open need not scrub the tail.
+            // more: the next open need not scrub the tail. (Written while
+            // the directory is still locked.)
             if let Err(e) = crate::data_dir::leave_clean_marker(&self.inner.config.data_dir) {
                 tracing::warn!(error = %e, "could not mark the shutdown clean; the next open scrubs the newest region");
             }
         }
-        self.inner.lock.lock().unwrap().take();
+        drop(lock);
         result
     }
 
@@ -1372,13 +1377,12 @@ impl Inner {
         Ok(was_present)
     }
 
-    /// Queues a tombstone for a qualified key (one the tail scrub found
-    /// lost); returns its sequence number, for `wait_durable`.
+    /// Queues a tombstone for a qualified key the index no longer holds
+    /// (one the tail scrub found lost); returns its sequence number, for
+    /// `wait_durable`.
     fn log_removal(&self, digest: KeyDigest, key: Box<[u8]>) -> Result<u64> {
-        self.log.append(|seq| {
-            self.index.lock(digest).remove(digest);
-            Some(QueuedWrite::Tombstone { digest, key, seq })
-        })
+        self.log
+            .append(|seq| Some(QueuedWrite::Tombstone { digest, key, seq }))
     }
 
     pub(crate) fn wake_flusher(&self, request: bool) {

@@ -304,39 +304,18 @@ fn run_crash_cycles(reclaim: bool) {
 }
 
 fn dump_records(dir: &Path, k: &[u8]) {
-    use kvtier::disk::format::{decode_record, BatchHeader};
-    let secret = kvtier::KeySecret::from_bytes(
-        std::fs::read(dir.join("key-secret"))
-            .unwrap()
-            .try_into()
-            .unwrap(),
-    );
+    let secret = secret_of(dir);
     for f in region_files(dir) {
-        let bytes = std::fs::read(&f).unwrap();
-        let id = region_id(&f);
-        let mut at = 4096usize;
-        while at + 4096 <= bytes.len() {
-            match BatchHeader::decode(&bytes[at..], id).ok().and_then(|h| {
-                decode_record(&bytes[at..], &h, &secret)
-                    .ok()
-                    .map(|e| (h, e))
-            }) {
-                Some((h, entries)) => {
-                    for e in entries {
-                        if &e.key[1..] == k {
-                            eprintln!(
-                                "{} @{at}: seq {} {:?} len {} checksum {:x}",
-                                f.file_name().unwrap().to_string_lossy(),
-                                e.seq,
-                                e.kind,
-                                e.value_len,
-                                e.checksum
-                            );
-                        }
-                    }
-                    at += h.batch_len as usize;
-                }
-                None => at += 4096,
+        for (at, entries) in verified_records(&f, &secret) {
+            for e in entries.iter().filter(|e| &e.key[1..] == k) {
+                eprintln!(
+                    "{} @{at}: seq {} {:?} len {} checksum {:x}",
+                    f.file_name().unwrap().to_string_lossy(),
+                    e.seq,
+                    e.kind,
+                    e.value_len,
+                    e.checksum
+                );
             }
         }
     }

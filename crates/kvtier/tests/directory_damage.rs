@@ -557,7 +557,7 @@ mod model {
     //! run is `scripts/damage-campaign`).
 
     use super::*;
-    use kvtier::disk::format::{decode_record, REGION_HEADER_LEN};
+    use kvtier::disk::format::REGION_HEADER_LEN;
     use kvtier::KeySecret;
     use proptest::prelude::*;
     use std::collections::{BTreeSet, HashMap};
@@ -629,26 +629,14 @@ mod model {
 
     /// Keys with any record in `path`, and where its batches start.
     fn records_of(path: &Path, secret: &KeySecret) -> (BTreeSet<u8>, Vec<u64>) {
-        let bytes = fs::read(path).unwrap_or_default();
-        let id = region_id(path);
         let mut keys = BTreeSet::new();
         let mut batches = Vec::new();
-        let mut at = REGION_HEADER_LEN as usize;
-        while at + 4096 <= bytes.len() {
-            let Ok(header) = BatchHeader::decode(&bytes[at..], id) else {
-                at += 4096;
-                continue;
-            };
-            if let Ok(entries) = decode_record(&bytes[at..], &header, secret) {
-                batches.push(at as u64);
-                for e in entries {
-                    // Default namespace: a zero length byte, then the key.
-                    let k = std::str::from_utf8(&e.key[1..]).unwrap();
-                    keys.insert(k.trim_start_matches("model-").parse().unwrap());
-                }
-                at += header.batch_len as usize;
-            } else {
-                at += 4096;
+        for (at, entries) in verified_records(path, secret) {
+            batches.push(at);
+            for e in entries {
+                // Default namespace: a zero length byte, then the key.
+                let k = std::str::from_utf8(&e.key[1..]).unwrap();
+                keys.insert(k.trim_start_matches("model-").parse().unwrap());
             }
         }
         (keys, batches)
@@ -656,12 +644,7 @@ mod model {
 
     /// Applies `damage`; returns the keys it touched.
     fn apply(dir: &Path, damage: &Damage) -> BTreeSet<u8> {
-        let secret = KeySecret::from_bytes(
-            fs::read(dir.join("key-secret"))
-                .unwrap()
-                .try_into()
-                .unwrap(),
-        );
+        let secret = secret_of(dir);
         let files = region_files(dir);
         let mut touched = BTreeSet::new();
         if files.is_empty() {

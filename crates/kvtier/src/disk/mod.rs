@@ -352,7 +352,6 @@ impl DiskTier {
     ) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
         let mut candidates: BTreeMap<u32, Vec<PathBuf>> = BTreeMap::new();
-        let mut next_region = 0u32;
         let listing = fs::read_dir(&self.dir)
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;
         for item in listing {
@@ -465,16 +464,14 @@ impl DiskTier {
                     entries_here.push((batch_start, entry));
                 }
             })?;
-            if scan.verified_batches == 0 && header.is_err() {
-                let reason = match (&header, scan.foreign_batches) {
-                    (_, n) if n > 0 => {
-                        foreign_only.push((id, path));
-                        foreign_batches += n;
-                        continue;
-                    }
-                    (Err(reason), _) => reason.clone(),
-                    (Ok(_), _) => unreachable!(),
-                };
+            if scan.verified_batches == 0 && scan.foreign_batches > 0 {
+                // Intact records keyed with another secret, and none of
+                // ours: decided once every region is scanned.
+                foreign_only.push((id, path));
+                foreign_batches += scan.foreign_batches;
+                continue;
+            }
+            if let (0, Err(reason)) = (scan.verified_batches, &header) {
                 // Never deleted on recovery's own judgement: a read error
                 // may be transient, and the bytes may matter to whoever
                 // investigates.
@@ -483,13 +480,7 @@ impl DiskTier {
                 // Only a member of the log (below its head or a region kept
                 // above it) keeps its place; anything above is not one.
                 let member = newest_seen || head.is_some_and(|h| id <= h);
-                self.set_aside_region(id, &path, &reason, member, &mut report);
-                continue;
-            }
-            if scan.verified_batches == 0 && scan.foreign_batches > 0 {
-                // A whole header, but records keyed with another secret.
-                foreign_only.push((id, path));
-                foreign_batches += scan.foreign_batches;
+                self.set_aside_region(id, &path, reason, member, &mut report);
                 continue;
             }
             verified_batches += scan.verified_batches;
@@ -603,9 +594,7 @@ impl DiskTier {
         // in place because it could not be moved) and the log head; ids of
         // files set aside are free again (the new file's name differs by
         // node and incarnation), so they leave no gap.
-        if let Some(head) = head {
-            next_region = head.saturating_add(1);
-        }
+        let mut next_region = head.map_or(0, |head| head.saturating_add(1));
         for item in fs::read_dir(&self.dir)
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?
             .flatten()

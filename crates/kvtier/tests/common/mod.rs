@@ -208,3 +208,37 @@ pub fn check_all(store: &Store, n: u64) -> u64 {
     }
     hits
 }
+
+/// The directory's key secret, read from its `key-secret` file.
+pub fn secret_of(dir: &Path) -> kvtier::KeySecret {
+    let bytes = fs::read(dir.join("key-secret")).unwrap();
+    kvtier::KeySecret::from_bytes(bytes.try_into().unwrap())
+}
+
+/// Every batch record of a region file that verifies under `secret`: the
+/// batch's offset and its entries, in file order (resynchronising past
+/// pages where no valid batch starts, as recovery does).
+pub fn verified_records(
+    path: &Path,
+    secret: &kvtier::KeySecret,
+) -> Vec<(u64, Vec<kvtier::disk::format::RecordEntry>)> {
+    let bytes = fs::read(path).unwrap_or_default();
+    let id = region_id(path);
+    let mut found = Vec::new();
+    let mut at = REGION_HEADER_LEN as usize;
+    while at + 4096 <= bytes.len() {
+        let decoded = BatchHeader::decode(&bytes[at..], id).ok().and_then(|h| {
+            kvtier::disk::format::decode_record(&bytes[at..], &h, secret)
+                .ok()
+                .map(|entries| (h.batch_len, entries))
+        });
+        match decoded {
+            Some((batch_len, entries)) => {
+                found.push((at as u64, entries));
+                at += batch_len as usize;
+            }
+            None => at += 4096,
+        }
+    }
+    found
+}
