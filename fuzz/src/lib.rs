@@ -1,7 +1,7 @@
 //! What the fuzz targets share: seed inputs built with the store's own
 //! encoders.
 
-use kvtier::disk::format::{encode_record, RecordEntry, RecordKind, RegionHeader};
+use kvtier::internals::format::{encode_record, RecordEntry, RecordKind, RegionHeader};
 use kvtier::{value_checksum, KeySecret, Namespace};
 use std::sync::Arc;
 

@@ -266,7 +266,7 @@ fn status(args: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
             "{:<34} {:<22} {:>12} {:>20} {:>6} {:>7}",
             m.id,
             m.address,
-            kvtier::size::format_size(m.capacity),
+            kvtier::format_size(m.capacity),
             m.incarnation,
             if *tcp { "up" } else { "DOWN" },
             match admin {

@@ -5,8 +5,8 @@
 //! missing blocks, makes them durable, reads every block back and verifies
 //! each byte. Run it twice: the second run finds the prompt cached on disk.
 
-use kvtier::disk::io::AlignedBuf;
-use kvtier::size::format_size;
+use kvtier::format_size;
+use kvtier::AlignedBuf;
 use kvtier::{block_keys, Config, PutOptions, Store};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -20,23 +20,23 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 64)]
     pub blocks: usize,
     /// Bytes of KV data per block.
-    #[arg(long, default_value = "1MiB", value_parser = kvtier::size::parse_size)]
+    #[arg(long, default_value = "1MiB", value_parser = kvtier::parse_size)]
     pub value_size: u64,
     /// Tokens per block.
     #[arg(long, default_value_t = 256)]
     pub block_tokens: usize,
     /// Memory pool capacity (store default: 1 GiB).
-    #[arg(long, value_parser = kvtier::size::parse_size)]
+    #[arg(long, value_parser = kvtier::parse_size)]
     pub memory: Option<u64>,
     /// Disk tier capacity (store default: 16 GiB).
-    #[arg(long, value_parser = kvtier::size::parse_size)]
+    #[arg(long, value_parser = kvtier::parse_size)]
     pub disk: Option<u64>,
 }
 
 /// Bytes standing in for a block's KV tensors: derived from the key so a
 /// read of the wrong block can never verify.
 fn block_bytes(key: &[u8], len: usize) -> Vec<u8> {
-    kvtier::pattern::value(key, len)
+    kvtier::internals::pattern::value(key, len)
 }
 
 pub fn run(args: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {

@@ -3,7 +3,7 @@
 //! Settings come from flags, then a TOML file (`--config`), then defaults;
 //! `kvtier serve --help` and docs/server.md list every key.
 
-use kvtier::size::parse_size;
+use kvtier::parse_size;
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
 use kvtier_net::{Server, ServerConfig};
 use serde::Deserialize;

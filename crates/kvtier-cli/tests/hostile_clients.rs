@@ -73,7 +73,7 @@ fn closed_while_trickling(stream: &mut TcpStream, every: Duration, limit: Durati
 
 fn verified_round_trip(client: &mut Client, tag: &str) {
     let key = format!("bystander/{tag}").into_bytes();
-    let value = kvtier::pattern::value(&key, 200_000);
+    let value = kvtier::internals::pattern::value(&key, 200_000);
     for r in client.batch_put(&[&key], &[&value]).unwrap() {
         r.unwrap();
     }

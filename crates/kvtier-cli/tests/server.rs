@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn value_for(key: &[u8], len: usize) -> Vec<u8> {
-    kvtier::pattern::value(key, len)
+    kvtier::internals::pattern::value(key, len)
 }
 
 fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {

@@ -32,7 +32,7 @@ fn tls_clients_round_trip_and_others_are_refused() {
     let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("tls/{i}").into_bytes()).collect();
     let values: Vec<Vec<u8>> = keys
         .iter()
-        .map(|k| kvtier::pattern::value(k, 3 << 20))
+        .map(|k| kvtier::internals::pattern::value(k, 3 << 20))
         .collect();
     for r in client.batch_put(&keys, &values).unwrap() {
         r.unwrap();

@@ -47,7 +47,7 @@ fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
         return Ok(n);
     }
     let text: String = value.extract()?;
-    kvtier::size::parse_size(&text).map_err(PyValueError::new_err)
+    kvtier::parse_size(&text).map_err(PyValueError::new_err)
 }
 
 /// One range registered with `register_buffer`. Calls that use it hold an
@@ -1341,7 +1341,7 @@ impl SharedBuffer {
 }
 
 /// Chained 256-bit BLAKE3 keys for each full block of `tokens`
-/// (`kvtier::prefix::block_keys`).
+/// (`kvtier::block_keys`).
 #[pyfunction]
 #[pyo3(signature = (tokens, block_size=256, salt=None))]
 fn block_keys_blake3<'py>(

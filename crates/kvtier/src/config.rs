@@ -114,24 +114,27 @@ pub struct Config {
     pub(crate) put_wait: Duration,
     pub(crate) time_policy: bool,
     pub(crate) namespace: String,
-    /// Test seam: wraps the io engine (see `disk::faulty`).
+    /// Test seam: wraps the io engine (see `io::faulty`).
+    #[cfg(feature = "test-util")]
     pub(crate) engine_wrapper: Option<EngineWrapper>,
     /// Test seam: write a batch's record without first syncing its values
     /// (the protocol before format 2), to prove the tests catch it.
+    #[cfg(feature = "test-util")]
     pub(crate) skip_value_sync: bool,
 }
 
 /// A function from the io engine the disk tier built to the one it uses.
-pub type WrapEngine = dyn Fn(
-        std::sync::Arc<dyn crate::disk::io::IoEngine>,
-    ) -> std::sync::Arc<dyn crate::disk::io::IoEngine>
+#[cfg(feature = "test-util")]
+pub type WrapEngine = dyn Fn(std::sync::Arc<dyn crate::io::IoEngine>) -> std::sync::Arc<dyn crate::io::IoEngine>
     + Send
     + Sync;
 
 /// Wraps the io engine the disk tier would use (a test seam).
+#[cfg(feature = "test-util")]
 #[derive(Clone)]
 pub struct EngineWrapper(pub std::sync::Arc<WrapEngine>);
 
+#[cfg(feature = "test-util")]
 impl std::fmt::Debug for EngineWrapper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("EngineWrapper(..)")
@@ -160,7 +163,9 @@ impl Config {
             put_wait: Duration::from_secs(5),
             time_policy: false,
             namespace: String::new(),
+            #[cfg(feature = "test-util")]
             engine_wrapper: None,
+            #[cfg(feature = "test-util")]
             skip_value_sync: false,
         }
     }
@@ -289,9 +294,9 @@ impl Config {
     }
 
     /// Test seam: the disk tier uses `wrap(engine)` instead of the engine
-    /// it built, e.g. a `disk::faulty::FaultyEngine` around it. Default:
+    /// it built, e.g. a `io::faulty::FaultyEngine` around it. Default:
     /// none.
-    #[doc(hidden)]
+    #[cfg(feature = "test-util")]
     pub fn wrap_io_engine(mut self, wrap: EngineWrapper) -> Self {
         self.engine_wrapper = Some(wrap);
         self
@@ -301,7 +306,7 @@ impl Config {
     /// with one sync for both (the protocol before data directory format
     /// 2), so a power loss can leave a valid record over torn values. Only
     /// for proving that the power-loss tests catch it. Default: false.
-    #[doc(hidden)]
+    #[cfg(feature = "test-util")]
     pub fn unsafe_single_sync_batches(mut self, enabled: bool) -> Self {
         self.skip_value_sync = enabled;
         self

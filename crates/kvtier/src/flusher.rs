@@ -10,10 +10,10 @@
 //! builds them, and nothing here names it.
 
 use crate::disk::format::{self, RecordEntry, RecordKind};
-use crate::disk::io::{AlignedBuf, ReadOp};
-use crate::disk::{DiskTier, PendingBatch, RecoveredEntry, Region};
+use crate::disk::{DiskTier, PendingBatch, ReadOutcome, RecoveredEntry, Region, ValueRead};
 use crate::error::{Error, Result};
 use crate::index::Index;
+use crate::io::AlignedBuf;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;
 use crate::units::page_round_up;
@@ -296,7 +296,7 @@ impl Reclaimer {
 
     /// Reads, verifies and rewrites second-chance entries at the log head.
     /// Returns how many made it.
-    fn carry_forward(&self, region: &Region, carry: Vec<RecoveredEntry>) -> u64 {
+    fn carry_forward(&self, region: &Arc<Region>, carry: Vec<RecoveredEntry>) -> u64 {
         let disk = &*self.disk;
         if carry.is_empty() {
             return 0;
@@ -306,17 +306,21 @@ impl Reclaimer {
             .iter()
             .map(|c| AlignedBuf::zeroed(c.entry.value_len as usize))
             .collect();
-        let outcomes: Vec<std::io::Result<()>> = {
-            let mut ops: Vec<ReadOp<'_>> = carry
-                .iter()
-                .zip(bufs.iter_mut())
-                .map(|(c, buf)| {
-                    let offset = u64::from(c.loc.page()) * crate::units::PAGE_SIZE;
-                    ReadOp::new(&region.file, offset, buf.as_mut_slice())
+        let reads: Vec<Option<ValueRead>> = carry
+            .iter()
+            .map(|c| {
+                Some(ValueRead {
+                    digest: c.entry.digest,
+                    region: Arc::clone(region),
+                    loc: c.loc,
+                    len: c.entry.value_len as usize,
+                    checksum: c.entry.checksum,
                 })
-                .collect();
-            disk.engine().read_batch(&mut ops);
-            ops.into_iter().map(|op| op.result).collect()
+            })
+            .collect();
+        let outcomes = {
+            let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            disk.read_verified(&reads, &mut dests)
         };
         let mut batch = PendingBatch::default();
         let mut renumbered: Vec<(KeyDigest, u64, u64)> = Vec::new();
@@ -326,9 +330,7 @@ impl Reclaimer {
             self.log.with_next_seq(|next_seq| {
                 for ((c, buf), outcome) in carry.iter().zip(&bufs).zip(outcomes) {
                     let e = &c.entry;
-                    let valid = outcome.is_ok()
-                        && value_checksum(e.digest, &buf.as_slice()[..e.value_len as usize])
-                            == e.checksum;
+                    let valid = matches!(outcome, Some(ReadOutcome::Verified));
                     let mut shard = self.index.lock(e.digest);
                     if !valid {
                         Counters::add(&self.counters.checksum_failures, 1);

@@ -105,12 +105,9 @@ impl Entry {
         self.disk
     }
 
-    pub fn len(&self) -> u32 {
+    /// The value's length in bytes.
+    pub fn value_len(&self) -> u32 {
         self.mem_or_len.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -122,7 +119,7 @@ impl std::fmt::Debug for Entry {
             .field("checksum", &self.checksum)
             .field("mem", &self.mem())
             .field("disk", &self.disk)
-            .field("len", &self.len())
+            .field("len", &self.value_len())
             .finish()
     }
 }
@@ -266,7 +263,7 @@ impl Shard {
         }
         if entry.disk.is_none() {
             self.disk_entries += 1;
-            self.disk_bytes += u64::from(entry.len());
+            self.disk_bytes += u64::from(entry.value_len());
         }
         entry.disk = Some(loc);
         entry.checksum = checksum;
@@ -284,7 +281,7 @@ impl Shard {
         }
         entry.disk = None;
         self.disk_entries -= 1;
-        self.disk_bytes -= u64::from(entry.len());
+        self.disk_bytes -= u64::from(entry.value_len());
         match entry.mem() {
             // Its only durable copy is gone: from now on the memory copy
             // is a droppable cache entry.
@@ -354,14 +351,14 @@ impl Shard {
     fn count_in(&mut self, entry: &Entry) {
         if entry.disk.is_some() {
             self.disk_entries += 1;
-            self.disk_bytes += u64::from(entry.len());
+            self.disk_bytes += u64::from(entry.value_len());
         }
     }
 
     fn count_out(&mut self, entry: &Entry) {
         if entry.disk.is_some() {
             self.disk_entries -= 1;
-            self.disk_bytes -= u64::from(entry.len());
+            self.disk_bytes -= u64::from(entry.value_len());
         }
     }
 }
@@ -513,7 +510,7 @@ mod tests {
         assert_eq!(Arc::strong_count(&slot), 2);
         let entry = shard.get(digest).unwrap();
         assert_eq!(
-            (entry.seq(), entry.len(), entry.accessed()),
+            (entry.seq(), entry.value_len(), entry.accessed()),
             (7, 5000, false)
         );
         assert!(Arc::ptr_eq(entry.mem().unwrap(), &slot));
@@ -526,7 +523,7 @@ mod tests {
         assert_eq!(Arc::strong_count(&slot), 1);
         let entry = shard.get(digest).unwrap();
         assert!(entry.mem().is_none());
-        assert_eq!((entry.len(), entry.checksum()), (5000, 0xABCD));
+        assert_eq!((entry.value_len(), entry.checksum()), (5000, 0xABCD));
         assert_eq!(entry.disk(), Some(DiskLoc::new(3, 9)));
         // An entry dropped with its memory copy releases it.
         let other = crate::key::test_namespace("").digest(b"other");

@@ -12,7 +12,7 @@
 //! let store = Store::open(
 //!     Config::new(dir.path()).memory_capacity(8 << 20).disk_capacity(64 << 20).region_size(8 << 20),
 //! )?;
-//! let keys = kvtier::prefix::block_keys(&[7; 512], 256, b"model-a");
+//! let keys = kvtier::block_keys(&[7; 512], 256, b"model-a");
 //! store.batch_put(&keys, &[vec![1u8; 65536], vec![2u8; 65536]]);
 //! store.flush()?;
 //! assert_eq!(store.prefix_len(&keys), 2);
@@ -23,40 +23,74 @@
 //! # Ok::<(), kvtier::Error>(())
 //! ```
 
-pub mod config;
+// Every module is private: the crate's surface is the `pub use` list
+// below, so dead-code lints see every item. `internals` (fuzzing, the
+// bench) and `test_util` (fault injection) are features.
+mod config;
 mod data_dir;
-pub mod disk;
+mod disk;
 mod error;
 mod flusher;
-pub mod index;
+mod index;
+mod io;
 mod key;
 mod lock;
-pub mod pattern;
-pub mod pool;
-pub mod prefix;
-pub mod size;
+#[cfg(any(test, feature = "internals"))]
+mod pattern;
+mod pool;
+mod prefix;
+mod size;
 mod stats;
 mod store;
-mod streamed_put;
-pub mod units;
+mod units;
 mod write_log;
 
-pub use config::{Config, EngineWrapper, EvictionPolicy, FlushPolicy, IoEngineKind};
+pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::{DiskLocation, RecoveryReport};
 pub use error::{Error, ErrorKind, Result};
+pub use io::AlignedBuf;
 pub use key::{
     validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace,
     ValueChecksum, MAX_KEY_LEN, MAX_NAMESPACE_LEN,
 };
 pub use prefix::{block_keys, BlockKey};
+pub use size::{format_size, parse_size};
 pub use stats::Stats;
-pub use store::{NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, ValueLease};
-pub use streamed_put::StreamedPuts;
+pub use store::{
+    NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,
+};
+pub use units::{GIB, KIB, MIB, PAGE_SIZE};
 
 /// Bytes one index entry occupies, for capacity planning: the hash table
 /// slot (digest and entry) plus its control byte, before load-factor slack.
 pub const INDEX_SLOT_BYTES: usize = index::SLOT_BYTES;
+
+/// The core's internals for the fuzz targets and the bench (feature
+/// `internals`): the record codec, the disk tier opened on its own, the
+/// index, the io-engine seam and the value pattern. Not a stable API.
+#[cfg(feature = "internals")]
+pub mod internals {
+    pub use crate::disk::format;
+    pub use crate::disk::{value_locations, DiskTier, RecoveredEntry, RecoveryChecks};
+    pub use crate::index::{DiskLoc, Entry, Index};
+    pub use crate::io::{is_direct_io_aligned, IoEngine, ReadOp};
+    /// Deterministic value bytes derived from a key.
+    pub mod pattern {
+        pub use crate::pattern::{fill, value, verify};
+    }
+}
+
+/// Test seams (feature `test-util`): the fault-injecting io engine, with
+/// its power-loss model, and the `Config` setters that install it
+/// (`Config::wrap_io_engine`, `Config::unsafe_single_sync_batches`).
+/// Absent from builds without the feature.
+#[cfg(feature = "test-util")]
+pub mod test_util {
+    pub use crate::config::{EngineWrapper, WrapEngine};
+    pub use crate::io::faulty::{Dice, FaultOp, FaultyEngine};
+    pub use crate::io::IoEngine;
+}
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../../../README.md")]

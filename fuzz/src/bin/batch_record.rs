@@ -4,7 +4,7 @@
 //! - a record that decodes (checksum, keyed digests and all) encodes back
 //!   to exactly the bytes it was decoded from.
 
-use kvtier::disk::format::{decode_record, encode_record, BatchHeader, RegionHeader};
+use kvtier::internals::format::{decode_record, encode_record, BatchHeader, RegionHeader};
 use kvtier::KeySecret;
 use kvtier_fuzz::sample_region;
 use std::sync::Arc;

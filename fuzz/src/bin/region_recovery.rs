@@ -5,7 +5,7 @@
 //! - recovery changes nothing it keeps: opening the directory again
 //!   recovers exactly the same entries.
 
-use kvtier::disk::{DiskTier, RecoveryChecks};
+use kvtier::internals::{DiskTier, RecoveryChecks};
 use kvtier::{Config, IoEngineKind, KeySecret};
 use kvtier_fuzz::sample_region;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! `device`.)
 
 use super::Measurement;
-use kvtier::disk::io::AlignedBuf;
+use kvtier::AlignedBuf;
 use std::time::Instant;
 
 /// memcpy of `batch` values of `value_size` bytes per call into distinct

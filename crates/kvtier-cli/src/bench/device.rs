@@ -26,7 +26,7 @@
 
 use super::Measurement;
 use io_uring::{opcode, squeue, types, IoUring};
-use kvtier::disk::io::AlignedBuf;
+use kvtier::AlignedBuf;
 use kvtier::{DiskLocation, ValueChecksum};
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -722,7 +722,9 @@ impl ShapeWriter {
                     break;
                 }
                 let next = &values[i..i + take + 1];
-                let record = pad(kvtier::disk::format::record_len(next.iter().map(|v| v.0)));
+                let record = pad(kvtier::internals::format::record_len(
+                    next.iter().map(|v| v.0),
+                ));
                 let bytes: usize = next.iter().map(|v| pad(v.1.len())).sum();
                 if (record + bytes) as u64 > self.flush_batch_bytes || take >= 8192 {
                     break;
@@ -730,7 +732,9 @@ impl ShapeWriter {
                 take += 1;
             }
             let batch = &values[i..i + take];
-            let record_len = pad(kvtier::disk::format::record_len(batch.iter().map(|v| v.0)));
+            let record_len = pad(kvtier::internals::format::record_len(
+                batch.iter().map(|v| v.0),
+            ));
             let total = record_len + batch.iter().map(|v| pad(v.1.len())).sum::<usize>();
             let mut buf = AlignedBuf::zeroed(total);
             let mut chunks: Vec<(usize, usize)> = Vec::new();

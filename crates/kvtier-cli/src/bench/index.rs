@@ -2,7 +2,7 @@
 
 use super::report::Row;
 use hdrhistogram::Histogram;
-use kvtier::index::{DiskLoc, Entry, Index};
+use kvtier::internals::{DiskLoc, Entry, Index};
 use kvtier::{Config, IoEngineKind, KeyDigest, KeySecret, Namespace, PutOptions, Store};
 use std::path::Path;
 use std::time::Instant;

@@ -25,8 +25,8 @@ mod workload;
 
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvtier::disk::io::AlignedBuf;
-use kvtier::size::{format_size, parse_size};
+use kvtier::AlignedBuf;
+use kvtier::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use report::Row;
 use schedule::Round;

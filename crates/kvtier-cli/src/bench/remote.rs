@@ -10,7 +10,7 @@ use super::device;
 use super::report::Row;
 use super::schedule::{self, Round};
 use super::{data, rounds, BenchArgs, BenchResult, Measurement, GET_ROUNDS, PUT_ROUNDS};
-use kvtier::size::format_size;
+use kvtier::format_size;
 use kvtier::{PutOptions, PutTier};
 use kvtier_net::{Client, ClientOptions};
 use std::io::{Read, Write};
@@ -665,7 +665,7 @@ fn server_locations(
     // Batch records hold qualified keys (namespace length, namespace,
     // key); the bench knows its keys unqualified.
     let mut by_key = std::collections::HashMap::new();
-    for (qualified, location) in kvtier::disk::value_locations(data_dir)? {
+    for (qualified, location) in kvtier::internals::value_locations(data_dir)? {
         let Some((&ns_len, rest)) = qualified.split_first() else {
             continue;
         };

@@ -1,7 +1,7 @@
 //! Result rows: the printed table, the JSON objects and the SVG chart.
 
 use super::Measurement;
-use kvtier::size::format_size;
+use kvtier::format_size;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 

@@ -19,7 +19,7 @@ use super::device::{CeilingReader, FileSet, Shape};
 use super::schedule::{self, Round};
 use super::{data, BenchArgs, BenchResult, Measurement};
 use hdrhistogram::Histogram;
-use kvtier::size::{format_size, parse_size};
+use kvtier::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;

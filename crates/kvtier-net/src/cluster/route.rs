@@ -51,7 +51,7 @@ fn round_groups(orders: &[Vec<Target>], settled: &[bool], round: usize) -> Group
 
 /// This node's store, for its own share of a request. A client that
 /// routes by itself is no member, so no key of its is ever local to it.
-fn here(store: Option<NamespacedStore<'_>>) -> NamespacedStore<'_> {
+fn here(store: Option<&NamespacedStore>) -> &NamespacedStore {
     store.expect("only a member owns keys locally")
 }
 
@@ -120,7 +120,7 @@ impl<'a> Router<'a> {
     /// socket straight into `dests`: no copy on this host.
     pub fn get(
         &self,
-        store: Option<NamespacedStore<'_>>,
+        store: Option<&NamespacedStore>,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
     ) -> Vec<kvtier::Result<Option<usize>>> {
@@ -182,7 +182,7 @@ impl<'a> Router<'a> {
     /// Stores each value (given as segments) on every owner of its key.
     pub fn put(
         &self,
-        store: Option<NamespacedStore<'_>>,
+        store: Option<&NamespacedStore>,
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
@@ -247,7 +247,7 @@ impl<'a> Router<'a> {
     }
 
     /// Whether each key is present on any of its owners.
-    pub fn exists(&self, store: Option<NamespacedStore<'_>>, keys: &[&[u8]]) -> Vec<bool> {
+    pub fn exists(&self, store: Option<&NamespacedStore>, keys: &[&[u8]]) -> Vec<bool> {
         let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
         let mut present = vec![false; keys.len()];
         for round in 0.. {
@@ -282,7 +282,7 @@ impl<'a> Router<'a> {
     /// Removes `key` from every owner; whether any of them held it. An
     /// owner that cannot be reached fails the call (its copy may remain,
     /// and a later remove takes it).
-    pub fn remove(&self, store: Option<NamespacedStore<'_>>, key: &[u8]) -> kvtier::Result<bool> {
+    pub fn remove(&self, store: Option<&NamespacedStore>, key: &[u8]) -> kvtier::Result<bool> {
         let groups: Groups = self.owners(key).into_iter().map(|t| (t, vec![0])).collect();
         let answers = self.run(
             groups,

@@ -5,7 +5,7 @@
 use crate::metrics::Sample;
 use crate::protocol::{code, put_flags, Writer};
 use crate::shm::SharedRegion;
-use kvtier::disk::io::AlignedBuf;
+use kvtier::AlignedBuf;
 use kvtier::{NamespacedStore, PutOptions, PutTier, ValueLease};
 
 /// A request's reply: frame status, body, and value bytes sent after it.
@@ -111,7 +111,7 @@ pub(crate) fn get_table(results: &[kvtier::Result<Option<usize>>]) -> (Writer, u
 }
 
 pub(crate) fn batch_put<'b>(
-    store: NamespacedStore<'_>,
+    store: &NamespacedStore,
     flags: u8,
     items: &[(&[u8], &[u8])],
 ) -> Reply<'b> {
@@ -128,7 +128,7 @@ pub(crate) fn batch_put<'b>(
 /// `arena` that the disk reads land in. `arena` and `leases` are the
 /// connection's, reused from request to request.
 pub(crate) fn batch_get<'b>(
-    store: NamespacedStore<'_>,
+    store: &NamespacedStore,
     items: &[(&[u8], u64)],
     arena: &'b mut Option<AlignedBuf>,
     leases: &'b mut Vec<Option<ValueLease>>,
@@ -254,7 +254,7 @@ pub(crate) fn get_reply<'b>(
     }
 }
 
-pub(crate) fn batch_exists<'b>(store: NamespacedStore<'_>, keys: &[&[u8]]) -> Reply<'b> {
+pub(crate) fn batch_exists<'b>(store: &NamespacedStore, keys: &[&[u8]]) -> Reply<'b> {
     exists_reply(&store.batch_exists(keys))
 }
 
@@ -271,7 +271,7 @@ pub(crate) fn exists_reply<'b>(present: &[bool]) -> Reply<'b> {
     })
 }
 
-pub(crate) fn prefix_len<'b>(store: NamespacedStore<'_>, keys: &[&[u8]]) -> Reply<'b> {
+pub(crate) fn prefix_len<'b>(store: &NamespacedStore, keys: &[&[u8]]) -> Reply<'b> {
     prefix_reply(store.prefix_len(keys), keys.len())
 }
 
@@ -285,7 +285,7 @@ pub(crate) fn prefix_reply<'b>(leading: usize, keys: usize) -> Reply<'b> {
     })
 }
 
-pub(crate) fn remove<'b>(store: NamespacedStore<'_>, key: &[u8]) -> Reply<'b> {
+pub(crate) fn remove<'b>(store: &NamespacedStore, key: &[u8]) -> Reply<'b> {
     match store.remove(key) {
         Ok(removed) => Reply::ok(vec![u8::from(removed)]),
         Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
@@ -302,7 +302,7 @@ pub(crate) fn flush<'b>(store: &kvtier::Store) -> Reply<'b> {
 /// Puts values gathered from `(offset, len)` segments of a registered
 /// buffer (the single-range op passes one segment per value).
 pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
-    store: NamespacedStore<'_>,
+    store: &NamespacedStore,
     region: &SharedRegion,
     flags: u8,
     items: &[(&[u8], S)],
@@ -352,7 +352,7 @@ pub(crate) fn batch_put_shm_with<'b, S: AsRef<[(u64, u64)]>>(
 /// Gets values scattered into `(offset, capacity)` segments of a registered
 /// buffer, in order; no two segments of the batch may overlap.
 pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
-    store: NamespacedStore<'_>,
+    store: &NamespacedStore,
     region: &SharedRegion,
     items: &[(&[u8], S)],
 ) -> Reply<'b> {
@@ -424,7 +424,7 @@ mod tests {
 
     fn value(key: &[u8], len: usize) -> Vec<u8> {
         let mut v = vec![0u8; len];
-        kvtier::pattern::fill(key, &mut v);
+        kvtier::internals::pattern::fill(key, &mut v);
         v
     }
 
@@ -464,7 +464,7 @@ mod tests {
         ];
         let before = store.stats();
         let (mut arena, mut leases) = (None, Vec::new());
-        let reply = batch_get(view, &items, &mut arena, &mut leases, 1 << 30);
+        let reply = batch_get(&view, &items, &mut arena, &mut leases, 1 << 30);
         assert_eq!(reply.status, code::OK);
         let mut r = crate::protocol::Reader::new(&reply.body);
         assert_eq!(r.u32().unwrap(), 6);

@@ -10,7 +10,7 @@ use crate::metrics::Metrics;
 use crate::protocol::{self, code, decode_request, request_flags, Header, Op, Request, Writer};
 use crate::shm::SharedRegion;
 use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
-use kvtier::disk::io::AlignedBuf;
+use kvtier::AlignedBuf;
 use kvtier::Namespace;
 use std::collections::HashMap;
 use std::io;
@@ -165,7 +165,7 @@ impl<'a> Session<'a> {
                 }) => {
                     let started = Instant::now();
                     let namespace = self.state.namespace.clone().expect("authenticated");
-                    let store = shared.store.in_namespace(&namespace);
+                    let store = &shared.store.in_namespace(&namespace);
                     let reply = streamed_put::batch_put_streamed(
                         store,
                         &mut self.transport,
@@ -308,7 +308,7 @@ impl State<'_> {
             (Some(namespace), request) => (namespace.clone(), request),
         };
         let (namespace, request) = namespace;
-        let store = shared.store.in_namespace(&namespace);
+        let store = &shared.store.in_namespace(&namespace);
         // Cluster mode: keys other members own go to them (one hop at
         // most: what peers forward carries LOCAL_ONLY).
         let router = match (&shared.peers, local_only) {
@@ -376,7 +376,7 @@ impl State<'_> {
     fn routed<'b>(
         &'b mut self,
         router: &Router<'_>,
-        store: kvtier::NamespacedStore<'_>,
+        store: &kvtier::NamespacedStore,
         request: &Request<'_>,
     ) -> Reply<'b> {
         let put = |keys: &[&[u8]], values: &[&[&[u8]]], options: &kvtier::PutOptions| {

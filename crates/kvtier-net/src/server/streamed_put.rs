@@ -19,7 +19,7 @@ const MIN_ITEM: u64 = 11;
 /// Reads and runs one BatchPut whose header has been read; `discard` is
 /// scratch space for the bytes of values that are not stored.
 pub(crate) fn batch_put_streamed<'b>(
-    store: NamespacedStore<'_>,
+    store: &NamespacedStore,
     transport: &mut Transport,
     mut body: BodyStream,
     max_batch: u32,

@@ -7,18 +7,18 @@
 //! before anything in it is reported durable. Recovery reads only the
 //! records. See docs/design.md for the bytes and the crash protocol.
 
-pub mod faulty;
 pub mod format;
-pub mod io;
-pub mod uring;
+mod read;
+
+pub(crate) use read::{Destination, ReadOutcome, ValueRead};
 
 use crate::config::{Config, IoEngineKind};
 use crate::error::{Error, Result};
 use crate::index::DiskLoc;
+use crate::io::{pread_full, uring, AlignedBuf, BufferPool, IoEngine, PsyncEngine};
 use crate::key::{KeySecret, ValueChecksum};
 use crate::units::{page_round_up, PAGE_SIZE};
 use format::{BatchHeader, RecordEntry, RecordFault, RegionHeader, REGION_HEADER_LEN};
-use io::{pread_full, AlignedBuf, BufferPool, IoEngine, PsyncEngine};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::IoSlice;
@@ -224,6 +224,8 @@ pub struct DiskTier {
     used: AtomicU64,
     writer: Mutex<WriterState>,
     bounce: BufferPool,
+    /// Bytes per piece of a value read (`Config::read_piece`).
+    read_piece: usize,
     /// Every record's digests are checked against it.
     secret: Arc<KeySecret>,
     /// Test seam (`Config::unsafe_single_sync_batches`).
@@ -269,6 +271,7 @@ impl DiskTier {
                 }
             }
         };
+        #[cfg(feature = "test-util")]
         let engine = match &config.engine_wrapper {
             Some(wrap) => (wrap.0)(engine),
             None => engine,
@@ -276,7 +279,10 @@ impl DiskTier {
         let tier = DiskTier {
             dir,
             engine,
+            #[cfg(feature = "test-util")]
             single_sync: config.skip_value_sync,
+            #[cfg(not(feature = "test-util"))]
+            single_sync: false,
             direct_io: AtomicBool::new(config.direct_io),
             capacity: config.disk_capacity,
             region_size: config.effective_region_size(),
@@ -287,6 +293,9 @@ impl DiskTier {
                 next_region: 0,
             }),
             bounce: BufferPool::new(BOUNCE_CACHE_BYTES),
+            read_piece: usize::try_from(config.read_piece)
+                .unwrap_or(usize::MAX)
+                .max(1),
             secret,
             node_id: node_id.to_string(),
             // This open's incarnation: nanoseconds since the Unix epoch.
@@ -310,11 +319,6 @@ impl DiskTier {
         self.capacity
     }
 
-    /// Buffers for reads whose destination O_DIRECT cannot use as is.
-    pub fn bounce_buffers(&self) -> &BufferPool {
-        &self.bounce
-    }
-
     /// Bytes of region files on disk.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Acquire)
@@ -330,6 +334,25 @@ impl DiskTier {
 
     /// The largest batch (record plus values) that can ever be written:
     /// what is left of the capacity after one region header.
+    /// Where an index entry's bytes lie in its region file, for tools that
+    /// read the files themselves; `None` once the region is gone.
+    pub(crate) fn locate(
+        &self,
+        loc: DiskLoc,
+        len: u32,
+        digest: crate::key::KeyDigest,
+        checksum: u64,
+    ) -> Option<DiskLocation> {
+        let region = self.region(loc.region())?;
+        Some(DiskLocation {
+            path: region.path().to_path_buf(),
+            offset: u64::from(loc.page()) * PAGE_SIZE,
+            len,
+            digest,
+            checksum,
+        })
+    }
+
     pub fn max_batch_len(&self) -> u64 {
         self.capacity - REGION_HEADER_LEN
     }
@@ -1076,6 +1099,7 @@ impl DiskTier {
 /// that replay the store's disk reads raw (the bench's shape-matched stream
 /// through a server); the store's own index stays the authority. Meant for
 /// a directory one node writes (sequence numbers order one node's puts).
+#[cfg(feature = "internals")]
 pub fn value_locations(
     data_dir: &Path,
 ) -> Result<std::collections::HashMap<Vec<u8>, DiskLocation>> {

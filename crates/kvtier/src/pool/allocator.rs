@@ -31,14 +31,11 @@ impl ExtentAllocator {
         allocator
     }
 
-    pub fn total_pages(&self) -> u64 {
-        self.total_pages
-    }
-
     pub fn free_pages(&self) -> u64 {
         self.free_pages
     }
 
+    #[cfg(test)]
     /// The longest run that an allocation could get right now.
     pub fn largest_free(&self) -> u64 {
         self.by_size.last().map_or(0, |&(len, _)| len)

@@ -21,7 +21,6 @@ struct QueueItem {
 
 #[derive(Debug)]
 pub struct EvictionQueues {
-    policy: EvictionPolicy,
     /// What the queues do now: the policy's, or the shadow's pick.
     mode: Mode,
     /// The adaptive policy's simulations (`None` for a fixed policy).
@@ -50,7 +49,6 @@ impl EvictionQueues {
         let shadow =
             (policy == EvictionPolicy::Adaptive).then(|| Arc::new(Shadow::new(capacity_pages)));
         EvictionQueues {
-            policy,
             mode: match &shadow {
                 Some(shadow) => shadow.preferred(),
                 None if policy == EvictionPolicy::Lru => Mode::Lru,
@@ -86,10 +84,6 @@ impl EvictionQueues {
         };
         let largest = self.recent_batches.iter().copied().max().unwrap_or(0);
         (self.capacity_pages * percent / 100).max(largest.min(self.capacity_pages / 2))
-    }
-
-    pub fn policy(&self) -> EvictionPolicy {
-        self.policy
     }
 
     /// Heap bytes of the queues, the ghosts and the simulations.
@@ -201,14 +195,6 @@ impl EvictionQueues {
             return Some(slot);
         }
         None
-    }
-
-    /// Puts back a victim the caller could not drop after all.
-    pub fn reinsert(&mut self, slot: &Arc<PoolSlot>) {
-        self.main.push_back(QueueItem {
-            slot: Arc::downgrade(slot),
-            pages: slot.pages(),
-        });
     }
 
     fn requeue(&mut self, small: bool, item: QueueItem) {

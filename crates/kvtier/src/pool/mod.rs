@@ -147,7 +147,7 @@ fn prefault(base: *mut libc::c_void, len: usize) {
     }
 }
 
-impl crate::disk::io::LongLivedMemory for PoolCore {
+impl crate::io::LongLivedMemory for PoolCore {
     fn memory_range(&self) -> (*const u8, usize) {
         (self.base.cast_const(), self.len)
     }

@@ -10,15 +10,14 @@
 //! value, the values received so far are entered first, so a batch larger
 //! than the pool behaves as an in-memory batch does.
 
+use super::{NamespacedStore, PutOptions, ReceivingValue};
 use crate::error::{ErrorKind, Result};
-use crate::store::{Inner, NamespacedStore, PutOptions, ReceivingValue};
 use crate::units::PAGE_SIZE;
 
 /// One batch of streamed puts (see [`NamespacedStore::streamed_puts`]).
 #[derive(Debug)]
-pub struct StreamedPuts<'s> {
-    inner: &'s Inner,
-    store: NamespacedStore<'s>,
+pub struct StreamedPuts {
+    store: NamespacedStore,
     options: PutOptions,
     /// Received values not yet in the index, in arrival order, with their
     /// item's position and key.
@@ -28,19 +27,17 @@ pub struct StreamedPuts<'s> {
     seqs: (u64, u64),
 }
 
-impl<'s> StreamedPuts<'s> {
+impl StreamedPuts {
     pub(crate) fn new(
-        inner: &'s Inner,
-        store: NamespacedStore<'s>,
+        store: NamespacedStore,
         options: &PutOptions,
         items: usize,
         bytes: u64,
-    ) -> StreamedPuts<'s> {
+    ) -> StreamedPuts {
         if items > 1 {
-            inner.note_batch(bytes);
+            store.inner().note_batch(bytes);
         }
         StreamedPuts {
-            inner,
             store,
             options: *options,
             pending: Vec::new(),
@@ -55,20 +52,22 @@ impl<'s> StreamedPuts<'s> {
     /// and the key is present), and the caller discards its bytes.
     pub fn begin(&mut self, key: &[u8], len: u64) -> Option<ReceivingValue> {
         if !self.pending.is_empty()
-            && self.inner.pool_free_bytes() < len.div_ceil(PAGE_SIZE) * PAGE_SIZE
+            && self.store.inner().pool_free_bytes() < len.div_ceil(PAGE_SIZE) * PAGE_SIZE
         {
             self.enter_pending();
         }
-        let mut begun = self
-            .inner
-            .begin_put(self.store.namespace(), key, len, &self.options);
+        let mut begun =
+            self.store
+                .inner()
+                .begin_put(self.store.namespace(), key, len, &self.options);
         // Free bytes are not free extents: a pool short of a long enough one
         // gets the received values entered (so they may be evicted), and one
         // more try.
         if matches!(&begun, Err(e) if e.kind() == ErrorKind::NoSpace) && !self.pending.is_empty() {
             self.enter_pending();
             begun = self
-                .inner
+                .store
+                .inner()
                 .begin_put(self.store.namespace(), key, len, &self.options);
         }
         match begun {
@@ -96,7 +95,7 @@ impl<'s> StreamedPuts<'s> {
     pub fn finish(mut self) -> Vec<Result<()>> {
         self.enter_pending();
         if self.options.durable && self.seqs.1 > 0 {
-            if let Err(e) = self.inner.wait_durable(self.seqs.0, self.seqs.1) {
+            if let Err(e) = self.store.inner().wait_durable(self.seqs.0, self.seqs.1) {
                 for result in self.results.iter_mut().filter(|r| r.is_ok()) {
                     *result = Err(e.duplicate());
                 }
@@ -107,9 +106,12 @@ impl<'s> StreamedPuts<'s> {
 
     /// Enters the received values into the index, last first.
     fn enter_pending(&mut self) {
-        let namespace = self.store.namespace();
         while let Some((item, key, value)) = self.pending.pop() {
-            match self.inner.commit_put(namespace, &key, value) {
+            match self
+                .store
+                .inner()
+                .commit_put(self.store.namespace(), &key, value)
+            {
                 Ok(seq) => self.seqs = (self.seqs.0.min(seq), self.seqs.1.max(seq)),
                 Err(e) => self.results[item] = Err(e),
             }

@@ -2,10 +2,8 @@
 //! reported to every caller it concerns; a flusher that dies turns waits
 //! into errors; nothing the index says is present is missing its bytes.
 
-mod common;
-
-use common::*;
-use kvtier::disk::faulty::{FaultOp, FaultyEngine};
+use crate::common::*;
+use kvtier::test_util::{FaultOp, FaultyEngine};
 use kvtier::{ErrorKind, PutOptions, Store};
 use std::path::Path;
 use std::sync::Arc;

@@ -1,8 +1,6 @@
 //! The public API's contract: results per key, limits, errors, tiers.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier::{block_keys, Config, ErrorKind, PutOptions, PutTier, Store, MAX_KEY_LEN};
 
 #[test]
@@ -550,7 +548,7 @@ fn direct_reads_expose_no_stale_padding() {
         drop(store);
         let store = open(small_config(dir.path()));
         for i in 100..108 {
-            let mut buf = kvtier::disk::io::AlignedBuf::zeroed(8192);
+            let mut buf = kvtier::AlignedBuf::zeroed(8192);
             buf.as_mut_slice().fill(0xEE);
             let got = store.batch_get_into(&[key(i)], &mut [buf.as_mut_slice()]);
             assert_eq!(got[0].as_ref().unwrap(), &Some(5000));
@@ -765,7 +763,7 @@ fn value_locations_read_beside_an_open_store_agree_with_its_index() {
     store.put(key(3), value_for(&key(3), 1, 5_000)).unwrap();
     assert!(store.remove(key(5)).unwrap());
     store.flush().unwrap();
-    let found = kvtier::disk::value_locations(dir.path()).unwrap();
+    let found = kvtier::internals::value_locations(dir.path()).unwrap();
     assert_eq!(found.len(), 29, "every live key once, the removed one not");
     let namespace = store.default_namespace();
     for i in (0..30).filter(|&i| i != 5) {

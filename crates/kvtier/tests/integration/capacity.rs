@@ -1,9 +1,7 @@
 //! Filling past memory and disk capacity: eviction and reclaim keep the
 //! store within its limits and every surviving entry reads back exactly.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier::{Config, ErrorKind, Store};
 use std::time::Duration;
 

@@ -1,9 +1,7 @@
 //! Damaged region files: reads return misses, never wrong bytes, and the
 //! store keeps serving.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier::Store;
 use std::fs::{self, OpenOptions};
 
@@ -153,7 +151,7 @@ fn multi_piece_values_are_verified_whole() {
         flip(path, offsets[0] + 4096 + 9 * MIB + 5);
         flip(path, offsets[1] + 4096 + len as u64 + 10);
         let store = open(config);
-        let mut aligned = kvtier::disk::io::AlignedBuf::zeroed(len);
+        let mut aligned = kvtier::AlignedBuf::zeroed(len);
         let mut unaligned = vec![0u8; len + 1];
         for direct in [true, false] {
             for i in 0..3u64 {

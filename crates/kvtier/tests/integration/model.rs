@@ -2,9 +2,7 @@
 //! against a model map. After every reopen: nothing acknowledged is lost,
 //! nothing removed reappears, nothing wrong is returned.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
 use proptest::prelude::*;
 use std::collections::HashMap;

@@ -13,7 +13,7 @@
 //! them); the engine remembers, per file, each write since that file's last
 //! completed sync, and the file's length at that sync.
 
-use super::io::{IoEngine, LongLivedMemory, ReadOp};
+use super::{IoEngine, LongLivedMemory, ReadOp};
 use crate::units::PAGE_SIZE;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};

@@ -19,10 +19,8 @@
 //! `KVTIER_POWER_LOSS_DEBUG=1` prints each case's operations, losses and
 //! recovery reports, to replay a failing seed by hand.
 
-mod common;
-
-use common::*;
-use kvtier::disk::faulty::{Dice, FaultyEngine};
+use crate::common::*;
+use kvtier::test_util::{Dice, FaultyEngine};
 use kvtier::{Config, Store};
 use std::collections::HashMap;
 use std::path::Path;

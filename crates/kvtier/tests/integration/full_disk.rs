@@ -10,9 +10,7 @@
 //! - when space returns, the retries land by themselves, flush succeeds,
 //!   and after a reopen every value acknowledged since is there.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier::{Config, ErrorKind};
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,10 +1,8 @@
 //! Helpers shared by the integration tests.
-#![allow(dead_code, reason = "each test binary uses a different subset")]
 
-use kvtier::disk::faulty::FaultyEngine;
-use kvtier::disk::format::{BatchHeader, REGION_HEADER_LEN};
-use kvtier::disk::io::IoEngine;
-use kvtier::{Config, EngineWrapper, IoEngineKind, Store};
+use kvtier::internals::format::{BatchHeader, REGION_HEADER_LEN};
+use kvtier::test_util::{EngineWrapper, FaultyEngine, IoEngine};
+use kvtier::{Config, IoEngineKind, Store};
 use std::cell::Cell;
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -20,7 +18,7 @@ pub const MIB: u64 = 1024 * 1024;
 pub fn value_for(key: &[u8], version: u64, len: usize) -> Vec<u8> {
     let mut named = key.to_vec();
     named.extend_from_slice(&version.to_le_bytes());
-    kvtier::pattern::value(&named, len)
+    kvtier::internals::pattern::value(&named, len)
 }
 
 /// A small store: 4 MiB pool, 32 MiB disk in 1 MiB regions.
@@ -221,14 +219,14 @@ pub fn secret_of(dir: &Path) -> kvtier::KeySecret {
 pub fn verified_records(
     path: &Path,
     secret: &kvtier::KeySecret,
-) -> Vec<(u64, Vec<kvtier::disk::format::RecordEntry>)> {
+) -> Vec<(u64, Vec<kvtier::internals::format::RecordEntry>)> {
     let bytes = fs::read(path).unwrap_or_default();
     let id = region_id(path);
     let mut found = Vec::new();
     let mut at = REGION_HEADER_LEN as usize;
     while at + 4096 <= bytes.len() {
         let decoded = BatchHeader::decode(&bytes[at..], id).ok().and_then(|h| {
-            kvtier::disk::format::decode_record(&bytes[at..], &h, secret)
+            kvtier::internals::format::decode_record(&bytes[at..], &h, secret)
                 .ok()
                 .map(|entries| (h.batch_len, entries))
         });

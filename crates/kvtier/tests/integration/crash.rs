@@ -9,9 +9,7 @@
 //! be in one of those states: nothing acknowledged lost, nothing removed
 //! back, no wrong bytes.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvtier::{Config, IoEngineKind, Store};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -148,7 +146,12 @@ fn run_crash_cycles(reclaim: bool) {
     let mut killed_mid_run = 0u64;
     for cycle in 1..=cycles {
         let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "crash::crash_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("KVTIER_CRASH_CHILD_DIR", dir.path())
             .env("KVTIER_CRASH_SEED", cycle.to_string())
             .envs(reclaim.then_some(("KVTIER_CRASH_RECLAIM", "1")))

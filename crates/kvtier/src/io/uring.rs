@@ -4,7 +4,7 @@
 //! for the remainder; a full submission queue is drained by waiting for
 //! completions before queueing more.
 
-use super::io::{IoEngine, LongLivedMemory, ReadOp};
+use super::{IoEngine, LongLivedMemory, ReadOp};
 use io_uring::{opcode, types, IoUring};
 use std::collections::HashMap;
 use std::fs::File;
@@ -604,7 +604,7 @@ impl IoEngine for UringEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::disk::io::{AlignedBuf, PsyncEngine};
+    use crate::io::{AlignedBuf, PsyncEngine};
 
     fn engines() -> Vec<Box<dyn IoEngine>> {
         // A depth far below the batch sizes below exercises the full
@@ -668,7 +668,7 @@ mod tests {
                 .rev()
                 .map(|(i, b)| ReadOp::new(&file, (i * 4096) as u64, b))
                 .collect();
-            engine.read_batch(&mut ops);
+            engine.read_batch_then(&mut ops, &|_, _| {});
             assert!(ops.iter().all(|op| op.result.is_ok()));
             drop(ops);
             assert_eq!(bufs.concat(), data, "round {round}");
@@ -697,7 +697,7 @@ mod tests {
                 .map(|(i, b)| ReadOp::new(&file, 4096 + i as u64 * 4096, b))
                 .collect();
             ops.push(ReadOp::new(&file, 4096 + 1500 * 4096, &mut big_back));
-            engine.read_batch(&mut ops);
+            engine.read_batch_then(&mut ops, &|_, _| {});
             assert!(ops.iter().all(|op| op.result.is_ok()), "{}", engine.name());
             drop(ops);
             assert_eq!(bufs, small, "{}", engine.name());
@@ -720,7 +720,7 @@ mod tests {
                 ReadOp::new(&file, 8000, &mut b),
                 ReadOp::new(&file, 9900, &mut c),
             ];
-            engine.read_batch(&mut ops);
+            engine.read_batch_then(&mut ops, &|_, _| {});
             assert!(ops[0].result.is_ok());
             let err = ops[1].result.as_ref().unwrap_err();
             assert_eq!(
@@ -763,7 +763,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, b)| ReadOp::new(&file, (i as u64) << 16, b.as_mut_slice()))
                 .collect();
-            engine.read_batch(&mut ops);
+            engine.read_batch_then(&mut ops, &|_, _| {});
             assert!(ops.iter().all(|op| op.result.is_ok()), "{}", engine.name());
             drop(ops);
             let joined: Vec<u8> = bufs.iter().flat_map(|b| b.as_slice().to_vec()).collect();
@@ -860,7 +860,7 @@ mod tests {
                     region(back_at + big.len() + i * 8192, 8192),
                 )
             }));
-            engine.read_batch(&mut ops);
+            engine.read_batch_then(&mut ops, &|_, _| {});
             assert!(ops.iter().all(|op| op.result.is_ok()));
             drop(ops);
             assert!(

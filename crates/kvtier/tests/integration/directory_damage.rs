@@ -3,10 +3,8 @@
 //! touch, never brings a removed key back, never reports a key it cannot
 //! read, and never hangs or refuses the whole open for one bad file.
 
-mod common;
-
-use common::*;
-use kvtier::disk::format::BatchHeader;
+use crate::common::*;
+use kvtier::internals::format::BatchHeader;
 use kvtier::{ErrorKind, Store};
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
@@ -168,7 +166,7 @@ fn one_file_refusing_o_direct_leaves_the_others_direct() {
         assert_eq!(store.stats().buffered_regions, 1);
         assert!(store.stats().direct_io, "the directory keeps O_DIRECT");
         assert_eq!(check_all(&store, n), n);
-        let mut aligned = kvtier::disk::io::AlignedBuf::zeroed(VALUE);
+        let mut aligned = kvtier::AlignedBuf::zeroed(VALUE);
         let mut unaligned = vec![0u8; VALUE + 1];
         for i in 0..n {
             for direct in [true, false] {
@@ -557,7 +555,7 @@ mod model {
     //! run is `scripts/damage-campaign`).
 
     use super::*;
-    use kvtier::disk::format::REGION_HEADER_LEN;
+    use kvtier::internals::format::REGION_HEADER_LEN;
     use kvtier::KeySecret;
     use proptest::prelude::*;
     use std::collections::{BTreeSet, HashMap};

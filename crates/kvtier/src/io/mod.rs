@@ -2,6 +2,10 @@
 //! writes. The disk tier speaks only this trait, so an io_uring engine can
 //! replace `psync` without touching the tier.
 
+#[cfg(any(test, feature = "test-util"))]
+pub mod faulty;
+pub mod uring;
+
 use crate::units::PAGE_SIZE;
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fmt;
@@ -100,15 +104,17 @@ impl<'a> ReadOp<'a> {
 pub trait IoEngine: Send + Sync + fmt::Debug {
     fn name(&self) -> &'static str;
 
-    /// Runs every read of the batch; returns when all have completed. The
-    /// engine may run them concurrently and in any order.
-    fn read_batch(&self, reads: &mut [ReadOp<'_>]) {
-        self.read_batch_then(reads, &|_, _| {});
-    }
-
-    /// As `read_batch`, calling `on_read(i, bytes)` for each read that
-    /// completes in full, as soon as it does (possibly on another thread),
-    /// so the caller can verify one value while others are still in flight.
+    /// Runs every read of the batch and returns when all have completed;
+    /// the engine may run them concurrently and in any order. Calls
+    /// `on_read(i, bytes)` for each read that completes in full, as soon as
+    /// it does (possibly on another thread), so the caller can verify one
+    /// value while others are still in flight.
+    ///
+    /// `bytes` is read `i`'s buffer, handed over with the engine's own
+    /// access to it: the engine promises that it stays valid and that
+    /// nothing writes it until this call returns, so `on_read` may keep
+    /// the pointer and read the bytes again later in the same call (the
+    /// disk tier hashes pieces in order that complete out of order).
     fn read_batch_then(&self, reads: &mut [ReadOp<'_>], on_read: &(dyn Fn(usize, &[u8]) + Sync));
 
     /// Writes `bufs` back to back starting at `offset`.

@@ -1,0 +1,359 @@
+//! Verified value reads: the disk tier's half of a get.
+//!
+//! Everything about turning an index entry into checked bytes lives here:
+//! the file offset of a page, the choice between reading straight into the
+//! caller's memory and through a bounce buffer (a fact of the region file:
+//! O_DIRECT or not), cutting a value into pieces submitted together, and
+//! the checksum of each value taken piece by piece as its pieces complete,
+//! so verification overlaps the reads still in flight. Above this module
+//! nothing computes page offsets or touches region files.
+
+use super::{DiskTier, Region};
+use crate::error::Error;
+use crate::index::DiskLoc;
+use crate::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
+use crate::key::{KeyDigest, ValueChecksum};
+use crate::units::{page_round_up, PAGE_SIZE};
+use std::sync::{Arc, Mutex};
+
+/// Where a read writes one value: a single buffer, or segments filled in
+/// order (the multi-buffer form).
+pub(crate) trait Destination {
+    /// Bytes the destination holds in all.
+    fn capacity(&self) -> usize;
+    /// The destination as one slice, when it is one (direct reads need it).
+    fn contiguous(&mut self) -> Option<&mut [u8]>;
+    /// Copies `bytes` (at most `capacity()`) to the front of the destination.
+    fn fill_from(&mut self, bytes: &[u8]);
+}
+
+impl Destination for &mut [u8] {
+    fn capacity(&self) -> usize {
+        self.len()
+    }
+    fn contiguous(&mut self) -> Option<&mut [u8]> {
+        Some(&mut self[..])
+    }
+    fn fill_from(&mut self, bytes: &[u8]) {
+        self[..bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+impl Destination for &mut [&mut [u8]] {
+    fn capacity(&self) -> usize {
+        self.iter().map(|s| s.len()).sum()
+    }
+    fn contiguous(&mut self) -> Option<&mut [u8]> {
+        match self {
+            [only] => Some(&mut only[..]),
+            _ => None,
+        }
+    }
+    fn fill_from(&mut self, mut bytes: &[u8]) {
+        for segment in self.iter_mut() {
+            if bytes.is_empty() {
+                break;
+            }
+            let n = segment.len().min(bytes.len());
+            segment[..n].copy_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+        }
+    }
+}
+
+/// One value to read: what the index says about it, with its region held
+/// open (a reclaim that unlinks the file meanwhile cannot take the bytes).
+pub(crate) struct ValueRead {
+    pub digest: KeyDigest,
+    pub region: Arc<Region>,
+    pub loc: DiskLoc,
+    pub len: usize,
+    pub checksum: u64,
+}
+
+/// What became of one [`ValueRead`].
+#[derive(Debug)]
+pub(crate) enum ReadOutcome {
+    /// The destination's first `len` bytes are the value: read in full,
+    /// checksum and key digest verified.
+    Verified,
+    /// The bytes read are not this key's value (checksum or digest
+    /// mismatch, or the value lies past the end of its file). Whatever
+    /// landed in the destination has been zeroed.
+    Rejected(String),
+    /// The read itself failed; the destination's contents are undefined.
+    Failed(Error),
+}
+
+/// One value's verification while its pieces complete in any order.
+struct PieceCheck {
+    checksum: ValueChecksum,
+    /// Each piece's bytes once its read has completed and it could not be
+    /// hashed at once (an earlier piece was still in flight).
+    waiting: Vec<Option<Landed>>,
+    /// The first piece not yet added to the checksum.
+    next: usize,
+    pieces: usize,
+    /// Value bytes not yet added (padding past the value is not hashed).
+    remaining: usize,
+    expected: u64,
+    /// Set once every piece is in and the checksum matched.
+    verified: bool,
+}
+
+/// A completed piece's bytes, as the engine handed them to the completion
+/// callback. The pointer carries the engine's own provenance for the
+/// buffer (never an address taken before the buffer was lent to the
+/// engine as `&mut`), and `IoEngine::read_batch_then` promises the bytes
+/// stay valid and unwritten until it returns.
+struct Landed {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointee is plain bytes that no one writes until the batch
+// call returns; the pointer is only read under the check's mutex.
+unsafe impl Send for Landed {}
+
+impl PieceCheck {
+    fn new(digest: KeyDigest, pieces: usize, len: usize, expected: u64) -> Self {
+        PieceCheck {
+            checksum: ValueChecksum::new(digest),
+            waiting: (0..pieces).map(|_| None).collect(),
+            next: 0,
+            pieces,
+            remaining: len,
+            expected,
+            verified: false,
+        }
+    }
+
+    fn hash(&mut self, bytes: &[u8]) {
+        let take = bytes.len().min(self.remaining);
+        self.checksum.update(&bytes[..take]);
+        self.remaining -= take;
+        self.next += 1;
+    }
+
+    /// Records that `piece` has been read as `bytes`, and adds every piece
+    /// now contiguous with what was hashed before; once all are in, sets
+    /// `verified` if the checksum matches.
+    fn complete(&mut self, piece: usize, bytes: &[u8]) {
+        if piece != self.next {
+            self.waiting[piece] = Some(Landed {
+                ptr: bytes.as_ptr(),
+                len: bytes.len(),
+            });
+            return;
+        }
+        self.hash(bytes);
+        while self.next < self.pieces {
+            let Some(landed) = self.waiting[self.next].take() else {
+                break;
+            };
+            // SAFETY: see `Landed`: the engine handed these bytes over once
+            // their read completed and keeps them valid and unwritten until
+            // the batch call (which this callback runs inside) returns.
+            let bytes = unsafe { std::slice::from_raw_parts(landed.ptr, landed.len) };
+            self.hash(bytes);
+        }
+        if self.next == self.pieces {
+            self.verified = self.checksum.finish() == self.expected;
+        }
+    }
+}
+
+impl DiskTier {
+    /// Reads every value of `reads` (None where a key needs no disk read)
+    /// into the matching destination, all at once, each value cut into
+    /// pieces of `Config::read_piece` bytes, and verifies each against its
+    /// checksum and key digest. Straight into the destination when it is one
+    /// slice and the region file's O_DIRECT mode allows it; through a bounce
+    /// buffer otherwise. Every destination must hold at least its value's
+    /// length (the caller checked it to answer BufferTooSmall).
+    pub(crate) fn read_verified<D: Destination>(
+        &self,
+        reads: &[Option<ValueRead>],
+        dests: &mut [D],
+    ) -> Vec<Option<ReadOutcome>> {
+        assert_eq!(reads.len(), dests.len(), "one destination per read");
+        let piece_len = self.read_piece;
+        // Per read: the bytes to read (a page multiple under O_DIRECT) and
+        // the bounce buffer, if any.
+        let mut plans: Vec<Option<(usize, Option<AlignedBuf>)>> = reads
+            .iter()
+            .zip(dests.iter_mut())
+            .map(|(read, dest)| {
+                let read = read.as_ref()?;
+                debug_assert!(dest.capacity() >= read.len);
+                let padded = page_round_up(read.len as u64) as usize;
+                let direct = read.region.direct_io();
+                let contiguous = dest.contiguous();
+                let fits_direct = contiguous
+                    .as_ref()
+                    .is_some_and(|b| b.len() >= padded && is_direct_io_aligned(&b[..padded]));
+                let bounce = if contiguous.is_some() && (!direct || fits_direct) {
+                    None
+                } else {
+                    Some(self.bounce.take(padded))
+                };
+                Some((if direct { padded } else { read.len }, bounce))
+            })
+            .collect();
+        let checks: Vec<Option<Mutex<PieceCheck>>>;
+        let mut io_results: Vec<std::io::Result<()>> = reads.iter().map(|_| Ok(())).collect();
+        {
+            let mut ops: Vec<ReadOp<'_>> = Vec::new();
+            // Per op: the read it belongs to and its piece number.
+            let mut owners: Vec<(usize, usize)> = Vec::new();
+            let mut made: Vec<Option<Mutex<PieceCheck>>> = Vec::with_capacity(reads.len());
+            for (i, ((read, plan), dest)) in reads
+                .iter()
+                .zip(plans.iter_mut())
+                .zip(dests.iter_mut())
+                .enumerate()
+            {
+                let (Some(read), Some((read_len, bounce))) = (read, plan) else {
+                    made.push(None);
+                    continue;
+                };
+                let offset = u64::from(read.loc.page()) * PAGE_SIZE;
+                let target: &mut [u8] = match bounce {
+                    Some(bounce) => &mut bounce.as_mut_slice()[..*read_len],
+                    None => match dest.contiguous() {
+                        Some(b) => &mut b[..*read_len],
+                        None => unreachable!("scattered destinations read through a bounce buffer"),
+                    },
+                };
+                let mut pieces = 0;
+                for (k, piece) in target.chunks_mut(piece_len).enumerate() {
+                    ops.push(ReadOp::new(
+                        &read.region.file,
+                        offset + (k * piece_len) as u64,
+                        piece,
+                    ));
+                    owners.push((i, k));
+                    pieces += 1;
+                }
+                made.push(Some(Mutex::new(PieceCheck::new(
+                    read.digest,
+                    pieces,
+                    read.len,
+                    read.checksum,
+                ))));
+            }
+            checks = made;
+            let verify = |op: usize, bytes: &[u8]| {
+                let (i, piece) = owners[op];
+                if let Some(check) = &checks[i] {
+                    check.lock().unwrap().complete(piece, bytes);
+                }
+            };
+            self.engine.read_batch_then(&mut ops, &verify);
+            for ((i, _), op) in owners.iter().copied().zip(ops) {
+                if io_results[i].is_ok() {
+                    io_results[i] = op.result;
+                }
+            }
+        }
+        let mut outcomes = Vec::with_capacity(reads.len());
+        for (i, ((read, plan), dest)) in reads
+            .iter()
+            .zip(plans.iter_mut())
+            .zip(dests.iter_mut())
+            .enumerate()
+        {
+            let (Some(read), Some((read_len, bounce))) = (read, plan) else {
+                outcomes.push(None);
+                continue;
+            };
+            let verified = checks[i]
+                .as_ref()
+                .is_some_and(|c| c.lock().unwrap().verified);
+            let outcome = match std::mem::replace(&mut io_results[i], Ok(())) {
+                Ok(()) if verified => {
+                    if let Some(bounce) = bounce {
+                        dest.fill_from(&bounce.as_slice()[..read.len]);
+                    }
+                    ReadOutcome::Verified
+                }
+                Ok(()) => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => ReadOutcome::Rejected(
+                    format!("value lies past the end of its region file: {e}"),
+                ),
+                Err(e) => ReadOutcome::Failed(Error::io(
+                    format!(
+                        "reading region {} page {}",
+                        read.loc.region(),
+                        read.loc.page()
+                    ),
+                    e,
+                )),
+            };
+            if let ReadOutcome::Rejected(reason) = &outcome {
+                tracing::warn!(
+                    region = read.loc.region(),
+                    page = read.loc.page(),
+                    len = read.len,
+                    %reason,
+                    "disk read failed verification"
+                );
+                if bounce.is_none() {
+                    // What landed there is not this key's value.
+                    if let Some(b) = dest.contiguous() {
+                        b[..*read_len].fill(0);
+                    }
+                }
+            }
+            if let Some(bounce) = bounce.take() {
+                self.bounce.give_back(bounce);
+            }
+            outcomes.push(Some(outcome));
+        }
+        outcomes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_of(value: &[u8], piece: usize, digest: KeyDigest) -> PieceCheck {
+        let pieces = value.len().div_ceil(piece).max(1);
+        PieceCheck::new(
+            digest,
+            pieces,
+            value.len(),
+            crate::key::value_checksum(digest, value),
+        )
+    }
+
+    /// Pieces completing in any order hash to the value's checksum; the
+    /// check is pure (no io), so Miri runs it too.
+    #[test]
+    fn pieces_in_any_order_verify() {
+        let digest = KeyDigest(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210);
+        let value: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let piece = 1024;
+        let chunks: Vec<&[u8]> = value.chunks(piece).collect();
+        for order in [
+            (0..chunks.len()).collect::<Vec<_>>(),
+            (0..chunks.len()).rev().collect(),
+            vec![3, 1, 0, 2, 9, 4, 5, 8, 6, 7],
+        ] {
+            let mut check = check_of(&value, piece, digest);
+            for &k in &order {
+                assert!(!check.verified);
+                check.complete(k, chunks[k]);
+            }
+            assert!(check.verified, "order {order:?}");
+        }
+        let mut flipped = value.clone();
+        flipped[5000] ^= 1;
+        let mut check = check_of(&value, piece, digest);
+        for (k, chunk) in flipped.chunks(piece).enumerate().rev() {
+            check.complete(k, chunk);
+        }
+        assert!(!check.verified);
+    }
+}

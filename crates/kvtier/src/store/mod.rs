@@ -1,0 +1,558 @@
+//! The `Store` facade: the one place that decides tiering.
+//!
+//! Put: the value is copied once into a pool extent, indexed, and queued
+//! for the flusher; the call returns. Get: every key of a batch is looked up
+//! first; memory hits are copied out under a lease (an `Arc` on the slot),
+//! disk hits are read together as one batch by the disk tier
+//! (`DiskTier::read_verified`), which verifies them before they count.
+//!
+//! By concern: `open` (opening and recovery), `write` (the put path and
+//! removes; `streamed_put` for values arriving piece by piece), `read`
+//! (lookups and the get path), `namespaced` (the per-namespace view every
+//! call goes through), `options` (per-call put options). This file holds
+//! the shared state, the facade and closing.
+
+mod namespaced;
+mod open;
+mod options;
+mod read;
+mod streamed_put;
+mod write;
+
+pub use namespaced::NamespacedStore;
+pub use options::{PutOptions, PutTier};
+pub use streamed_put::StreamedPuts;
+pub use write::ReceivingValue;
+
+use crate::config::Config;
+use crate::disk::{DiskLocation, DiskTier, RecoveryReport};
+use crate::error::{Error, ErrorKind, Result};
+use crate::flusher::FlusherHandle;
+use crate::index::Index;
+use crate::key::{KeySecret, Namespace};
+use crate::lock::DirLock;
+use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
+use crate::stats::{Counters, Stats};
+use crate::units::PAGE_SIZE;
+use crate::write_log::WriteLog;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    config: Config,
+    /// The data directory's node id (`node-id`; docs/design.md).
+    node_id: String,
+    index: Arc<Index>,
+    pool: Arc<PoolCore>,
+    eviction: Mutex<EvictionQueues>,
+    /// The adaptive policy's simulations, fed by reads without the
+    /// eviction lock.
+    shadow: Option<Arc<crate::pool::Shadow>>,
+    disk: Option<Arc<DiskTier>>,
+    /// Sequence numbers, the flusher's queue and the durable watermark.
+    log: Arc<WriteLog>,
+    counters: Arc<Counters>,
+    closed: AtomicBool,
+    lock: Mutex<Option<DirLock>>,
+    recovery: RecoveryReport,
+    max_put_len: AtomicU64,
+    /// The process that opened the store (see `check_owner`).
+    owner_pid: u32,
+    /// The data directory's digest key (see `crate::data_dir`).
+    secret: Arc<KeySecret>,
+}
+
+/// A memory-resident value held for reading (see
+/// [`NamespacedStore::batch_memory_leases`]).
+#[derive(Debug, Clone)]
+pub struct ValueLease(Arc<PoolSlot>);
+
+impl ValueLease {
+    pub fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// The embedded tiered KV-cache store. `Send + Sync`: share it with an
+/// `Arc` and call it from any number of threads.
+#[derive(Debug)]
+pub struct Store {
+    inner: Arc<Inner>,
+    flusher: Mutex<Option<FlusherHandle>>,
+    /// The store's own methods go through the namespace of
+    /// `Config::namespace`.
+    default_view: NamespacedStore,
+}
+
+impl Store {
+    /// A namespace of this store: keys used through it never meet equal
+    /// keys of another namespace (see docs/design.md, "Keys"). Put into the
+    /// name whatever makes two blocks' bytes incompatible: model, dtype,
+    /// block size, tensor-parallel rank and size, KV layout.
+    pub fn namespace(&self, name: &str) -> Result<Namespace> {
+        Namespace::new(Arc::clone(&self.inner.secret), name)
+    }
+
+    /// This store seen through `namespace`: a view that shares the store
+    /// (an `Arc`), so it may be kept and sent to other threads.
+    pub fn in_namespace(&self, namespace: &Namespace) -> NamespacedStore {
+        NamespacedStore::new(Arc::clone(&self.inner), namespace.clone())
+    }
+
+    /// The namespace the store's own methods use (`Config::namespace`).
+    pub fn default_namespace(&self) -> &Namespace {
+        self.default_view.namespace()
+    }
+
+    fn default_view(&self) -> &NamespacedStore {
+        &self.default_view
+    }
+
+    /// What recovery found when this store was opened.
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.inner.recovery
+    }
+
+    /// Stores `value` under `key` (write-through).
+    pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
+        self.default_view().put(key, value)
+    }
+
+    pub fn put_with(
+        &self,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+        options: &PutOptions,
+    ) -> Result<()> {
+        self.default_view().put_with(key, value, options)
+    }
+
+    /// Stores each value under its key; one result per key.
+    pub fn batch_put<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+    ) -> Vec<Result<()>> {
+        self.default_view().batch_put(keys, values)
+    }
+
+    pub fn batch_put_with<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[V],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
+        self.default_view().batch_put_with(keys, values, options)
+    }
+
+    /// The value under `key`, or `None`.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        self.default_view().get(key)
+    }
+
+    /// Length of the value under `key`, without reading it.
+    pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
+        self.default_view().value_len(key)
+    }
+
+    /// Where the durable copy of `key` lies in the default namespace; see
+    /// [`NamespacedStore::disk_location`].
+    pub fn disk_location(&self, key: impl AsRef<[u8]>) -> Result<Option<DiskLocation>> {
+        self.default_view().disk_location(key)
+    }
+
+    /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with
+    /// the bytes written, `Ok(None)` for a miss (the buffer's contents are
+    /// then unspecified), or an error such as `BufferTooSmall`.
+    pub fn batch_get_into<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Vec<Result<Option<usize>>> {
+        self.default_view().batch_get_into(keys, bufs)
+    }
+
+    /// See [`NamespacedStore::batch_put_segments`].
+    pub fn batch_put_segments<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
+        self.default_view()
+            .batch_put_segments(keys, values, options)
+    }
+
+    /// See [`NamespacedStore::batch_get_segments`].
+    pub fn batch_get_segments<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Vec<Result<Option<usize>>> {
+        self.default_view().batch_get_segments(keys, bufs)
+    }
+
+    pub fn exists(&self, key: impl AsRef<[u8]>) -> bool {
+        self.default_view().exists(key)
+    }
+
+    /// Whether each key is present (invalid keys are simply absent).
+    pub fn batch_exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        self.default_view().batch_exists(keys)
+    }
+
+    /// How many leading keys are present: the cached prefix of a prompt.
+    pub fn prefix_len<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.default_view().prefix_len(keys)
+    }
+
+    /// Leases on the memory copies of `keys`; see
+    /// [`NamespacedStore::batch_memory_leases`].
+    pub fn batch_memory_leases<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        capacities: &[usize],
+    ) -> Vec<Option<Result<ValueLease>>> {
+        self.default_view().batch_memory_leases(keys, capacities)
+    }
+
+    /// Whether each key has a memory copy now; see
+    /// [`NamespacedStore::batch_in_memory`].
+    pub fn batch_in_memory<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        self.default_view().batch_in_memory(keys)
+    }
+
+    /// Removes `key` from every tier; durable on return (a tombstone is
+    /// always written, so no older value can come back after a restart).
+    /// Returns whether the key was present.
+    pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
+        self.default_view().remove(key)
+    }
+
+    /// Returns once everything put so far is durable on disk. Fails if any
+    /// write failed since the previous `flush` (those values remain readable
+    /// from memory but are not durable).
+    pub fn flush(&self) -> Result<()> {
+        self.inner.check_open()?;
+        self.inner.flush_all()
+    }
+
+    /// Flushes, stops the flusher and releases the data directory. Later
+    /// calls fail with `Closed`. Dropping the store closes it too.
+    pub fn close(&self) -> Result<()> {
+        // In a fork() child: touch nothing (the flusher, the lock and the
+        // pool belong to the parent).
+        self.inner.check_owner()?;
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.inner.log.shut_down();
+        let had_flusher = if let Some(handle) = self.flusher.lock().unwrap().take() {
+            handle.join();
+            true
+        } else {
+            false
+        };
+        let result = if had_flusher {
+            self.inner.log.close_result()
+        } else {
+            Ok(())
+        };
+        self.inner.index.clear();
+        let lock = self.inner.lock.lock().unwrap().take();
+        if let (Some(disk), Some(lock)) = (&self.inner.disk, &lock) {
+            // The flusher is joined: no write of this store is in flight.
+            disk.engine().release_hold(lock.dir_file());
+        }
+        if result.is_ok() {
+            // Everything acknowledged is on disk and nothing writes any
+            // more: the next open need not scrub the tail. (Written while
+            // the directory is still locked.)
+            if let Err(e) = crate::data_dir::leave_clean_marker(&self.inner.config.data_dir) {
+                tracing::warn!(error = %e, "could not mark the shutdown clean; the next open scrubs the newest region");
+            }
+        }
+        drop(lock);
+        result
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The data directory's node id: 32 hex digits, the same for the
+    /// directory's whole life (region files and cluster membership carry it).
+    pub fn node_id(&self) -> &str {
+        &self.inner.node_id
+    }
+
+    /// Largest value a put can accept with this configuration: the smallest
+    /// of the max value size, the memory pool and (for disk puts) one batch.
+    pub fn max_put_len(&self) -> u64 {
+        self.inner.max_put_len.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if self.inner.check_owner().is_err() {
+            // A fork() child dropping the parent's store: running the
+            // destructors would join a thread that does not exist here and
+            // release state the parent still uses. Leak it; the child's
+            // exit reclaims the memory.
+            std::mem::forget(Arc::clone(&self.inner));
+            if let Some(handle) = self.flusher.get_mut().ok().and_then(Option::take) {
+                std::mem::forget(handle);
+            }
+            return;
+        }
+        if let Err(e) = self.close() {
+            tracing::warn!(error = %e, "closing the store on drop");
+        }
+    }
+}
+
+impl Inner {
+    /// Tells the eviction policy a batch of `bytes` is arriving (so it does
+    /// not evict the batch's own first values for its last).
+    pub(crate) fn note_batch(&self, bytes: u64) {
+        self.eviction
+            .lock()
+            .unwrap()
+            .note_batch(bytes.div_ceil(PAGE_SIZE));
+    }
+
+    /// Bytes of the memory pool not held by any value.
+    pub(crate) fn pool_free_bytes(&self) -> u64 {
+        self.pool.free_bytes()
+    }
+
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(Error::closed())
+        } else {
+            self.check_owner()
+        }
+    }
+
+    /// A `fork()` child inherits the store object but not its flusher
+    /// thread, and a registered pool is not even mapped there: every call
+    /// in the child is refused with a clear error instead.
+    pub(crate) fn check_owner(&self) -> Result<()> {
+        let pid = std::process::id();
+        if pid == self.owner_pid {
+            Ok(())
+        } else {
+            Err(Error::new(
+                crate::ErrorKind::Closed,
+                format!(
+                    "this store was opened by process {} and process {pid} is a fork() child of it: \
+                     a child cannot use the parent's store; open a store or a client in the child",
+                    self.owner_pid
+                ),
+            ))
+        }
+    }
+
+    /// Runs `f`, counting its time as the eviction policy's when asked to.
+    pub(super) fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        if !self.config.time_policy {
+            return f();
+        }
+        let start = Instant::now();
+        let result = f();
+        Counters::add(&self.counters.policy_ns, start.elapsed().as_nanos() as u64);
+        result
+    }
+
+    pub(crate) fn wake_flusher(&self, request: bool) {
+        self.log.wake(request);
+    }
+
+    pub(super) fn flush_all(&self) -> Result<()> {
+        if self.disk.is_none() {
+            return Ok(());
+        }
+        self.log.flush()
+    }
+
+    /// Waits until writes `low..=high` are durable; fails if any of them
+    /// failed (see `WriteLog::wait_durable`).
+    pub(crate) fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
+        self.log.wait_durable(low, high)
+    }
+
+    pub(super) fn stats(&self) -> Stats {
+        let counts = self.index.counts();
+        let c = &self.counters;
+        let (policy_bytes, eviction_mode) = {
+            let queues = self.eviction.lock().unwrap();
+            (queues.heap_bytes(), queues.mode_name())
+        };
+        Stats {
+            entries: counts.entries,
+            memory_entries: self.pool.live_entries(),
+            memory_bytes: self.pool.live_bytes(),
+            memory_capacity: self.pool.capacity(),
+            disk_entries: counts.disk_entries,
+            disk_value_bytes: counts.disk_bytes,
+            disk_used_bytes: self.disk.as_ref().map_or(0, |d| d.used()),
+            disk_capacity: self.config.disk_capacity,
+            disk_regions: self.disk.as_ref().map_or(0, |d| d.region_count() as u64),
+            quarantined_regions: self.recovery.quarantined_regions,
+            damaged_regions: self.recovery.damaged_regions,
+            damaged_headers: self.recovery.damaged_headers,
+            foreign_regions: self.recovery.foreign_regions,
+            skipped_region_files: self.recovery.skipped_files,
+            buffered_regions: self.recovery.buffered_regions,
+            regions_behind_gap: self.recovery.regions_behind_gap,
+            scrub_dropped: self.recovery.scrub_dropped,
+            memory_hits: Counters::get(&c.memory_hits),
+            disk_hits: Counters::get(&c.disk_hits),
+            misses: Counters::get(&c.misses),
+            evictions: Counters::get(&c.evictions),
+            reclaimed_regions: Counters::get(&c.reclaimed_regions),
+            reclaimed_entries: Counters::get(&c.reclaimed_entries),
+            carried_entries: Counters::get(&c.carried_entries),
+            checksum_failures: Counters::get(&c.checksum_failures),
+            puts: Counters::get(&c.puts),
+            removes: Counters::get(&c.removes),
+            flushed_batches: Counters::get(&c.flushed_batches),
+            flush_errors: Counters::get(&c.flush_errors),
+            retrying_writes: self.log.retrying_writes(),
+            index_bytes: counts.table_bytes,
+            policy_bytes,
+            eviction_mode,
+            policy_ns: Counters::get(&c.policy_ns),
+            io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
+            io_depth: self.config.configured_io_depth(),
+            read_piece: self.config.configured_read_piece(),
+            direct_io: self.disk.as_ref().is_some_and(|d| d.direct_io()),
+            io_fixed_buffers: self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.engine().uses_fixed_buffers()),
+            io_registered_files: self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.engine().uses_registered_files()),
+        }
+    }
+}
+
+fn mismatched<T>(n: usize, what: &str, m: usize) -> Vec<Result<T>> {
+    (0..n.max(m))
+        .map(|_| {
+            Err(Error::invalid(format!(
+                "batch has {n} keys but {m} {what}: one per key is required"
+            )))
+        })
+        .collect()
+}
+
+fn segments_len(segments: &[&[u8]]) -> usize {
+    segments.iter().map(|s| s.len()).sum()
+}
+
+fn check_buffer(len: usize, buf_len: usize) -> Result<()> {
+    if buf_len < len {
+        return Err(Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("value is {len} bytes but the buffer is {buf_len} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::Entry;
+
+    /// `disk_location` names the bytes a raw reader finds verified at
+    /// that place in the file, and nothing before the value is durable.
+    #[test]
+    fn disk_location_names_the_durable_bytes() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(
+            Config::new(dir.path())
+                .memory_capacity(4 << 20)
+                .disk_capacity(32 << 20)
+                .region_size(1 << 20),
+        )
+        .unwrap();
+        let value: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        store.put(b"k", &value).unwrap();
+        store.flush().unwrap();
+        assert_eq!(store.disk_location(b"missing").unwrap(), None);
+        assert_eq!(
+            store.batch_in_memory(&[&b"k"[..], b"missing"]),
+            vec![true, false]
+        );
+        let at = store
+            .disk_location(b"k")
+            .unwrap()
+            .expect("durable after flush");
+        assert_eq!((at.len, at.offset % PAGE_SIZE), (70_000, 0));
+        let mut raw = vec![0u8; at.len as usize];
+        std::fs::File::open(&at.path)
+            .unwrap()
+            .read_exact_at(&mut raw, at.offset)
+            .unwrap();
+        assert_eq!(raw, value);
+        assert_eq!(crate::value_checksum(at.digest, &raw), at.checksum);
+        let memory_only = PutOptions {
+            tier: PutTier::MemoryOnly,
+            ..Default::default()
+        };
+        store.put_with(b"m", b"x", &memory_only).unwrap();
+        assert_eq!(store.disk_location(b"m").unwrap(), None);
+    }
+
+    /// The checksum is bound to the digest: an index entry that names one
+    /// key's bytes for another key (what a digest collision would do with
+    /// an unbound checksum) is a miss, counted, and dropped.
+    #[test]
+    fn bytes_of_one_key_never_verify_as_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = || {
+            Config::new(dir.path())
+                .memory_capacity(4 << 20)
+                .disk_capacity(32 << 20)
+                .region_size(1 << 20)
+        };
+        let store = Store::open(config()).unwrap();
+        store.put(b"victim", vec![42u8; 70_000]).unwrap();
+        store.flush().unwrap();
+        drop(store);
+        let store = Store::open(config()).unwrap();
+        let ns = store.default_namespace().clone();
+        let (victim, forged) = (ns.digest(b"victim"), ns.digest(b"attacker"));
+        let entry = {
+            let shard = store.inner.index.lock(victim);
+            let e = shard.get(victim).unwrap();
+            assert!(e.disk().is_some() && e.mem().is_none());
+            Entry::new(e.seq(), e.checksum(), None, e.disk(), e.value_len())
+        };
+        store.inner.index.lock(forged).insert(forged, entry);
+        assert_eq!(store.get(b"attacker").unwrap(), None);
+        assert_eq!(store.stats().checksum_failures, 1);
+        assert!(!store.exists(b"attacker"), "the forged entry was dropped");
+        assert_eq!(store.get(b"victim").unwrap().unwrap(), vec![42u8; 70_000]);
+    }
+}

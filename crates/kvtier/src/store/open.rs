@@ -1,0 +1,230 @@
+//! Opening a store: the directory, its identity and lock, recovery of the
+//! index from the region log (newest sequence wins per key), the tail
+//! scrub's tombstones, and the flusher.
+
+use super::{Inner, NamespacedStore, Store};
+use crate::config::{Config, FlushPolicy};
+use crate::disk::format::{self, RecordKind};
+use crate::disk::{DiskTier, RecoveryChecks, RecoveryReport};
+use crate::error::{Error, Result};
+use crate::flusher::Flusher;
+use crate::index::{Entry, Index};
+use crate::key::{KeyDigest, Namespace};
+use crate::lock::DirLock;
+use crate::pool::{EvictionQueues, PoolCore};
+use crate::units::{page_round_up, PAGE_SIZE};
+use crate::write_log::WriteLog;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+
+impl Store {
+    /// Opens the store in `config.data_dir`, creating it if needed and
+    /// recovering the index from the region log if it exists.
+    pub fn open(config: Config) -> Result<Store> {
+        config.validate()?;
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+            Error::io(
+                format!("creating data directory {}", config.data_dir.display()),
+                e,
+            )
+        })?;
+        let lock = DirLock::acquire(&config.data_dir)?;
+        let identity = crate::data_dir::open_or_create(
+            &config.data_dir,
+            &config.data_dir.join(crate::disk::REGION_DIR),
+        )?;
+        let secret = Arc::new(identity.secret);
+        let node_id = identity.node_id;
+        let default_namespace = Namespace::new(Arc::clone(&secret), &config.namespace)?;
+        let index = Index::default();
+        // Whether the last run closed cleanly: taken (and synced away) now,
+        // so that a crash of this run is noticed by the next.
+        let clean = crate::data_dir::take_clean_marker(&config.data_dir)?;
+        // Keys whose newest value the tail scrub found lost: removed for
+        // good once the store runs (their records would index them again).
+        let mut lost: Vec<(KeyDigest, Box<[u8]>)> = Vec::new();
+        let (disk, recovery) = if config.disk_enabled() {
+            let mut tombstones: HashMap<u128, u64> = HashMap::new();
+            let checks = RecoveryChecks {
+                identity_confirmed: identity.confirmed,
+                scrub_tail: !clean,
+            };
+            let (disk, report) = DiskTier::open(
+                &config,
+                Arc::clone(&secret),
+                &node_id,
+                checks,
+                |recovered| {
+                    if recovered.value_lost {
+                        lost.push((
+                            recovered.entry.digest,
+                            recovered.entry.key.clone().into_boxed_slice(),
+                        ));
+                    }
+                    apply_recovered(&index, &mut tombstones, recovered)
+                },
+            )?;
+            (Some(disk), report)
+        } else {
+            (None, RecoveryReport::default())
+        };
+        if !identity.confirmed {
+            // The records (if any) verified under the secret: record it.
+            crate::data_dir::write_key_check(&config.data_dir, &secret)?;
+        }
+        if let Some(disk) = &disk {
+            // The lock outlives this process for as long as the engine's
+            // writes may (io_uring finishes them after a kill).
+            disk.engine().hold_until_idle(lock.dir_file());
+        }
+        let pool = PoolCore::new(config.memory_capacity)?;
+        if let Some(disk) = &disk {
+            // The flusher writes straight from the pool: pinned once here,
+            // its pages need no pinning per write.
+            if disk.engine().register_memory(Arc::clone(&pool) as _) {
+                pool.exclude_from_fork();
+            }
+        }
+        let eviction = EvictionQueues::new(config.eviction, pool.capacity_pages());
+        let next_seq = recovery.max_seq + 1;
+        if let Some(disk) = &disk {
+            tracing::info!(
+                dir = %config.data_dir.display(),
+                regions = recovery.regions,
+                batches = recovery.batches,
+                records = recovery.records,
+                entries = index.counts().entries,
+                damaged_regions = recovery.damaged_regions,
+                skipped_pages = recovery.skipped_pages,
+                quarantined_regions = recovery.quarantined_regions,
+                damaged_headers = recovery.damaged_headers,
+                foreign_regions = recovery.foreign_regions,
+                skipped_files = recovery.skipped_files,
+                buffered_regions = recovery.buffered_regions,
+                regions_behind_gap = recovery.regions_behind_gap,
+                scrubbed_entries = recovery.scrubbed_entries,
+                scrub_dropped = recovery.scrub_dropped,
+                scrub_ms = recovery.scrub_ms,
+                io_engine = disk.engine_name(),
+                direct_io = disk.direct_io(),
+                fixed_buffers = disk.engine().uses_fixed_buffers(),
+                registered_files = disk.engine().uses_registered_files(),
+                "opened kvtier store"
+            );
+        }
+        if let Some(disk) = &disk {
+            if disk.used() > disk.capacity() {
+                // Said in one line, never done silently: a capacity smaller
+                // than what the directory holds costs its oldest regions.
+                tracing::warn!(
+                    dir = %config.data_dir.display(),
+                    held_bytes = disk.used(),
+                    capacity_bytes = disk.capacity(),
+                    regions = disk.region_count(),
+                    "the disk tier holds {} bytes but its capacity is {}: the oldest regions \
+                     (about {} bytes) will be reclaimed as writes arrive; the newest are kept. \
+                     Open with a larger disk capacity to keep them",
+                    disk.used(),
+                    disk.capacity(),
+                    disk.used() - disk.capacity()
+                );
+            }
+        }
+        let write_through = config.flush == FlushPolicy::WriteThrough;
+        let inner = Arc::new(Inner {
+            max_put_len: AtomicU64::new(max_put_len(&config, disk.as_ref())),
+            config,
+            index: Arc::new(index),
+            pool,
+            shadow: eviction.shadow(),
+            eviction: Mutex::new(eviction),
+            disk: disk.map(Arc::new),
+            log: Arc::new(WriteLog::new(next_seq, write_through)),
+            counters: Arc::default(),
+            closed: AtomicBool::new(false),
+            lock: Mutex::new(Some(lock)),
+            recovery,
+            owner_pid: std::process::id(),
+            secret,
+            node_id,
+        });
+        let flusher = match &inner.disk {
+            Some(disk) => Some(
+                Flusher::new(
+                    Arc::clone(&inner.log),
+                    Arc::clone(disk),
+                    Arc::clone(&inner.index),
+                    Arc::clone(&inner.counters),
+                    inner.config.flush_batch_bytes,
+                )
+                .spawn()?,
+            ),
+            None => None,
+        };
+        let store = Store {
+            default_view: NamespacedStore::new(Arc::clone(&inner), default_namespace),
+            inner,
+            flusher: Mutex::new(flusher),
+        };
+        // A lost value whose key has a newer surviving put keeps that put:
+        // only keys recovery left absent get their tombstone.
+        lost.retain(|(digest, _)| store.inner.index.lock(*digest).get(*digest).is_none());
+        if !lost.is_empty() {
+            let mut seqs = Vec::with_capacity(lost.len());
+            for (digest, key) in lost {
+                seqs.push(store.inner.log_removal(digest, key)?);
+            }
+            let (low, high) = (seqs[0], seqs[seqs.len() - 1]);
+            store.inner.wait_durable(low, high)?;
+        }
+        Ok(store)
+    }
+}
+
+fn max_put_len(config: &Config, disk: Option<&DiskTier>) -> u64 {
+    let mut limit = config
+        .max_value_size
+        .min(config.memory_capacity / PAGE_SIZE * PAGE_SIZE);
+    if let Some(disk) = disk {
+        // One value alone in a batch: a record page plus the value's pages.
+        let record = page_round_up(format::record_len([crate::key::MAX_QUALIFIED_KEY_LEN]) as u64);
+        limit = limit.min(disk.max_batch_len() - record);
+    }
+    limit
+}
+
+/// Applies one recovered record entry: per key, the highest sequence
+/// number wins, whether put or tombstone, whatever order regions are read.
+fn apply_recovered(
+    index: &Index,
+    tombstones: &mut HashMap<u128, u64>,
+    recovered: crate::disk::RecoveredEntry,
+) {
+    let entry = recovered.entry;
+    let digest = entry.digest;
+    let mut shard = index.lock(digest);
+    let current = shard.get(digest).map(|e| e.seq());
+    let newest_removal = tombstones.get(&digest.0).copied();
+    if current.is_some_and(|s| s >= entry.seq) || newest_removal.is_some_and(|s| s >= entry.seq) {
+        return;
+    }
+    match entry.kind {
+        RecordKind::Tombstone => {
+            tombstones.insert(digest.0, entry.seq);
+            shard.remove(digest);
+        }
+        RecordKind::Put => {
+            shard.insert(
+                digest,
+                Entry::new(
+                    entry.seq,
+                    entry.checksum,
+                    None,
+                    Some(recovered.loc),
+                    entry.value_len,
+                ),
+            );
+        }
+    }
+}

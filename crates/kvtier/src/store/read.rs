@@ -1,0 +1,161 @@
+//! The read path: lookups (pinning a memory value or naming a disk one),
+//! presence checks, and batched gets whose disk hits the disk tier reads
+//! and verifies together.
+
+use super::{check_buffer, mismatched, Inner};
+use crate::disk::{Destination, ReadOutcome, ValueRead};
+use crate::error::Result;
+use crate::key::{validate_key, KeyDigest, Namespace};
+use crate::pool::PoolSlot;
+use crate::stats::Counters;
+use std::sync::Arc;
+
+/// A value located by a lookup, pinned if in memory.
+enum Found {
+    Memory(Arc<PoolSlot>),
+    /// On disk, with the sequence number of the index entry (a read that
+    /// fails verification drops that entry and no newer one).
+    Disk(ValueRead, u64),
+    Miss,
+}
+
+impl Inner {
+    /// Presence of each key; invalid keys are absent.
+    pub(super) fn contains_many<K: AsRef<[u8]>>(&self, ns: &Namespace, keys: &[K]) -> Vec<bool> {
+        self.contains_many_then(ns, keys, |_| {})
+    }
+
+    /// `contains_many`, handing the digests to `seen` first.
+    pub(super) fn contains_many_then<K: AsRef<[u8]>>(
+        &self,
+        ns: &Namespace,
+        keys: &[K],
+        seen: impl FnOnce(&[KeyDigest]),
+    ) -> Vec<bool> {
+        let valid: Vec<bool> = keys
+            .iter()
+            .map(|k| validate_key(k.as_ref()).is_ok())
+            .collect();
+        let digests: Vec<KeyDigest> = keys.iter().map(|k| ns.digest(k.as_ref())).collect();
+        seen(&digests);
+        let mut found = self.index.contains_many(&digests);
+        for (present, valid) in found.iter_mut().zip(valid) {
+            *present &= valid;
+        }
+        found
+    }
+
+    fn lookup(&self, digest: KeyDigest) -> Found {
+        let mut shard = self.index.lock(digest);
+        let Some(entry) = shard.get(digest) else {
+            return Found::Miss;
+        };
+        let found = if let Some(slot) = entry.mem() {
+            slot.record_hit();
+            Found::Memory(Arc::clone(slot))
+        } else if let Some(loc) = entry.disk() {
+            match self.disk.as_ref().and_then(|d| d.region(loc.region())) {
+                Some(region) => Found::Disk(
+                    ValueRead {
+                        digest,
+                        region,
+                        loc,
+                        len: entry.value_len() as usize,
+                        checksum: entry.checksum(),
+                    },
+                    entry.seq(),
+                ),
+                None => Found::Miss,
+            }
+        } else {
+            Found::Miss
+        };
+        if !matches!(found, Found::Miss) {
+            shard.mark_accessed(digest);
+        }
+        found
+    }
+
+    pub(crate) fn get_into<K: AsRef<[u8]>, D: Destination>(
+        &self,
+        ns: &Namespace,
+        keys: &[K],
+        bufs: &mut [D],
+    ) -> Vec<Result<Option<usize>>> {
+        if keys.len() != bufs.len() {
+            return mismatched(keys.len(), "buffers", bufs.len());
+        }
+        if let Err(e) = self.check_open() {
+            return keys.iter().map(|_| Err(e.duplicate())).collect();
+        }
+        let mut results: Vec<Result<Option<usize>>> = Vec::with_capacity(keys.len());
+        let mut disk_reads: Vec<Option<ValueRead>> = Vec::with_capacity(keys.len());
+        // The index entry each disk read came from.
+        let mut seqs: Vec<u64> = Vec::with_capacity(keys.len());
+        for (key, buf) in keys.iter().zip(bufs.iter_mut()) {
+            let key = key.as_ref();
+            let mut disk_read = None;
+            let mut seq = 0;
+            let result = validate_key(key).and_then(|()| {
+                let digest = ns.digest(key);
+                match self.lookup(digest) {
+                    Found::Miss => {
+                        Counters::add(&self.counters.misses, 1);
+                        Ok(None)
+                    }
+                    Found::Memory(slot) => {
+                        check_buffer(slot.len(), buf.capacity())?;
+                        buf.fill_from(slot.bytes());
+                        Counters::add(&self.counters.memory_hits, 1);
+                        Ok(Some(slot.len()))
+                    }
+                    Found::Disk(read, entry_seq) => {
+                        check_buffer(read.len, buf.capacity())?;
+                        let len = read.len;
+                        disk_read = Some(read);
+                        seq = entry_seq;
+                        Ok(Some(len))
+                    }
+                }
+            });
+            results.push(result);
+            disk_reads.push(disk_read);
+            seqs.push(seq);
+        }
+        if disk_reads.iter().any(Option::is_some) {
+            self.read_from_disk(bufs, &disk_reads, &seqs, &mut results);
+        }
+        results
+    }
+
+    /// Has the disk tier read and verify every disk hit of a batch at once;
+    /// a value that fails verification is a miss, counted, and its index
+    /// entry is dropped (unless a newer put replaced it meanwhile).
+    fn read_from_disk<D: Destination>(
+        &self,
+        bufs: &mut [D],
+        reads: &[Option<ValueRead>],
+        seqs: &[u64],
+        results: &mut [Result<Option<usize>>],
+    ) {
+        let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
+        let outcomes = disk.read_verified(reads, bufs);
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            let (Some(outcome), Some(read)) = (outcome, &reads[i]) else {
+                continue;
+            };
+            match outcome {
+                ReadOutcome::Verified => Counters::add(&self.counters.disk_hits, 1),
+                ReadOutcome::Rejected(_) => {
+                    Counters::add(&self.counters.checksum_failures, 1);
+                    Counters::add(&self.counters.misses, 1);
+                    self.index
+                        .lock(read.digest)
+                        .clear_disk(read.digest, seqs[i], read.loc);
+                    results[i] = Ok(None);
+                }
+                ReadOutcome::Failed(e) => results[i] = Err(e),
+            }
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The write path: a put's two halves (an extent taken, then the filled
+//! value entered into the index, the eviction queues and the flusher's
+//! queue), the pool's eviction when it is short of room, and removes.
+
+use super::{segments_len, Inner, PutOptions, PutTier};
+use crate::config::FlushPolicy;
+use crate::error::{Error, Result};
+use crate::index::Entry;
+use crate::key::{validate_key, KeyDigest, Namespace, ValueChecksum};
+use crate::pool::PoolSlot;
+use crate::stats::Counters;
+use crate::write_log::QueuedWrite;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+impl Inner {
+    /// Returns the put's sequence number, or `None` if it was skipped.
+    pub(super) fn put_one(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        value: &[&[u8]],
+        options: &PutOptions,
+    ) -> Result<Option<u64>> {
+        let Some(mut put) = self.begin_put(ns, key, segments_len(value) as u64, options)? else {
+            return Ok(None);
+        };
+        // The segments' bounds and the chunks' need not line up.
+        let mut segments = value.iter().copied();
+        let mut current: &[u8] = &[];
+        put.fill(|chunk| {
+            let mut at = 0;
+            while at < chunk.len() {
+                while current.is_empty() {
+                    current = segments.next().expect("the segments fill the value");
+                }
+                let n = current.len().min(chunk.len() - at);
+                chunk[at..at + n].copy_from_slice(&current[..n]);
+                current = &current[n..];
+                at += n;
+            }
+            Ok(())
+        })
+        .expect("copying from memory cannot fail");
+        self.commit_put(ns, key, put).map(Some)
+    }
+
+    /// The first half of a put: checks the key and length and takes a pool
+    /// extent for the value. `None`: `skip_existing` and the key is there.
+    pub(crate) fn begin_put(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        len: u64,
+        options: &PutOptions,
+    ) -> Result<Option<ReceivingValue>> {
+        self.check_open()?;
+        validate_key(key)?;
+        if len == 0 {
+            return Err(Error::invalid(format!(
+                "value is empty: values are 1 to {} bytes",
+                self.config.max_value_size
+            )));
+        }
+        if len > self.config.max_value_size {
+            return Err(Error::invalid(format!(
+                "value is {len} bytes: the max value size is {} bytes",
+                self.config.max_value_size
+            )));
+        }
+        let to_disk = options.tier == PutTier::MemoryAndDisk && self.disk.is_some();
+        let limit = self.max_put_len.load(Ordering::Relaxed);
+        if len > limit {
+            return Err(Error::no_space(format!(
+                "value is {len} bytes but at most {limit} fit (memory capacity {}, disk capacity {})",
+                self.config.memory_capacity, self.config.disk_capacity
+            )));
+        }
+        let digest = ns.digest(key);
+        if options.skip_existing && self.index.lock(digest).get(digest).is_some() {
+            return Ok(None);
+        }
+        let slot = self.allocate_slot(len as usize, digest)?;
+        Ok(Some(ReceivingValue {
+            digest,
+            slot,
+            checksum: to_disk.then(|| ValueChecksum::new(digest)),
+        }))
+    }
+
+    /// The second half of a put: the filled value enters the index, the
+    /// eviction queues and (write-through) the flusher's queue. Returns its
+    /// sequence number.
+    pub(crate) fn commit_put(
+        &self,
+        ns: &Namespace,
+        key: &[u8],
+        put: ReceivingValue,
+    ) -> Result<u64> {
+        let ReceivingValue {
+            digest,
+            mut slot,
+            checksum,
+        } = put;
+        let to_disk = checksum.is_some();
+        let checksum = checksum.map_or(0, |c| c.finish());
+        // The page padding goes to disk with the value and comes back with
+        // direct reads: it must not hold an earlier value's bytes.
+        slot.zero_padding();
+        let slot = Arc::new(slot);
+        if !to_disk {
+            slot.set_evictable();
+        }
+        let value_len = slot.len();
+        let mut replaced = None;
+        let seq = self.log.append(|seq| {
+            replaced = self.index.lock(digest).insert(
+                digest,
+                Entry::new(seq, 0, Some(Arc::clone(&slot)), None, value_len as u32),
+            );
+            to_disk.then(|| QueuedWrite::Put {
+                digest,
+                key: ns.qualify(key),
+                seq,
+                slot: Arc::clone(&slot),
+                checksum,
+            })
+        })?;
+        // Freed outside the queue lock.
+        drop(replaced);
+        self.timed(|| self.eviction.lock().unwrap().insert(&slot));
+        Counters::add(&self.counters.puts, 1);
+        if to_disk && self.config.flush == FlushPolicy::WriteThrough {
+            self.wake_flusher(false);
+        }
+        Ok(seq)
+    }
+
+    /// An extent for `len` bytes: evicts what may be evicted, then waits
+    /// (up to `put_wait`) for the flusher to make more evictable.
+    pub(super) fn allocate_slot(&self, len: usize, digest: KeyDigest) -> Result<PoolSlot> {
+        let deadline = Instant::now() + self.config.put_wait;
+        loop {
+            if let Some(slot) = self.pool.try_allocate(len, digest) {
+                return Ok(slot);
+            }
+            if self.evict_one() {
+                continue;
+            }
+            let now = Instant::now();
+            if self.disk.is_none() || now >= deadline {
+                return Err(Error::no_space(format!(
+                    "memory pool has no room for {len} bytes: {} of {} bytes in use, none of it \
+                     evictable{}",
+                    self.pool.capacity() - self.pool.free_bytes(),
+                    self.pool.capacity(),
+                    if self.disk.is_some() {
+                        format!(" after waiting {:?} for the flusher", self.config.put_wait)
+                    } else {
+                        String::new()
+                    }
+                )));
+            }
+            self.wake_flusher(true);
+            self.log
+                .wait_progress((deadline - now).min(Duration::from_millis(10)));
+        }
+    }
+
+    /// Drops one memory value the policy picks. Returns false when nothing
+    /// in the pool may be dropped right now.
+    pub(super) fn evict_one(&self) -> bool {
+        let mut queues = self.eviction.lock().unwrap();
+        let Some(slot) = self.timed(|| queues.next_victim()) else {
+            return false;
+        };
+        let digest = slot.digest();
+        if self.index.lock(digest).drop_mem(digest, &slot) {
+            Counters::add(&self.counters.evictions, 1);
+        }
+        drop(queues);
+        drop(slot);
+        true
+    }
+
+    pub(super) fn remove(&self, ns: &Namespace, key: &[u8]) -> Result<bool> {
+        self.check_open()?;
+        validate_key(key)?;
+        let digest = ns.digest(key);
+        let mut removed = None;
+        let seq = self.log.append(|seq| {
+            removed = self.index.lock(digest).remove(digest);
+            // Logged even for a key the index does not know: an older
+            // durable value may still lie on disk (replaced by a
+            // memory-only put that was then evicted) and must not come
+            // back after a restart.
+            self.disk.is_some().then(|| QueuedWrite::Tombstone {
+                digest,
+                key: ns.qualify(key),
+                seq,
+            })
+        })?;
+        let was_present = removed.is_some();
+        drop(removed);
+        if was_present {
+            Counters::add(&self.counters.removes, 1);
+        }
+        if self.disk.is_some() {
+            self.wait_durable(seq, seq)?;
+        }
+        Ok(was_present)
+    }
+
+    /// Queues a tombstone for a qualified key the index no longer holds
+    /// (one the tail scrub found lost); returns its sequence number, for
+    /// `wait_durable`.
+    pub(super) fn log_removal(&self, digest: KeyDigest, key: Box<[u8]>) -> Result<u64> {
+        self.log
+            .append(|seq| Some(QueuedWrite::Tombstone { digest, key, seq }))
+    }
+}
+
+/// Bytes a put copies before adding them to the value's checksum: small
+/// enough to still be in the core's cache when hashed.
+const COPY_CHUNK: usize = 64 << 10;
+
+/// A value between [`Inner::begin_put`] and [`Inner::commit_put`]: its
+/// pool extent, filled a cache-sized chunk at a time.
+#[derive(Debug)]
+pub struct ReceivingValue {
+    digest: KeyDigest,
+    slot: PoolSlot,
+    /// A write-through value's checksum, taken as each chunk lands, while
+    /// the chunk is still in cache.
+    checksum: Option<ValueChecksum>,
+}
+
+impl ReceivingValue {
+    pub fn len(&self) -> usize {
+        self.slot.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slot.is_empty()
+    }
+
+    /// Fills the value front to back: `read` is given each chunk (at most
+    /// 64 KiB) in order and must fill it whole.
+    pub fn fill(
+        &mut self,
+        mut read: impl FnMut(&mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        for chunk in self.slot.bytes_mut().chunks_mut(COPY_CHUNK) {
+            read(chunk)?;
+            if let Some(checksum) = &mut self.checksum {
+                checksum.update(chunk);
+            }
+        }
+        Ok(())
+    }
+}

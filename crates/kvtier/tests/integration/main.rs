@@ -1,0 +1,14 @@
+//! The core's integration tests, as one test binary (the crate is linked
+//! once, not once per suite). Each module is a suite; run one with
+//! `cargo test -p kvtier --test integration -- crash::`.
+
+mod api;
+mod capacity;
+mod common;
+mod corruption;
+mod crash;
+mod directory_damage;
+mod full_disk;
+mod io_faults;
+mod model;
+mod power_loss;
