@@ -113,7 +113,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(512))]
+        #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 8 } else { 512 }))]
         /// Allocations never overlap, stay in bounds, free extents are
         /// coalesced, and freeing everything restores one extent.
         #[test]
