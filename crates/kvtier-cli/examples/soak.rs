@@ -20,7 +20,7 @@
 //!
 //! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS]
 
-use kvtier_net::{Client, ClientOptions};
+use kvtier_client::{Client, ClientOptions};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

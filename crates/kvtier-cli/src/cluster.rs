@@ -3,7 +3,7 @@
 //! `cluster` feature (etcd's client needs protoc to build); without it the
 //! flags exist and say how to get a binary that has it.
 
-use kvtier_net::cluster::ClusterView;
+use kvtier_wire::cluster::ClusterView;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -94,7 +94,7 @@ fn prepare_node(
     capacity: u64,
     ttl: std::time::Duration,
 ) -> Result<Option<Node>, String> {
-    let me = kvtier_net::cluster::Member {
+    let me = kvtier_wire::cluster::Member {
         id: node_id.to_string(),
         address: String::new(),
         capacity,

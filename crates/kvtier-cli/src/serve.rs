@@ -5,7 +5,7 @@
 
 use kvtier::parse_size;
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
-use kvtier_net::{Server, ServerConfig};
+use kvtier_server::{Server, ServerConfig};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -237,7 +237,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         None if listen.is_some() => {
             std::fs::create_dir_all(&data_dir)
                 .map_err(|e| format!("creating {}: {e}", data_dir.display()))?;
-            let (token, path) = kvtier_net::server::data_dir_token(&data_dir)
+            let (token, path) = kvtier_server::data_dir_token(&data_dir)
                 .map_err(|e| format!("the auth token in {}: {e}", data_dir.display()))?;
             token_file = Some(path);
             Some(token)
@@ -248,7 +248,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         args.tls_cert.clone().or(file.tls_cert),
         args.tls_key.clone().or(file.tls_key),
     ) {
-        (Some(cert), Some(key)) => Some(kvtier_net::tls::server_config(&cert, &key)?),
+        (Some(cert), Some(key)) => Some(kvtier_wire::tls::server_config(&cert, &key)?),
         (None, None) => None,
         _ => return Err("TLS needs both --tls-cert and --tls-key".into()),
     };

@@ -7,8 +7,8 @@
 mod common;
 
 use common::{options, tls_files, ServerProcess};
-use kvtier_net::cluster::{key_hash, owners, Member};
-use kvtier_net::{Client, ClientOptions};
+use kvtier_client::{Client, ClientOptions};
+use kvtier_wire::cluster::{key_hash, owners, Member};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -5,8 +5,8 @@
 mod common;
 
 use common::{hello_body, options, ServerProcess, TEST_TOKEN};
-use kvtier_net::protocol::{Header, Op, Writer, HEADER_LEN};
-use kvtier_net::{Client, ClientOptions};
+use kvtier_client::{Client, ClientOptions};
+use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -247,7 +247,7 @@ impl RawUnix {
         let mut frame = header(Op::RegisterBuffer, 3, 8).to_vec();
         frame.extend_from_slice(&w.buf);
         match fd {
-            Some(fd) => kvtier_net::shm::send_with_fd(&self.0, &frame, fd.as_raw_fd()).unwrap(),
+            Some(fd) => kvtier_wire::shm::send_with_fd(&self.0, &frame, fd.as_raw_fd()).unwrap(),
             None => self.0.write_all(&frame).unwrap(),
         }
         let (status, body) = read_reply(&mut self.0);

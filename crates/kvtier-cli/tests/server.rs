@@ -4,8 +4,8 @@
 mod common;
 
 use common::{hello_body, options, ServerProcess, TEST_TOKEN};
-use kvtier_net::protocol::{Header, Op, Writer};
-use kvtier_net::{Client, ClientOptions};
+use kvtier_client::{Client, ClientOptions};
+use kvtier_wire::protocol::{Header, Op, Writer};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
@@ -566,7 +566,7 @@ fn pipelined_requests_are_answered_in_order() {
         (3, Op::BatchExists),
         (4, Op::Flush),
     ] {
-        let mut head = [0u8; kvtier_net::protocol::HEADER_LEN];
+        let mut head = [0u8; kvtier_wire::protocol::HEADER_LEN];
         stream.read_exact(&mut head).unwrap();
         let header = Header::decode(&head, 1 << 20).unwrap();
         assert_eq!(
@@ -856,7 +856,7 @@ fn a_client_pool_runs_threads_on_their_own_connections() {
     let server = ServerProcess::start(&dir.path().join("data"), &[]);
     for url in [server.tcp_url(), server.unix_url()] {
         let first = Client::connect_with(&url, options()).unwrap();
-        let pool = kvtier_net::ClientPool::new(first, 3).unwrap();
+        let pool = kvtier_client::ClientPool::new(first, 3).unwrap();
         let tag = url.split(':').next().unwrap().to_string();
         let barrier = std::sync::Barrier::new(6);
         std::thread::scope(|scope| {
@@ -1093,7 +1093,7 @@ fn a_put_frame_read_value_by_value_is_checked_as_a_whole() {
     ] {
         let reply = raw_put(&server, flags, body, None);
         if let Some((status, message)) = &reply {
-            assert_eq!(*status, kvtier_net::protocol::code::PROTOCOL, "{reply:?}");
+            assert_eq!(*status, kvtier_wire::protocol::code::PROTOCOL, "{reply:?}");
             assert!(!message.is_empty());
         }
     }
@@ -1132,7 +1132,7 @@ fn a_put_frame_read_value_by_value_is_checked_as_a_whole() {
         .chunks(4)
         .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    assert_eq!(codes, [0, kvtier_net::protocol::code::INVALID_ARGUMENT, 0]);
+    assert_eq!(codes, [0, kvtier_wire::protocol::code::INVALID_ARGUMENT, 0]);
     let mut buf = vec![0u8; 200_000];
     let got = good
         .batch_get_into(&[b"fits"], &mut [&mut buf[..]])

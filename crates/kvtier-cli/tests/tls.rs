@@ -5,7 +5,7 @@
 mod common;
 
 use common::{options, tls_files, ServerProcess};
-use kvtier_net::{Client, ClientOptions};
+use kvtier_client::{Client, ClientOptions};
 
 #[test]
 fn tls_clients_round_trip_and_others_are_refused() {

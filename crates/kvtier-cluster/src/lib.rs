@@ -2,7 +2,7 @@
 //! `/kvtier/<cluster>/members/<node-id>` with a lease, keeps the lease
 //! alive, and watches the member prefix to keep its [`ClusterView`]
 //! current. Nothing per key is ever written to etcd: placement is computed
-//! from the member list alone (`kvtier_net::cluster::owners`).
+//! from the member list alone (`kvtier_wire::cluster::owners`).
 //!
 //! Failures are ordinary events: when etcd cannot be reached (or has no
 //! quorum) the node keeps serving with its last view and registers again
@@ -14,5 +14,5 @@ mod incarnation;
 mod membership;
 
 pub use incarnation::new_incarnation;
-pub use kvtier_net::cluster::{ClusterView, Member};
+pub use kvtier_wire::cluster::{ClusterView, Member};
 pub use membership::{list_members, member_prefix, Membership, MembershipConfig};

@@ -4,7 +4,7 @@
 
 use crate::incarnation::new_incarnation;
 use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions, WatchOptions};
-use kvtier_net::cluster::{ClusterView, Member};
+use kvtier_wire::cluster::{ClusterView, Member};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -5,9 +5,9 @@
 //! network call. The Python package `kvtier` wraps this module.
 
 use kvtier::{Config, EvictionPolicy, IoEngineKind, PutOptions, PutTier, Store};
-use kvtier_net::protocol::code;
-use kvtier_net::shm::SharedRegion;
-use kvtier_net::{Client, ClientOptions, ClientPool};
+use kvtier_client::{Client, ClientOptions, ClientPool};
+use kvtier_wire::protocol::code;
+use kvtier_wire::shm::SharedRegion;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -622,7 +622,7 @@ impl Backend {
 
     fn stats(&self) -> kvtier::Result<serde_json::Value> {
         match self {
-            Backend::Store(store) => Ok(kvtier_net::metrics::stats_json(&store.stats())),
+            Backend::Store(store) => Ok(kvtier_wire::stats::stats_json(&store.stats())),
             Backend::Client(client) => with_client(client, |c| c.stats()),
         }
     }
@@ -1201,7 +1201,7 @@ struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_net::pool::DEFAULT_CONNECTIONS, route=false))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_client::pool::DEFAULT_CONNECTIONS, route=false))]
     #[expect(
         clippy::too_many_arguments,
         reason = "keyword options of the Python constructor"

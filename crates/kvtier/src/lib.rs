@@ -56,7 +56,7 @@ pub use key::{
 };
 pub use prefix::{block_keys, BlockKey};
 pub use size::{format_size, parse_size};
-pub use stats::Stats;
+pub use stats::{StatValue, Stats};
 pub use store::{
     NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,
 };

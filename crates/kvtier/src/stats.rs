@@ -85,6 +85,84 @@ pub struct Stats {
     pub io_registered_files: bool,
 }
 
+/// One field of [`Stats`], for serialisers that need no per-field code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StatValue {
+    Count(u64),
+    Flag(bool),
+    Name(String),
+}
+
+impl Stats {
+    /// Every field with its name, in declaration order: the one list the
+    /// server's STATS reply and the Python binding's dict are made from.
+    pub fn fields(&self) -> Vec<(&'static str, StatValue)> {
+        vec![
+            ("entries", StatValue::Count(self.entries)),
+            ("memory_entries", StatValue::Count(self.memory_entries)),
+            ("memory_bytes", StatValue::Count(self.memory_bytes)),
+            ("memory_capacity", StatValue::Count(self.memory_capacity)),
+            ("disk_entries", StatValue::Count(self.disk_entries)),
+            ("disk_value_bytes", StatValue::Count(self.disk_value_bytes)),
+            ("disk_used_bytes", StatValue::Count(self.disk_used_bytes)),
+            ("disk_capacity", StatValue::Count(self.disk_capacity)),
+            ("disk_regions", StatValue::Count(self.disk_regions)),
+            (
+                "quarantined_regions",
+                StatValue::Count(self.quarantined_regions),
+            ),
+            ("damaged_regions", StatValue::Count(self.damaged_regions)),
+            ("damaged_headers", StatValue::Count(self.damaged_headers)),
+            ("foreign_regions", StatValue::Count(self.foreign_regions)),
+            (
+                "skipped_region_files",
+                StatValue::Count(self.skipped_region_files),
+            ),
+            ("buffered_regions", StatValue::Count(self.buffered_regions)),
+            (
+                "regions_behind_gap",
+                StatValue::Count(self.regions_behind_gap),
+            ),
+            ("scrub_dropped", StatValue::Count(self.scrub_dropped)),
+            ("memory_hits", StatValue::Count(self.memory_hits)),
+            ("disk_hits", StatValue::Count(self.disk_hits)),
+            ("misses", StatValue::Count(self.misses)),
+            ("evictions", StatValue::Count(self.evictions)),
+            (
+                "reclaimed_regions",
+                StatValue::Count(self.reclaimed_regions),
+            ),
+            (
+                "reclaimed_entries",
+                StatValue::Count(self.reclaimed_entries),
+            ),
+            ("carried_entries", StatValue::Count(self.carried_entries)),
+            (
+                "checksum_failures",
+                StatValue::Count(self.checksum_failures),
+            ),
+            ("puts", StatValue::Count(self.puts)),
+            ("removes", StatValue::Count(self.removes)),
+            ("flushed_batches", StatValue::Count(self.flushed_batches)),
+            ("flush_errors", StatValue::Count(self.flush_errors)),
+            ("retrying_writes", StatValue::Count(self.retrying_writes)),
+            ("index_bytes", StatValue::Count(self.index_bytes)),
+            ("policy_bytes", StatValue::Count(self.policy_bytes)),
+            ("eviction_mode", StatValue::Name(self.eviction_mode.clone())),
+            ("policy_ns", StatValue::Count(self.policy_ns)),
+            ("io_engine", StatValue::Name(self.io_engine.to_string())),
+            ("io_depth", StatValue::Count(u64::from(self.io_depth))),
+            ("read_piece", StatValue::Count(self.read_piece)),
+            ("direct_io", StatValue::Flag(self.direct_io)),
+            ("io_fixed_buffers", StatValue::Flag(self.io_fixed_buffers)),
+            (
+                "io_registered_files",
+                StatValue::Flag(self.io_registered_files),
+            ),
+        ]
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub policy_ns: AtomicU64,

@@ -4,7 +4,7 @@
 //! - a body that decodes as a request encodes back to the same bytes (the
 //!   encoding is canonical: no trailing bytes, no alternative forms).
 
-use kvtier_net::protocol::{decode_request, Header, Request, HEADER_LEN};
+use kvtier_wire::protocol::{decode_request, Header, Request, HEADER_LEN};
 
 /// Valid frames to start from (written when KVTIER_FUZZ_SEEDS names a
 /// directory).

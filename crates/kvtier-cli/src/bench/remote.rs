@@ -12,7 +12,7 @@ use super::schedule::{self, Round};
 use super::{data, rounds, BenchArgs, BenchResult, Measurement, GET_ROUNDS, PUT_ROUNDS};
 use kvtier::format_size;
 use kvtier::{PutOptions, PutTier};
-use kvtier_net::{Client, ClientOptions};
+use kvtier_client::{Client, ClientOptions};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;

@@ -2,8 +2,8 @@
 
 #![allow(dead_code)]
 
-use kvtier_net::protocol::Writer;
-use kvtier_net::ClientOptions;
+use kvtier_client::ClientOptions;
+use kvtier_wire::protocol::Writer;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;

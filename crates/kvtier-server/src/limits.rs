@@ -60,9 +60,9 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_frame: crate::protocol::DEFAULT_MAX_FRAME,
+            max_frame: kvtier_wire::protocol::DEFAULT_MAX_FRAME,
             max_hello_frame: 4 << 10,
-            max_batch: crate::protocol::DEFAULT_MAX_BATCH,
+            max_batch: kvtier_wire::protocol::DEFAULT_MAX_BATCH,
             max_connections: 1024,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(3600),

@@ -1,17 +1,11 @@
-//! Cluster mode's shared parts: who the members are, and which of them
+//! Cluster mode's shared facts: who the members are, and which of them
 //! own a key. Membership itself (registration and liveness on etcd) lives
 //! in the `kvtier-cluster` crate, which keeps a [`ClusterView`] current;
-//! everything here works from that view alone.
+//! routing a request over the view lives in `kvtier-client`.
 
-mod direct;
-mod peers;
 mod placement;
-mod route;
 
-pub use direct::{DirectRouting, ServerView};
-pub use peers::{PeerStats, Peers};
 pub use placement::{key_hash, owners};
-pub use route::Router;
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -3,8 +3,8 @@
 //! timeout, and a member that failed is skipped for a moment so a dead
 //! node costs one timeout, not one per request.
 
-use super::{ClusterView, Member};
 use crate::client::{Client, ClientOptions};
+use kvtier_wire::cluster::{ClusterView, Member};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

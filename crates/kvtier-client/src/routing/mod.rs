@@ -10,10 +10,14 @@
 //! store (the requests carry `LOCAL_ONLY`), so a stale view costs a miss,
 //! never another key's bytes.
 
-use super::peers::Peers;
-use super::{owners, Member};
-use crate::cluster::key_hash;
+mod direct;
+mod peers;
+
+pub use direct::{DirectRouting, ServerView};
+pub use peers::{PeerStats, Peers};
+
 use kvtier::{NamespacedStore, PutOptions};
+use kvtier_wire::cluster::{key_hash, owners, Member};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

@@ -12,9 +12,9 @@
 mod history;
 mod page;
 
+use crate::limits::Budget;
 use crate::metrics;
-use crate::server::limits::Budget;
-use crate::server::Shared;
+use crate::Shared;
 use bytes::Bytes;
 use history::History;
 use http_body_util::Full;

@@ -2,16 +2,18 @@
 //! deadlines that bound how long a peer may hold the connection, the
 //! shared buffers it registered, and dispatch to the handlers.
 
-use super::handlers::{self, Reply};
-use super::limits::Permit;
-use super::{streamed_put, Shared, POLL};
-use crate::cluster::Router;
+use crate::handlers::{self, Reply};
+use crate::limits::Permit;
 use crate::metrics::Metrics;
-use crate::protocol::{self, code, decode_request, request_flags, Header, Op, Request, Writer};
-use crate::shm::SharedRegion;
-use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
+use crate::{streamed_put, Shared, POLL};
 use kvtier::AlignedBuf;
 use kvtier::Namespace;
+use kvtier_client::routing::Router;
+use kvtier_wire::protocol::{
+    self, code, decode_request, request_flags, Header, Op, Request, Writer,
+};
+use kvtier_wire::shm::SharedRegion;
+use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::OwnedFd;

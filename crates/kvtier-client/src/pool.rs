@@ -98,7 +98,7 @@ impl ClientPool {
     ///
     /// ```no_run
     /// # use std::sync::Arc;
-    /// # fn f(pool: Arc<kvtier_net::ClientPool>) -> kvtier::Result<()> {
+    /// # fn f(pool: Arc<kvtier_client::ClientPool>) -> kvtier::Result<()> {
     /// let keys = vec![b"block-0".to_vec()];
     /// let pending = pool.spawn(move |c| {
     ///     let mut buf = vec![0u8; 1 << 20];

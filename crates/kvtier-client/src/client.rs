@@ -2,11 +2,11 @@
 //! `unix:///path` (which adds a registered shared-memory buffer, so values
 //! move through shared memory instead of the socket).
 
-use crate::cluster::{DirectRouting, Router, ServerView};
-use crate::protocol::{self, code, put_flags, Header, Op, Reader, Writer};
-use crate::shm::{self, SharedRegion};
-use crate::transport::{FrameLimits, FrameRead, ReadError, Transport};
+use crate::routing::{DirectRouting, Router, ServerView};
 use kvtier::{Error, ErrorKind, PutOptions, PutTier, Result};
+use kvtier_wire::protocol::{self, code, put_flags, Header, Op, Reader, Writer};
+use kvtier_wire::shm::{self, SharedRegion};
+use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -156,7 +156,7 @@ impl Client {
                      KVTIER_TLS_CA to its PEM file"
                 )));
             };
-            let config = crate::tls::client_config(ca)
+            let config = kvtier_wire::tls::client_config(ca)
                 .map_err(|e| Error::invalid(format!("TLS for {url}: {e}")))?;
             let host = addr
                 .rsplit_once(':')

@@ -8,10 +8,10 @@
 //! enters nothing (unless the pool ran short part-way, which enters the
 //! values received so far first: each exactly as its client sent it).
 
-use super::handlers::{put_options, put_reply, result_code, Reply};
-use crate::protocol::ProtocolError;
-use crate::transport::{BodyStream, ReadError, Transport};
+use crate::handlers::{put_options, put_reply, result_code, Reply};
 use kvtier::NamespacedStore;
+use kvtier_wire::protocol::ProtocolError;
+use kvtier_wire::transport::{BodyStream, ReadError, Transport};
 
 /// The smallest item: a 1-byte key with its length, and a value length.
 const MIN_ITEM: u64 = 11;

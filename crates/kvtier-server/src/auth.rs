@@ -91,12 +91,12 @@ pub fn check_token(token: &str) -> io::Result<()> {
             ),
         ));
     }
-    if token.len() > crate::protocol::MAX_TOKEN_LEN || token.chars().any(char::is_control) {
+    if token.len() > kvtier_wire::protocol::MAX_TOKEN_LEN || token.chars().any(char::is_control) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
                 "the auth token must be at most {} printable bytes",
-                crate::protocol::MAX_TOKEN_LEN
+                kvtier_wire::protocol::MAX_TOKEN_LEN
             ),
         ));
     }

@@ -3,10 +3,10 @@
 //! here knows about sockets, sessions or limits other than those passed in.
 
 use crate::metrics::Sample;
-use crate::protocol::{code, put_flags, Writer};
-use crate::shm::SharedRegion;
 use kvtier::AlignedBuf;
 use kvtier::{NamespacedStore, PutOptions, PutTier, ValueLease};
+use kvtier_wire::protocol::{code, put_flags, Writer};
+use kvtier_wire::shm::SharedRegion;
 
 /// A request's reply: frame status, body, and value bytes sent after it.
 #[derive(Debug)]
@@ -466,7 +466,7 @@ mod tests {
         let (mut arena, mut leases) = (None, Vec::new());
         let reply = batch_get(&view, &items, &mut arena, &mut leases, 1 << 30);
         assert_eq!(reply.status, code::OK);
-        let mut r = crate::protocol::Reader::new(&reply.body);
+        let mut r = kvtier_wire::protocol::Reader::new(&reply.body);
         assert_eq!(r.u32().unwrap(), 6);
         let table: Vec<(i32, u64)> = (0..6)
             .map(|_| (r.i32().unwrap(), r.u64().unwrap()))

@@ -1,7 +1,7 @@
 //! The server behind `kvtier serve`: a thread per connection over one
 //! shared `Store`, on TCP and a Unix socket, plus the admin HTTP endpoint.
 //!
-//! - `mod.rs` (here): configuration, listeners, accepting under the
+//! - `lib.rs` (here): configuration, listeners, accepting under the
 //!   connection cap, shutdown.
 //! - `limits`: every limit and its default; the server-wide budgets.
 //! - `auth`: every trust decision about a peer.
@@ -11,9 +11,11 @@
 //!
 //! Why threads and not an async runtime: see docs/server.md.
 
+mod admin;
 mod auth;
 mod handlers;
 pub mod limits;
+mod metrics;
 mod session;
 mod streamed_put;
 
@@ -21,9 +23,9 @@ pub use auth::{check_token, data_dir_token, Auth, MIN_TOKEN_LEN, TOKEN_FILE};
 pub use limits::Limits;
 
 use crate::metrics::Metrics;
-use crate::protocol::{code, Header};
-use crate::transport::Transport;
 use kvtier::Store;
+use kvtier_wire::protocol::{code, Header};
+use kvtier_wire::transport::Transport;
 use limits::{Budget, Permit};
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -47,13 +49,13 @@ pub struct ServerConfig {
     pub admin: Option<SocketAddr>,
     /// Token clients present at hello (at least 16 bytes).
     pub auth_token: Option<String>,
-    /// TLS for the TCP listener (see `crate::tls::server_config`); required
+    /// TLS for the TCP listener (see `kvtier_wire::tls::server_config`); required
     /// off loopback, so the token never travels in the clear.
     pub tls: Option<Arc<rustls::ServerConfig>>,
     pub limits: Limits,
     /// This node's view of its cluster, when it is in one (shown on the
     /// admin endpoint; `kvtier-cluster` keeps it current).
-    pub cluster: Option<Arc<crate::cluster::ClusterView>>,
+    pub cluster: Option<Arc<kvtier_wire::cluster::ClusterView>>,
     /// CA of the other members' certificates, when their listeners speak
     /// TLS. Default: none.
     pub peer_tls_ca: Option<PathBuf>,
@@ -93,7 +95,7 @@ pub(crate) struct Shared {
     /// Bytes of shared memory registered by all connections.
     pub registered: Arc<Budget>,
     /// Connections to the other cluster members, in cluster mode.
-    pub peers: Option<Arc<crate::cluster::Peers>>,
+    pub peers: Option<Arc<kvtier_client::routing::Peers>>,
 }
 
 /// How often idle reads and accept loops look at the stop flag and the
@@ -147,7 +149,7 @@ impl Server {
         }
         let limits = &config.limits;
         let peers = config.cluster.as_ref().map(|view| {
-            Arc::new(crate::cluster::Peers::new(
+            Arc::new(kvtier_client::routing::Peers::new(
                 Arc::clone(view),
                 config.auth_token.clone(),
                 config.peer_tls_ca.clone(),

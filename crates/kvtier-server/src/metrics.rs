@@ -2,8 +2,8 @@
 //! time into the Prometheus exposition (by `prometheus-client`, through a
 //! collector over the counters and the store's `Stats`) and the admin JSON.
 
-use crate::cluster::Peers;
 use kvtier::{Stats, Store};
+use kvtier_client::routing::Peers;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -261,7 +261,7 @@ impl Metrics {
             "version": env!("CARGO_PKG_VERSION"),
             "started_unix_seconds": started,
             "uptime_seconds": (now - started).max(0.0),
-            "store": stats_json(stats),
+            "store": kvtier_wire::stats::stats_json(stats),
             "hit_rate": hit_rates(stats.memory_hits, stats.disk_hits, stats.misses),
             "latency": {
                 "get": latency(&sum_ops(&counts, &GET_OPS)),
@@ -741,7 +741,7 @@ impl Collector for ServerCollector {
             )?;
             let stats = peers.stats();
             let ids: Vec<&str> = stats.keys().map(String::as_str).collect();
-            let per_peer = |f: fn(&crate::cluster::PeerStats) -> u64| {
+            let per_peer = |f: fn(&kvtier_client::routing::PeerStats) -> u64| {
                 ids.iter()
                     .map(|id| (*id, f(&stats[*id])))
                     .collect::<Vec<_>>()
@@ -815,50 +815,6 @@ impl Collector for ServerCollector {
         )?
         .encode_info(&info)
     }
-}
-
-pub fn stats_json(s: &Stats) -> serde_json::Value {
-    serde_json::json!({
-        "entries": s.entries,
-        "memory_entries": s.memory_entries,
-        "memory_bytes": s.memory_bytes,
-        "memory_capacity": s.memory_capacity,
-        "disk_entries": s.disk_entries,
-        "disk_value_bytes": s.disk_value_bytes,
-        "disk_used_bytes": s.disk_used_bytes,
-        "disk_capacity": s.disk_capacity,
-        "disk_regions": s.disk_regions,
-        "quarantined_regions": s.quarantined_regions,
-        "damaged_regions": s.damaged_regions,
-        "damaged_headers": s.damaged_headers,
-        "foreign_regions": s.foreign_regions,
-        "skipped_region_files": s.skipped_region_files,
-        "buffered_regions": s.buffered_regions,
-        "regions_behind_gap": s.regions_behind_gap,
-        "scrub_dropped": s.scrub_dropped,
-        "memory_hits": s.memory_hits,
-        "disk_hits": s.disk_hits,
-        "misses": s.misses,
-        "evictions": s.evictions,
-        "reclaimed_regions": s.reclaimed_regions,
-        "reclaimed_entries": s.reclaimed_entries,
-        "carried_entries": s.carried_entries,
-        "checksum_failures": s.checksum_failures,
-        "puts": s.puts,
-        "removes": s.removes,
-        "flushed_batches": s.flushed_batches,
-        "flush_errors": s.flush_errors,
-        "retrying_writes": s.retrying_writes,
-        "index_bytes": s.index_bytes,
-        "policy_bytes": s.policy_bytes,
-        "eviction_mode": s.eviction_mode,
-        "io_engine": s.io_engine,
-        "io_depth": s.io_depth,
-        "read_piece": s.read_piece,
-        "direct_io": s.direct_io,
-        "io_fixed_buffers": s.io_fixed_buffers,
-        "io_registered_files": s.io_registered_files,
-    })
 }
 
 #[cfg(test)]

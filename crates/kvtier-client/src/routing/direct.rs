@@ -10,7 +10,8 @@
 //! left within the last refresh) costs misses, never another key's bytes:
 //! every member answers only from its own verified store.
 
-use super::{ClusterView, Member, Peers, Router};
+use super::{Peers, Router};
+use kvtier_wire::cluster::{ClusterView, Member};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
