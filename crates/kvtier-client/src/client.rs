@@ -3,8 +3,8 @@
 //! move through shared memory instead of the socket).
 
 use crate::routing::{DirectRouting, Router, ServerView};
-use kvtier::{Error, ErrorKind, PutOptions, PutTier, Result};
-use kvtier_wire::protocol::{self, code, put_flags, Header, Op, Reader, Writer};
+use kvtier::{Error, ErrorKind, PutOptions, Result};
+use kvtier_wire::protocol::{self, code, put_flags, Header, HelloReply, Op, Reader, Writer};
 use kvtier_wire::shm::{self, SharedRegion};
 use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use std::net::TcpStream;
@@ -120,15 +120,7 @@ fn protocol_error(message: impl Into<String>) -> Error {
 }
 
 fn code_error(c: i32, message: &str) -> Error {
-    let kind = match c {
-        code::INVALID_ARGUMENT | code::LIMIT | code::UNSUPPORTED => ErrorKind::InvalidArgument,
-        code::BUFFER_TOO_SMALL => ErrorKind::BufferTooSmall,
-        code::NO_SPACE => ErrorKind::NoSpace,
-        code::CLOSED => ErrorKind::Closed,
-        code::CORRUPTION => ErrorKind::Corruption,
-        code::LOCKED => ErrorKind::Locked,
-        _ => ErrorKind::Io,
-    };
+    let kind = code::kind(c);
     let detail = if message.is_empty() {
         String::new()
     } else {
@@ -138,6 +130,46 @@ fn code_error(c: i32, message: &str) -> Error {
         kind,
         format!("server answered {} ({c}){detail}", code::name(c)),
     )
+}
+
+/// Why one exchange with the server failed, which decides what becomes
+/// of the connection.
+#[derive(Debug)]
+enum CallError {
+    /// Sending or receiving failed: the connection is dropped (a call on
+    /// one that had been idle is retried once on a new one).
+    Transport(Error),
+    /// The reply breaks the protocol (wrong id, a table that does not fit
+    /// the request): the connection is dropped as for `Transport`.
+    Protocol(Error),
+    /// The server answered with an error code: the connection is fine.
+    Server(Error),
+    /// Refused here, before anything was sent.
+    Request(Error),
+}
+
+impl CallError {
+    fn drops_connection(&self) -> bool {
+        matches!(self, CallError::Transport(_) | CallError::Protocol(_))
+    }
+}
+
+impl From<CallError> for Error {
+    fn from(e: CallError) -> Error {
+        match e {
+            CallError::Transport(e)
+            | CallError::Protocol(e)
+            | CallError::Server(e)
+            | CallError::Request(e) => e,
+        }
+    }
+}
+
+fn read_error(e: ReadError) -> CallError {
+    match e {
+        ReadError::Io(e) => CallError::Transport(Error::io("transport: reading a response", e)),
+        ReadError::Protocol(e) => CallError::Protocol(protocol_error(format!("transport: {e}"))),
+    }
 }
 
 impl Client {
@@ -276,13 +308,8 @@ impl Client {
             .u16(namespace.len() as u16)
             .bytes(namespace.as_bytes());
         let len = self.call(Op::Hello, &w.buf, None)?;
-        let body = &self.response[..len];
-        let mut r = Reader::new(body);
-        let parse = |r: &mut Reader<'_>| -> std::result::Result<(u32, u64, u32, u32, u64), protocol::ProtocolError> {
-            Ok((r.u32()?, r.u64()?, r.u32()?, r.u32()?, r.u64()?))
-        };
-        let (_, max_frame, max_batch, _, max_value) =
-            parse(&mut r).map_err(|e| protocol_error(e.0))?;
+        let hello = HelloReply::decode(&self.response[..len]).map_err(|e| protocol_error(e.0))?;
+        let (max_frame, max_batch, max_value) = (hello.max_frame, hello.max_batch, hello.max_value);
         self.max_frame = max_frame;
         self.max_batch = max_batch;
         self.max_value = max_value;
@@ -323,7 +350,7 @@ impl Client {
         }
         let result = self.exchange(op, body, fd);
         match &result {
-            Err(e) if is_transport_error(e) => {
+            Err(e) if e.drops_connection() => {
                 self.transport = None;
                 self.shm_id = None;
                 // A connection that had been idle may have died with its
@@ -333,7 +360,7 @@ impl Client {
                 // reconnecting itself. Shared-memory requests start with the
                 // buffer's id, which the new connection assigns afresh.
                 if fresh || matches!(op, Op::Hello | Op::RegisterBuffer) {
-                    return result;
+                    return result.map_err(Error::from);
                 }
                 self.reconnect()?;
                 let shm_op = matches!(
@@ -350,23 +377,28 @@ impl Client {
                 } else {
                     self.exchange(op, body, fd)
                 };
-                if retried.as_ref().is_err_and(is_transport_error) {
+                if retried.as_ref().is_err_and(CallError::drops_connection) {
                     self.transport = None;
                     self.shm_id = None;
                 }
-                retried
+                retried.map_err(Error::from)
             }
-            _ => result,
+            _ => result.map_err(Error::from),
         }
     }
 
-    fn exchange(&mut self, op: Op, body: &[&[u8]], fd: Option<i32>) -> Result<usize> {
+    fn exchange(
+        &mut self,
+        op: Op,
+        body: &[&[u8]],
+        fd: Option<i32>,
+    ) -> std::result::Result<usize, CallError> {
         let body_len: usize = body.iter().map(|p| p.len()).sum();
         if body_len as u64 > self.max_frame {
-            return Err(Error::invalid(format!(
+            return Err(CallError::Request(Error::invalid(format!(
                 "request of {body_len} bytes exceeds the server's {}-byte frame limit; split the batch",
                 self.max_frame
-            )));
+            ))));
         }
         let id = self.send_request(op, body, fd)?;
         let transport = self.transport.as_mut().expect("connected");
@@ -378,28 +410,32 @@ impl Client {
             Ok(FrameRead::Frame { header, .. }) => {
                 let len = header.body_len as usize;
                 if header.status != code::OK {
-                    return Err(code_error(
+                    return Err(CallError::Server(code_error(
                         header.status,
                         &String::from_utf8_lossy(&self.response[..len]),
-                    ));
+                    )));
                 }
                 if header.request_id != id || header.op != op as u16 {
-                    return Err(protocol_error(
+                    return Err(CallError::Protocol(protocol_error(
                         "transport: response does not match the request",
-                    ));
+                    )));
                 }
                 Ok(len)
             }
-            Ok(_) => Err(protocol_error(
+            Ok(_) => Err(CallError::Transport(protocol_error(
                 "transport: the server closed the connection",
-            )),
-            Err(ReadError::Io(e)) => Err(Error::io("transport: reading a response", e)),
-            Err(ReadError::Protocol(e)) => Err(protocol_error(format!("transport: {e}"))),
+            ))),
+            Err(e) => Err(read_error(e)),
         }
     }
 
     /// Sends one request frame; returns its id.
-    fn send_request(&mut self, op: Op, body: &[&[u8]], fd: Option<i32>) -> Result<u64> {
+    fn send_request(
+        &mut self,
+        op: Op,
+        body: &[&[u8]],
+        fd: Option<i32>,
+    ) -> std::result::Result<u64, CallError> {
         let id = self.next_id;
         self.next_id += 1;
         let header = Header {
@@ -429,7 +465,7 @@ impl Client {
                 transport.write_all_parts(&parts)
             }
         };
-        sent.map_err(|e| Error::io("transport: sending a request", e))?;
+        sent.map_err(|e| CallError::Transport(Error::io("transport: sending a request", e)))?;
         Ok(id)
     }
 
@@ -441,47 +477,43 @@ impl Client {
         &mut self,
         body: &[u8],
         bufs: &mut [&mut [&mut [u8]]],
-    ) -> Result<Vec<Result<Option<usize>>>> {
+    ) -> std::result::Result<Vec<Result<Option<usize>>>, CallError> {
         if body.len() as u64 > self.max_frame {
-            return Err(Error::invalid(format!(
+            return Err(CallError::Request(Error::invalid(format!(
                 "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
                 body.len(),
                 self.max_frame
-            )));
+            ))));
         }
         let id = self.send_request(Op::BatchGet, &[body], None)?;
         let stall = self.options.timeout;
         let max_body = self.max_frame + 64;
         let transport = self.transport.as_mut().expect("connected");
-        let read = |t: &mut Transport, buf: &mut [u8]| {
-            t.read_exact_within(buf, stall).map_err(|e| match e {
-                ReadError::Io(e) => Error::io("transport: reading a response", e),
-                ReadError::Protocol(e) => protocol_error(format!("transport: {e}")),
-            })
-        };
+        let read =
+            |t: &mut Transport, buf: &mut [u8]| t.read_exact_within(buf, stall).map_err(read_error);
         let mut head = [0u8; protocol::HEADER_LEN];
         read(transport, &mut head)?;
         let header = Header::decode(&head, max_body)
-            .map_err(|e| protocol_error(format!("transport: {e}")))?;
+            .map_err(|e| CallError::Protocol(protocol_error(format!("transport: {e}"))))?;
         let len = header.body_len as usize;
         if header.status != code::OK {
             self.response.resize(len.max(self.response.len()), 0);
             read(transport, &mut self.response[..len])?;
-            return Err(code_error(
+            return Err(CallError::Server(code_error(
                 header.status,
                 &String::from_utf8_lossy(&self.response[..len]),
-            ));
+            )));
         }
         if header.request_id != id || header.op != Op::BatchGet as u16 {
-            return Err(protocol_error(
+            return Err(CallError::Protocol(protocol_error(
                 "transport: response does not match the request",
-            ));
+            )));
         }
         let table_len = 4 + 12 * bufs.len();
         if len < table_len {
-            return Err(protocol_error(
+            return Err(CallError::Protocol(protocol_error(
                 "transport: response too short for its table",
-            ));
+            )));
         }
         self.response.resize(table_len.max(self.response.len()), 0);
         read(transport, &mut self.response[..table_len])?;
@@ -494,7 +526,8 @@ impl Client {
                     .collect::<std::result::Result<Vec<_>, protocol::ProtocolError>>()?;
                 Ok((n, table))
             })();
-        let (n, table) = parsed.map_err(|e| protocol_error(format!("transport: {}", e.0)))?;
+        let (n, table) = parsed
+            .map_err(|e| CallError::Protocol(protocol_error(format!("transport: {}", e.0))))?;
         let values: u64 = table
             .iter()
             .filter(|(c, _)| *c == code::OK)
@@ -504,9 +537,9 @@ impl Client {
             *c != code::OK || *l <= b.iter().map(|s| s.len() as u64).sum::<u64>()
         });
         if n != bufs.len() || table_len as u64 + values != len as u64 || !fits {
-            return Err(protocol_error(
+            return Err(CallError::Protocol(protocol_error(
                 "transport: response does not fit the request",
-            ));
+            )));
         }
         let mut out = Vec::with_capacity(n);
         for ((c, value_len), buf) in table.into_iter().zip(bufs.iter_mut()) {
@@ -696,7 +729,7 @@ impl Client {
             buf: std::mem::take(&mut self.request),
         };
         w.buf.clear();
-        w.u8(flags(options)).u32(keys.len() as u32);
+        w.u8(put_flags::encode(options)).u32(keys.len() as u32);
         let mut ends = Vec::with_capacity(keys.len());
         for (k, v) in keys.iter().zip(values) {
             if let Err(e) = check_key(k.as_ref()) {
@@ -804,21 +837,21 @@ impl Client {
         }
         let result = self.exchange_get(&w.buf, bufs);
         match &result {
-            Err(e) if is_transport_error(e) => {
+            Err(e) if e.drops_connection() => {
                 self.transport = None;
                 self.shm_id = None;
                 if fresh {
-                    return result;
+                    return result.map_err(Error::from);
                 }
                 self.reconnect()?;
                 let retried = self.exchange_get(&w.buf, bufs);
-                if retried.as_ref().is_err_and(is_transport_error) {
+                if retried.as_ref().is_err_and(CallError::drops_connection) {
                     self.transport = None;
                     self.shm_id = None;
                 }
-                retried
+                retried.map_err(Error::from)
             }
-            _ => result,
+            _ => result.map_err(Error::from),
         }
     }
 
@@ -861,7 +894,9 @@ impl Client {
     ) -> Result<Vec<Result<()>>> {
         let id = self.shm_id()?;
         let mut w = Writer::default();
-        w.u32(id).u8(flags(options)).u32(keys.len() as u32);
+        w.u32(id)
+            .u8(put_flags::encode(options))
+            .u32(keys.len() as u32);
         for (k, (offset, len)) in keys.iter().zip(ranges) {
             w.key(check_key(k.as_ref())?).u64(*offset).u64(*len);
         }
@@ -893,7 +928,7 @@ impl Client {
         let id = self.shm_id()?;
         let items = segment_items(keys, segments)?;
         let mut w = Writer::default();
-        w.u32(id).u8(flags(options));
+        w.u32(id).u8(put_flags::encode(options));
         protocol::write_segment_items(&mut w, &items);
         let len = self.call(Op::BatchPutShmSegments, &w.buf, None)?;
         let body = &self.response[..len];
@@ -1053,20 +1088,6 @@ fn checked_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<&[u8]>> {
     keys.iter().map(|k| check_key(k.as_ref())).collect()
 }
 
-fn flags(options: &PutOptions) -> u8 {
-    let mut f = 0;
-    if options.skip_existing {
-        f |= put_flags::SKIP_EXISTING;
-    }
-    if options.tier == PutTier::MemoryOnly {
-        f |= put_flags::MEMORY_ONLY;
-    }
-    if options.durable {
-        f |= put_flags::DURABLE;
-    }
-    f
-}
-
 fn check_key(key: &[u8]) -> Result<&[u8]> {
     kvtier::validate_key(key)?;
     Ok(key)
@@ -1159,9 +1180,4 @@ fn get_shm_results(body: &[u8], keys: usize) -> Result<Vec<Result<Option<usize>>
             })
         })
         .collect()
-}
-
-/// A failure of the connection itself (it is dropped and made again).
-fn is_transport_error(e: &Error) -> bool {
-    e.kind() == ErrorKind::Io && e.message().starts_with("transport")
 }

@@ -4,7 +4,7 @@
 
 use crate::metrics::Sample;
 use kvtier::AlignedBuf;
-use kvtier::{NamespacedStore, PutOptions, PutTier, ValueLease};
+use kvtier::{NamespacedStore, PutOptions, ValueLease};
 use kvtier_wire::protocol::{code, put_flags, Writer};
 use kvtier_wire::shm::SharedRegion;
 
@@ -61,18 +61,6 @@ pub(crate) fn result_code<T>(result: &kvtier::Result<T>) -> i32 {
     }
 }
 
-pub(crate) fn put_options(flags: u8) -> PutOptions {
-    PutOptions {
-        skip_existing: flags & put_flags::SKIP_EXISTING != 0,
-        tier: if flags & put_flags::MEMORY_ONLY != 0 {
-            PutTier::MemoryOnly
-        } else {
-            PutTier::MemoryAndDisk
-        },
-        durable: flags & put_flags::DURABLE != 0,
-    }
-}
-
 /// The reply to a batch put: a code per key.
 pub(crate) fn put_reply<'b>(codes: &[i32], bytes_in: u64) -> Reply<'b> {
     let mut w = Writer::with_capacity(4 + 4 * codes.len());
@@ -117,7 +105,7 @@ pub(crate) fn batch_put<'b>(
 ) -> Reply<'b> {
     let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
     let values: Vec<&[u8]> = items.iter().map(|i| i.1).collect();
-    let results = store.batch_put_with(&keys, &values, &put_options(flags));
+    let results = store.batch_put_with(&keys, &values, &put_flags::decode(flags));
     let codes: Vec<i32> = results.iter().map(result_code).collect();
     put_reply(&codes, values.iter().map(|v| v.len() as u64).sum())
 }
@@ -341,7 +329,7 @@ pub(crate) fn batch_put_shm_with<'b, S: AsRef<[(u64, u64)]>>(
         }
     }
     let refs: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
-    let results = put(&keys, &refs, &put_options(flags));
+    let results = put(&keys, &refs, &put_flags::decode(flags));
     for (slot, result) in slots.into_iter().zip(&results) {
         codes[slot] = result_code(result);
     }

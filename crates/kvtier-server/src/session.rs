@@ -10,7 +10,7 @@ use kvtier::AlignedBuf;
 use kvtier::Namespace;
 use kvtier_client::routing::Router;
 use kvtier_wire::protocol::{
-    self, code, decode_request, request_flags, Header, Op, Request, Writer,
+    self, code, decode_request, put_flags, request_flags, Header, HelloReply, Op, Request, Writer,
 };
 use kvtier_wire::shm::SharedRegion;
 use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
@@ -391,7 +391,7 @@ impl State<'_> {
                 let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
                 let one: Vec<[&[u8]; 1]> = items.iter().map(|i| [i.1]).collect();
                 let values: Vec<&[&[u8]]> = one.iter().map(|v| &v[..]).collect();
-                let results = put(&keys, &values, &handlers::put_options(*flags));
+                let results = put(&keys, &values, &put_flags::decode(*flags));
                 let codes: Vec<i32> = results.iter().map(handlers::result_code).collect();
                 handlers::put_reply(&codes, items.iter().map(|i| i.1.len() as u64).sum())
             }
@@ -544,13 +544,16 @@ impl State<'_> {
         };
         self.namespace = Some(namespace);
         let limits = &shared.config.limits;
-        let mut w = Writer::default();
-        w.u32(u32::from(protocol::VERSION))
-            .u64(limits.max_frame)
-            .u32(limits.max_batch)
-            .u32(kvtier::MAX_KEY_LEN as u32)
-            .u64(shared.store.max_put_len());
-        Reply::ok(w.buf)
+        Reply::ok(
+            HelloReply {
+                version: u32::from(protocol::VERSION),
+                max_frame: limits.max_frame,
+                max_batch: limits.max_batch,
+                max_key_len: kvtier::MAX_KEY_LEN as u32,
+                max_value: shared.store.max_put_len(),
+            }
+            .encode(),
+        )
     }
 
     fn register<'b>(&mut self, size: u64, fd: Option<OwnedFd>) -> Reply<'b> {

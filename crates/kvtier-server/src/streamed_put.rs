@@ -8,9 +8,9 @@
 //! enters nothing (unless the pool ran short part-way, which enters the
 //! values received so far first: each exactly as its client sent it).
 
-use crate::handlers::{put_options, put_reply, result_code, Reply};
+use crate::handlers::{put_reply, result_code, Reply};
 use kvtier::NamespacedStore;
-use kvtier_wire::protocol::ProtocolError;
+use kvtier_wire::protocol::{put_flags, ProtocolError};
 use kvtier_wire::transport::{BodyStream, ReadError, Transport};
 
 /// The smallest item: a 1-byte key with its length, and a value length.
@@ -39,7 +39,7 @@ pub(crate) fn batch_put_streamed<'b>(
             "batch of {n} keys does not fit the frame"
         )));
     }
-    let mut puts = store.streamed_puts(&put_options(flags), n as usize, body.remaining());
+    let mut puts = store.streamed_puts(&put_flags::decode(flags), n as usize, body.remaining());
     let mut key = [0u8; kvtier::MAX_KEY_LEN];
     let mut bytes_in = 0;
     for _ in 0..n {

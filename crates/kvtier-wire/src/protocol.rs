@@ -120,6 +120,22 @@ pub mod code {
             _ => IO,
         }
     }
+
+    /// The error kind a client reports for a server's code (the inverse
+    /// of [`of`] where one exists; codes with no kind of their own map to
+    /// the nearest one).
+    pub fn kind(code: i32) -> kvtier::ErrorKind {
+        use kvtier::ErrorKind as K;
+        match code {
+            INVALID_ARGUMENT | LIMIT | UNSUPPORTED => K::InvalidArgument,
+            BUFFER_TOO_SMALL => K::BufferTooSmall,
+            NO_SPACE => K::NoSpace,
+            CLOSED => K::Closed,
+            CORRUPTION => K::Corruption,
+            LOCKED => K::Locked,
+            _ => K::Io,
+        }
+    }
 }
 
 /// Fixed frame header.
@@ -313,7 +329,45 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Put flags.
+/// The body of a successful Hello reply: the server's protocol version and
+/// the limits a client splits its batches by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelloReply {
+    pub version: u32,
+    /// Largest frame body the server reads.
+    pub max_frame: u64,
+    /// Most items in one batch.
+    pub max_batch: u32,
+    pub max_key_len: u32,
+    /// Largest value a put can store (`Store::max_put_len`).
+    pub max_value: u64,
+}
+
+impl HelloReply {
+    pub const LEN: usize = 4 + 8 + 4 + 4 + 8;
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(Self::LEN);
+        w.u32(self.version)
+            .u64(self.max_frame)
+            .u32(self.max_batch)
+            .u32(self.max_key_len)
+            .u64(self.max_value);
+        w.buf
+    }
+
+    pub fn decode(body: &[u8]) -> Result<HelloReply, ProtocolError> {
+        let mut r = Reader::new(body);
+        Ok(HelloReply {
+            version: r.u32()?,
+            max_frame: r.u64()?,
+            max_batch: r.u32()?,
+            max_key_len: r.u32()?,
+            max_value: r.u64()?,
+        })
+    }
+}
+
 /// Flags in a request header's status field (all other bits must be 0).
 pub mod request_flags {
     /// Answer from this server's own store only: never forward to the
@@ -322,10 +376,41 @@ pub mod request_flags {
     pub const LOCAL_ONLY: i32 = 1;
 }
 
+/// A put's options as the one flags byte of a BatchPut frame, mapped both
+/// ways here only.
 pub mod put_flags {
+    use kvtier::{PutOptions, PutTier};
+
     pub const SKIP_EXISTING: u8 = 1;
     pub const MEMORY_ONLY: u8 = 2;
     pub const DURABLE: u8 = 4;
+    pub fn encode(options: &PutOptions) -> u8 {
+        let mut flags = 0;
+        if options.skip_existing {
+            flags |= SKIP_EXISTING;
+        }
+        if options.tier == PutTier::MemoryOnly {
+            flags |= MEMORY_ONLY;
+        }
+        if options.durable {
+            flags |= DURABLE;
+        }
+        flags
+    }
+
+    /// The options of a frame's flags (bits this version does not know
+    /// are ignored, as they always were).
+    pub fn decode(flags: u8) -> PutOptions {
+        PutOptions {
+            skip_existing: flags & SKIP_EXISTING != 0,
+            tier: if flags & MEMORY_ONLY != 0 {
+                PutTier::MemoryOnly
+            } else {
+                PutTier::MemoryAndDisk
+            },
+            durable: flags & DURABLE != 0,
+        }
+    }
 }
 
 /// A decoded request body, borrowing from the frame.
