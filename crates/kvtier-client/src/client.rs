@@ -693,7 +693,7 @@ impl Client {
         self.check_batch_pairs(keys.len(), values.len(), "values")?;
         if self.routing.is_some() {
             let keys = checked_keys(keys)?;
-            if let Some(results) = self.routed(|r| r.put(None, &keys, values, options)) {
+            if let Some(results) = self.routed(|r| r.put(&keys, values, options)) {
                 return Ok(results);
             }
         }
@@ -800,7 +800,7 @@ impl Client {
         self.check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
         if self.routing.is_some() {
             let keys = checked_keys(keys)?;
-            if let Some(results) = self.routed(|r| r.get(None, &keys, bufs)) {
+            if let Some(results) = self.routed(|r| r.get(&keys, bufs)) {
                 return Ok(results);
             }
         }
@@ -1003,7 +1003,7 @@ impl Client {
     pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
         if self.routing.is_some() {
             let keys = checked_keys(keys)?;
-            if let Some(present) = self.routed(|r| r.exists(None, &keys)) {
+            if let Some(present) = self.routed(|r| r.exists(&keys)) {
                 return Ok(present);
             }
         }
@@ -1030,7 +1030,7 @@ impl Client {
     pub fn prefix_len<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
         if self.routing.is_some() {
             let keys = checked_keys(keys)?;
-            if let Some(present) = self.routed(|r| r.exists(None, &keys)) {
+            if let Some(present) = self.routed(|r| r.exists(&keys)) {
                 return Ok(present.iter().take_while(|&&p| p).count());
             }
         }
@@ -1059,7 +1059,7 @@ impl Client {
     pub fn remove(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
         if self.routing.is_some() {
             let key = check_key(key.as_ref())?;
-            if let Some(removed) = self.routed(|r| r.remove(None, key)) {
+            if let Some(removed) = self.routed(|r| r.remove(key)) {
                 return removed;
             }
         }

@@ -4,7 +4,8 @@
 
 use crate::metrics::Sample;
 use kvtier::AlignedBuf;
-use kvtier::{NamespacedStore, PutOptions, ValueLease};
+use kvtier::ValueLease;
+use kvtier_client::{KnownLen, KvBackend};
 use kvtier_wire::protocol::{code, put_flags, Writer};
 use kvtier_wire::shm::SharedRegion;
 
@@ -99,28 +100,33 @@ pub(crate) fn get_table(results: &[kvtier::Result<Option<usize>>]) -> (Writer, u
 }
 
 pub(crate) fn batch_put<'b>(
-    store: &NamespacedStore,
+    backend: &dyn KvBackend,
     flags: u8,
     items: &[(&[u8], &[u8])],
 ) -> Reply<'b> {
     let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
-    let values: Vec<&[u8]> = items.iter().map(|i| i.1).collect();
-    let results = store.batch_put_with(&keys, &values, &put_flags::decode(flags));
+    let one: Vec<[&[u8]; 1]> = items.iter().map(|i| [i.1]).collect();
+    let values: Vec<&[&[u8]]> = one.iter().map(|v| &v[..]).collect();
+    let results = backend.batch_put(&keys, &values, &put_flags::decode(flags));
     let codes: Vec<i32> = results.iter().map(result_code).collect();
-    put_reply(&codes, values.iter().map(|v| v.len() as u64).sum())
+    put_reply(&codes, items.iter().map(|i| i.1.len() as u64).sum())
 }
 
 /// Values come back after the per-key table with no copy into a reply:
 /// memory hits straight from their pool extents (held by leases in
 /// `leases` until the reply is sent), the rest from page-aligned slots of
-/// `arena` that the disk reads land in. `arena` and `leases` are the
-/// connection's, reused from request to request.
+/// `arena` that the reads land in (disk reads, or values from other
+/// members). `arena` and `leases` are the connection's, reused from
+/// request to request. A slot holds the value's indexed length where the
+/// backend knows it, else the key's capacity bounded by `largest` (the
+/// most a put may store).
 pub(crate) fn batch_get<'b>(
-    store: &NamespacedStore,
+    backend: &dyn KvBackend,
     items: &[(&[u8], u64)],
     arena: &'b mut Option<AlignedBuf>,
     leases: &'b mut Vec<Option<ValueLease>>,
     max_frame: u64,
+    largest: u64,
 ) -> Reply<'b> {
     let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
     let capacities: Vec<usize> = items
@@ -129,7 +135,7 @@ pub(crate) fn batch_get<'b>(
         .collect();
     let mut results: Vec<kvtier::Result<Option<usize>>> = Vec::with_capacity(items.len());
     leases.clear();
-    for leased in store.batch_memory_leases(&keys, &capacities) {
+    for leased in backend.batch_memory_leases(&keys, &capacities) {
         match leased {
             Some(Ok(lease)) => {
                 results.push(Ok(Some(lease.len())));
@@ -145,21 +151,23 @@ pub(crate) fn batch_get<'b>(
             }
         }
     }
-    // Keys still to read: those with no memory copy.
+    // Keys still to read: those with no memory copy here.
     let unleased: Vec<usize> = (0..items.len())
         .filter(|&i| leases[i].is_none() && results[i].is_ok())
         .collect();
-    // What each key will send: a leased value's length, or (for the rest)
-    // the indexed length, bounded by the caller's capacity.
+    // What each key may send: a leased value's length, or (for the rest)
+    // the known length or else the room a value may take, bounded by the
+    // caller's capacity.
+    let room = usize::try_from(largest).unwrap_or(usize::MAX);
     let lens: Vec<usize> = (0..items.len())
         .map(|i| match &leases[i] {
             Some(lease) => lease.len(),
             None if results[i].is_err() => 0,
-            None => store
-                .value_len(keys[i])
-                .ok()
-                .flatten()
-                .map_or(0, |l| l.min(capacities[i])),
+            None => match backend.known_len(keys[i]) {
+                KnownLen::Len(len) => len.min(capacities[i]),
+                KnownLen::Absent => 0,
+                KnownLen::Unknown => room.min(capacities[i]),
+            },
         })
         .collect();
     let total: u64 = lens.iter().map(|&l| l as u64).sum();
@@ -181,18 +189,19 @@ pub(crate) fn batch_get<'b>(
     let arena = arena.as_mut().expect("sized above");
     if !unleased.is_empty() {
         let mut rest = arena.as_mut_slice();
-        let mut slices: Vec<&mut [u8]> = Vec::with_capacity(unleased.len());
+        let mut slices: Vec<[&mut [u8]; 1]> = Vec::with_capacity(unleased.len());
         for &i in &unleased {
             let (slot, tail) = rest.split_at_mut(slot_of(lens[i].max(1)));
             // The caller's capacity bounds what is returned.
             let limit = (items[i].1 as usize).min(slot.len());
-            slices.push(&mut slot[..limit]);
+            slices.push([&mut slot[..limit]]);
             rest = tail;
         }
+        let mut dests: Vec<&mut [&mut [u8]]> = slices.iter_mut().map(|s| &mut s[..]).collect();
         let read_keys: Vec<&[u8]> = unleased.iter().map(|&i| keys[i]).collect();
         for (&i, result) in unleased
             .iter()
-            .zip(store.batch_get_into(&read_keys, &mut slices))
+            .zip(backend.batch_get(&read_keys, &mut dests))
         {
             results[i] = result;
         }
@@ -242,8 +251,8 @@ pub(crate) fn get_reply<'b>(
     }
 }
 
-pub(crate) fn batch_exists<'b>(store: &NamespacedStore, keys: &[&[u8]]) -> Reply<'b> {
-    exists_reply(&store.batch_exists(keys))
+pub(crate) fn batch_exists<'b>(backend: &dyn KvBackend, keys: &[&[u8]]) -> Reply<'b> {
+    exists_reply(&backend.batch_exists(keys))
 }
 
 /// The reply to a BatchExists: `u32 n, n × u8`.
@@ -259,8 +268,8 @@ pub(crate) fn exists_reply<'b>(present: &[bool]) -> Reply<'b> {
     })
 }
 
-pub(crate) fn prefix_len<'b>(store: &NamespacedStore, keys: &[&[u8]]) -> Reply<'b> {
-    prefix_reply(store.prefix_len(keys), keys.len())
+pub(crate) fn prefix_len<'b>(backend: &dyn KvBackend, keys: &[&[u8]]) -> Reply<'b> {
+    prefix_reply(backend.prefix_len(keys), keys.len())
 }
 
 /// The reply to a PrefixLen over `keys` keys: `u64` leading keys present.
@@ -273,15 +282,15 @@ pub(crate) fn prefix_reply<'b>(leading: usize, keys: usize) -> Reply<'b> {
     })
 }
 
-pub(crate) fn remove<'b>(store: &NamespacedStore, key: &[u8]) -> Reply<'b> {
-    match store.remove(key) {
+pub(crate) fn remove<'b>(backend: &dyn KvBackend, key: &[u8]) -> Reply<'b> {
+    match backend.remove(key) {
         Ok(removed) => Reply::ok(vec![u8::from(removed)]),
         Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
     }
 }
 
-pub(crate) fn flush<'b>(store: &kvtier::Store) -> Reply<'b> {
-    match store.flush() {
+pub(crate) fn flush<'b>(backend: &dyn KvBackend) -> Reply<'b> {
+    match backend.flush() {
         Ok(()) => Reply::ok(Vec::new()),
         Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
     }
@@ -290,23 +299,10 @@ pub(crate) fn flush<'b>(store: &kvtier::Store) -> Reply<'b> {
 /// Puts values gathered from `(offset, len)` segments of a registered
 /// buffer (the single-range op passes one segment per value).
 pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
-    store: &NamespacedStore,
+    backend: &dyn KvBackend,
     region: &SharedRegion,
     flags: u8,
     items: &[(&[u8], S)],
-) -> Reply<'b> {
-    batch_put_shm_with(region, flags, items, |keys, values, options| {
-        store.batch_put_segments(keys, values, options)
-    })
-}
-
-/// [`batch_put_shm`] with the values stored by `put` (the store, or the
-/// cluster router).
-pub(crate) fn batch_put_shm_with<'b, S: AsRef<[(u64, u64)]>>(
-    region: &SharedRegion,
-    flags: u8,
-    items: &[(&[u8], S)],
-    put: impl FnOnce(&[&[u8]], &[&[&[u8]]], &PutOptions) -> Vec<kvtier::Result<()>>,
 ) -> Reply<'b> {
     let mut codes = vec![code::OK; items.len()];
     let mut keys = Vec::with_capacity(items.len());
@@ -329,7 +325,7 @@ pub(crate) fn batch_put_shm_with<'b, S: AsRef<[(u64, u64)]>>(
         }
     }
     let refs: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
-    let results = put(&keys, &refs, &put_flags::decode(flags));
+    let results = backend.batch_put(&keys, &refs, &put_flags::decode(flags));
     for (slot, result) in slots.into_iter().zip(&results) {
         codes[slot] = result_code(result);
     }
@@ -340,21 +336,9 @@ pub(crate) fn batch_put_shm_with<'b, S: AsRef<[(u64, u64)]>>(
 /// Gets values scattered into `(offset, capacity)` segments of a registered
 /// buffer, in order; no two segments of the batch may overlap.
 pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
-    store: &NamespacedStore,
+    backend: &dyn KvBackend,
     region: &SharedRegion,
     items: &[(&[u8], S)],
-) -> Reply<'b> {
-    batch_get_shm_with(region, items, |keys, dests| {
-        store.batch_get_segments(keys, dests)
-    })
-}
-
-/// [`batch_get_shm`] with the values read by `get` (the store, or the
-/// cluster router).
-pub(crate) fn batch_get_shm_with<'b, S: AsRef<[(u64, u64)]>>(
-    region: &SharedRegion,
-    items: &[(&[u8], S)],
-    get: impl FnOnce(&[&[u8]], &mut [&mut [&mut [u8]]]) -> Vec<kvtier::Result<Option<usize>>>,
 ) -> Reply<'b> {
     let mut all: Vec<(u64, u64)> = items
         .iter()
@@ -392,7 +376,7 @@ pub(crate) fn batch_get_shm_with<'b, S: AsRef<[(u64, u64)]>>(
         }
     }
     let mut refs: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(|d| &mut d[..]).collect();
-    let got = get(&keys, &mut refs);
+    let got = backend.batch_get(&keys, &mut refs);
     for (slot, result) in slots.into_iter().zip(got) {
         results[slot] = result;
     }
@@ -452,7 +436,7 @@ mod tests {
         ];
         let before = store.stats();
         let (mut arena, mut leases) = (None, Vec::new());
-        let reply = batch_get(&view, &items, &mut arena, &mut leases, 1 << 30);
+        let reply = batch_get(&view, &items, &mut arena, &mut leases, 1 << 30, 1 << 30);
         assert_eq!(reply.status, code::OK);
         let mut r = kvtier_wire::protocol::Reader::new(&reply.body);
         assert_eq!(r.u32().unwrap(), 6);

@@ -9,8 +9,9 @@ use crate::{streamed_put, Shared, POLL};
 use kvtier::AlignedBuf;
 use kvtier::Namespace;
 use kvtier_client::routing::Router;
+use kvtier_client::KvBackend;
 use kvtier_wire::protocol::{
-    self, code, decode_request, put_flags, request_flags, Header, HelloReply, Op, Request, Writer,
+    self, code, decode_request, request_flags, Header, HelloReply, Op, Request, Writer,
 };
 use kvtier_wire::shm::SharedRegion;
 use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
@@ -40,14 +41,12 @@ struct State<'a> {
     namespace: Option<Namespace>,
     /// Request bodies; grows with bytes received, released when idle.
     body: Vec<u8>,
-    /// Batch-get value slots (TCP); released when idle.
+    /// Batch-get value slots (TCP: disk reads and values other cluster
+    /// members answered); released when idle.
     arena: Option<AlignedBuf>,
     /// Pool leases of the reply being sent (memory hits go out from the
     /// pool itself).
     leases: Vec<Option<kvtier::ValueLease>>,
-    /// Values of a TCP batch get that other cluster members answered,
-    /// until the reply is sent.
-    forwarded: Vec<Vec<u8>>,
     buffers: HashMap<u32, RegisteredBuffer>,
     next_buffer: u32,
     registered_bytes: u64,
@@ -93,7 +92,6 @@ impl<'a> Session<'a> {
                 body: Vec::new(),
                 arena: None,
                 leases: Vec::new(),
-                forwarded: Vec::new(),
                 buffers: HashMap::new(),
                 next_buffer: 1,
                 registered_bytes: 0,
@@ -277,9 +275,6 @@ impl State<'_> {
         if self.arena.as_ref().is_some_and(|a| a.len() > keep) {
             self.arena = None;
         }
-        if self.forwarded.iter().map(Vec::len).sum::<usize>() > keep {
-            self.forwarded = Vec::new();
-        }
     }
 
     fn handle<'b>(&'b mut self, header: &Header, body: &[u8], fd: Option<OwnedFd>) -> Reply<'b> {
@@ -312,28 +307,33 @@ impl State<'_> {
         let (namespace, request) = namespace;
         let store = &shared.store.in_namespace(&namespace);
         // Cluster mode: keys other members own go to them (one hop at
-        // most: what peers forward carries LOCAL_ONLY).
+        // most: what peers forward carries LOCAL_ONLY). One dispatch below
+        // serves both: the backend is the store or the router over it.
         let router = match (&shared.peers, local_only) {
-            (Some(peers), false) => Router::new(peers, namespace.name()),
+            (Some(peers), false) => {
+                Router::new(peers, namespace.name()).map(|r| r.with_local(store))
+            }
             _ => None,
         };
-        if let Some(router) = router.filter(|r| crosses_members(r, &request)) {
-            return self.routed(&router, store, &request);
-        }
+        let backend: &dyn KvBackend = match &router {
+            Some(router) if crosses_members(router, &request) => router,
+            _ => store,
+        };
         match request {
             Request::Hello { .. } => unreachable!("handled above"),
-            Request::BatchPut { flags, items } => handlers::batch_put(store, flags, &items),
+            Request::BatchPut { flags, items } => handlers::batch_put(backend, flags, &items),
             Request::BatchGet { items } => handlers::batch_get(
-                store,
+                backend,
                 &items,
                 &mut self.arena,
                 &mut self.leases,
                 shared.config.limits.max_frame,
+                shared.store.max_put_len(),
             ),
-            Request::BatchExists { keys } => handlers::batch_exists(store, &keys),
-            Request::PrefixLen { keys } => handlers::prefix_len(store, &keys),
-            Request::Remove { key } => handlers::remove(store, key),
-            Request::Flush => handlers::flush(&shared.store),
+            Request::BatchExists { keys } => handlers::batch_exists(backend, &keys),
+            Request::PrefixLen { keys } => handlers::prefix_len(backend, &keys),
+            Request::Remove { key } => handlers::remove(backend, key),
+            Request::Flush => handlers::flush(backend),
             Request::Stats => {
                 let json = shared.metrics.json(&shared.store.stats());
                 Reply::ok(json.to_string().into_bytes())
@@ -351,11 +351,11 @@ impl State<'_> {
                 flags,
                 items,
             } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_put_shm(store, &b.region, flags, &one_segment(&items)),
+                Some(b) => handlers::batch_put_shm(backend, &b.region, flags, &one_segment(&items)),
                 None => unknown_buffer(buffer),
             },
             Request::BatchGetShm { buffer, items } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_get_shm(store, &b.region, &one_segment(&items)),
+                Some(b) => handlers::batch_get_shm(backend, &b.region, &one_segment(&items)),
                 None => unknown_buffer(buffer),
             },
             Request::BatchPutShmSegments {
@@ -363,160 +363,13 @@ impl State<'_> {
                 flags,
                 items,
             } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_put_shm(store, &b.region, flags, &items),
+                Some(b) => handlers::batch_put_shm(backend, &b.region, flags, &items),
                 None => unknown_buffer(buffer),
             },
             Request::BatchGetShmSegments { buffer, items } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_get_shm(store, &b.region, &items),
+                Some(b) => handlers::batch_get_shm(backend, &b.region, &items),
                 None => unknown_buffer(buffer),
             },
-        }
-    }
-
-    /// A data request some of whose keys other cluster members own
-    /// ([`crosses_members`]), run across the cluster.
-    fn routed<'b>(
-        &'b mut self,
-        router: &Router<'_>,
-        store: &kvtier::NamespacedStore,
-        request: &Request<'_>,
-    ) -> Reply<'b> {
-        let put = |keys: &[&[u8]], values: &[&[&[u8]]], options: &kvtier::PutOptions| {
-            router.put(Some(store), keys, values, options)
-        };
-        let get =
-            |keys: &[&[u8]], dests: &mut [&mut [&mut [u8]]]| router.get(Some(store), keys, dests);
-        match request {
-            Request::BatchPut { flags, items } => {
-                let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
-                let one: Vec<[&[u8]; 1]> = items.iter().map(|i| [i.1]).collect();
-                let values: Vec<&[&[u8]]> = one.iter().map(|v| &v[..]).collect();
-                let results = put(&keys, &values, &put_flags::decode(*flags));
-                let codes: Vec<i32> = results.iter().map(handlers::result_code).collect();
-                handlers::put_reply(&codes, items.iter().map(|i| i.1.len() as u64).sum())
-            }
-            Request::BatchGet { items } => {
-                let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
-                // Room for each value, bounded by what a put may store.
-                let largest = self.shared.store.max_put_len();
-                let total: u64 = items.iter().map(|i| i.1.min(largest)).sum();
-                let max_frame = self.shared.config.limits.max_frame;
-                if total + 16 * items.len() as u64 > max_frame {
-                    return Reply::error(
-                        code::LIMIT,
-                        format!("room for {total} value bytes exceeds the frame limit; use smaller batches"),
-                    );
-                }
-                // Memory hits this node owns go out from their pool extents
-                // (leases held until the reply is sent), as on the local
-                // path; the rest are read into slots.
-                let mut results: Vec<kvtier::Result<Option<usize>>> =
-                    keys.iter().map(|_| Ok(None)).collect();
-                self.leases.clear();
-                self.leases.resize_with(items.len(), || None);
-                let mine: Vec<usize> = (0..keys.len())
-                    .filter(|&i| router.reads_here_first(keys[i]))
-                    .collect();
-                let mine_keys: Vec<&[u8]> = mine.iter().map(|&i| keys[i]).collect();
-                let mine_room: Vec<usize> = mine
-                    .iter()
-                    .map(|&i| usize::try_from(items[i].1).unwrap_or(usize::MAX))
-                    .collect();
-                for (&i, leased) in mine
-                    .iter()
-                    .zip(store.batch_memory_leases(&mine_keys, &mine_room))
-                {
-                    match leased {
-                        Some(Ok(lease)) => {
-                            results[i] = Ok(Some(lease.len()));
-                            self.leases[i] = Some(lease);
-                        }
-                        Some(Err(e)) => results[i] = Err(e),
-                        None => {}
-                    }
-                }
-                let rest: Vec<usize> = (0..keys.len())
-                    .filter(|&i| self.leases[i].is_none() && results[i].is_ok())
-                    .collect();
-                // Slots are kept from request to request (zeroed once, when
-                // they grow) and released when the connection idles.
-                self.forwarded.resize_with(items.len(), Vec::new);
-                for &i in &rest {
-                    let room = items[i].1.min(largest) as usize;
-                    if self.forwarded[i].len() < room {
-                        self.forwarded[i].resize(room, 0);
-                    }
-                }
-                let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
-                let mut slots: Vec<Option<&mut Vec<u8>>> =
-                    self.forwarded.iter_mut().map(Some).collect();
-                let mut one: Vec<[&mut [u8]; 1]> = rest
-                    .iter()
-                    .map(|&i| {
-                        let slot = slots[i].take().expect("one slot per key");
-                        [&mut slot[..items[i].1.min(largest) as usize]]
-                    })
-                    .collect();
-                let mut dests: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
-                for (&i, result) in rest.iter().zip(get(&rest_keys, &mut dests)) {
-                    results[i] = result;
-                }
-                let (w, bytes_out) = handlers::get_table(&results);
-                let forwarded: &'b [Vec<u8>] = &self.forwarded;
-                let leases: &'b [Option<kvtier::ValueLease>] = &self.leases;
-                let tail = results
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, r)| match (r, &leases[i]) {
-                        (Ok(Some(n)), Some(lease)) => Some(&lease.bytes()[..*n]),
-                        (Ok(Some(n)), None) => Some(&forwarded[i][..*n]),
-                        _ => None,
-                    })
-                    .collect();
-                handlers::get_reply(w, bytes_out, tail, &results)
-            }
-            Request::BatchExists { keys } => {
-                handlers::exists_reply(&router.exists(Some(store), keys))
-            }
-            Request::PrefixLen { keys } => {
-                let present = router.exists(Some(store), keys);
-                handlers::prefix_reply(present.iter().take_while(|&&p| p).count(), keys.len())
-            }
-            Request::BatchPutShm {
-                buffer,
-                flags,
-                items,
-            } => match self.buffers.get(buffer) {
-                Some(b) => {
-                    handlers::batch_put_shm_with(&b.region, *flags, &one_segment(items), put)
-                }
-                None => unknown_buffer(*buffer),
-            },
-            Request::BatchGetShm { buffer, items } => match self.buffers.get(buffer) {
-                Some(b) => handlers::batch_get_shm_with(&b.region, &one_segment(items), get),
-                None => unknown_buffer(*buffer),
-            },
-            Request::BatchPutShmSegments {
-                buffer,
-                flags,
-                items,
-            } => match self.buffers.get(buffer) {
-                Some(b) => handlers::batch_put_shm_with(&b.region, *flags, items, put),
-                None => unknown_buffer(*buffer),
-            },
-            Request::BatchGetShmSegments { buffer, items } => match self.buffers.get(buffer) {
-                Some(b) => handlers::batch_get_shm_with(&b.region, items, get),
-                None => unknown_buffer(*buffer),
-            },
-            Request::Remove { key } => match router.remove(Some(store), key) {
-                Ok(removed) => Reply::ok(vec![u8::from(removed)]),
-                Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
-            },
-            Request::Flush => match router.flush(&self.shared.store) {
-                Ok(()) => Reply::ok(Vec::new()),
-                Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
-            },
-            _ => unreachable!("crosses_members admits data requests only"),
         }
     }
 

@@ -96,8 +96,9 @@ impl Error {
         self.source.as_ref()
     }
 
-    /// A copy suitable for handing the same failure to several waiters.
-    pub(crate) fn duplicate(&self) -> Self {
+    /// A copy suitable for handing the same failure to several waiters
+    /// (or to every key of a batch that failed as a whole).
+    pub fn duplicate(&self) -> Self {
         Error {
             kind: self.kind,
             message: self.message.clone(),

@@ -32,6 +32,9 @@ enum Target {
 #[derive(Debug)]
 pub struct Router<'a> {
     peers: &'a Peers,
+    /// This node's store, for its own share (`None` in a client that
+    /// routes by itself: it is no member).
+    local: Option<&'a NamespacedStore>,
     namespace: &'a str,
     members: Arc<Vec<Member>>,
     me: String,
@@ -72,11 +75,23 @@ impl<'a> Router<'a> {
         }
         Some(Router {
             peers,
+            local: None,
             namespace,
             me: peers.view.me().id,
             replicas: peers.view.replicas(),
             members,
         })
+    }
+
+    /// The router of a member: keys this node owns go to `store`.
+    pub fn with_local(mut self, store: &'a NamespacedStore) -> Router<'a> {
+        self.local = Some(store);
+        self
+    }
+
+    /// This node's store, for a member's router.
+    pub fn local(&self) -> Option<&'a NamespacedStore> {
+        self.local
     }
 
     /// A key's owners in rank order.
@@ -124,7 +139,6 @@ impl<'a> Router<'a> {
     /// socket straight into `dests`: no copy on this host.
     pub fn get(
         &self,
-        store: Option<&NamespacedStore>,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
     ) -> Vec<kvtier::Result<Option<usize>>> {
@@ -150,7 +164,7 @@ impl<'a> Router<'a> {
                     (target, group_keys, bufs)
                 },
                 |store_or_peer, (_, group_keys, mut bufs)| match store_or_peer {
-                    None => Some(here(store).batch_get_segments(&group_keys, &mut bufs)),
+                    None => Some(here(self.local).batch_get_segments(&group_keys, &mut bufs)),
                     Some((peers, member, namespace)) => {
                         peers.call(member, namespace, group_keys.len(), |c| {
                             c.batch_get_segments(&group_keys, &mut bufs)
@@ -186,7 +200,6 @@ impl<'a> Router<'a> {
     /// Stores each value (given as segments) on every owner of its key.
     pub fn put(
         &self,
-        store: Option<&NamespacedStore>,
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
@@ -206,7 +219,9 @@ impl<'a> Router<'a> {
                 (target, group_keys, group_values)
             },
             |store_or_peer, (_, group_keys, group_values)| match store_or_peer {
-                None => Some(here(store).batch_put_segments(&group_keys, &group_values, options)),
+                None => {
+                    Some(here(self.local).batch_put_segments(&group_keys, &group_values, options))
+                }
                 Some((peers, member, namespace)) => {
                     peers.call(member, namespace, group_keys.len(), |c| {
                         c.batch_put_segments(&group_keys, &group_values, options)
@@ -251,7 +266,7 @@ impl<'a> Router<'a> {
     }
 
     /// Whether each key is present on any of its owners.
-    pub fn exists(&self, store: Option<&NamespacedStore>, keys: &[&[u8]]) -> Vec<bool> {
+    pub fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
         let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
         let mut present = vec![false; keys.len()];
         for round in 0.. {
@@ -266,7 +281,7 @@ impl<'a> Router<'a> {
                     (target, group_keys)
                 },
                 |store_or_peer, (_, group_keys)| match store_or_peer {
-                    None => Some(here(store).batch_exists(&group_keys)),
+                    None => Some(here(self.local).batch_exists(&group_keys)),
                     Some((peers, member, namespace)) => {
                         peers.call(member, namespace, group_keys.len(), |c| {
                             c.batch_exists(&group_keys)
@@ -286,13 +301,13 @@ impl<'a> Router<'a> {
     /// Removes `key` from every owner; whether any of them held it. An
     /// owner that cannot be reached fails the call (its copy may remain,
     /// and a later remove takes it).
-    pub fn remove(&self, store: Option<&NamespacedStore>, key: &[u8]) -> kvtier::Result<bool> {
+    pub fn remove(&self, key: &[u8]) -> kvtier::Result<bool> {
         let groups: Groups = self.owners(key).into_iter().map(|t| (t, vec![0])).collect();
         let answers = self.run(
             groups,
             |_, _| (),
             |store_or_peer, ()| match store_or_peer {
-                None => Some(here(store).remove(key)),
+                None => Some(here(self.local).remove(key)),
                 Some((peers, member, namespace)) => {
                     peers.call(member, namespace, 1, |c| c.remove(key)).map(Ok)
                 }
@@ -311,7 +326,7 @@ impl<'a> Router<'a> {
 
     /// Flushes every member: what any of them acknowledged is durable.
     /// A member that cannot be reached fails the flush.
-    pub fn flush(&self, store: &kvtier::Store) -> kvtier::Result<()> {
+    pub fn flush(&self) -> kvtier::Result<()> {
         let mut groups = Groups::new();
         groups.insert(Target::Local, Vec::new());
         for (m, member) in self.members.iter().enumerate() {
@@ -323,7 +338,7 @@ impl<'a> Router<'a> {
             groups,
             |_, _| (),
             |store_or_peer, ()| match store_or_peer {
-                None => Some(store.flush()),
+                None => Some(here(self.local).flush()),
                 Some((peers, member, namespace)) => {
                     peers.call(member, namespace, 0, |c| c.flush()).map(Ok)
                 }

@@ -296,6 +296,13 @@ impl NamespacedStore {
         found
     }
 
+    /// Returns once everything put so far, in any namespace, is durable
+    /// (see [`Store::flush`](crate::Store::flush)).
+    pub fn flush(&self) -> Result<()> {
+        self.inner.check_open()?;
+        self.inner.flush_all()
+    }
+
     /// Removes `key` from every tier; durable on return (a tombstone is
     /// always written, so no older value can come back after a restart).
     /// Returns whether the key was present.
