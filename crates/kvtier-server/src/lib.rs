@@ -4,7 +4,7 @@
 //! - `lib.rs` (here): configuration, listeners, accepting under the
 //!   connection cap, shutdown.
 //! - `limits`: every limit and its default; the server-wide budgets.
-//! - `auth`: every trust decision about a peer.
+//! - `trust`: every admission and authorisation decision about a peer.
 //! - `session`: one connection: hello, deadlines, shared buffers.
 //! - `handlers`: one plain function per operation, (store, request) in,
 //!   reply out.
@@ -12,15 +12,15 @@
 //! Why threads and not an async runtime: see docs/server.md.
 
 mod admin;
-mod auth;
 mod handlers;
 pub mod limits;
 mod metrics;
 mod session;
 mod streamed_put;
+mod trust;
 
-pub use auth::{check_token, data_dir_token, Auth, MIN_TOKEN_LEN, TOKEN_FILE};
 pub use limits::Limits;
+pub use trust::{check_token, data_dir_token, Auth, Peer, MIN_TOKEN_LEN, TOKEN_FILE};
 
 use crate::metrics::Metrics;
 use kvtier::Store;
@@ -107,40 +107,7 @@ impl Server {
     /// token of at least `MIN_TOKEN_LEN` bytes.
     pub fn new(store: Arc<Store>, config: ServerConfig) -> io::Result<Server> {
         let auth = Auth::new(config.auth_token.as_deref())?;
-        if let Some(addr) = config.listen {
-            if !auth.has_token() {
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "refusing to listen on TCP {addr} without an auth token: any local user \
-                         can reach a TCP port. Set --auth-token or KVTIER_AUTH_TOKEN (kvtier \
-                         serve generates one in <data_dir>/{TOKEN_FILE}), or use only the Unix socket"
-                    ),
-                ));
-            }
-        }
-        if let Some(addr) = config.listen {
-            if !addr.ip().is_loopback() && config.tls.is_none() {
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "refusing to listen on non-loopback {addr} without TLS: the token and \
-                         the values would cross the network in the clear. Give --tls-cert and \
-                         --tls-key"
-                    ),
-                ));
-            }
-        }
-        if let Some(addr) = config.admin {
-            if !addr.ip().is_loopback() && !auth.has_token() {
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "refusing to serve admin HTTP on non-loopback {addr} without an auth token"
-                    ),
-                ));
-            }
-        }
+        auth.check_listeners(config.listen, config.tls.is_some(), config.admin)?;
         if config.listen.is_none() && config.socket.is_none() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,

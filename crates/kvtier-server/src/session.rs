@@ -36,7 +36,6 @@ pub(crate) struct Session<'a> {
 /// while the socket sends.
 struct State<'a> {
     shared: &'a Shared,
-    is_unix: bool,
     /// Set by a successful hello: until then the peer is unauthenticated.
     namespace: Option<Namespace>,
     /// Request bodies; grows with bytes received, released when idle.
@@ -50,8 +49,8 @@ struct State<'a> {
     buffers: HashMap<u32, RegisteredBuffer>,
     next_buffer: u32,
     registered_bytes: u64,
-    /// Set when the peer passed a trusted Unix credential check.
-    unix_peer_trusted: bool,
+    /// The peer, as `trust` sees it before the hello.
+    peer: crate::trust::Peer,
 }
 
 /// A client's shared buffer, with its share of the server-wide budget.
@@ -79,15 +78,11 @@ enum End {
 
 impl<'a> Session<'a> {
     pub fn new(shared: &'a Shared, transport: Transport) -> Self {
-        let (is_unix, unix_peer_trusted) = match &transport {
-            Transport::Unix(stream) => (true, shared.auth.trusts_unix_peer(stream)),
-            Transport::Tcp(_) | Transport::TlsServer(_) | Transport::TlsClient(_) => (false, false),
-        };
+        let peer = shared.auth.peer(&transport);
         Session {
             transport,
             state: State {
                 shared,
-                is_unix,
                 namespace: None,
                 body: Vec::new(),
                 arena: None,
@@ -95,7 +90,7 @@ impl<'a> Session<'a> {
                 buffers: HashMap::new(),
                 next_buffer: 1,
                 registered_bytes: 0,
-                unix_peer_trusted,
+                peer,
             },
         }
     }
@@ -373,22 +368,16 @@ impl State<'_> {
         }
     }
 
-    /// Authenticates the peer (see `auth`) and fixes the connection's
+    /// Authenticates the peer (see `trust`) and fixes the connection's
     /// namespace.
     fn hello<'b>(&mut self, token: &[u8], namespace: &str) -> Reply<'b> {
         let shared = self.shared;
-        let trusted = self.unix_peer_trusted || shared.auth.token_matches(token);
-        if !trusted {
+        if let Err(why) =
+            shared
+                .auth
+                .admit_hello(&self.peer, token, shared.config.limits.failed_auth_delay)
+        {
             shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
-            std::thread::sleep(shared.config.limits.failed_auth_delay);
-            let why = if self.is_unix {
-                "this Unix-socket peer runs as another user: present the server's auth token"
-            } else if token.is_empty() {
-                "TCP clients must present the server's auth token (KVTIER_AUTH_TOKEN; kvtier \
-                 serve keeps a generated one in <data_dir>/auth-token)"
-            } else {
-                "wrong auth token"
-            };
             return Reply::error(code::UNAUTHORIZED, why).closing();
         }
         let namespace = match shared.store.namespace(namespace) {
@@ -419,7 +408,7 @@ impl State<'_> {
                 .fetch_add(1, Ordering::Relaxed);
             Reply::error(status, message)
         };
-        if !self.is_unix {
+        if !self.peer.unix {
             return refuse(
                 code::UNSUPPORTED,
                 "shared buffers need the Unix socket".into(),

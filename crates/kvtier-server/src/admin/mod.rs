@@ -54,10 +54,7 @@ pub(crate) fn serve(listener: std::net::TcpListener, shared: &Arc<Shared>) {
             return;
         }
     };
-    let needs_token = listener
-        .local_addr()
-        .map(|a| !a.ip().is_loopback())
-        .unwrap_or(true);
+    let needs_token = crate::trust::Auth::admin_needs_token(listener.local_addr().ok());
     let admin = Arc::new(Admin {
         registry: metrics::registry(
             Arc::clone(&shared.metrics),
@@ -149,21 +146,23 @@ impl Admin {
                 Bytes::from_static(asset.body),
             ));
         }
-        if self.needs_token {
-            let header = request
-                .headers()
-                .get(AUTHORIZATION)
-                .and_then(|v| v.to_str().ok());
-            if !self.shared.auth.bearer_matches(header) {
-                self.shared
-                    .metrics
-                    .auth_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                return text(
-                    StatusCode::UNAUTHORIZED,
-                    "this admin endpoint is off loopback: send Authorization: Bearer <token>\n",
-                );
-            }
+        let authorization = request
+            .headers()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if !self
+            .shared
+            .auth
+            .admits_admin_request(self.needs_token, authorization)
+        {
+            self.shared
+                .metrics
+                .auth_failures
+                .fetch_add(1, Ordering::Relaxed);
+            return text(
+                StatusCode::UNAUTHORIZED,
+                "this admin endpoint is off loopback: send Authorization: Bearer <token>\n",
+            );
         }
         let shared = &self.shared;
         match path {

@@ -1,4 +1,10 @@
-//! Who may talk to the server: every trust decision about a peer.
+//! Who may talk to the server: every admission and authorisation
+//! decision about a peer is made here, and nowhere else.
+//!
+//! - Listeners: TCP needs a token; TCP off loopback needs TLS; an admin
+//!   endpoint off loopback needs a token ([`Auth::check_listeners`]).
+//! - A connection's hello ([`Auth::admit_hello`]), and an admin request
+//!   ([`Auth::admits_admin_request`]).
 //!
 //! - TCP (loopback included): the token, always. Any local user can reach
 //!   a loopback port, so loopback alone proves nothing.
@@ -11,12 +17,23 @@
 //! [`MIN_TOKEN_LEN`] bytes, and a refused hello is answered only after
 //! `Limits::failed_auth_delay`.
 
+use kvtier_wire::transport::Transport;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use subtle::ConstantTimeEq;
+
+/// A connection's peer, as far as trust goes.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    /// Connected over the Unix socket.
+    pub unix: bool,
+    /// Its kernel credentials (SO_PEERCRED) name the server's user or root.
+    pub trusted_by_credentials: bool,
+}
 
 /// Shortest token accepted.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -65,14 +82,103 @@ impl Auth {
         }
     }
 
+    /// Refuses listeners that would expose the store: TCP without a token
+    /// (any local user can reach a TCP port), TCP off loopback without TLS
+    /// (the token and values would cross the network in the clear), and
+    /// an admin endpoint off loopback without a token.
+    pub fn check_listeners(
+        &self,
+        listen: Option<SocketAddr>,
+        tls: bool,
+        admin: Option<SocketAddr>,
+    ) -> io::Result<()> {
+        let refuse =
+            |message: String| Err(io::Error::new(io::ErrorKind::PermissionDenied, message));
+        if let Some(addr) = listen {
+            if !self.has_token() {
+                return refuse(format!(
+                    "refusing to listen on TCP {addr} without an auth token: any local user \
+                     can reach a TCP port. Set --auth-token or KVTIER_AUTH_TOKEN (kvtier \
+                     serve generates one in <data_dir>/{TOKEN_FILE}), or use only the Unix socket"
+                ));
+            }
+            if !addr.ip().is_loopback() && !tls {
+                return refuse(format!(
+                    "refusing to listen on non-loopback {addr} without TLS: the token and \
+                     the values would cross the network in the clear. Give --tls-cert and \
+                     --tls-key"
+                ));
+            }
+        }
+        if let Some(addr) = admin {
+            if !addr.ip().is_loopback() && !self.has_token() {
+                return refuse(format!(
+                    "refusing to serve admin HTTP on non-loopback {addr} without an auth token"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Decides a connection's hello: a Unix-socket peer running as the
+    /// server's user (or root) is trusted by its credentials, every other
+    /// peer must present the token. A refusal is answered only after
+    /// `delay` (it slows guessing) and says why.
+    pub fn admit_hello(
+        &self,
+        peer: &Peer,
+        token: &[u8],
+        delay: std::time::Duration,
+    ) -> Result<(), &'static str> {
+        if peer.trusted_by_credentials || self.token_matches(token) {
+            return Ok(());
+        }
+        std::thread::sleep(delay);
+        Err(if peer.unix {
+            "this Unix-socket peer runs as another user: present the server's auth token"
+        } else if token.is_empty() {
+            "TCP clients must present the server's auth token (KVTIER_AUTH_TOKEN; kvtier \
+             serve keeps a generated one in <data_dir>/auth-token)"
+        } else {
+            "wrong auth token"
+        })
+    }
+
+    /// What the server knows of a new connection's peer before its hello.
+    pub fn peer(&self, transport: &Transport) -> Peer {
+        match transport {
+            Transport::Unix(stream) => Peer {
+                unix: true,
+                trusted_by_credentials: self.trusts_unix_peer(stream),
+            },
+            Transport::Tcp(_) | Transport::TlsServer(_) | Transport::TlsClient(_) => Peer {
+                unix: false,
+                trusted_by_credentials: false,
+            },
+        }
+    }
+
+    /// Whether an admin endpoint listening on `addr` asks for the token
+    /// (off loopback; an address it cannot tell counts as off).
+    pub fn admin_needs_token(addr: Option<SocketAddr>) -> bool {
+        addr.is_none_or(|a| !a.ip().is_loopback())
+    }
+
+    /// Whether an admin request may be answered: always on loopback, and
+    /// off it with the token as `Authorization: Bearer` (the page's own
+    /// static files are public).
+    pub fn admits_admin_request(&self, needs_token: bool, authorization: Option<&str>) -> bool {
+        !needs_token || self.bearer_matches(authorization)
+    }
+
     /// Whether a Unix-socket peer runs as the server's user or as root.
-    pub fn trusts_unix_peer(&self, stream: &std::os::unix::net::UnixStream) -> bool {
+    fn trusts_unix_peer(&self, stream: &std::os::unix::net::UnixStream) -> bool {
         peer_uid(stream).is_some_and(|uid| uid == self.server_uid || uid == 0)
     }
 
     /// Whether an admin request's `Authorization` header value carries the
     /// token.
-    pub fn bearer_matches(&self, header: Option<&str>) -> bool {
+    fn bearer_matches(&self, header: Option<&str>) -> bool {
         header
             .and_then(|h| h.trim().strip_prefix("Bearer "))
             .is_some_and(|t| self.token_matches(t.trim().as_bytes()))
