@@ -22,7 +22,53 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// Most record entries in one batch, which bounds a record to ~2.4 MiB.
-const MAX_BATCH_ENTRIES: usize = 8192;
+pub const MAX_BATCH_ENTRIES: usize = 8192;
+
+/// The flusher's rule for what one batch takes, as a pure function of the
+/// items offered in order (the bench replays the same rule): an item joins
+/// while the batch's record (page-rounded) plus its padded values stay
+/// within `limit` and it holds fewer than [`MAX_BATCH_ENTRIES`] entries.
+/// The first item always joins (a batch is never empty).
+#[derive(Debug, Clone)]
+pub struct BatchBudget {
+    limit: u64,
+    entries: usize,
+    key_bytes: usize,
+    value_bytes: u64,
+}
+
+impl BatchBudget {
+    pub fn new(limit: u64) -> Self {
+        BatchBudget {
+            limit,
+            entries: 0,
+            key_bytes: 0,
+            value_bytes: 0,
+        }
+    }
+
+    /// Offers an item whose qualified key is `key_len` bytes and whose value
+    /// takes `padded` bytes on disk (0 for a tombstone); counts it and
+    /// returns true if it joins the batch.
+    pub fn admit(&mut self, key_len: usize, padded: u64) -> bool {
+        if self.entries > 0 {
+            let record = page_round_up(
+                (format::record_len([])
+                    + self.key_bytes
+                    + (self.entries + 1) * format::ENTRY_FIXED_LEN
+                    + key_len) as u64,
+            );
+            if record + self.value_bytes + padded > self.limit || self.entries >= MAX_BATCH_ENTRIES
+            {
+                return false;
+            }
+        }
+        self.entries += 1;
+        self.key_bytes += key_len;
+        self.value_bytes += padded;
+        true
+    }
+}
 
 /// The flusher thread's work: a function of its handles.
 #[derive(Debug)]
@@ -98,25 +144,14 @@ impl Flusher {
         while disk.used() > disk.capacity() && self.reclaimer.reclaim_oldest() {}
         let limit = self.batch_bytes.min(disk.max_batch_len());
         loop {
-            let mut key_bytes = 0usize;
-            let mut value_bytes = 0u64;
+            let mut budget = BatchBudget::new(limit);
             let work = self.log.next_batch(|item, taken| {
                 if taken.len() == 1 {
-                    (key_bytes, value_bytes) = queued_size(&taken[0]);
+                    let (key_len, padded) = queued_size(&taken[0]);
+                    budget.admit(key_len, padded);
                 }
                 let (key_len, padded) = queued_size(item);
-                let record = page_round_up(
-                    (format::record_len([])
-                        + key_bytes
-                        + (taken.len() + 1) * format::ENTRY_FIXED_LEN
-                        + key_len) as u64,
-                );
-                if record + value_bytes + padded > limit || taken.len() >= MAX_BATCH_ENTRIES {
-                    return false;
-                }
-                key_bytes += key_len;
-                value_bytes += padded;
-                true
+                budget.admit(key_len, padded)
             });
             match work {
                 Work::Batch(batch) => self.flush_one_batch(batch),
@@ -390,5 +425,38 @@ fn queued_size(item: &QueuedWrite) -> (usize, u64) {
     match item {
         QueuedWrite::Put { key, slot, .. } => (key.len(), slot.padded_bytes().len() as u64),
         QueuedWrite::Tombstone { key, .. } => (key.len(), 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::{MIB, PAGE_SIZE};
+
+    /// The batching rule: the first item always joins, later ones while the
+    /// record plus the padded values fit the limit, never more than
+    /// `MAX_BATCH_ENTRIES`.
+    #[test]
+    fn batch_budget_cuts_by_bytes_and_entries() {
+        let mut alone = BatchBudget::new(MIB);
+        assert!(
+            alone.admit(40, 8 * MIB),
+            "a first value larger than the limit still goes"
+        );
+        assert!(!alone.admit(40, PAGE_SIZE));
+
+        // One record page plus three 256 KiB values fit 1 MiB; a fourth does not.
+        let mut bytes = BatchBudget::new(MIB);
+        let value = 256 * 1024;
+        assert!((0..3).all(|_| bytes.admit(40, value)));
+        assert!(!bytes.admit(40, value));
+        // A tombstone (no value bytes) still fits in the record page.
+        assert!(bytes.admit(40, 0));
+
+        let mut entries = BatchBudget::new(u64::MAX);
+        let admitted = (0..MAX_BATCH_ENTRIES + 10)
+            .take_while(|_| entries.admit(16, 0))
+            .count();
+        assert_eq!(admitted, MAX_BATCH_ENTRIES);
     }
 }

@@ -68,12 +68,15 @@ pub const INDEX_SLOT_BYTES: usize = index::SLOT_BYTES;
 
 /// The core's internals for the fuzz targets and the bench (feature
 /// `internals`): the record codec, the disk tier opened on its own, the
-/// index, the io-engine seam and the value pattern. Not a stable API.
+/// index, the flusher's batching rule, the io-engine seam and its write
+/// chunk, and the value pattern. Not a stable API.
 #[cfg(feature = "internals")]
 pub mod internals {
     pub use crate::disk::format;
     pub use crate::disk::{value_locations, DiskTier, RecoveredEntry, RecoveryChecks};
+    pub use crate::flusher::{BatchBudget, MAX_BATCH_ENTRIES};
     pub use crate::index::{DiskLoc, Entry, Index};
+    pub use crate::io::uring::WRITE_CHUNK;
     pub use crate::io::{is_direct_io_aligned, IoEngine, ReadOp};
     /// Deterministic value bytes derived from a key.
     pub mod pattern {

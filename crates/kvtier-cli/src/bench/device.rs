@@ -26,6 +26,7 @@
 
 use super::Measurement;
 use io_uring::{opcode, squeue, types, IoUring};
+use kvtier::internals::BatchBudget;
 use kvtier::AlignedBuf;
 use kvtier::{DiskLocation, ValueChecksum};
 use std::fs::{File, OpenOptions};
@@ -37,8 +38,8 @@ use std::time::{Duration, Instant};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-/// The io_uring engine's write chunk (`disk::uring::WRITE_CHUNK`).
-pub const STORE_WRITE_CHUNK: usize = 4 * MIB;
+/// The io_uring engine's write chunk, from the core.
+pub const STORE_WRITE_CHUNK: usize = kvtier::internals::WRITE_CHUNK;
 /// Transfer sizes and depths the ceiling sweep tries.
 const SWEEP_SIZES: [usize; 10] = [
     128 * KIB,
@@ -716,21 +717,12 @@ impl ShapeWriter {
         let mut flushes = Vec::new();
         let mut i = 0;
         while i < values.len() {
-            let mut take = 1;
-            loop {
-                if take == values.len() - i {
-                    break;
-                }
-                let next = &values[i..i + take + 1];
-                let record = pad(kvtier::internals::format::record_len(
-                    next.iter().map(|v| v.0),
-                ));
-                let bytes: usize = next.iter().map(|v| pad(v.1.len())).sum();
-                if (record + bytes) as u64 > self.flush_batch_bytes || take >= 8192 {
-                    break;
-                }
-                take += 1;
-            }
+            // The flusher's own rule, from the core.
+            let mut budget = BatchBudget::new(self.flush_batch_bytes);
+            let take = values[i..]
+                .iter()
+                .take_while(|v| budget.admit(v.0, pad(v.1.len()) as u64))
+                .count();
             let batch = &values[i..i + take];
             let record_len = pad(kvtier::internals::format::record_len(
                 batch.iter().map(|v| v.0),

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 const MAX_TRANSFER: usize = 1 << 30;
 /// Bytes per write submission: a batch's values are written as several
 /// concurrent writes of about this size, so the device sees a deep queue.
-const WRITE_CHUNK: usize = 4 << 20;
+pub const WRITE_CHUNK: usize = 4 << 20;
 /// Registered-file slots per ring: region files open at once. Files past
 /// this many are used through plain descriptors.
 const FILE_SLOTS: u32 = 4096;
