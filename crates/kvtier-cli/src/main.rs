@@ -1,6 +1,5 @@
 //! The `kvtier` command-line tool.
 
-mod bench;
 mod cluster;
 mod demo;
 mod serve;
@@ -29,7 +28,7 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency against raw-device and memcpy
     /// baselines run in the same process.
-    Bench(Box<bench::BenchArgs>),
+    Bench(Box<kvtier_bench::BenchArgs>),
     /// Cluster mode: show a cluster's members (needs the `cluster` build
     /// feature).
     Cluster(cluster::ClusterCommand),
@@ -53,7 +52,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Demo(args) => demo::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => kvtier_bench::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Cluster(command) => cluster::run(command),
     };

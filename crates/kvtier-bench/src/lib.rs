@@ -12,6 +12,10 @@
 //! in rounds that alternate store and baseline, with the side that goes
 //! first alternating too: both see the same conditions on average, and
 //! their ratio is what the rows report.
+//!
+//! A crate of its own: the `kvtier` binary runs it as `kvtier bench`; it
+//! reaches the core's batching rule, record layout and write chunk through
+//! the core's `internals` feature instead of copying them.
 
 mod baseline;
 mod data;
@@ -344,7 +348,8 @@ impl Progress {
     }
 }
 
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+/// A bench run's result: any failure ends it with a message.
+pub type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 pub fn run(args: &BenchArgs) -> BenchResult<()> {
     if let Some(path) = &args.from_json {
