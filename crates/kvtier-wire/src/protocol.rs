@@ -87,6 +87,25 @@ pub mod code {
     pub const CORRUPTION: i32 = -12;
     pub const LOCKED: i32 = -13;
 
+    /// Every code with its constant's name, for bindings that export the
+    /// table (the Python package's `kvtier.OK`, ...).
+    pub const ALL: [(&str, i32); 14] = [
+        ("OK", OK),
+        ("INVALID_ARGUMENT", INVALID_ARGUMENT),
+        ("BUFFER_TOO_SMALL", BUFFER_TOO_SMALL),
+        ("NO_SPACE", NO_SPACE),
+        ("CLOSED", CLOSED),
+        ("IO", IO),
+        ("NOT_FOUND", NOT_FOUND),
+        ("UNAUTHORIZED", UNAUTHORIZED),
+        ("UNSUPPORTED", UNSUPPORTED),
+        ("PROTOCOL", PROTOCOL),
+        ("LIMIT", LIMIT),
+        ("TIMEOUT", TIMEOUT),
+        ("CORRUPTION", CORRUPTION),
+        ("LOCKED", LOCKED),
+    ];
+
     pub fn name(code: i32) -> &'static str {
         match code {
             OK => "ok",
