@@ -58,3 +58,15 @@ def namespace_for(engine: str, fields: dict[str, Any]) -> str:
         if part != ""
     )
     return f"{readable[:96]}/{digest}"
+
+
+def staging_segments(
+    base: int, segment_offsets: list[int], slot_stride: int, sizes: list[int], count: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Pointers and sizes of ``count`` values staged in one shared buffer,
+    each value gathered from segments (a block's layers, or its K and V
+    parts): segment ``k`` of slot ``i`` lies at ``base + segment_offsets[k]
+    + i * slot_stride`` and holds ``sizes[k]`` bytes. The layout both engine
+    integrations stage blocks in, for the multi-buffer calls."""
+    ptrs = [[base + offset + i * slot_stride for offset in segment_offsets] for i in range(count)]
+    return ptrs, [list(sizes) for _ in range(count)]

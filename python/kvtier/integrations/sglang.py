@@ -28,7 +28,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url
+from ._common import connect, namespace_for, resolve_url, staging_segments
 
 logger = logging.getLogger("kvtier.sglang")
 
@@ -118,11 +118,14 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return [int(t) for t in starts]
 
     def _segment_lists(self, count: int) -> tuple[list[list[int]], list[list[int]]]:
-        base = self.staging_buffer.ptr
         per_leading = self.pages_per_batch * self.page_size * self.token_bytes
-        span = self.page_size * self.token_bytes
-        ptrs = [[base + j * per_leading + i * span for j, _ in self.segments] for i in range(count)]
-        return ptrs, [[s for _, s in self.segments] for _ in range(count)]
+        return staging_segments(
+            self.staging_buffer.ptr,
+            [j * per_leading for j, _ in self.segments],
+            self.page_size * self.token_bytes,
+            [s for _, s in self.segments],
+            count,
+        )
 
     def _token_index(self, starts: list[int]) -> torch.Tensor:
         offsets = torch.arange(self.page_size)

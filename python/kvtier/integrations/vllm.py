@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url
+from ._common import connect, namespace_for, resolve_url, staging_segments
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -414,11 +414,16 @@ class _WorkerSide:
             len(self.layers), block_bytes, self.slots, self.namespace,
         )
 
-    def _segments(self, slots: range) -> tuple[list[list[int]], list[list[int]]]:
-        base = self.staging_buffer.ptr
+    def _segments(self, count: int) -> tuple[list[list[int]], list[list[int]]]:
+        layers = len(self.layers)
         per_layer = self.slots * self.layer_bytes
-        ptrs = [[base + layer * per_layer + slot * self.layer_bytes for layer in range(len(self.layers))] for slot in slots]
-        return ptrs, [[self.layer_bytes] * len(self.layers) for _ in slots]
+        return staging_segments(
+            self.staging_buffer.ptr,
+            [layer * per_layer for layer in range(layers)],
+            self.layer_bytes,
+            [self.layer_bytes] * layers,
+            count,
+        )
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -443,7 +448,7 @@ class _WorkerSide:
 
     def _fetch(self, plan: list[tuple[int, BlockTransfer]]) -> list[bool]:
         keys = [t.keys[i] for i, t in plan]
-        ptrs, sizes = self._segments(range(len(plan)))
+        ptrs, sizes = self._segments(len(plan))
         want = self.layer_bytes * len(self.layers)
         try:
             got = self.client.batch_get_into_multi_buffers(keys, ptrs, sizes)
@@ -537,7 +542,7 @@ class _WorkerSide:
 
     def _store(self, plan) -> None:
         keys = [t.keys[i] for i, t in plan]
-        ptrs, sizes = self._segments(range(len(plan)))
+        ptrs, sizes = self._segments(len(plan))
         try:
             codes = self.client.batch_put_from_multi_buffers(keys, ptrs, sizes, skip_existing=True)
         except KvtierError as e:
