@@ -10,11 +10,8 @@
 
 use crate::handlers::{put_reply, result_code, Reply};
 use kvtier::NamespacedStore;
-use kvtier_wire::protocol::{put_flags, ProtocolError};
+use kvtier_wire::protocol::{put_flags, rules, ProtocolError};
 use kvtier_wire::transport::{BodyStream, ReadError, Transport};
-
-/// The smallest item: a 1-byte key with its length, and a value length.
-const MIN_ITEM: u64 = 11;
 
 /// Reads and runs one BatchPut whose header has been read; `discard` is
 /// scratch space for the bytes of values that are not stored.
@@ -29,16 +26,8 @@ pub(crate) fn batch_put_streamed<'b>(
     transport.read_body(&mut body, &mut head)?;
     let flags = head[0];
     let n = u32::from_le_bytes(head[1..].try_into().expect("4 bytes"));
-    if n > max_batch {
-        return Err(protocol(format!(
-            "batch of {n} keys exceeds the {max_batch}-key limit"
-        )));
-    }
-    if u64::from(n) * MIN_ITEM > body.remaining() {
-        return Err(protocol(format!(
-            "batch of {n} keys does not fit the frame"
-        )));
-    }
+    rules::count(n, max_batch, rules::MIN_PUT_ITEM, body.remaining())
+        .map_err(ReadError::Protocol)?;
     let mut puts = store.streamed_puts(&put_flags::decode(flags), n as usize, body.remaining());
     let mut key = [0u8; kvtier::MAX_KEY_LEN];
     let mut bytes_in = 0;
@@ -46,22 +35,13 @@ pub(crate) fn batch_put_streamed<'b>(
         let mut key_len = [0u8; 2];
         transport.read_body(&mut body, &mut key_len)?;
         let key_len = usize::from(u16::from_le_bytes(key_len));
-        if key_len == 0 || key_len > kvtier::MAX_KEY_LEN {
-            return Err(protocol(format!(
-                "key of {key_len} bytes: keys are 1 to {} bytes",
-                kvtier::MAX_KEY_LEN
-            )));
-        }
+        rules::key_len(key_len).map_err(ReadError::Protocol)?;
         let key = &mut key[..key_len];
         transport.read_body(&mut body, key)?;
         let mut len = [0u8; 8];
         transport.read_body(&mut body, &mut len)?;
         let len = u64::from_le_bytes(len);
-        if len > body.remaining() {
-            return Err(protocol(format!(
-                "value of {len} bytes does not fit the frame"
-            )));
-        }
+        rules::value_len(len, body.remaining()).map_err(ReadError::Protocol)?;
         bytes_in += len;
         match puts.begin(key, len) {
             Some(mut value) => {

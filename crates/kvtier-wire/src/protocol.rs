@@ -310,28 +310,14 @@ impl<'a> Reader<'a> {
     /// A key: u16 length (1..=256) then the bytes.
     pub fn key(&mut self) -> Result<&'a [u8], ProtocolError> {
         let len = self.u16()? as usize;
-        if len == 0 || len > kvtier::MAX_KEY_LEN {
-            return Err(ProtocolError::new(format!(
-                "key of {len} bytes: keys are 1 to {} bytes",
-                kvtier::MAX_KEY_LEN
-            )));
-        }
+        rules::key_len(len)?;
         self.take(len)
     }
     /// A batch count, checked against the limit and against the bytes left
     /// (each item takes at least `min_item` bytes).
     pub fn count(&mut self, max_batch: u32, min_item: usize) -> Result<usize, ProtocolError> {
         let n = self.u32()?;
-        if n > max_batch {
-            return Err(ProtocolError::new(format!(
-                "batch of {n} keys exceeds the {max_batch}-key limit"
-            )));
-        }
-        if (n as usize).saturating_mul(min_item) > self.remaining() {
-            return Err(ProtocolError::new(format!(
-                "batch of {n} keys does not fit the frame"
-            )));
-        }
+        rules::count(n, max_batch, min_item as u64, self.remaining() as u64)?;
         Ok(n as usize)
     }
     pub fn remaining(&self) -> usize {
@@ -384,6 +370,58 @@ impl HelloReply {
             max_key_len: r.u32()?,
             max_value: r.u64()?,
         })
+    }
+}
+
+/// The checks every reader of a request applies, written once: the frame
+/// decoder ([`decode_request`]) and the server's streamed BatchPut reader,
+/// which checks the same frame as its items arrive.
+pub mod rules {
+    use super::ProtocolError;
+
+    /// The smallest BatchPut item: a 1-byte key with its length, and a
+    /// value length.
+    pub const MIN_PUT_ITEM: u64 = 11;
+
+    /// A batch of `n` items, each at least `min_item` bytes, with
+    /// `remaining` bytes of the frame left.
+    pub fn count(
+        n: u32,
+        max_batch: u32,
+        min_item: u64,
+        remaining: u64,
+    ) -> Result<(), ProtocolError> {
+        if n > max_batch {
+            return Err(ProtocolError::new(format!(
+                "batch of {n} keys exceeds the {max_batch}-key limit"
+            )));
+        }
+        if u64::from(n).saturating_mul(min_item) > remaining {
+            return Err(ProtocolError::new(format!(
+                "batch of {n} keys does not fit the frame"
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn key_len(len: usize) -> Result<(), ProtocolError> {
+        if len == 0 || len > kvtier::MAX_KEY_LEN {
+            return Err(ProtocolError::new(format!(
+                "key of {len} bytes: keys are 1 to {} bytes",
+                kvtier::MAX_KEY_LEN
+            )));
+        }
+        Ok(())
+    }
+
+    /// A put's value length, with `remaining` bytes of the frame left.
+    pub fn value_len(len: u64, remaining: u64) -> Result<(), ProtocolError> {
+        if len > remaining {
+            return Err(ProtocolError::new(format!(
+                "value of {len} bytes does not fit the frame"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -623,16 +661,12 @@ pub fn decode_request<'a>(
         }
         Op::BatchPut => {
             let flags = r.u8()?;
-            let n = r.count(max_batch, 11)?;
+            let n = r.count(max_batch, rules::MIN_PUT_ITEM as usize)?;
             let mut items = Vec::with_capacity(n);
             for _ in 0..n {
                 let key = r.key()?;
                 let len = r.u64()?;
-                if len > r.remaining() as u64 {
-                    return Err(ProtocolError::new(format!(
-                        "value of {len} bytes does not fit the frame"
-                    )));
-                }
+                rules::value_len(len, r.remaining() as u64)?;
                 items.push((key, r.bytes(len as usize)?));
             }
             Request::BatchPut { flags, items }
