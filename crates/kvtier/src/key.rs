@@ -54,24 +54,17 @@ impl KeySecret {
         KeySecret(bytes)
     }
 
-    /// A fresh secret from the kernel's random source.
+    /// A fresh secret from the kernel's random source (`getrandom(2)`,
+    /// through the maintained `getrandom` crate).
     pub fn generate() -> Result<Self> {
         let mut bytes = [0u8; KEY_SECRET_LEN];
-        let mut filled = 0;
-        while filled < bytes.len() {
-            // SAFETY: writes at most the remaining bytes of our own array.
-            let n = unsafe {
-                libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::io("reading the kernel's random source", e));
-            }
-            filled += n as usize;
-        }
+        getrandom::fill(&mut bytes).map_err(|e| {
+            let cause = e.raw_os_error().map_or_else(
+                || std::io::Error::other(e.to_string()),
+                std::io::Error::from_raw_os_error,
+            );
+            Error::io("reading the kernel's random source", cause)
+        })?;
         Ok(KeySecret(bytes))
     }
 
