@@ -37,10 +37,9 @@ pub trait KvBackend {
         keys.iter().map(|_| None).collect()
     }
 
-    /// The length a get of `key` would return, when known without reading
-    /// it (to size the room a reply needs); `None`: unknown, or absent.
-    /// Backends that cannot tell return `None` for every key and callers
-    /// size by the key's capacity instead.
+    /// What is known of `key`'s value length without reading it (to size
+    /// the room a reply needs). Default: `Unknown` for every key, and
+    /// callers size by the key's capacity instead.
     fn known_len(&self, key: &[u8]) -> KnownLen {
         let _ = key;
         KnownLen::Unknown

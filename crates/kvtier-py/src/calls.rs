@@ -3,19 +3,10 @@
 //! `PendingCall` for calls that run while Python goes on.
 
 use crate::backend::Backend;
-use crate::convert::check_lengths;
-use crate::convert::get_codes;
-use crate::convert::put_codes;
-use crate::convert::to_py_err;
-use crate::convert::CallOutcome;
-use crate::convert::Key;
-use crate::registry::as_mut_slices;
-use crate::registry::as_slices;
-use crate::registry::overlapping;
-use crate::registry::raw_slices;
-use crate::registry::Buffers;
-use crate::registry::Registered;
-use crate::registry::Registration;
+use crate::convert::{check_lengths, get_codes, put_codes, to_py_err, CallOutcome, Key};
+use crate::registry::{
+    as_mut_slices, as_slices, overlapping, raw_slices, Buffers, Registered, Registration,
+};
 use kvtier::PutOptions;
 use kvtier_wire::protocol::code;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};

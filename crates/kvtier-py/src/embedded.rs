@@ -1,8 +1,7 @@
 //! `Store`: the embedded store, and how its recovery findings are logged.
 
 use crate::backend::Backend;
-use crate::convert::parse_size;
-use crate::convert::to_py_err;
+use crate::convert::{parse_size, to_py_err};
 use crate::engine::Engine;
 use crate::registry::Registered;
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};

@@ -1,24 +1,9 @@
 //! `Engine`: the batch API both `Store` and `Client` share.
 
 use crate::backend::Backend;
-use crate::calls::per_key;
-use crate::calls::pick_keys;
-use crate::calls::GetCall;
-use crate::calls::PendingCall;
-use crate::calls::PutCall;
-use crate::calls::SegmentTargets;
-use crate::convert::code_of;
-use crate::convert::get_codes;
-use crate::convert::json_to_py;
-use crate::convert::put_codes;
-use crate::convert::put_options;
-use crate::convert::to_py_err;
-use crate::convert::Key;
-use crate::registry::as_mut_slices;
-use crate::registry::as_slices;
-use crate::registry::overlapping;
-use crate::registry::wait_unused;
-use crate::registry::Registered;
+use crate::calls::{per_key, pick_keys, GetCall, PendingCall, PutCall, SegmentTargets};
+use crate::convert::{code_of, get_codes, json_to_py, put_codes, put_options, to_py_err, Key};
+use crate::registry::{as_mut_slices, as_slices, overlapping, wait_unused, Registered};
 use kvtier_wire::protocol::code;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;

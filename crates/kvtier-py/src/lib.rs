@@ -7,8 +7,7 @@
 use crate::calls::PendingCall;
 use crate::embedded::Store_;
 use crate::engine::Engine;
-use crate::remote::Client_;
-use crate::remote::SharedBuffer;
+use crate::remote::{Client_, SharedBuffer};
 mod backend;
 mod calls;
 mod convert;

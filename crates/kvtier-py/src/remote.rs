@@ -1,8 +1,7 @@
 //! `Client` (a server over `unix://` or `tcp://`) and its `SharedBuffer`.
 
 use crate::backend::Backend;
-use crate::convert::parse_size;
-use crate::convert::to_py_err;
+use crate::convert::{parse_size, to_py_err};
 use crate::engine::Engine;
 use crate::registry::Registered;
 use kvtier_client::{Client, ClientOptions, ClientPool};

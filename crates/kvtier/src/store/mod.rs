@@ -243,8 +243,7 @@ impl Store {
     /// write failed since the previous `flush` (those values remain readable
     /// from memory but are not durable).
     pub fn flush(&self) -> Result<()> {
-        self.inner.check_open()?;
-        self.inner.flush_all()
+        self.default_view().flush()
     }
 
     /// Flushes, stops the flusher and releases the data directory. Later
