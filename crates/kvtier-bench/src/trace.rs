@@ -15,8 +15,8 @@
 //! sequence, so the ceiling's share of a round is what the replay's disk
 //! loads read in its latest round, at the shape of its disk loads so far.
 
-use super::device::{CeilingReader, FileSet, Shape};
 use super::schedule::{self, Round};
+use super::sides::device::{CeilingReader, FileSet, Shape};
 use super::{data, BenchArgs, BenchResult, Measurement};
 use hdrhistogram::Histogram;
 use kvtier::{format_size, parse_size};

@@ -2,7 +2,7 @@
 //! (The disk cases' baselines, raw O_DIRECT io_uring transfers, live in
 //! `device`.)
 
-use super::Measurement;
+use crate::Measurement;
 use kvtier::AlignedBuf;
 use std::time::Instant;
 
@@ -30,14 +30,14 @@ impl Memcpy {
             sources: (0..working_set_values.max(batch))
                 .map(|i| {
                     let mut v = vec![0u8; value_size];
-                    super::data::fill(format!("memcpy/{i}").as_bytes(), &mut v);
+                    crate::data::fill(format!("memcpy/{i}").as_bytes(), &mut v);
                     v
                 })
                 .collect(),
             dests: (0..threads.max(1))
                 .map(|_| {
                     (0..batch)
-                        .map(|_| super::data::touched_buffer(value_size))
+                        .map(|_| crate::data::touched_buffer(value_size))
                         .collect()
                 })
                 .collect(),
@@ -51,7 +51,7 @@ impl Memcpy {
         let bytes = (range.end - range.start) * (self.dests[0].len() * value_size) as u64;
         // Each call copies the values the store case's call for the same
         // batch number reads.
-        let copied = super::on_callers(range, &mut self.dests, m, bytes, |b, dests| {
+        let copied = crate::on_callers(range, &mut self.dests, m, bytes, |b, dests| {
             let call = Instant::now();
             let mut next = (b as usize * dests.len()) % sources.len();
             for dst in dests.iter_mut() {

@@ -24,7 +24,7 @@
 //! Every descriptor is checked for O_DIRECT: a file system that refuses it
 //! makes the bench fail instead of reporting page-cache speed.
 
-use super::Measurement;
+use crate::Measurement;
 use io_uring::{opcode, squeue, types, IoUring};
 use kvtier::internals::BatchBudget;
 use kvtier::AlignedBuf;
@@ -213,7 +213,7 @@ impl Slots {
     fn new(shape: Shape, footprint: usize) -> Slots {
         let count = shape.depth.max(footprint.div_ceil(shape.size));
         Slots {
-            area: super::data::touched_buffer(count * shape.size),
+            area: crate::data::touched_buffer(count * shape.size),
             size: shape.size,
             count,
         }
@@ -434,7 +434,7 @@ impl CeilingWriter {
     /// covering `footprint` bytes, taken in turn, when that is more.
     pub fn create(path: &Path, shape: Shape, footprint: usize) -> io::Result<Self> {
         let mut slots = Slots::new(shape, footprint);
-        super::data::fill(b"ceiling", slots.area.as_mut_slice());
+        crate::data::fill(b"ceiling", slots.area.as_mut_slice());
         Ok(CeilingWriter {
             path: path.to_path_buf(),
             file: open_direct(path, true, true)?,
@@ -530,7 +530,7 @@ impl ShapeCaller {
     pub fn new(depth: usize, host_len: usize) -> io::Result<ShapeCaller> {
         Ok(ShapeCaller {
             ring: ring_for(depth)?,
-            host: super::data::touched_buffer(host_len),
+            host: crate::data::touched_buffer(host_len),
         })
     }
 }

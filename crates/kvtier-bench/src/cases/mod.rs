@@ -1,0 +1,168 @@
+//! The local cases: for each value size and batch count, put to disk, get
+//! from disk, put to memory and get from memory. A case is built from
+//! sides (`sides`) run on the one round scheduler (`schedule`); this
+//! module owns what the cases of a value size share (the store's
+//! configuration, scratch paths, the batch arithmetic) and their order.
+
+mod disk;
+mod memory;
+
+use super::report::Row;
+use super::{data, index, rounds, wants, BenchArgs, BenchResult, Progress};
+use kvtier::parse_size;
+use kvtier::{Config, EvictionPolicy, IoEngineKind};
+use std::path::PathBuf;
+
+/// Rounds per put case: each ends with a flush (and the baseline's
+/// fdatasync), so they stay few and long.
+pub(crate) const PUT_ROUNDS: u64 = 8;
+/// Rounds per get case: this machine's disk switches between throughput
+/// modes every few seconds, so store and baseline alternate finely (a batch
+/// or a few per round) to meet the same conditions.
+pub(crate) const GET_ROUNDS: u64 = 64;
+
+/// One case's shape: value size, batch count and how many batches it
+/// moves.
+pub struct Case<'a> {
+    pub args: &'a BenchArgs,
+    pub value_size: u64,
+    pub batch: usize,
+    pub batches: u64,
+}
+
+impl Case<'_> {
+    /// The keys of batch `b`, wrapping around a working set of `modulo`.
+    pub fn keys(&self, tier: &str, b: u64, modulo: u64) -> Vec<Vec<u8>> {
+        (0..self.batch as u64)
+            .map(|i| {
+                data::key(
+                    tier,
+                    self.value_size,
+                    self.batch,
+                    (b * self.batch as u64 + i) % modulo,
+                )
+            })
+            .collect()
+    }
+
+    /// The bytes the batches of `range` move.
+    pub fn bytes(&self, range: &std::ops::Range<u64>) -> u64 {
+        (range.end - range.start) * self.batch as u64 * self.value_size
+    }
+
+    /// The case's rounds: up to `most`, but at least `--threads` batches
+    /// each, so that every caller thread has work in every round (a round
+    /// of one batch would leave the other threads idle and measure one).
+    pub fn rounds(&self, most: u64) -> Vec<std::ops::Range<u64>> {
+        let threads = self.args.threads.max(1) as u64;
+        rounds(self.batches, most.min(self.batches / threads).max(1))
+    }
+}
+
+/// How many batches of `batch` values of `value_size` make `bytes` (at
+/// least one).
+pub(crate) fn batches_for(bytes: u64, value_size: u64, batch: usize) -> u64 {
+    (bytes / (value_size * batch as u64)).max(1)
+}
+
+/// What every case of one value size shares.
+struct SizeCases<'a> {
+    args: &'a BenchArgs,
+    value_size: u64,
+    memory: u64,
+    disk: u64,
+    eviction: EvictionPolicy,
+    engine: IoEngineKind,
+    store_dir: PathBuf,
+}
+
+impl<'a> SizeCases<'a> {
+    /// The store's configuration for a data directory.
+    fn config_in(&self, dir: PathBuf) -> Config {
+        let args = self.args;
+        Config::new(dir)
+            .memory_capacity(self.memory)
+            .disk_capacity(self.disk)
+            .eviction(self.eviction)
+            .max_value_size(self.value_size)
+            .io_engine(self.engine)
+            .io_registration(args.io_registration)
+            .io_depth(args.io_depth)
+            .read_piece(args.read_piece)
+    }
+
+    /// A scratch file for a raw side.
+    fn scratch(&self, name: &str) -> PathBuf {
+        self.args
+            .data_dir
+            .join(format!("{name}-{}.scratch", self.value_size))
+    }
+
+    fn case(&self, batch: usize) -> Case<'a> {
+        Case {
+            args: self.args,
+            value_size: self.value_size,
+            batch,
+            batches: batches_for(self.args.bytes_per_case, self.value_size, batch),
+        }
+    }
+}
+
+/// Runs every wanted case, then the index and reopen cases.
+pub fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>> {
+    let memory = args.memory.first().copied().unwrap_or(2 << 30);
+    let disk = match args.disk.first() {
+        Some(text) => parse_size(text)?,
+        None => 16 << 30,
+    };
+    let eviction = match args.eviction.first().map(String::as_str) {
+        None | Some("default") => EvictionPolicy::default(),
+        Some(name) => EvictionPolicy::parse(name)?,
+    };
+    let mut rows = Vec::new();
+    let cases_per_size = [
+        ("put", "disk"),
+        ("get", "disk"),
+        ("put", "memory"),
+        ("get", "memory"),
+    ]
+    .iter()
+    .filter(|(op, tier)| wants(args, op, tier))
+    .count();
+    let mut progress = Progress::new(args.value_sizes.len() * args.batches.len() * cases_per_size);
+    println!("{}", Row::header());
+    let store_dir = args.data_dir.join("store");
+    for &value_size in &args.value_sizes {
+        let _ = std::fs::remove_dir_all(&store_dir);
+        let size = SizeCases {
+            args,
+            value_size,
+            memory,
+            disk,
+            eviction,
+            engine,
+            store_dir: store_dir.clone(),
+        };
+        if wants(args, "put", "disk") || wants(args, "get", "disk") {
+            disk::run(&size, &mut progress, &mut rows)?;
+            let _ = std::fs::remove_dir_all(&store_dir);
+        }
+        if wants(args, "put", "memory") || wants(args, "get", "memory") {
+            memory::run(&size, &mut progress, &mut rows)?;
+            let _ = std::fs::remove_dir_all(&store_dir);
+        }
+    }
+    progress.finish();
+    if args.index_entries > 0 {
+        let row = index::exists_case(args.index_entries, &store_dir)?;
+        println!("{}", row.line());
+        rows.push(row);
+    }
+    if args.reopen_entries > 0 {
+        let row = index::reopen_case(&store_dir, args.reopen_entries, engine)?;
+        println!("{}", row.line());
+        rows.push(row);
+        let _ = std::fs::remove_dir_all(&store_dir);
+    }
+    Ok(rows)
+}
