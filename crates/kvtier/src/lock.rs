@@ -18,16 +18,34 @@ pub const LOCK_FILE: &str = "LOCK";
 pub struct DirLock {
     dir: File,
     _file: File,
+    /// The directory's identity in `LIVE`.
+    id: (u64, u64),
 }
 
-/// How long an opener waits for a lock whose holder has exited: its
-/// io_uring writes may still be landing (see `IoEngine::hold_until_idle`).
+/// The directories this process holds a `DirLock` on now, by (device,
+/// inode). A lock held under this process's own pid for a directory not
+/// in here belongs to a store this process already closed: its io_uring
+/// rings drop their reference to the directory asynchronously, a moment
+/// after the close.
+static LIVE: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
+
+/// How long an opener waits for a lock whose holder has exited (its
+/// io_uring writes may still be landing, see `IoEngine::hold_until_idle`)
+/// or was a store this process closed (its rings let go of the directory
+/// asynchronously).
 const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl DirLock {
     pub fn acquire(data_dir: &Path) -> Result<Self> {
         let dir = File::open(data_dir)
             .map_err(|e| Error::io(format!("opening {}", data_dir.display()), e))?;
+        let id = {
+            use std::os::unix::fs::MetadataExt;
+            let meta = dir
+                .metadata()
+                .map_err(|e| Error::io(format!("reading {}", data_dir.display()), e))?;
+            (meta.dev(), meta.ino())
+        };
         let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
         let mut waited = false;
         loop {
@@ -35,12 +53,12 @@ impl DirLock {
                 Ok(()) => break,
                 Err(e)
                     if e.kind() == ErrorKind::Locked
-                        && holder_is_gone(data_dir)
+                        && holder_has_let_go(data_dir, id)
                         && std::time::Instant::now() < deadline =>
                 {
                     if !waited {
                         waited = true;
-                        tracing::warn!(dir = %data_dir.display(), "the data directory's last holder has exited but its in-flight writes still hold the lock; waiting for them");
+                        tracing::warn!(dir = %data_dir.display(), "the data directory's last holder has exited or closed it, but its io_uring rings still hold the lock; waiting for them");
                     }
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
@@ -61,7 +79,12 @@ impl DirLock {
             .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
             .and_then(|()| file.write_all(pid.as_bytes()))
             .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-        Ok(DirLock { dir, _file: file })
+        LIVE.lock().unwrap().push(id);
+        Ok(DirLock {
+            dir,
+            _file: file,
+            id,
+        })
     }
 
     /// The locked directory's descriptor (what the io engine holds while
@@ -71,17 +94,30 @@ impl DirLock {
     }
 }
 
-/// Whether the pid `LOCK` names is not a live process other than this one
-/// (a process that exited leaves its pid there).
-fn holder_is_gone(data_dir: &Path) -> bool {
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        let mut live = LIVE.lock().unwrap();
+        if let Some(i) = live.iter().position(|&id| id == self.id) {
+            live.swap_remove(i);
+        }
+    }
+}
+
+/// Whether the pid `LOCK` names has let go of the directory: a process
+/// that exited (it leaves its pid there), or this process when none of its
+/// stores holds the directory now.
+fn holder_has_let_go(data_dir: &Path, id: (u64, u64)) -> bool {
     let Ok(text) = std::fs::read_to_string(data_dir.join(LOCK_FILE)) else {
         return false;
     };
     let Ok(pid) = text.trim().parse::<i32>() else {
         return false;
     };
-    if pid <= 0 || pid as u32 == std::process::id() {
+    if pid <= 0 {
         return false;
+    }
+    if pid as u32 == std::process::id() {
+        return !LIVE.lock().unwrap().contains(&id);
     }
     // SAFETY: signal 0 only checks that the process exists.
     let rc = unsafe { libc::kill(pid, 0) };
