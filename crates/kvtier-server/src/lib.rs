@@ -237,12 +237,11 @@ fn bind_unix(path: &PathBuf) -> io::Result<UnixListener> {
         std::fs::remove_file(path)
             .map_err(|e| annotate(e, format!("removing stale socket {}", path.display())))?;
     }
-    // SAFETY: umask only changes this process's file-creation mask; the old
-    // mask is restored right after the bind.
-    let old = unsafe { libc::umask(0o177) };
+    // The socket file is born 0600 (the mask is process-wide, so it is
+    // restored right after the bind).
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
     let listener = UnixListener::bind(path);
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
+    rustix::process::umask(old);
     let listener = listener.map_err(|e| annotate(e, format!("binding {}", path.display())))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     listener.set_nonblocking(true)?;

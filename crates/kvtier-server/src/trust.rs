@@ -21,7 +21,6 @@ use kvtier_wire::transport::Transport;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use subtle::ConstantTimeEq;
@@ -65,8 +64,7 @@ impl Auth {
         }
         Ok(Auth {
             token: token.map(|t| t.as_bytes().into()),
-            // SAFETY: geteuid has no preconditions.
-            server_uid: unsafe { libc::geteuid() },
+            server_uid: rustix::process::geteuid().as_raw(),
         })
     }
 
@@ -254,21 +252,12 @@ pub fn data_dir_token(data_dir: &Path) -> io::Result<(String, PathBuf)> {
     }
 }
 
+/// The peer's user id from its kernel credentials (SO_PEERCRED), as it
+/// was when it connected.
 fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
-    // SAFETY: a zeroed ucred filled by getsockopt on our own socket.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: as above; the length matches the struct.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(cred.uid)
+    rustix::net::sockopt::socket_peercred(stream)
+        .ok()
+        .map(|cred| cred.uid.as_raw())
 }
 
 #[cfg(test)]

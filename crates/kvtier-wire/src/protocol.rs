@@ -48,24 +48,67 @@ pub enum Op {
 }
 
 impl Op {
+    /// Every operation, in code order (codes run from 1 without gaps).
+    pub const ALL: [Op; 14] = [
+        Op::Hello,
+        Op::BatchPut,
+        Op::BatchGet,
+        Op::BatchExists,
+        Op::PrefixLen,
+        Op::Remove,
+        Op::Flush,
+        Op::Stats,
+        Op::RegisterBuffer,
+        Op::BatchPutShm,
+        Op::BatchGetShm,
+        Op::BatchPutShmSegments,
+        Op::BatchGetShmSegments,
+        Op::ClusterView,
+    ];
+
     pub fn from_u16(code: u16) -> Option<Op> {
-        Some(match code {
-            1 => Op::Hello,
-            2 => Op::BatchPut,
-            3 => Op::BatchGet,
-            4 => Op::BatchExists,
-            5 => Op::PrefixLen,
-            6 => Op::Remove,
-            7 => Op::Flush,
-            8 => Op::Stats,
-            9 => Op::RegisterBuffer,
-            10 => Op::BatchPutShm,
-            11 => Op::BatchGetShm,
-            12 => Op::BatchPutShmSegments,
-            13 => Op::BatchGetShmSegments,
-            14 => Op::ClusterView,
-            _ => return None,
-        })
+        Op::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+
+    /// The operation's place in `ALL`, for tables indexed by operation.
+    pub fn index(self) -> usize {
+        self as usize - 1
+    }
+
+    /// The name metrics, logs and the admin page use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Hello => "hello",
+            Op::BatchPut => "batch_put",
+            Op::BatchGet => "batch_get",
+            Op::BatchExists => "batch_exists",
+            Op::PrefixLen => "prefix_len",
+            Op::Remove => "remove",
+            Op::Flush => "flush",
+            Op::Stats => "stats",
+            Op::RegisterBuffer => "register_buffer",
+            Op::BatchPutShm => "batch_put_shm",
+            Op::BatchGetShm => "batch_get_shm",
+            Op::BatchPutShmSegments => "batch_put_shm_segments",
+            Op::BatchGetShmSegments => "batch_get_shm_segments",
+            Op::ClusterView => "cluster_view",
+        }
+    }
+
+    /// Whether the operation's replies carry values (the get latency).
+    pub fn reads_values(self) -> bool {
+        matches!(
+            self,
+            Op::BatchGet | Op::BatchGetShm | Op::BatchGetShmSegments
+        )
+    }
+
+    /// Whether the operation's requests carry values (the put latency).
+    pub fn writes_values(self) -> bool {
+        matches!(
+            self,
+            Op::BatchPut | Op::BatchPutShm | Op::BatchPutShmSegments
+        )
     }
 }
 
@@ -752,6 +795,18 @@ pub fn decode_request<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_op_code_maps_both_ways_and_names_are_distinct() {
+        for (i, op) in Op::ALL.iter().enumerate() {
+            assert_eq!(op.index(), i);
+            assert_eq!(Op::from_u16(*op as u16), Some(*op));
+        }
+        assert_eq!(Op::from_u16(0), None);
+        assert_eq!(Op::from_u16(Op::ALL.len() as u16 + 1), None);
+        let names: std::collections::HashSet<_> = Op::ALL.iter().map(|op| op.name()).collect();
+        assert_eq!(names.len(), Op::ALL.len());
+    }
     use proptest::prelude::*;
 
     proptest! {

@@ -3,15 +3,26 @@
 //! batch puts and gets name (offset, length) ranges instead of sending
 //! bytes, the way 3FS's USRBIO registers an iov.
 
-use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use rustix::fs::{FileType, MemfdFlags, SealFlags};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 /// A shared mapping of a memfd, page-aligned, unmapped on drop.
 #[derive(Debug)]
 pub struct SharedRegion {
+    /// The mapping's first byte, taken once from `mapping`: ranges are cut
+    /// through this pointer, so handing one range out never borrows the
+    /// whole mapping.
     ptr: *mut u8,
     len: usize,
+    /// Owns the mapping; dropped before `fd`.
+    _mapping: memmap2::MmapMut,
     fd: OwnedFd,
 }
 
@@ -31,25 +42,12 @@ impl SharedRegion {
                 "shared buffer of 0 bytes",
             ));
         }
-        let name = c"kvtier-shm";
-        // SAFETY: a valid NUL-terminated name; the result is checked.
-        let raw = unsafe {
-            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
-        };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on our own descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-        // SAFETY: fcntl on our own descriptor.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = rustix::fs::memfd_create(
+            c"kvtier-shm",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         // The client's own buffer is pre-faulted: it is about to be filled.
         Self::map_fd(fd, len, true)
     }
@@ -60,30 +58,23 @@ impl SharedRegion {
     /// inside the mapping fault (SIGBUS), which would kill the server.
     pub fn map_client_buffer(fd: OwnedFd, len: usize) -> io::Result<SharedRegion> {
         let refuse = |why: String| io::Error::new(io::ErrorKind::InvalidInput, why);
-        // SAFETY: F_GET_SEALS on a descriptor we own; only memfds (and
-        // shmem files) answer it, anything else fails with EINVAL.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 {
+        // Only memfds (and shmem files) answer F_GET_SEALS; anything else
+        // fails with EINVAL.
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
+            refuse(format!(
+                "the descriptor is not a sealable memfd ({e}): create the buffer with \
+                 memfd_create(MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK | F_SEAL_GROW"
+            ))
+        })?;
+        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
             return Err(refuse(format!(
-                "the descriptor is not a sealable memfd ({}): create the buffer with \
-                 memfd_create(MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK | F_SEAL_GROW",
-                io::Error::last_os_error()
+                "the memfd is not sealed against resizing (seals {:#x}): add \
+                 F_SEAL_SHRINK | F_SEAL_GROW before registering it",
+                seals.bits()
             )));
         }
-        let needed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        if seals & needed != needed {
-            return Err(refuse(format!(
-                "the memfd is not sealed against resizing (seals {seals:#x}): add \
-                 F_SEAL_SHRINK | F_SEAL_GROW before registering it"
-            )));
-        }
-        // SAFETY: fstat into a zeroed struct on our own descriptor.
-        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd.as_raw_fd(), &mut stat) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
+        let stat = rustix::fs::fstat(&fd)?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
             return Err(refuse("the descriptor is not a memory file".into()));
         }
         if (stat.st_size as u64) < len as u64 {
@@ -103,38 +94,26 @@ impl SharedRegion {
     /// about a tenth slower than between huge-paged buffers), and with
     /// `populate` faults every page in.
     fn map_fd(fd: OwnedFd, len: usize, populate: bool) -> io::Result<SharedRegion> {
-        // SAFETY: a shared mapping of a descriptor we own; checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: advice on the mapping just made; failure only means no
-        // huge pages.
-        unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
-        if populate {
-            // MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without
-            // writing them; older kernels get the pages touched instead.
-            const MADV_POPULATE_WRITE: libc::c_int = 23;
-            // SAFETY: as above.
-            if unsafe { libc::madvise(ptr, len, MADV_POPULATE_WRITE) } != 0 {
-                for page in (0..len).step_by(4096) {
-                    // SAFETY: inside the fresh mapping, which holds zeros.
-                    unsafe { ptr.cast::<u8>().add(page).write_volatile(0) };
-                }
+        // SAFETY: memmap2 asks that the file not change size under the
+        // mapping: both sides' memfds are sealed against shrinking (checked
+        // in `map_client_buffer`, set in `create`), so no access inside
+        // `len` can fault. Its contents change under us by design (the
+        // other side writes its ranges); the protocol orders those writes.
+        let mut mapping = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&fd)? };
+        // Failure only means no huge pages.
+        let _ = mapping.advise(memmap2::Advice::HugePage);
+        // MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without
+        // writing them; older kernels get the pages touched instead.
+        if populate && mapping.advise(memmap2::Advice::PopulateWrite).is_err() {
+            for page in (0..len).step_by(4096) {
+                mapping[page] = 0;
             }
         }
+        let ptr = mapping.as_mut_ptr();
         Ok(SharedRegion {
-            ptr: ptr.cast(),
+            ptr,
             len,
+            _mapping: mapping,
             fd,
         })
     }
@@ -194,57 +173,35 @@ impl SharedRegion {
     }
 }
 
-impl Drop for SharedRegion {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping of this length.
-        unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
-        }
-    }
-}
-
 /// Sends `bytes` with one file descriptor attached.
 pub fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: RawFd) -> io::Result<()> {
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: a zeroed msghdr filled in below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer holds one cmsg of the right size.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    // SAFETY: the caller passes a descriptor that stays open for this call
+    // (its own shared region's).
+    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let fds = [fd];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(io::Error::other(
+            "no room for a descriptor in the control buffer",
+        ));
     }
-    let mut sent = 0usize;
-    while sent < bytes.len() {
-        // SAFETY: msg points at live buffers.
-        let n = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
+    let sent = loop {
+        match rustix::net::sendmsg(
+            stream,
+            &[IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Err(rustix::io::Errno::INTR) => continue,
+            result => break result?,
         }
-        sent += n as usize;
-        // The descriptor went with the first byte; send the rest plainly.
-        if sent < bytes.len() {
-            use std::io::Write;
-            let mut s = stream;
-            s.write_all(&bytes[sent..])?;
-            sent = bytes.len();
-        }
+    };
+    // The descriptor went with the first byte; send the rest plainly.
+    if sent < bytes.len() {
+        use std::io::Write;
+        let mut s = stream;
+        s.write_all(&bytes[sent..])?;
     }
     Ok(())
 }
@@ -255,43 +212,25 @@ pub fn recv_some_with_fd(
     stream: &UnixStream,
     buf: &mut [u8],
 ) -> io::Result<(usize, Option<OwnedFd>)> {
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: a zeroed msghdr filled in below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: msg points at live buffers.
-    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut received = None;
-    // SAFETY: walking the control messages the kernel filled in; every
-    // descriptor is taken into an OwnedFd so none leaks.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                    / std::mem::size_of::<RawFd>();
-                for i in 0..count {
-                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
-                    if received.is_none() {
-                        received = Some(fd);
-                    }
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let received = rustix::net::recvmsg(
+        stream.as_fd(),
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    // Every received descriptor becomes an OwnedFd (the drain hands them
+    // out owned), so the extras close as they drop and none leaks.
+    let mut first = None;
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = message {
+            for fd in fds {
+                if first.is_none() {
+                    first = Some(fd);
                 }
             }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
         }
     }
-    Ok((n as usize, received))
+    Ok((received.bytes, first))
 }

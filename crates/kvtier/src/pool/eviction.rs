@@ -248,13 +248,8 @@ mod tests {
             Mode::S3Fifo(25),
         ];
         let mut live: Vec<Arc<PoolSlot>> = Vec::new();
-        let mut rng = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut dice = crate::io::faulty::Dice::new(0x2545_f491_4f6c_dd1d);
+        let mut next = || dice.roll();
         for step in 0..20_000u64 {
             if step % 997 == 0 {
                 shadow.force(modes[(step / 997) as usize % modes.len()]);

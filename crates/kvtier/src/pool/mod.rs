@@ -24,8 +24,15 @@ use std::sync::{Arc, Mutex};
 /// The mapped region and its allocator, shared by every slot.
 #[derive(Debug)]
 pub struct PoolCore {
+    /// The mapping's first byte, taken once from `mapping`: every slot's
+    /// bytes are reached through this pointer, never through `mapping`'s
+    /// slices, so no `&mut [u8]` over the whole pool is ever formed while
+    /// extents are in use.
     base: *mut u8,
     len: usize,
+    /// Owns the mapping (unmapped on drop, after every slot: each holds an
+    /// `Arc` to this core).
+    mapping: memmap2::MmapMut,
     allocator: Mutex<ExtentAllocator>,
     live_entries: AtomicU64,
     live_bytes: AtomicU64,
@@ -46,28 +53,14 @@ impl PoolCore {
         let len = capacity.div_ceil(PAGE_SIZE) * PAGE_SIZE;
         let len_usize = usize::try_from(len)
             .map_err(|_| Error::invalid(format!("memory capacity {capacity} is too large")))?;
-        // SAFETY: an anonymous private mapping with no address hint; the
-        // result is checked before use.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(Error::io(
-                format!("mapping a memory pool of {len} bytes"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        prefault(base, len_usize);
+        let mut mapping = memmap2::MmapMut::map_anon(len_usize)
+            .map_err(|e| Error::io(format!("mapping a memory pool of {len} bytes"), e))?;
+        prefault(&mut mapping);
+        let base = mapping.as_mut_ptr();
         Ok(Arc::new(PoolCore {
-            base: base.cast(),
+            base,
             len: len_usize,
+            mapping,
             allocator: Mutex::new(ExtentAllocator::new(len / PAGE_SIZE)),
             live_entries: AtomicU64::new(0),
             live_bytes: AtomicU64::new(0),
@@ -80,10 +73,8 @@ impl PoolCore {
     /// per fork. A child has no use for the pool: the store's threads do not
     /// survive a fork.
     pub fn exclude_from_fork(&self) {
-        // SAFETY: advice on this struct's own mapping; contents unchanged.
-        let result = unsafe { libc::madvise(self.base.cast(), self.len, libc::MADV_DONTFORK) };
-        if result != 0 {
-            tracing::warn!(error = %std::io::Error::last_os_error(), "madvise(MADV_DONTFORK) on the memory pool failed");
+        if let Err(error) = self.mapping.advise(memmap2::Advice::DontFork) {
+            tracing::warn!(%error, "madvise(MADV_DONTFORK) on the memory pool failed");
         }
     }
 
@@ -128,43 +119,31 @@ impl PoolCore {
 
 /// Backs the whole pool with memory now, in huge pages where the kernel
 /// has them, so the data path takes no page faults and fewer TLB misses.
-fn prefault(base: *mut libc::c_void, len: usize) {
+fn prefault(mapping: &mut memmap2::MmapMut) {
     // Miri runs the pool's pure tests and has no madvise; a fresh anonymous
     // mapping reads as zeros either way.
     if cfg!(miri) {
         return;
     }
-    // Linux 5.14.
-    const MADV_POPULATE_WRITE: libc::c_int = 23;
-    // SAFETY: `base..base+len` is the mapping just created; advice calls do
-    // not change its contents.
-    unsafe {
-        libc::madvise(base, len, libc::MADV_HUGEPAGE);
-        if libc::madvise(base, len, MADV_POPULATE_WRITE) == 0 {
-            return;
-        }
+    // Failure only means no huge pages.
+    let _ = mapping.advise(memmap2::Advice::HugePage);
+    // MADV_POPULATE_WRITE: Linux 5.14.
+    if mapping.advise(memmap2::Advice::PopulateWrite).is_ok() {
+        return;
     }
     // Older kernels: touch one byte per page.
-    let page = PAGE_SIZE as usize;
-    for offset in (0..len).step_by(page) {
-        // SAFETY: in bounds of the writable mapping.
-        unsafe { std::ptr::write_volatile(base.cast::<u8>().add(offset), 0) };
+    let len = mapping.len();
+    let base = mapping.as_mut_ptr();
+    for offset in (0..len).step_by(PAGE_SIZE as usize) {
+        // SAFETY: in bounds of the fresh writable mapping, borrowed
+        // exclusively here.
+        unsafe { std::ptr::write_volatile(base.add(offset), 0) };
     }
 }
 
 impl crate::io::LongLivedMemory for PoolCore {
     fn memory_range(&self) -> (*const u8, usize) {
         (self.base.cast_const(), self.len)
-    }
-}
-
-impl Drop for PoolCore {
-    fn drop(&mut self) {
-        // SAFETY: the mapping was created in `new` with this length, and no
-        // slot outlives the core (each holds an Arc to it).
-        unsafe {
-            libc::munmap(self.base.cast(), self.len);
-        }
     }
 }
 
