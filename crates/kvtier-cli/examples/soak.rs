@@ -20,6 +20,7 @@
 //!
 //! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS]
 
+use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -85,13 +86,8 @@ fn client_loop(id: usize, url: String, stop: &AtomicBool, counts: &Counts) {
         }
     };
     let mut model: HashMap<u64, Known> = HashMap::new();
-    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (id as u64).wrapping_mul(0x2545_F491_4F6C_DD1D);
-    let mut next = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut dice = Dice::new(id as u64);
+    let mut next = || dice.roll();
     let mut version = 0u64;
     let mut buf = vec![0u8; 1 << 20];
     while !stop.load(Ordering::Relaxed) {

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::{Header, Op, Writer};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -138,13 +139,8 @@ fn garbage_frames_close_only_their_connection() {
         .as_ref()
         .unwrap();
 
-    let mut rng = 0x1234_5678_9abc_def0u64;
-    let mut next = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut dice = Dice::new(0x1234_5678_9abc_def0);
+    let mut next = || dice.roll();
     let hello = {
         let body = hello_body(TEST_TOKEN, "");
         let mut frame = Header {

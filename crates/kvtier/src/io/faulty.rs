@@ -93,24 +93,24 @@ fn errno(code: i32) -> io::Error {
     io::Error::from_raw_os_error(code)
 }
 
-/// A small deterministic generator (xorshift64*), so a seed replays.
+/// The one seeded generator the tests draw from (fault dice, crash
+/// workloads, hostile byte streams): fastrand's wyrand, so a seed replays.
 #[derive(Debug, Clone)]
-pub struct Dice(u64);
+pub struct Dice(fastrand::Rng);
 
 impl Dice {
     pub fn new(seed: u64) -> Self {
-        Dice(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Dice(fastrand::Rng::with_seed(seed))
     }
 
+    /// A uniform 64-bit draw.
     pub fn roll(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        self.0.u64(..)
     }
 
+    /// A uniform draw in `0..n` (0 when `n` is 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.roll() % n.max(1)
+        self.0.u64(0..n.max(1))
     }
 }
 

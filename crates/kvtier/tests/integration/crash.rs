@@ -10,6 +10,7 @@
 //! back, no wrong bytes.
 
 use crate::common::*;
+use kvtier::test_util::Dice;
 use kvtier::{Config, IoEngineKind, Store};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -47,20 +48,6 @@ fn config(dir: &Path, engine: IoEngineKind, reclaim: bool) -> Config {
 /// (version, len) of a value, or `None` for absent.
 type State = Option<(u64, usize)>;
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// The child's body; a no-op unless the parent set the environment.
 #[test]
 fn crash_child() {
@@ -69,7 +56,7 @@ fn crash_child() {
     };
     let seed: u64 = std::env::var("KVTIER_CRASH_SEED").unwrap().parse().unwrap();
     let reclaim = std::env::var("KVTIER_CRASH_RECLAIM").is_ok();
-    let mut rng = Rng(seed | 1);
+    let mut rng = Dice::new(seed);
     let store = Store::open(config(Path::new(&dir), engine_for(seed), reclaim)).unwrap();
     println!("OPEN");
     for i in 0..3000u64 {
@@ -141,7 +128,7 @@ fn run_crash_cycles(reclaim: bool) {
     let exe = std::env::current_exe().unwrap();
     // What the store held after the previous verification.
     let mut model: HashMap<u64, State> = HashMap::new();
-    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    let mut rng = Dice::new(0x5EED_1234_ABCD_0001);
     let mut totals = (0u64, 0u64, 0u64); // keys checked, present, ops seen
     let mut killed_mid_run = 0u64;
     for cycle in 1..=cycles {
