@@ -2,8 +2,9 @@
 //! status page draws its charts from, so a page opened late still shows
 //! the recent past.
 
-use crate::metrics::{hit_rates, sum_ops, unix_seconds, Metrics, OpCounts, GET_OPS, OPS, PUT_OPS};
+use crate::metrics::{hit_rates, sum_ops, unix_seconds, Metrics, OpCounts, OPS};
 use kvtier::Stats;
+use kvtier_wire::protocol::Op;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};
@@ -39,7 +40,7 @@ pub struct Point {
 #[derive(Debug)]
 struct Reading {
     at: SystemTime,
-    ops: [OpCounts; OPS.len()],
+    ops: [OpCounts; OPS],
     memory_hits: u64,
     disk_hits: u64,
     misses: u64,
@@ -110,9 +111,9 @@ impl History {
 }
 
 fn point(last: &Reading, now: &Reading, seconds: f64, stats: &Stats) -> Point {
-    let delta: [OpCounts; OPS.len()] = std::array::from_fn(|i| now.ops[i].since(&last.ops[i]));
-    let gets = sum_ops(&delta, &GET_OPS);
-    let puts = sum_ops(&delta, &PUT_OPS);
+    let delta: [OpCounts; OPS] = std::array::from_fn(|i| now.ops[i].since(&last.ops[i]));
+    let gets = sum_ops(&delta, Op::reads_values);
+    let puts = sum_ops(&delta, Op::writes_values);
     Point {
         t: unix_seconds(now.at),
         seconds,
@@ -153,7 +154,7 @@ mod tests {
         let mut history = History::default();
         history.sample(&metrics, &stats(0, 0, 0));
         assert_eq!(history.points.len(), 0, "the first reading is the start");
-        let get = OPS.iter().position(|op| *op == "batch_get").unwrap() as u16 + 1;
+        let get = Op::BatchGet as u16;
         for _ in 0..4 {
             metrics.record(
                 get,
