@@ -225,6 +225,15 @@ impl Server {
 /// Binds the Unix socket with mode 0600 from its first instant, never
 /// taking the path from a live server.
 fn bind_unix(path: &PathBuf) -> io::Result<UnixListener> {
+    // Another user who may write the socket's directory could replace the
+    // socket with one of their own (and collect the tokens and values of
+    // clients that connect to it).
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => std::path::Path::new("."),
+    };
+    kvtier::private_files::check_socket_dir(dir)
+        .map_err(|e| annotate(e, format!("binding {}", path.display())))?;
     if path.exists() {
         // Someone answering there is a live server: never take its socket
         // away. Otherwise the file is left from a crash.

@@ -21,7 +21,7 @@ use kvtier_wire::transport::Transport;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::net::SocketAddr;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use subtle::ConstantTimeEq;
 
@@ -211,25 +211,18 @@ pub fn check_token(token: &str) -> io::Result<()> {
 /// from the kernel's random source, file mode 0600) if there is none yet.
 pub fn data_dir_token(data_dir: &Path) -> io::Result<(String, PathBuf)> {
     let path = data_dir.join(TOKEN_FILE);
-    match fs::read_to_string(&path) {
-        Ok(text) => {
-            let mode = fs::metadata(&path)?.permissions().mode();
-            if mode & 0o077 != 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    format!(
-                        "{} is readable by other users (mode {:o}): chmod 600 it",
-                        path.display(),
-                        mode & 0o777
-                    ),
-                ));
-            }
+    // Never through a link, and only a regular file of ours that no other
+    // user can read (checked on the open descriptor).
+    match kvtier::private_files::open_secret(&path) {
+        Ok(mut file) => {
+            let mut text = String::new();
+            io::Read::read_to_string(&mut file, &mut text)?;
             let token = text.trim().to_string();
             check_token(&token)?;
             Ok((token, path))
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            fs::create_dir_all(data_dir)?;
+            kvtier::private_files::create_dir(data_dir)?;
             let secret = kvtier::KeySecret::generate().map_err(io::Error::other)?;
             let token: String = secret
                 .as_bytes()
@@ -241,7 +234,7 @@ pub fn data_dir_token(data_dir: &Path) -> io::Result<(String, PathBuf)> {
             let mut file = OpenOptions::new()
                 .write(true)
                 .create_new(true)
-                .mode(0o600)
+                .mode(kvtier::private_files::FILE_MODE)
                 .open(&tmp)?;
             file.write_all(format!("{token}\n").as_bytes())?;
             file.sync_all()?;
@@ -263,6 +256,7 @@ fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn tokens_are_checked_for_length_and_compared_exactly() {
@@ -290,5 +284,12 @@ mod tests {
         );
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
         assert!(data_dir_token(dir.path()).is_err());
+        // A planted link is refused even to a private file of ours.
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+        let elsewhere = dir.path().join("elsewhere");
+        fs::rename(&path, &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+        let e = data_dir_token(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
     }
 }

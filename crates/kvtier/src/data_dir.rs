@@ -9,6 +9,7 @@
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::{KeySecret, KEY_SECRET_LEN};
+use crate::private::FILE_MODE;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -118,12 +119,12 @@ fn upgrade_from_2(dir: &Path) -> Result<Identity> {
         Some(id) => id,
         None => {
             let id = new_node_id()?;
-            write_synced(dir, NODE_ID_FILE, format!("{id}\n").as_bytes(), 0o644)?;
+            write_synced(dir, NODE_ID_FILE, format!("{id}\n").as_bytes(), FILE_MODE)?;
             id
         }
     };
     let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
-    write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
+    write_synced(dir, FORMAT_FILE, format.as_bytes(), FILE_MODE)?;
     sync_dir(dir)?;
     tracing::info!(dir = %dir.display(), node_id = %node_id, "upgraded the data directory from format 2 to 3");
     let confirmed = check_secret(dir, &secret)?;
@@ -180,7 +181,7 @@ fn check_secret(dir: &Path, secret: &KeySecret) -> Result<bool> {
 /// the caller syncs the directory.
 fn write_key_check_file(dir: &Path, secret: &KeySecret) -> Result<()> {
     let text = format!("{}\n", secret.check_value());
-    write_synced(dir, KEY_CHECK_FILE, text.as_bytes(), 0o600)
+    write_synced(dir, KEY_CHECK_FILE, text.as_bytes(), FILE_MODE)
 }
 
 /// Writes `key-check` for `secret` and syncs the directory.
@@ -210,7 +211,7 @@ pub fn take_clean_marker(dir: &Path) -> Result<bool> {
 
 /// Marks the shutdown clean (after the last flush succeeded).
 pub fn leave_clean_marker(dir: &Path) -> Result<()> {
-    write_synced(dir, CLEAN_MARKER_FILE, b"closed cleanly\n", 0o600)?;
+    write_synced(dir, CLEAN_MARKER_FILE, b"closed cleanly\n", FILE_MODE)?;
     sync_dir(dir)
 }
 
@@ -245,7 +246,9 @@ fn holds_regions(region_dir: &Path) -> Result<bool> {
 pub(crate) fn read_secret(dir: &Path) -> Result<KeySecret> {
     let path = dir.join(KEY_SECRET_FILE);
     let mut bytes = Vec::new();
-    File::open(&path)
+    // Never through a link, and only a file no other user can read or
+    // have written.
+    crate::private::open_secret(&path)
         .and_then(|mut f| f.read_to_end(&mut bytes))
         .map_err(|e| {
             Error::io(
@@ -275,12 +278,17 @@ pub(crate) fn read_secret(dir: &Path) -> Result<KeySecret> {
 /// both files complete.
 fn create(dir: &Path) -> Result<Identity> {
     let secret = KeySecret::generate()?;
-    write_synced(dir, KEY_SECRET_FILE, secret.as_bytes(), 0o600)?;
+    write_synced(dir, KEY_SECRET_FILE, secret.as_bytes(), FILE_MODE)?;
     write_key_check_file(dir, &secret)?;
     let node_id = new_node_id()?;
-    write_synced(dir, NODE_ID_FILE, format!("{node_id}\n").as_bytes(), 0o644)?;
+    write_synced(
+        dir,
+        NODE_ID_FILE,
+        format!("{node_id}\n").as_bytes(),
+        FILE_MODE,
+    )?;
     let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
-    write_synced(dir, FORMAT_FILE, format.as_bytes(), 0o644)?;
+    write_synced(dir, FORMAT_FILE, format.as_bytes(), FILE_MODE)?;
     sync_dir(dir)?;
     Ok(Identity {
         secret,

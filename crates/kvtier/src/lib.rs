@@ -39,6 +39,7 @@ mod lock;
 mod pattern;
 mod pool;
 mod prefix;
+mod private;
 mod size;
 mod stats;
 mod store;
@@ -56,6 +57,14 @@ pub use key::{
 };
 pub use prefix::{block_keys, BlockKey};
 pub use size::{format_size, parse_size};
+
+/// Private at rest: how the store creates and checks its directory and
+/// secrets, for the server's own files (auth token, socket) to follow.
+pub mod private_files {
+    pub use crate::private::{
+        check_dir, check_socket_dir, create_dir, open_secret, DIR_MODE, FILE_MODE,
+    };
+}
 pub use stats::{StatValue, Stats};
 pub use store::{
     NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,

@@ -3,6 +3,7 @@
 use crate::error::{Error, ErrorKind, Result};
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -71,6 +72,7 @@ impl DirLock {
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(crate::private::FILE_MODE)
             .open(&path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
         lock_exclusive(&file, &path, data_dir)?;

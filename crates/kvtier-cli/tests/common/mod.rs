@@ -96,8 +96,10 @@ impl ServerProcess {
     }
 
     /// Runs a server that must refuse to start; returns what it printed.
+    /// A server that starts anyway is killed after 20 s and fails the test
+    /// (never a hang).
     pub fn try_start(dir: &Path, extra: &[&str]) -> String {
-        let output = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
             .args(["serve", "--data-dir", &dir.display().to_string()])
             .args(["--memory", "16MiB", "--admin", "off"])
             .args(if extra.contains(&"--listen") {
@@ -107,8 +109,20 @@ impl ServerProcess {
             })
             .args(extra)
             .env_remove("KVTIER_AUTH_TOKEN")
-            .output()
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the server started (still running after 20 s)");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let output = child.wait_with_output().unwrap();
         assert!(!output.status.success(), "the server started");
         String::from_utf8_lossy(&output.stderr).into_owned()
     }

@@ -250,9 +250,10 @@ impl DiskTier {
         mut apply: impl FnMut(RecoveredEntry),
     ) -> Result<(DiskTier, RecoveryReport)> {
         let dir = config.data_dir.join(REGION_DIR);
-        fs::create_dir_all(&dir)
+        crate::private::create_dir(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        // Cached values are private to the store's user.
+        // Cached values are private to the store's user (also for a
+        // regions/ made by an older kvtier).
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o700))
             .map_err(|e| Error::io(format!("restricting {}", dir.display()), e))?;
         let engine: Arc<dyn IoEngine> = match config.io_engine {
@@ -740,7 +741,7 @@ impl DiskTier {
         let written = OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o600)
+            .mode(crate::private::FILE_MODE)
             .open(path)
             .and_then(|mut file| {
                 std::io::Write::write_all(&mut file, page.as_slice())?;
@@ -999,7 +1000,7 @@ impl DiskTier {
     /// region file name and the time, and syncs both directories.
     fn quarantine(&self, path: &Path, reason: &str) -> Result<PathBuf> {
         let dir = self.dir.parent().unwrap_or(&self.dir).join(QUARANTINE_DIR);
-        fs::create_dir_all(&dir)
+        crate::private::create_dir(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1061,7 +1062,7 @@ impl DiskTier {
         let mut options = OpenOptions::new();
         options.read(true).write(true);
         if create {
-            options.create_new(true).mode(0o600);
+            options.create_new(true).mode(crate::private::FILE_MODE);
         }
         if self.direct_io.load(Ordering::Relaxed) {
             let mut direct = options.clone();

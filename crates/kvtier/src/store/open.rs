@@ -23,12 +23,24 @@ impl Store {
     /// recovering the index from the region log if it exists.
     pub fn open(config: Config) -> Result<Store> {
         config.validate()?;
-        std::fs::create_dir_all(&config.data_dir).map_err(|e| {
+        // Cached values are private to the store's user, whatever the
+        // umask: created 0700, refused if another user owns it or may
+        // write it (docs/design.md, "Private at rest").
+        crate::private::create_dir(&config.data_dir).map_err(|e| {
             Error::io(
                 format!("creating data directory {}", config.data_dir.display()),
                 e,
             )
         })?;
+        let tightened = crate::private::check_dir(&config.data_dir).map_err(|e| {
+            Error::io(
+                format!("checking data directory {}", config.data_dir.display()),
+                e,
+            )
+        })?;
+        if tightened {
+            tracing::warn!(dir = %config.data_dir.display(), "the data directory was readable by other users; made it private (mode 700)");
+        }
         let lock = DirLock::acquire(&config.data_dir)?;
         let identity = crate::data_dir::open_or_create(
             &config.data_dir,
