@@ -300,10 +300,10 @@ fn admin_healthy(address: &str, timeout: std::time::Duration) -> bool {
     };
     let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.set_write_timeout(Some(timeout));
-    if stream
-        .write_all(b"GET /health HTTP/1.1\r\nHost: kvtier\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
+    // The address as Host: an admin endpoint without a token (it has none
+    // only on loopback) answers loopback names only.
+    let request = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
         return false;
     }
     let mut answer = String::new();

@@ -53,10 +53,16 @@ pub struct ServeArgs {
     /// PEM private key of --tls-cert. Default: none.
     #[arg(long)]
     pub tls_key: Option<PathBuf>,
-    /// Most open client connections. Default: 1024.
+    /// Most authenticated client connections. Default: 1024.
     #[arg(long)]
     pub max_connections: Option<usize>,
-    /// Seconds a connection may take to say hello. Default: 10.
+    /// Most connections waiting for their hello. Default: 64.
+    #[arg(long)]
+    pub max_pending_connections: Option<usize>,
+    /// Most TCP connections from one address. Default: 256.
+    #[arg(long)]
+    pub max_connections_per_address: Option<usize>,
+    /// Seconds a connection may take to say hello. Default: 5.
     #[arg(long)]
     pub handshake_timeout: Option<f64>,
     /// Seconds a connection may stay idle. Default: 3600.
@@ -93,6 +99,11 @@ struct FileConfig {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     max_connections: Option<usize>,
+    max_pending_connections: Option<usize>,
+    reserved_local_connections: Option<usize>,
+    max_connections_per_address: Option<usize>,
+    max_failed_hellos_per_second: Option<u32>,
+    admin_allowed_hosts: Option<Vec<String>>,
     handshake_timeout: Option<f64>,
     idle_timeout: Option<f64>,
     frame_timeout: Option<f64>,
@@ -270,6 +281,24 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(n) = args.max_connections.or(file.max_connections) {
         limits.max_connections = n;
     }
+    if let Some(n) = args
+        .max_pending_connections
+        .or(file.max_pending_connections)
+    {
+        limits.max_pending_connections = n;
+    }
+    if let Some(n) = file.reserved_local_connections {
+        limits.reserved_local_connections = n;
+    }
+    if let Some(n) = args
+        .max_connections_per_address
+        .or(file.max_connections_per_address)
+    {
+        limits.max_connections_per_address = n;
+    }
+    if let Some(n) = file.max_failed_hellos_per_second {
+        limits.max_failed_hellos_per_second = n;
+    }
     if let Some(t) = seconds(
         args.handshake_timeout.or(file.handshake_timeout),
         "handshake_timeout",
@@ -312,6 +341,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     )?;
     server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));
     server_config.peer_tls_ca = args.cluster.peer_ca.clone();
+    server_config.admin_allowed_hosts = file.admin_allowed_hosts.clone().unwrap_or_default();
     let server = Server::new(Arc::clone(&store), server_config)?;
     let server_stop = server.stop_flag();
     let stop_seen = Arc::clone(&stop);

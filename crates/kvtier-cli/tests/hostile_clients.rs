@@ -86,7 +86,19 @@ fn verified_round_trip(client: &mut Client, tag: &str) {
 #[test]
 fn an_unauthenticated_flood_leaves_memory_flat() {
     let dir = tempfile::tempdir().unwrap();
-    let server = ServerProcess::start(dir.path(), &["--handshake-timeout", "30"]);
+    // Room for the whole flood to wait for its hello: this test is about
+    // memory (admission has its own tests).
+    let server = ServerProcess::start(
+        dir.path(),
+        &[
+            "--handshake-timeout",
+            "30",
+            "--max-pending-connections",
+            "400",
+            "--max-connections-per-address",
+            "400",
+        ],
+    );
     let pid = server.child.id();
     let mut bystander = Client::connect_with(&server.tcp_url(), options()).unwrap();
     verified_round_trip(&mut bystander, "before");

@@ -924,7 +924,7 @@ fn admin_endpoint_guards_data_off_loopback_and_caps_connections() {
     }
     let get = |path: &str| {
         server.http_request(&format!(
-            "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
+            "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
         ))
     };
     let body = |response: &str| response.split("\r\n\r\n").nth(1).unwrap().to_string();
@@ -944,7 +944,7 @@ fn admin_endpoint_guards_data_off_loopback_and_caps_connections() {
         .contains("content-security-policy: default-src 'self'"));
     assert!(server.http("/status.js").contains("function poll()"));
     let posted = server.http_request(&format!(
-        "POST /stats HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_TOKEN}\r\nContent-Length: 0\r\n\r\n"
+        "POST /stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TEST_TOKEN}\r\nContent-Length: 0\r\n\r\n"
     ));
     assert!(posted.starts_with("HTTP/1.1 405"), "{posted}");
     assert!(get("/nope").starts_with("HTTP/1.1 404"));

@@ -26,7 +26,7 @@ use crate::metrics::Metrics;
 use kvtier::Store;
 use kvtier_wire::protocol::{code, Header};
 use kvtier_wire::transport::Transport;
-use limits::{Budget, Permit};
+use limits::Budget;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::PermissionsExt;
@@ -59,6 +59,11 @@ pub struct ServerConfig {
     /// CA of the other members' certificates, when their listeners speak
     /// TLS. Default: none.
     pub peer_tls_ca: Option<PathBuf>,
+    /// Host names (without port) the admin endpoint answers besides the
+    /// loopback ones, when it listens on loopback without a token: a web
+    /// page that rebinds its own name to 127.0.0.1 sends its own name and
+    /// is turned away. Default: none.
+    pub admin_allowed_hosts: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -72,6 +77,7 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             cluster: None,
             peer_tls_ca: None,
+            admin_allowed_hosts: Vec::new(),
         }
     }
 }
@@ -90,8 +96,10 @@ pub(crate) struct Shared {
     pub auth: Auth,
     pub stopping: Arc<AtomicBool>,
     pub metrics: Arc<Metrics>,
-    /// Open data connections.
-    pub connections: Arc<Budget>,
+    /// Connection slots, before and after hello.
+    pub admission: trust::Admission,
+    /// Token comparisons that may fail, server-wide.
+    pub guesses: trust::GuessBudget,
     /// Bytes of shared memory registered by all connections.
     pub registered: Arc<Budget>,
     /// Connections to the other cluster members, in cluster mode.
@@ -126,7 +134,11 @@ impl Server {
         Ok(Server {
             shared: Arc::new(Shared {
                 peers,
-                connections: Budget::new(limits.max_connections as u64),
+                admission: trust::Admission::new(limits),
+                guesses: trust::GuessBudget::new(
+                    limits.max_failed_hellos_per_second,
+                    limits.failed_auth_delay,
+                ),
                 registered: Budget::new(limits.max_registered_bytes_total),
                 store,
                 auth,
@@ -290,9 +302,19 @@ fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Opti
     while !shared.stopping.load(Ordering::Acquire) {
         match accept() {
             Ok(Some(transport)) => {
-                let Some(permit) = shared.connections.try_take(1) else {
-                    refuse_connection(shared, transport);
-                    continue;
+                let peer = shared.auth.peer(&transport);
+                let addr = match &transport {
+                    Transport::Tcp(stream) => stream.peer_addr().ok(),
+                    Transport::TlsServer(tls) => tls.sock.peer_addr().ok(),
+                    Transport::Unix(_) | Transport::TlsClient(_) => None,
+                }
+                .map(|a| a.ip());
+                let slot = match shared.admission.admit_connection(&peer, addr) {
+                    Ok(slot) => slot,
+                    Err(why) => {
+                        refuse_connection(shared, transport, &why);
+                        continue;
+                    }
                 };
                 shared
                     .metrics
@@ -301,7 +323,7 @@ fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Opti
                 let worker = Arc::clone(shared);
                 match std::thread::Builder::new()
                     .name("kvtier-conn".into())
-                    .spawn(move || serve_connection(&worker, transport, permit))
+                    .spawn(move || serve_connection(&worker, transport, peer, slot))
                 {
                     Ok(handle) => connections.push(handle),
                     Err(e) => tracing::error!(error = %e, "could not start a connection thread"),
@@ -320,29 +342,25 @@ fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Opti
     }
 }
 
-fn serve_connection(shared: &Shared, transport: Transport, _permit: Permit) {
+fn serve_connection(shared: &Shared, transport: Transport, peer: trust::Peer, slot: trust::Slot) {
     shared
         .metrics
         .connections_open
         .fetch_add(1, Ordering::Relaxed);
-    session::Session::new(shared, transport).serve();
+    session::Session::new(shared, transport, peer, slot).serve();
     shared
         .metrics
         .connections_open
         .fetch_sub(1, Ordering::Relaxed);
 }
 
-/// Answers a connection over the cap with a LIMIT frame and closes it,
+/// Answers a connection over a cap with a LIMIT frame and closes it,
 /// spending at most a few milliseconds of the accept thread on it.
-fn refuse_connection(shared: &Shared, mut transport: Transport) {
+fn refuse_connection(shared: &Shared, mut transport: Transport, message: &str) {
     shared
         .metrics
         .connections_refused
         .fetch_add(1, Ordering::Relaxed);
-    let message = format!(
-        "the server has {} connections open, the most it allows (max_connections); retry later",
-        shared.connections.limit()
-    );
     let header = Header {
         op: 0,
         request_id: 0,
@@ -356,8 +374,5 @@ fn refuse_connection(shared: &Shared, mut transport: Transport) {
         Some(Duration::from_millis(10)),
     );
     let _ = transport.write_all(&frame);
-    tracing::warn!(
-        limit = shared.connections.limit(),
-        "refused a connection over the cap"
-    );
+    tracing::warn!(why = message, "refused a connection over a cap");
 }

@@ -17,10 +17,28 @@ pub struct Limits {
     pub max_hello_frame: u64,
     /// Most keys in one batch. Default: 4096.
     pub max_batch: u32,
-    /// Most open client connections (data ports together); the next one is
-    /// answered with a LIMIT error and closed. Default: 1024.
+    /// Most authenticated client connections (data ports together): a
+    /// connection takes its slot at a successful hello; past the cap the
+    /// hello is answered with LIMIT and the connection closed. Default:
+    /// 1024.
     pub max_connections: usize,
-    /// A connection must complete its hello within this. Default: 10 s.
+    /// Most connections that have not completed a hello yet (TCP, and Unix
+    /// peers of another user): idle unauthenticated sockets wait here, out
+    /// of everyone else's way; past it a new one gets LIMIT at once.
+    /// Default: 64.
+    pub max_pending_connections: usize,
+    /// Slots beyond `max_connections` that only Unix-socket peers of the
+    /// server's own user (trusted by their credentials) may take. Default:
+    /// 64.
+    pub reserved_local_connections: usize,
+    /// Most TCP connections (pending and authenticated) from one remote
+    /// address. Default: 256.
+    pub max_connections_per_address: usize,
+    /// Refused hellos answered per second, server-wide (each also waits
+    /// `failed_auth_delay`): caps token guessing however many connections
+    /// guess in parallel. Default: 10.
+    pub max_failed_hellos_per_second: u32,
+    /// A connection must complete its hello within this. Default: 5 s.
     pub handshake_timeout: Duration,
     /// A connection with no request for this long is closed (clients
     /// reconnect by themselves). Default: 1 h.
@@ -64,7 +82,11 @@ impl Default for Limits {
             max_hello_frame: 4 << 10,
             max_batch: kvtier_wire::protocol::DEFAULT_MAX_BATCH,
             max_connections: 1024,
-            handshake_timeout: Duration::from_secs(10),
+            max_pending_connections: 64,
+            reserved_local_connections: 64,
+            max_connections_per_address: 256,
+            max_failed_hellos_per_second: 10,
+            handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
             frame_timeout: Duration::from_secs(10),
             min_frame_rate: 4 << 20,

@@ -51,6 +51,10 @@ struct State<'a> {
     registered_bytes: u64,
     /// The peer, as `trust` sees it before the hello.
     peer: crate::trust::Peer,
+    /// The connection's slot: pending until the hello succeeds.
+    slot: crate::trust::Slot,
+    /// When the hello must be done by.
+    hello_deadline: Instant,
 }
 
 /// A client's shared buffer, with its share of the server-wide budget.
@@ -77,8 +81,13 @@ enum End {
 }
 
 impl<'a> Session<'a> {
-    pub fn new(shared: &'a Shared, transport: Transport) -> Self {
-        let peer = shared.auth.peer(&transport);
+    pub fn new(
+        shared: &'a Shared,
+        transport: Transport,
+        peer: crate::trust::Peer,
+        slot: crate::trust::Slot,
+    ) -> Self {
+        let hello_deadline = Instant::now() + shared.config.limits.handshake_timeout;
         Session {
             transport,
             state: State {
@@ -91,6 +100,8 @@ impl<'a> Session<'a> {
                 next_buffer: 1,
                 registered_bytes: 0,
                 peer,
+                slot,
+                hello_deadline,
             },
         }
     }
@@ -375,10 +386,17 @@ impl State<'_> {
         if let Err(why) =
             shared
                 .auth
-                .admit_hello(&self.peer, token, shared.config.limits.failed_auth_delay)
+                .admit_hello(&self.peer, token, &shared.guesses, self.hello_deadline)
         {
             shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
             return Reply::error(code::UNAUTHORIZED, why).closing();
+        }
+        if let Err(why) = shared.admission.admit_hello(&mut self.slot) {
+            shared
+                .metrics
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return Reply::error(code::LIMIT, why).closing();
         }
         let namespace = match shared.store.namespace(namespace) {
             Ok(namespace) => namespace,

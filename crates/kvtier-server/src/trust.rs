@@ -13,16 +13,26 @@
 //!   credentials (SO_PEERCRED), any other peer needs the token.
 //! - Admin HTTP off loopback: the token as `Authorization: Bearer`.
 //!
+//! - Connection slots ([`Admission`]): unauthenticated connections wait
+//!   in their own small budget, per-address caps on TCP, reserved slots
+//!   for same-user Unix peers.
+//!
 //! Tokens are compared in constant time (`subtle`), must be at least
-//! [`MIN_TOKEN_LEN`] bytes, and a refused hello is answered only after
+//! [`MIN_TOKEN_LEN`] bytes, are compared at most
+//! `Limits::max_failed_hellos_per_second` times a second when they do not
+//! match ([`GuessBudget`]), and a refused hello is answered only after
 //! `Limits::failed_auth_delay`.
 
+use crate::limits::{Budget, Limits, Permit};
 use kvtier_wire::transport::Transport;
+use std::collections::HashMap;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use subtle::ConstantTimeEq;
 
 /// A connection's peer, as far as trust goes.
@@ -32,6 +42,189 @@ pub struct Peer {
     pub unix: bool,
     /// Its kernel credentials (SO_PEERCRED) name the server's user or root.
     pub trusted_by_credentials: bool,
+}
+
+/// Where each connection's slot comes from, before and after its hello.
+///
+/// A peer trusted by its credentials (a Unix peer of the server's user)
+/// is admitted at accept, into `max_connections` or, when that is full,
+/// the slots reserved for it. Every other connection waits for its hello
+/// in the small pending budget (and, over TCP, within its address's cap),
+/// and moves into `max_connections` only when its hello succeeds: idle or
+/// slow unauthenticated sockets can fill the pending budget, never the
+/// slots of those who authenticated.
+#[derive(Debug)]
+pub struct Admission {
+    pending: Arc<Budget>,
+    admitted: Arc<Budget>,
+    local_reserve: Arc<Budget>,
+    per_address: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    per_address_limit: usize,
+}
+
+/// A connection's slot: given back, with its address's count, on drop.
+#[derive(Debug)]
+pub struct Slot {
+    permit: Permit,
+    admitted: bool,
+    _address: Option<AddressCount>,
+}
+
+#[derive(Debug)]
+struct AddressCount {
+    addr: IpAddr,
+    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl Drop for AddressCount {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap();
+        if let Some(n) = counts.get_mut(&self.addr) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.addr);
+            }
+        }
+    }
+}
+
+impl Admission {
+    pub fn new(limits: &Limits) -> Admission {
+        Admission {
+            pending: Budget::new(limits.max_pending_connections as u64),
+            admitted: Budget::new(limits.max_connections as u64),
+            local_reserve: Budget::new(limits.reserved_local_connections as u64),
+            per_address: Arc::default(),
+            per_address_limit: limits.max_connections_per_address,
+        }
+    }
+
+    /// A new connection's slot, or why it is refused (answered with LIMIT).
+    pub fn admit_connection(&self, peer: &Peer, addr: Option<IpAddr>) -> Result<Slot, String> {
+        let address = match addr {
+            Some(addr) => {
+                let mut counts = self.per_address.lock().unwrap();
+                let n = counts.entry(addr).or_insert(0);
+                if *n >= self.per_address_limit {
+                    return Err(format!(
+                        "{addr} has {} connections open, the most one address may \
+                         (max_connections_per_address); retry later",
+                        self.per_address_limit
+                    ));
+                }
+                *n += 1;
+                Some(AddressCount {
+                    addr,
+                    counts: Arc::clone(&self.per_address),
+                })
+            }
+            None => None,
+        };
+        if peer.trusted_by_credentials {
+            let permit = self
+                .admitted
+                .try_take(1)
+                .or_else(|| self.local_reserve.try_take(1))
+                .ok_or_else(|| self.full_message())?;
+            return Ok(Slot {
+                permit,
+                admitted: true,
+                _address: address,
+            });
+        }
+        let permit = self.pending.try_take(1).ok_or_else(|| {
+            format!(
+                "the server has {} connections waiting for their hello, the most it allows \
+                 (max_pending_connections); retry later",
+                self.pending.limit()
+            )
+        })?;
+        Ok(Slot {
+            permit,
+            admitted: false,
+            _address: address,
+        })
+    }
+
+    /// Moves a connection whose hello succeeded into `max_connections`.
+    pub fn admit_hello(&self, slot: &mut Slot) -> Result<(), String> {
+        if slot.admitted {
+            return Ok(());
+        }
+        slot.permit = self
+            .admitted
+            .try_take(1)
+            .ok_or_else(|| self.full_message())?;
+        slot.admitted = true;
+        Ok(())
+    }
+
+    fn full_message(&self) -> String {
+        format!(
+            "the server has {} connections open, the most it allows (max_connections); retry \
+             later",
+            self.admitted.limit()
+        )
+    }
+}
+
+/// Token comparisons, server-wide: a token bucket of `rate` turns a
+/// second (burst: one second's worth). A turn is taken before a token is
+/// compared and given back when it matched, so only refused hellos spend
+/// the budget, and no number of parallel connections guesses faster than
+/// `rate` a second. Clients with the right token wait only while someone
+/// is guessing.
+#[derive(Debug)]
+pub struct GuessBudget {
+    state: Mutex<(f64, Instant)>,
+    rate: f64,
+    /// Pause before a refusal is answered.
+    pub delay: Duration,
+}
+
+/// A taken turn; spent unless given back.
+#[derive(Debug)]
+pub struct Turn<'a>(&'a GuessBudget);
+
+impl Turn<'_> {
+    pub fn give_back(self) {
+        let mut state = self.0.state.lock().unwrap();
+        state.0 = (state.0 + 1.0).min(self.0.rate.max(1.0));
+    }
+}
+
+impl GuessBudget {
+    pub fn new(per_second: u32, delay: Duration) -> GuessBudget {
+        let rate = f64::from(per_second.max(1));
+        GuessBudget {
+            state: Mutex::new((rate, Instant::now())),
+            rate,
+            delay,
+        }
+    }
+
+    /// Waits for a turn until `deadline`; `None` past it.
+    pub fn take_turn(&self, deadline: Instant) -> Option<Turn<'_>> {
+        loop {
+            let now = Instant::now();
+            let wait = {
+                let mut state = self.state.lock().unwrap();
+                let (tokens, last) = *state;
+                let tokens = (tokens + now.duration_since(last).as_secs_f64() * self.rate)
+                    .min(self.rate.max(1.0));
+                if tokens >= 1.0 {
+                    *state = (tokens - 1.0, now);
+                    return Some(Turn(self));
+                }
+                *state = (tokens, now);
+                Duration::from_secs_f64((1.0 - tokens) / self.rate)
+            };
+            if now + wait > deadline {
+                return None;
+            }
+            std::thread::sleep(wait);
+        }
+    }
 }
 
 /// Shortest token accepted.
@@ -122,16 +315,28 @@ impl Auth {
     /// server's user (or root) is trusted by its credentials, every other
     /// peer must present the token. A refusal is answered only after
     /// `delay` (it slows guessing) and says why.
+    ///
+    /// A token is compared only with a turn of `guesses` (server-wide), so
+    /// parallel connections cannot guess faster than its rate; without a
+    /// turn before `deadline` the hello is refused unanswered.
     pub fn admit_hello(
         &self,
         peer: &Peer,
         token: &[u8],
-        delay: std::time::Duration,
+        guesses: &GuessBudget,
+        deadline: Instant,
     ) -> Result<(), &'static str> {
-        if peer.trusted_by_credentials || self.token_matches(token) {
+        if peer.trusted_by_credentials {
             return Ok(());
         }
-        std::thread::sleep(delay);
+        let Some(turn) = guesses.take_turn(deadline) else {
+            return Err("too many refused hellos on this server: retry later");
+        };
+        if self.token_matches(token) {
+            turn.give_back();
+            return Ok(());
+        }
+        std::thread::sleep(guesses.delay);
         Err(if peer.unix {
             "this Unix-socket peer runs as another user: present the server's auth token"
         } else if token.is_empty() {
@@ -154,6 +359,37 @@ impl Auth {
                 trusted_by_credentials: false,
             },
         }
+    }
+
+    /// Whether an admin request may be answered for the `Host` it names.
+    /// With a token required (off loopback) the token decides. On loopback
+    /// without one, only loopback names and `allowed` are answered: a
+    /// browser page whose name an attacker rebound to 127.0.0.1 (DNS
+    /// rebinding) still sends its own name. A request without `Host`
+    /// (HTTP/1.0 tools) comes from no browser and is answered.
+    pub fn admin_host_allowed(needs_token: bool, host: Option<&str>, allowed: &[String]) -> bool {
+        let Some(host) = host else {
+            return true;
+        };
+        if needs_token {
+            return true;
+        }
+        let name = match host.strip_prefix('[') {
+            // [v6]:port
+            Some(rest) => rest.split(']').next().unwrap_or(""),
+            None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+        };
+        let name = name.to_ascii_lowercase();
+        if name == "localhost" || name.ends_with(".localhost") {
+            return true;
+        }
+        if name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+        {
+            return true;
+        }
+        allowed.iter().any(|a| a.eq_ignore_ascii_case(&name))
     }
 
     /// Whether an admin endpoint listening on `addr` asks for the token
@@ -257,6 +493,42 @@ fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn admin_hosts_are_loopback_names_unless_a_token_guards_the_port() {
+        let allowed = ["kvtier.internal".to_string()];
+        for host in [
+            "127.0.0.1",
+            "127.0.0.1:7701",
+            "localhost",
+            "LOCALHOST:7701",
+            "[::1]:7701",
+            "kvtier.internal:80",
+        ] {
+            assert!(
+                Auth::admin_host_allowed(false, Some(host), &allowed),
+                "{host}"
+            );
+        }
+        for host in [
+            "evil.example",
+            "evil.example:7701",
+            "10.0.0.1",
+            "[::2]:1",
+            "",
+        ] {
+            assert!(
+                !Auth::admin_host_allowed(false, Some(host), &allowed),
+                "{host}"
+            );
+        }
+        assert!(Auth::admin_host_allowed(
+            true,
+            Some("evil.example"),
+            &allowed
+        ));
+        assert!(Auth::admin_host_allowed(false, None, &allowed));
+    }
 
     #[test]
     fn tokens_are_checked_for_length_and_compared_exactly() {

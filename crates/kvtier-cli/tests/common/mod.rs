@@ -154,7 +154,7 @@ impl ServerProcess {
     pub fn stats(&self) -> serde_json::Value {
         let mut stream = TcpStream::connect(&self.admin).unwrap();
         stream
-            .write_all(b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n")
+            .write_all(b"GET /stats HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             .unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).unwrap();
@@ -163,7 +163,7 @@ impl ServerProcess {
     }
 
     pub fn http(&self, path: &str) -> String {
-        self.http_request(&format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n"))
+        self.http_request(&format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
     }
 
     /// Sends `request` (a whole HTTP/1.1 request) to the admin port and

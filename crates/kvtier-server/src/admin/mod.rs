@@ -19,7 +19,7 @@ use bytes::Bytes;
 use history::History;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HOST};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
@@ -39,6 +39,8 @@ struct Admin {
     registry: Registry,
     history: Mutex<History>,
     connections: Arc<Budget>,
+    /// Connections past the cap being answered (`/health`, or 503).
+    overflow: Arc<Budget>,
     needs_token: bool,
 }
 
@@ -63,6 +65,7 @@ pub(crate) fn serve(listener: std::net::TcpListener, shared: &Arc<Shared>) {
         ),
         history: Mutex::new(History::default()),
         connections: Budget::new(shared.config.limits.max_admin_connections as u64),
+        overflow: Budget::new(OVERFLOW_SLOTS),
         needs_token,
         shared: Arc::clone(shared),
     });
@@ -109,7 +112,18 @@ impl Admin {
 
     fn start(self: Arc<Self>, stream: tokio::net::TcpStream) {
         let Some(permit) = self.connections.try_take(1) else {
-            tokio::spawn(refuse(stream));
+            // Over the cap: /health is still answered (a liveness probe
+            // must not restart a healthy server because idle sockets hold
+            // the admin slots), on a few slots of its own.
+            match self.overflow.try_take(1) {
+                Some(permit) => {
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        overflow(stream).await;
+                    });
+                }
+                None => drop(stream),
+            }
             return;
         };
         let _ = stream.set_nodelay(true);
@@ -138,6 +152,21 @@ impl Admin {
         let path = request.uri().path();
         if request.method() != Method::GET && request.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served\n");
+        }
+        let host = request
+            .headers()
+            .get(HOST)
+            .map(|v| v.to_str().unwrap_or(""));
+        if !crate::trust::Auth::admin_host_allowed(
+            self.needs_token,
+            host,
+            &self.shared.config.admin_allowed_hosts,
+        ) {
+            return text(
+                StatusCode::MISDIRECTED_REQUEST,
+                "this admin endpoint answers loopback host names only (admin_allowed_hosts \
+                 adds others)\n",
+            );
         }
         if let Some(asset) = page::asset(path) {
             return page_headers(reply(
@@ -202,14 +231,34 @@ impl Admin {
     }
 }
 
-/// Answers a connection past the cap with a 503, then reads what the
-/// client sent for a moment before closing, so the answer is not lost to
-/// a reset; the whole refusal takes at most `REFUSAL_LINGER`.
-async fn refuse(mut stream: tokio::net::TcpStream) {
+/// Connections past the admin cap answered at once (each for at most
+/// `OVERFLOW_DEADLINE`); past these, new connections are closed unanswered.
+const OVERFLOW_SLOTS: u64 = 64;
+/// How long a connection past the cap has to send its request line.
+const OVERFLOW_DEADLINE: Duration = Duration::from_secs(1);
+
+/// Answers a connection past the cap: `GET /health` (or `HEAD`) with 200,
+/// anything else with a 503, reading at most one request head within
+/// `OVERFLOW_DEADLINE`; then reads what the client sent for a moment
+/// before closing, so the answer is not lost to a reset.
+async fn overflow(mut stream: tokio::net::TcpStream) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    const REFUSAL_LINGER: Duration = Duration::from_millis(200);
-    let _ = tokio::time::timeout(REFUSAL_LINGER, async {
-        stream.write_all(BUSY).await?;
+    const HEALTHY: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 3\r\nConnection: close\r\n\r\nok\n";
+    let _ = tokio::time::timeout(OVERFLOW_DEADLINE, async {
+        let mut head = [0u8; 1024];
+        let mut len = 0;
+        while len < head.len() && !head[..len].windows(2).any(|w| w == b"\r\n") {
+            let n = stream.read(&mut head[len..]).await?;
+            if n == 0 {
+                break;
+            }
+            len += n;
+        }
+        let line = &head[..len];
+        let health = line.starts_with(b"GET /health ") || line.starts_with(b"HEAD /health ");
+        stream
+            .write_all(if health { HEALTHY } else { BUSY })
+            .await?;
         stream.shutdown().await?;
         let mut sink = [0u8; 1024];
         while stream.read(&mut sink).await? > 0 {}
