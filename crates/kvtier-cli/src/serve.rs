@@ -110,6 +110,7 @@ struct FileConfig {
     min_frame_rate: Option<String>,
     max_registered: Option<String>,
     max_registered_total: Option<String>,
+    max_registered_buffers_total: Option<usize>,
     max_admin_connections: Option<usize>,
     admin_timeout: Option<f64>,
     peer_timeout: Option<f64>,
@@ -316,6 +317,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(bytes) = size(&file.max_registered, "max_registered")? {
         limits.max_registered_bytes = bytes;
+    }
+    if let Some(n) = file.max_registered_buffers_total {
+        limits.max_registered_buffers_total = n;
     }
     if let Some(bytes) = size(&file.max_registered_total, "max_registered_total")? {
         limits.max_registered_bytes_total = bytes;

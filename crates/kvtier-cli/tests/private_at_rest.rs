@@ -66,9 +66,7 @@ fn values_written_under_a_shell_umask_are_private_to_the_server_user() {
     let server = ServerProcess::start(&data, &[]);
     let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
     let value = b"secret-kv-bytes-".repeat(4096);
-    client
-        .batch_put(&[b"tenant-key"], &[&value])
-        .unwrap()[0]
+    client.batch_put(&[b"tenant-key"], &[&value]).unwrap()[0]
         .as_ref()
         .unwrap();
     client.flush().unwrap();

@@ -324,7 +324,7 @@ impl Client {
             self.shm_region = Some(Arc::clone(&region));
             let mut w = Writer::default();
             w.u64(region.len() as u64);
-            let len = self.call(Op::RegisterBuffer, &w.buf, Some(region.fd()))?;
+            let len = self.call(Op::RegisterBuffer, &w.buf, region.fd())?;
             let body = &self.response[..len];
             let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
             self.shm_id = Some(id);

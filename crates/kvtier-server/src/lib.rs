@@ -102,6 +102,8 @@ pub(crate) struct Shared {
     pub guesses: trust::GuessBudget,
     /// Bytes of shared memory registered by all connections.
     pub registered: Arc<Budget>,
+    /// Shared buffers registered by all connections (each is a mapping).
+    pub registered_buffers: Arc<Budget>,
     /// Connections to the other cluster members, in cluster mode.
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
 }
@@ -122,6 +124,23 @@ impl Server {
                 "nothing to listen on: give a TCP address or a socket path",
             ));
         }
+        // One descriptor per connection of any kind, the store's region
+        // files and the server's own: the caps must fit the open-file
+        // limit, or an idle crowd would starve the flusher of the next
+        // region file (puts failing with EMFILE).
+        let mut config = config;
+        let open_files = limits::raise_open_file_limit();
+        let region_files = store
+            .stats()
+            .disk_capacity
+            .div_ceil(store.config().effective_region_size().max(1))
+            + 2;
+        let available = open_files.saturating_sub(limits::DESCRIPTOR_RESERVE + region_files);
+        match config.limits.fit_descriptors(available) {
+            Ok(None) => {}
+            Ok(Some(said)) => tracing::warn!("{said}"),
+            Err(why) => return Err(io::Error::other(why)),
+        }
         let limits = &config.limits;
         let peers = config.cluster.as_ref().map(|view| {
             Arc::new(kvtier_client::routing::Peers::new(
@@ -140,6 +159,7 @@ impl Server {
                     limits.failed_auth_delay,
                 ),
                 registered: Budget::new(limits.max_registered_bytes_total),
+                registered_buffers: Budget::new(limits.max_registered_buffers_total as u64),
                 store,
                 auth,
                 config,

@@ -61,6 +61,9 @@ pub struct Limits {
     /// Shared memory all connections together may register. Default:
     /// 256 GiB.
     pub max_registered_bytes_total: u64,
+    /// Shared buffers all connections together may register (each is a
+    /// mapping; none holds a descriptor). Default: 4096.
+    pub max_registered_buffers_total: usize,
     /// Pause before a refused hello is answered, so a token cannot be
     /// guessed at the speed of the network. Default: 1 s.
     pub failed_auth_delay: Duration,
@@ -95,12 +98,81 @@ impl Default for Limits {
             max_registered_bytes: 64 << 30,
             max_registered_buffers: 64,
             max_registered_bytes_total: 256 << 30,
+            max_registered_buffers_total: 4096,
             failed_auth_delay: Duration::from_secs(1),
             max_admin_connections: 256,
             admin_timeout: Duration::from_secs(5),
             peer_timeout: Duration::from_secs(2),
         }
     }
+}
+
+/// Descriptors kept for the server itself beyond its connections: the
+/// listeners, io_uring rings, the data directory and its lock, the next
+/// region file, the admin runtime, logging. (Region files are counted
+/// apart, from the store's capacity.)
+pub const DESCRIPTOR_RESERVE: u64 = 256;
+
+/// Connections past `max_admin_connections` still answered (`/health`).
+pub const ADMIN_OVERFLOW: u64 = 64;
+
+/// The fewest authenticated connections a server starts with when
+/// `max_connections` must be lowered to fit the open-file limit.
+pub const MIN_CONNECTIONS: usize = 16;
+
+impl Limits {
+    /// Descriptors the connection caps together may hold: one socket per
+    /// connection of any kind (a registered shared buffer holds none).
+    pub fn connection_descriptors(&self) -> u64 {
+        (self.max_connections
+            + self.reserved_local_connections
+            + self.max_pending_connections
+            + self.max_admin_connections) as u64
+            + ADMIN_OVERFLOW
+    }
+
+    /// Fits the connection caps under `available` descriptors by lowering
+    /// `max_connections` (to no fewer than `MIN_CONNECTIONS`); returns what
+    /// it changed, to be said, or why the caps cannot fit.
+    pub fn fit_descriptors(&mut self, available: u64) -> Result<Option<String>, String> {
+        let needed = self.connection_descriptors();
+        if needed <= available {
+            return Ok(None);
+        }
+        let others = needed - self.max_connections as u64;
+        let room = available.saturating_sub(others);
+        if room < MIN_CONNECTIONS as u64 {
+            return Err(format!(
+                "the open-file limit leaves {available} descriptors for connections, fewer \
+                 than the {others} the other caps need plus {MIN_CONNECTIONS}: raise the \
+                 limit (ulimit -n, LimitNOFILE=) or lower max_pending_connections, \
+                 reserved_local_connections or max_admin_connections"
+            ));
+        }
+        let was = self.max_connections;
+        self.max_connections = room as usize;
+        Ok(Some(format!(
+            "max_connections lowered from {was} to {room} to fit the open-file limit \
+             ({available} descriptors left for connections); raise the limit to keep {was}"
+        )))
+    }
+}
+
+/// Raises this process's soft open-file limit to its hard limit and
+/// returns the soft limit now in effect.
+pub fn raise_open_file_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        let raised = rustix::process::Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            tracing::warn!(error = %e, "could not raise the open-file limit to its hard limit");
+        }
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
 }
 
 /// A counted budget shared by every connection: connections open, or bytes
@@ -166,6 +238,20 @@ impl Drop for Permit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn connection_caps_are_fitted_under_the_open_file_limit() {
+        let mut limits = Limits::default();
+        let needed = limits.connection_descriptors();
+        assert_eq!(limits.fit_descriptors(needed), Ok(None));
+        let said = limits.fit_descriptors(needed - 500).unwrap().unwrap();
+        assert_eq!(limits.max_connections, 1024 - 500);
+        assert!(said.contains("lowered from 1024 to 524"), "{said}");
+        assert_eq!(limits.connection_descriptors(), needed - 500);
+        let mut limits = Limits::default();
+        assert!(limits.fit_descriptors(100).is_err());
+        assert_eq!(limits.max_connections, 1024, "nothing changed on a refusal");
+    }
 
     #[test]
     fn budget_refuses_past_its_limit_and_gets_shares_back() {

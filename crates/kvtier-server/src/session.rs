@@ -61,6 +61,8 @@ struct State<'a> {
 struct RegisteredBuffer {
     region: SharedRegion,
     _budget: Permit,
+    /// Its place among the server's registered buffers.
+    _slot: Permit,
     metrics: Arc<Metrics>,
 }
 
@@ -470,6 +472,16 @@ impl State<'_> {
                 ),
             );
         };
+        let Some(buffer_slot) = shared.registered_buffers.try_take(1) else {
+            return refuse(
+                code::LIMIT,
+                format!(
+                    "the server holds {} shared buffers, the most all clients together may \
+                     register (max_registered_buffers_total)",
+                    shared.registered_buffers.limit()
+                ),
+            );
+        };
         let region = match SharedRegion::map_client_buffer(fd, size as usize) {
             Ok(region) => region,
             Err(e) => {
@@ -494,6 +506,7 @@ impl State<'_> {
             RegisteredBuffer {
                 region,
                 _budget: budget,
+                _slot: buffer_slot,
                 metrics: Arc::clone(&shared.metrics),
             },
         );

@@ -23,7 +23,11 @@ pub struct SharedRegion {
     len: usize,
     /// Owns the mapping; dropped before `fd`.
     _mapping: memmap2::MmapMut,
-    fd: OwnedFd,
+    /// The memfd, kept on the side that passes it on (the client); the
+    /// side that receives one (the server) closes it once mapped: the
+    /// mapping keeps the memory, and a registered buffer costs no
+    /// descriptor.
+    fd: Option<OwnedFd>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; concurrent use
@@ -49,7 +53,9 @@ impl SharedRegion {
         rustix::fs::ftruncate(&fd, len as u64)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         // The client's own buffer is pre-faulted: it is about to be filled.
-        Self::map_fd(fd, len, true)
+        let mut region = Self::map_fd(&fd, len, true)?;
+        region.fd = Some(fd);
+        Ok(region)
     }
 
     /// Maps a descriptor a client sent (server side), after checking that
@@ -84,8 +90,9 @@ impl SharedRegion {
             )));
         }
         // Not pre-faulted: the server touches pages only where values are
-        // copied, and never populates what a client merely announced.
-        Self::map_fd(fd, len, false)
+        // copied, and never populates what a client merely announced. The
+        // descriptor closes here (dropped with `fd`).
+        Self::map_fd(&fd, len, false)
     }
 
     /// Maps `len` bytes of `fd`, shared, asking for huge pages (taken where
@@ -93,13 +100,13 @@ impl SharedRegion {
     /// `advise` or `always`; with 4 KiB pages a copy into the buffer runs
     /// about a tenth slower than between huge-paged buffers), and with
     /// `populate` faults every page in.
-    fn map_fd(fd: OwnedFd, len: usize, populate: bool) -> io::Result<SharedRegion> {
+    fn map_fd(fd: &OwnedFd, len: usize, populate: bool) -> io::Result<SharedRegion> {
         // SAFETY: memmap2 asks that the file not change size under the
         // mapping: both sides' memfds are sealed against shrinking (checked
         // in `map_client_buffer`, set in `create`), so no access inside
         // `len` can fault. Its contents change under us by design (the
         // other side writes its ranges); the protocol orders those writes.
-        let mut mapping = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&fd)? };
+        let mut mapping = unsafe { memmap2::MmapOptions::new().len(len).map_mut(fd)? };
         // Failure only means no huge pages.
         let _ = mapping.advise(memmap2::Advice::HugePage);
         // MADV_POPULATE_WRITE (Linux 5.14) faults the pages in without
@@ -114,7 +121,7 @@ impl SharedRegion {
             ptr,
             len,
             _mapping: mapping,
-            fd,
+            fd: None,
         })
     }
 
@@ -131,8 +138,10 @@ impl SharedRegion {
         self.ptr
     }
 
-    pub fn fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
+    /// The memfd, on the side that created the region (`None` on the
+    /// side that mapped a received one).
+    pub fn fd(&self) -> Option<RawFd> {
+        self.fd.as_ref().map(AsRawFd::as_raw_fd)
     }
 
     /// The bytes of `offset..offset + len`, if in range.

@@ -42,6 +42,15 @@ pub struct ServerProcess {
 
 impl ServerProcess {
     pub fn start(dir: &Path, extra: &[&str]) -> ServerProcess {
+        Self::start_configured(dir, extra, |_| {})
+    }
+
+    /// `start`, with `configure` applied to the command before it runs.
+    pub fn start_configured(
+        dir: &Path,
+        extra: &[&str],
+        configure: impl FnOnce(&mut Command),
+    ) -> ServerProcess {
         let mut args = vec![
             "serve".to_string(),
             "--data-dir".into(),
@@ -65,14 +74,15 @@ impl ServerProcess {
                 .filter(|s| **s != "--generated-token")
                 .map(|s| s.to_string()),
         );
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvtier"));
+        command
             .args(&args)
             .env_remove("KVTIER_AUTH_TOKEN")
             .env("RUST_LOG", "error")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start kvtier serve");
+            .stderr(Stdio::inherit());
+        configure(&mut command);
+        let mut child = command.spawn().expect("start kvtier serve");
         let mut line = String::new();
         BufReader::new(child.stdout.as_mut().unwrap())
             .read_line(&mut line)

@@ -233,7 +233,7 @@ impl Admin {
 
 /// Connections past the admin cap answered at once (each for at most
 /// `OVERFLOW_DEADLINE`); past these, new connections are closed unanswered.
-const OVERFLOW_SLOTS: u64 = 64;
+const OVERFLOW_SLOTS: u64 = crate::limits::ADMIN_OVERFLOW;
 /// How long a connection past the cap has to send its request line.
 const OVERFLOW_DEADLINE: Duration = Duration::from_secs(1);
 

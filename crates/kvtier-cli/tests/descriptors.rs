@@ -1,0 +1,153 @@
+//! The real `kvtier serve` binary under the common open-file limit of
+//! 1,024 (soft and hard): registered shared buffers hold no descriptor,
+//! the connection caps are fitted under the limit, and durable puts and
+//! new clients keep working however many buffers and sockets clients hold.
+
+mod common;
+
+use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use kvtier_client::{Client, ClientOptions};
+use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::time::{Duration, Instant};
+
+fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
+    let mut f = Header {
+        op: op as u16,
+        request_id: id,
+        body_len: body.len() as u32,
+        status: 0,
+    }
+    .encode()
+    .to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+fn status_of(stream: &mut UnixStream) -> (i32, String) {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).unwrap();
+    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
+    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).unwrap();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+fn sealed_memfd(len: i64) -> OwnedFd {
+    // SAFETY: creating, sizing and sealing our own memfd.
+    unsafe {
+        let raw = libc::memfd_create(
+            c"fd-test".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        );
+        assert!(raw >= 0);
+        assert_eq!(libc::ftruncate(raw, len), 0);
+        assert_eq!(
+            libc::fcntl(
+                raw,
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+            ),
+            0
+        );
+        OwnedFd::from_raw_fd(raw)
+    }
+}
+
+#[test]
+fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start_configured(dir.path(), &[], |command| {
+        // SAFETY: setrlimit is async-signal-safe; the child sets its own
+        // limit before exec.
+        unsafe {
+            command.pre_exec(|| {
+                let limit = libc::rlimit {
+                    rlim_cur: 1024,
+                    rlim_max: 1024,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
+    // 20 Unix connections registering 64 buffers each: 1,280, more than
+    // the server's whole descriptor table.
+    let mut sessions = Vec::new();
+    let (mut registered, mut refused) = (0u32, 0u32);
+    for _ in 0..20 {
+        let mut s = UnixStream::connect(&server.unix).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&frame(Op::Hello, 1, &hello_body(TEST_TOKEN, "")))
+            .unwrap();
+        assert_eq!(status_of(&mut s).0, 0);
+        for i in 0..64u64 {
+            let fd = sealed_memfd(1 << 16);
+            let mut w = Writer::default();
+            w.u64(1 << 16);
+            kvtier_wire::shm::send_with_fd(
+                &s,
+                &frame(Op::RegisterBuffer, 2 + i, &w.buf),
+                fd.as_raw_fd(),
+            )
+            .unwrap();
+            match status_of(&mut s) {
+                (0, _) => registered += 1,
+                (_, why) => {
+                    refused += 1;
+                    eprintln!("register refused: {why}");
+                }
+            }
+        }
+        sessions.push(s);
+    }
+    eprintln!("buffers registered {registered}, refused {refused}");
+    assert_eq!(
+        registered, 1280,
+        "every buffer within the caps is registered"
+    );
+    // Durable puts still get their region files, and a new client gets in.
+    let started = Instant::now();
+    let mut client = Client::connect_with(
+        &server.unix_url(),
+        ClientOptions {
+            shm_size: 1 << 20,
+            ..options()
+        },
+    )
+    .unwrap();
+    for i in 0..64u32 {
+        let key = format!("durable/{i}").into_bytes();
+        let value = kvtier::internals::pattern::value(&key, 256 << 10);
+        client.batch_put(&[&key], &[&value]).unwrap()[0]
+            .as_ref()
+            .unwrap();
+    }
+    client
+        .flush()
+        .expect("a durable flush with the descriptor table full of buffers");
+    let mut tcp = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    let key = b"durable/7".to_vec();
+    let mut buf = vec![0u8; 256 << 10];
+    let got = tcp.batch_get_into(&[&key], &mut [&mut buf[..]]).unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(256 << 10));
+    assert!(kvtier::internals::pattern::verify(&key, &buf));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    // The server's own descriptors stayed well under its limit.
+    let open = std::fs::read_dir(format!("/proc/{}/fd", server.child.id()))
+        .unwrap()
+        .count();
+    eprintln!("server descriptors open: {open} of 1024");
+    assert!(open < 512, "{open} descriptors open");
+    drop(sessions);
+}
