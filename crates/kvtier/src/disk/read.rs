@@ -63,6 +63,7 @@ impl Destination for &mut [&mut [u8]] {
 
 /// One value to read: what the index says about it, with its region held
 /// open (a reclaim that unlinks the file meanwhile cannot take the bytes).
+#[derive(Clone)]
 pub(crate) struct ValueRead {
     pub digest: KeyDigest,
     pub region: Arc<Region>,
@@ -176,6 +177,18 @@ impl DiskTier {
         reads: &[Option<ValueRead>],
         dests: &mut [D],
     ) -> Vec<Option<ReadOutcome>> {
+        self.read_checked(reads, dests, true)
+    }
+
+    /// `read_verified`; `caller_memory` says whether `dests` may be written
+    /// by someone else during the read (then a direct read that does not
+    /// verify is read again privately before it counts as damage).
+    fn read_checked<D: Destination>(
+        &self,
+        reads: &[Option<ValueRead>],
+        dests: &mut [D],
+        caller_memory: bool,
+    ) -> Vec<Option<ReadOutcome>> {
         assert_eq!(reads.len(), dests.len(), "one destination per read");
         let piece_len = self.read_piece;
         // Per read: the bytes to read (a page multiple under O_DIRECT) and
@@ -277,6 +290,26 @@ impl DiskTier {
                     }
                     ReadOutcome::Verified
                 }
+                // Read straight into the caller's memory: a caller (a
+                // shared-memory client) may have written there while the
+                // read landed, so the bytes seen are no verdict on the disk.
+                // Decide from a read into private memory before calling the
+                // value damaged (which drops it from the index).
+                Ok(()) if bounce.is_none() && caller_memory => match self.reread_privately(read) {
+                    Some(private) => {
+                        tracing::warn!(
+                            region = read.loc.region(),
+                            page = read.loc.page(),
+                            "a value read into the caller's memory did not verify there but \
+                             did in private memory: the caller's buffer changed during the \
+                             read"
+                        );
+                        dest.fill_from(&private.as_slice()[..read.len]);
+                        self.bounce.give_back(private);
+                        ReadOutcome::Verified
+                    }
+                    None => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
+                },
                 Ok(()) => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => ReadOutcome::Rejected(
                     format!("value lies past the end of its region file: {e}"),
@@ -311,6 +344,25 @@ impl DiskTier {
             outcomes.push(Some(outcome));
         }
         outcomes
+    }
+
+    /// Reads `read` again into a private bounce buffer (memory no caller
+    /// can write) and returns it if it verifies there.
+    fn reread_privately(&self, read: &ValueRead) -> Option<AlignedBuf> {
+        let padded = page_round_up(read.len as u64) as usize;
+        let mut private = self.bounce.take(padded);
+        let outcome = {
+            let mut dest: &mut [u8] = &mut private.as_mut_slice()[..padded];
+            let reads = [Some(read.clone())];
+            // Private memory: this verdict is final (no second retry).
+            self.read_checked(&reads, std::slice::from_mut(&mut dest), false)
+        };
+        if matches!(outcome.first(), Some(Some(ReadOutcome::Verified))) {
+            Some(private)
+        } else {
+            self.bounce.give_back(private);
+            None
+        }
     }
 }
 

@@ -1,0 +1,169 @@
+//! A shared-memory client that writes into its own get destination while
+//! the server's disk reads land there must not make the server call
+//! durable entries damaged (and drop them): a value whose bytes do not
+//! verify in client memory is read again into the server's private memory
+//! before anything counts as a checksum failure.
+
+mod common;
+
+use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use kvtier_client::Client;
+use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+const KEYS: u64 = 24;
+const VALUE: usize = 1 << 20;
+
+fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
+    let mut f = Header {
+        op: op as u16,
+        request_id: id,
+        body_len: body.len() as u32,
+        status: 0,
+    }
+    .encode()
+    .to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+fn reply(stream: &mut UnixStream) -> (i32, Vec<u8>) {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).unwrap();
+    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
+    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).unwrap();
+    (status, body)
+}
+
+fn key(i: u64) -> Vec<u8> {
+    format!("scribbled/{i}").into_bytes()
+}
+
+/// A mapping of our own memfd, written by a scribbler thread through raw
+/// pointers (no Rust reference: the server writes it too).
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+// SAFETY: plain shared memory, only ever touched through raw volatile
+// writes here.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+#[test]
+fn a_client_scribbling_on_its_get_destination_loses_no_durable_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let server = ServerProcess::start(dir.path(), &[]);
+        let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
+        for i in 0..KEYS {
+            let value = kvtier::internals::pattern::value(&key(i), VALUE);
+            client.batch_put(&[&key(i)], &[&value]).unwrap()[0]
+                .as_ref()
+                .unwrap();
+        }
+        client.flush().unwrap();
+    }
+    // A restart: the pool is empty, every get reads the disk.
+    let server = ServerProcess::start(dir.path(), &[]);
+    let len = KEYS as usize * VALUE;
+    // SAFETY: creating, sizing, sealing and mapping our own memfd.
+    let (fd, mapping) = unsafe {
+        let raw = libc::memfd_create(
+            c"scribble".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        );
+        assert!(raw >= 0);
+        assert_eq!(libc::ftruncate(raw, len as i64), 0);
+        assert_eq!(
+            libc::fcntl(
+                raw,
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+            ),
+            0
+        );
+        let ptr = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        );
+        assert_ne!(ptr, libc::MAP_FAILED);
+        (
+            OwnedFd::from_raw_fd(raw),
+            Mapping {
+                ptr: ptr.cast(),
+                len,
+            },
+        )
+    };
+    let mut s = UnixStream::connect(&server.unix).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(&frame(Op::Hello, 1, &hello_body(TEST_TOKEN, "")))
+        .unwrap();
+    assert_eq!(reply(&mut s).0, 0);
+    let mut w = Writer::default();
+    w.u64(len as u64);
+    kvtier_wire::shm::send_with_fd(&s, &frame(Op::RegisterBuffer, 2, &w.buf), fd.as_raw_fd())
+        .unwrap();
+    assert_eq!(reply(&mut s).0, 0, "register");
+
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (mapping, stop) = (&mapping, &stop);
+        scope.spawn(move || {
+            let mut round = 0u8;
+            while !stop.load(Ordering::Relaxed) {
+                round = round.wrapping_add(1);
+                for offset in (0..mapping.len).step_by(512) {
+                    // SAFETY: in bounds of our mapping; raw volatile writes.
+                    unsafe { mapping.ptr.add(offset).write_volatile(round) };
+                }
+            }
+        });
+        // Every key, read into the buffer the scribbler is writing, a few
+        // times over.
+        for attempt in 0..4u64 {
+            let mut w = Writer::default();
+            w.u32(1).u32(KEYS as u32);
+            for i in 0..KEYS {
+                w.key(&key(i)).u64(i * VALUE as u64).u64(VALUE as u64);
+            }
+            s.write_all(&frame(Op::BatchGetShm, 10 + attempt, &w.buf))
+                .unwrap();
+            let (status, _) = reply(&mut s);
+            assert_eq!(status, 0, "batch get shm");
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    // Nothing was dropped: a clean reader gets every value, verified.
+    let mut clean = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    let mut buf = vec![0u8; VALUE];
+    for i in 0..KEYS {
+        let got = clean
+            .batch_get_into(&[&key(i)], &mut [&mut buf[..]])
+            .unwrap();
+        assert_eq!(
+            got[0].as_ref().unwrap(),
+            &Some(VALUE),
+            "key {i} was dropped after the scribbled reads"
+        );
+        assert!(kvtier::internals::pattern::verify(&key(i), &buf), "key {i}");
+    }
+    let stats = server.stats();
+    let failures = stats["store"]["checksum_failures"].as_u64().unwrap();
+    eprintln!("checksum failures counted: {failures}");
+    assert_eq!(failures, 0, "client memory was taken for disk damage");
+    // SAFETY: unmapping our own mapping.
+    unsafe { libc::munmap(mapping.ptr.cast(), mapping.len) };
+}
