@@ -362,3 +362,88 @@ fn loopback_tcp_without_credentials_is_refused_by_default() {
     let mut client = Client::connect_with(&server.tcp_url(), with_token).unwrap();
     verified_round_trip(&mut client, "token");
 }
+
+/// The server's peak resident memory so far (VmHWM).
+fn peak_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+#[test]
+fn reply_staging_follows_the_data_not_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = kvtier::internals::pattern::value(b"staged/big", 256 << 10);
+    {
+        let server = ServerProcess::start(dir.path(), &[]);
+        let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
+        client.batch_put(&[b"staged/big"], &[&big]).unwrap()[0]
+            .as_ref()
+            .unwrap();
+        client.flush().unwrap();
+    }
+    // After a restart the value is on disk only: gets of it are staged.
+    let server = ServerProcess::start(dir.path(), &[]);
+    let pid = server.child.id();
+    let mut bystander = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    verified_round_trip(&mut bystander, "before-staging");
+    let before = peak_rss_bytes(pid);
+    let get_frame = |items: &mut dyn Iterator<Item = (Vec<u8>, u64)>, count: u32| {
+        let mut w = Writer::default();
+        w.u32(count);
+        for (key, capacity) in items {
+            w.key(&key).u64(capacity);
+        }
+        let mut frame = header(Op::BatchGet, 2, w.buf.len() as u32).to_vec();
+        frame.extend_from_slice(&w.buf);
+        frame
+    };
+    std::thread::scope(|scope| {
+        // 48 connections, each naming 4,096 keys that are not there.
+        for c in 0..48 {
+            let (server, get_frame) = (&server, &get_frame);
+            scope.spawn(move || {
+                let mut s = TcpStream::connect(&server.tcp).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                hello(&mut s);
+                let frame = get_frame(
+                    &mut (0..4096u32).map(|k| (format!("absent/{c}/{k}").into_bytes(), 1 << 20)),
+                    4096,
+                );
+                s.write_all(&frame).unwrap();
+                let (status, _) = read_reply(&mut s);
+                assert_eq!(status, 0);
+            });
+        }
+        // 2 connections naming the one disk value 4,000 times each.
+        for _ in 0..2 {
+            let (server, get_frame, big) = (&server, &get_frame, &big);
+            scope.spawn(move || {
+                let mut s = TcpStream::connect(&server.tcp).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                hello(&mut s);
+                let frame = get_frame(
+                    &mut (0..4000).map(|_| (b"staged/big".to_vec(), big.len() as u64)),
+                    4000,
+                );
+                s.write_all(&frame).unwrap();
+                let (status, body) = read_reply(&mut s);
+                assert_eq!(status, 0);
+                // The table, then the value 4,000 times: check the last.
+                assert_eq!(&body[body.len() - big.len()..], &big[..]);
+            });
+        }
+    });
+    let after = peak_rss_bytes(pid);
+    eprintln!(
+        "server peak RSS before {} MiB, after the staging attacks {} MiB",
+        before >> 20,
+        after >> 20
+    );
+    verified_round_trip(&mut bystander, "after-staging");
+    assert!(
+        after < before + (256 << 20),
+        "staging grew the server's peak RSS from {before} to {after} bytes"
+    );
+}

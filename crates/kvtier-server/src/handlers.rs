@@ -8,6 +8,7 @@ use kvtier::ValueLease;
 use kvtier_client::{KnownLen, KvBackend};
 use kvtier_wire::protocol::{code, put_flags, Writer};
 use kvtier_wire::shm::SharedRegion;
+use std::collections::HashMap;
 
 /// A request's reply: frame status, body, and value bytes sent after it.
 #[derive(Debug)]
@@ -155,6 +156,15 @@ pub(crate) fn batch_get<'b>(
     let unleased: Vec<usize> = (0..items.len())
         .filter(|&i| leases[i].is_none() && results[i].is_ok())
         .collect();
+    let known: Vec<KnownLen> = (0..items.len())
+        .map(|i| {
+            if unleased.binary_search(&i).is_ok() {
+                backend.known_len(keys[i])
+            } else {
+                KnownLen::Absent
+            }
+        })
+        .collect();
     // What each key may send: a leased value's length, or (for the rest)
     // the known length or else the room a value may take, bounded by the
     // caller's capacity.
@@ -163,7 +173,7 @@ pub(crate) fn batch_get<'b>(
         .map(|i| match &leases[i] {
             Some(lease) => lease.len(),
             None if results[i].is_err() => 0,
-            None => match backend.known_len(keys[i]) {
+            None => match known[i] {
                 KnownLen::Len(len) => len.min(capacities[i]),
                 KnownLen::Absent => 0,
                 KnownLen::Unknown => room.min(capacities[i]),
@@ -178,19 +188,40 @@ pub(crate) fn batch_get<'b>(
         );
     }
     let slot_of = |len: usize| len.div_ceil(4096) * 4096;
-    let needed = unleased
-        .iter()
-        .map(|&i| slot_of(lens[i].max(1)))
-        .sum::<usize>()
-        .max(1);
+    // What is staged comes from what the store holds, not from what the
+    // request names: a key known absent gets no slot, and a key named
+    // again (with the same capacity) is read once and sent from the first
+    // one's slot.
+    let mut first_of: HashMap<(&[u8], u64), usize> = HashMap::new();
+    let mut same_as: Vec<Option<usize>> = vec![None; items.len()];
+    let mut to_read: Vec<usize> = Vec::new();
+    for &i in &unleased {
+        if matches!(known[i], KnownLen::Absent) {
+            continue;
+        }
+        match first_of.entry((keys[i], items[i].1)) {
+            std::collections::hash_map::Entry::Occupied(first) => same_as[i] = Some(*first.get()),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(i);
+                to_read.push(i);
+            }
+        }
+    }
+    let mut slot_at: Vec<Option<usize>> = vec![None; items.len()];
+    let mut needed = 0usize;
+    for &i in &to_read {
+        slot_at[i] = Some(needed);
+        needed += slot_of(lens[i].max(1));
+    }
+    let needed = needed.max(1);
     if arena.as_ref().is_none_or(|a| a.len() < needed) {
         *arena = Some(AlignedBuf::zeroed(needed));
     }
     let arena = arena.as_mut().expect("sized above");
-    if !unleased.is_empty() {
+    if !to_read.is_empty() {
         let mut rest = arena.as_mut_slice();
-        let mut slices: Vec<[&mut [u8]; 1]> = Vec::with_capacity(unleased.len());
-        for &i in &unleased {
+        let mut slices: Vec<[&mut [u8]; 1]> = Vec::with_capacity(to_read.len());
+        for &i in &to_read {
             let (slot, tail) = rest.split_at_mut(slot_of(lens[i].max(1)));
             // The caller's capacity bounds what is returned.
             let limit = (items[i].1 as usize).min(slot.len());
@@ -198,35 +229,36 @@ pub(crate) fn batch_get<'b>(
             rest = tail;
         }
         let mut dests: Vec<&mut [&mut [u8]]> = slices.iter_mut().map(|s| &mut s[..]).collect();
-        let read_keys: Vec<&[u8]> = unleased.iter().map(|&i| keys[i]).collect();
-        for (&i, result) in unleased
+        let read_keys: Vec<&[u8]> = to_read.iter().map(|&i| keys[i]).collect();
+        for (&i, result) in to_read
             .iter()
             .zip(backend.batch_get(&read_keys, &mut dests))
         {
             results[i] = result;
         }
     }
+    for i in 0..items.len() {
+        if let Some(first) = same_as[i] {
+            results[i] = match &results[first] {
+                Ok(found) => Ok(*found),
+                Err(e) => Err(e.duplicate()),
+            };
+            slot_at[i] = slot_at[first];
+        }
+    }
     let (w, bytes_out) = get_table(&results);
     let arena: &'b AlignedBuf = arena;
     let leases: &'b [Option<ValueLease>] = leases;
     let mut tail = Vec::new();
-    let mut offset = 0usize;
-    let mut next_unleased = unleased.iter().peekable();
     for (i, (result, lease)) in results.iter().zip(leases.iter()).enumerate() {
-        match lease {
-            Some(lease) => {
-                if let Ok(Some(n)) = result {
-                    tail.push(&lease.bytes()[..*n]);
-                }
-            }
-            None if next_unleased.peek() == Some(&&i) => {
-                next_unleased.next();
-                if let Ok(Some(n)) = result {
-                    tail.push(&arena.as_slice()[offset..offset + n]);
-                }
-                offset += slot_of(lens[i].max(1));
-            }
-            None => {}
+        let Ok(Some(n)) = result else {
+            continue;
+        };
+        match (lease, slot_at[i]) {
+            (Some(lease), _) => tail.push(&lease.bytes()[..*n]),
+            (None, Some(offset)) => tail.push(&arena.as_slice()[offset..offset + n]),
+            // A hit has a lease or a slot.
+            (None, None) => unreachable!("a hit without a lease or a slot"),
         }
     }
     get_reply(w, bytes_out, tail, &results)
