@@ -111,6 +111,7 @@ struct FileConfig {
     max_registered: Option<String>,
     max_registered_total: Option<String>,
     max_registered_buffers_total: Option<usize>,
+    max_receiving: Option<String>,
     max_admin_connections: Option<usize>,
     admin_timeout: Option<f64>,
     peer_timeout: Option<f64>,
@@ -317,6 +318,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(bytes) = size(&file.max_registered, "max_registered")? {
         limits.max_registered_bytes = bytes;
+    }
+    if let Some(bytes) = size(&file.max_receiving, "max_receiving")? {
+        limits.max_receiving_bytes = Some(bytes);
     }
     if let Some(n) = file.max_registered_buffers_total {
         limits.max_registered_buffers_total = n;

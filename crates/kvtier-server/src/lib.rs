@@ -104,6 +104,8 @@ pub(crate) struct Shared {
     pub registered: Arc<Budget>,
     /// Shared buffers registered by all connections (each is a mapping).
     pub registered_buffers: Arc<Budget>,
+    /// Bytes of streamed put values still arriving (their pool extents).
+    pub receiving: Arc<Budget>,
     /// Connections to the other cluster members, in cluster mode.
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
 }
@@ -160,6 +162,11 @@ impl Server {
                 ),
                 registered: Budget::new(limits.max_registered_bytes_total),
                 registered_buffers: Budget::new(limits.max_registered_buffers_total as u64),
+                receiving: Budget::new(
+                    limits
+                        .max_receiving_bytes
+                        .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
+                ),
                 store,
                 auth,
                 config,

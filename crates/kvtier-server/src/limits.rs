@@ -64,6 +64,11 @@ pub struct Limits {
     /// Shared buffers all connections together may register (each is a
     /// mapping; none holds a descriptor). Default: 4096.
     pub max_registered_buffers_total: usize,
+    /// Bytes of streamed put values that may be arriving at once, all
+    /// connections together (each holds a pool extent of its announced
+    /// length until its bytes are in): the share of the pool unfinished
+    /// values may pin. Default (`None`): half the memory tier.
+    pub max_receiving_bytes: Option<u64>,
     /// Pause before a refused hello is answered, so a token cannot be
     /// guessed at the speed of the network. Default: 1 s.
     pub failed_auth_delay: Duration,
@@ -99,6 +104,7 @@ impl Default for Limits {
             max_registered_buffers: 64,
             max_registered_bytes_total: 256 << 30,
             max_registered_buffers_total: 4096,
+            max_receiving_bytes: None,
             failed_auth_delay: Duration::from_secs(1),
             max_admin_connections: 256,
             admin_timeout: Duration::from_secs(5),

@@ -180,6 +180,7 @@ impl<'a> Session<'a> {
                         stream,
                         limits.max_batch,
                         &mut body,
+                        &shared.receiving,
                     );
                     self.state.body = body;
                     let reply = match reply {

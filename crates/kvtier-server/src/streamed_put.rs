@@ -9,18 +9,28 @@
 //! values received so far first: each exactly as its client sent it).
 
 use crate::handlers::{put_reply, result_code, Reply};
+use crate::limits::{Budget, Permit};
 use kvtier::NamespacedStore;
 use kvtier_wire::protocol::{put_flags, rules, ProtocolError};
 use kvtier_wire::transport::{BodyStream, ReadError, Transport};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Reads and runs one BatchPut whose header has been read; `discard` is
 /// scratch space for the bytes of values that are not stored.
+///
+/// A value takes its length from `receiving` (the server-wide budget of
+/// values still arriving) before it gets a pool extent, and gives it back
+/// once its bytes are all in: announced lengths pin at most that share of
+/// the pool, whatever a client announces and however slowly it sends.
+/// Without room within `RECEIVING_WAIT` the item is answered NO_SPACE.
 pub(crate) fn batch_put_streamed<'b>(
     store: &NamespacedStore,
     transport: &mut Transport,
     mut body: BodyStream,
     max_batch: u32,
     discard: &mut Vec<u8>,
+    receiving: &Arc<Budget>,
 ) -> Result<Reply<'b>, ReadError> {
     let mut head = [0u8; 5];
     transport.read_body(&mut body, &mut head)?;
@@ -43,6 +53,19 @@ pub(crate) fn batch_put_streamed<'b>(
         let len = u64::from_le_bytes(len);
         rules::value_len(len, body.remaining()).map_err(ReadError::Protocol)?;
         bytes_in += len;
+        let Some(permit) = take_receiving(receiving, len) else {
+            puts.refuse(kvtier::Error::new(
+                kvtier::ErrorKind::NoSpace,
+                format!(
+                    "the server is receiving {} bytes of unfinished values, the most it \
+                     lets arrive at once (max_receiving_bytes: {}); retry",
+                    receiving.used(),
+                    receiving.limit()
+                ),
+            ));
+            skip(transport, &mut body, len, discard)?;
+            continue;
+        };
         match puts.begin(key, len) {
             Some(mut value) => {
                 // `fill` speaks io::Error; the read's own error is kept.
@@ -56,6 +79,7 @@ pub(crate) fn batch_put_streamed<'b>(
                 if filled.is_err() {
                     return Err(failed.expect("a failed fill kept its error"));
                 }
+                drop(permit);
                 puts.received(key, value);
             }
             None => skip(transport, &mut body, len, discard)?,
@@ -69,6 +93,26 @@ pub(crate) fn batch_put_streamed<'b>(
     }
     let codes: Vec<i32> = puts.finish().iter().map(result_code).collect();
     Ok(put_reply(&codes, bytes_in))
+}
+
+/// How long a value waits for room in the receiving budget.
+const RECEIVING_WAIT: Duration = Duration::from_secs(2);
+
+/// Takes `len` bytes of `receiving`, waiting up to `RECEIVING_WAIT` for
+/// values in flight elsewhere to finish. (A value larger than the whole
+/// budget is let through alone, when nothing else is arriving.)
+fn take_receiving(receiving: &Arc<Budget>, len: u64) -> Option<Permit> {
+    let len = len.min(receiving.limit());
+    let deadline = Instant::now() + RECEIVING_WAIT;
+    loop {
+        if let Some(permit) = receiving.try_take(len) {
+            return Some(permit);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 /// Reads and drops `len` body bytes (a value answered without storing).

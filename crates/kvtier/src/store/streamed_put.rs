@@ -83,6 +83,12 @@ impl StreamedPuts {
         }
     }
 
+    /// Answers the next item with `error` without taking an extent (the
+    /// caller discards its bytes): a limit of the caller's own said no.
+    pub fn refuse(&mut self, error: crate::Error) {
+        self.results.push(Err(error));
+    }
+
     /// The item's value, filled.
     pub fn received(&mut self, key: &[u8], value: ReceivingValue) {
         self.pending.push((self.results.len(), key.into(), value));
