@@ -11,6 +11,7 @@
 //! never another key's bytes.
 
 mod direct;
+mod idle_pool;
 mod peers;
 
 pub use direct::{DirectRouting, ServerView};

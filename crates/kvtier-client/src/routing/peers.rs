@@ -1,8 +1,10 @@
-//! Connections to the other members, and what they cost: a pool of
-//! clients per (member, namespace), every call bounded by the peer
-//! timeout, and a member that failed is skipped for a moment so a dead
-//! node costs one timeout, not one per request.
+//! Connections to the other members, and what they cost: idle clients
+//! kept per member (at most `IDLE_PER_MEMBER`, reused by namespace, see
+//! `idle_pool`), every call bounded by the peer timeout, and a member that
+//! failed is skipped for a moment so a dead node costs one timeout, not
+//! one per request.
 
+use super::idle_pool::{IdlePool, IDLE_PER_MEMBER, MAX_IDLE};
 use crate::client::{Client, ClientOptions};
 use kvtier_wire::cluster::{ClusterView, Member};
 use std::collections::{BTreeMap, HashMap};
@@ -33,7 +35,7 @@ pub struct Peers {
     /// CA that signs the members' certificates, for members that speak TLS.
     tls_ca: Option<std::path::PathBuf>,
     timeout: Duration,
-    idle: Mutex<HashMap<(String, String), Vec<Client>>>,
+    idle: Mutex<IdlePool<Client>>,
     skip_until: Mutex<HashMap<String, Instant>>,
     stats: Mutex<BTreeMap<String, PeerStats>>,
 }
@@ -52,7 +54,7 @@ impl Peers {
             token,
             tls_ca,
             timeout,
-            idle: Mutex::new(HashMap::new()),
+            idle: Mutex::new(IdlePool::new(IDLE_PER_MEMBER, MAX_IDLE)),
             skip_until: Mutex::new(HashMap::new()),
             stats: Mutex::new(BTreeMap::new()),
         }
@@ -77,13 +79,11 @@ impl Peers {
             self.note(member, |s| s.skipped += 1);
             return None;
         }
-        let slot = (member.address.clone(), namespace.to_string());
         let pooled = self
             .idle
             .lock()
             .unwrap()
-            .get_mut(&slot)
-            .and_then(|clients| clients.pop());
+            .take(&member.address, namespace, Instant::now());
         let started = Instant::now();
         let client = match pooled {
             Some(client) => Ok(client),
@@ -111,9 +111,7 @@ impl Peers {
                 self.idle
                     .lock()
                     .unwrap()
-                    .entry(slot)
-                    .or_default()
-                    .push(client);
+                    .put(&member.address, namespace, client, Instant::now());
                 self.note(member, |s| {
                     s.requests += 1;
                     s.keys += keys as u64;
@@ -128,7 +126,7 @@ impl Peers {
                     .lock()
                     .unwrap()
                     .insert(member.id.clone(), Instant::now() + SKIP_AFTER_FAILURE);
-                self.idle.lock().unwrap().remove(&slot);
+                self.idle.lock().unwrap().forget(&member.address);
                 self.note(member, |s| {
                     s.requests += 1;
                     s.errors += 1;
