@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// Most connections waiting for their hello. Default: 64.
     #[arg(long)]
     pub max_pending_connections: Option<usize>,
+    /// TOML file of tokens scoped to namespace prefixes (docs/server.md,
+    /// "Tenants"). Default: none.
+    #[arg(long)]
+    pub tenants: Option<PathBuf>,
     /// Most TCP connections from one address. Default: 256.
     #[arg(long)]
     pub max_connections_per_address: Option<usize>,
@@ -104,6 +108,7 @@ struct FileConfig {
     max_connections_per_address: Option<usize>,
     max_failed_hellos_per_second: Option<u32>,
     admin_allowed_hosts: Option<Vec<String>>,
+    tenants_file: Option<PathBuf>,
     handshake_timeout: Option<f64>,
     idle_timeout: Option<f64>,
     frame_timeout: Option<f64>,
@@ -350,6 +355,10 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));
     server_config.peer_tls_ca = args.cluster.peer_ca.clone();
     server_config.admin_allowed_hosts = file.admin_allowed_hosts.clone().unwrap_or_default();
+    if let Some(path) = args.tenants.clone().or(file.tenants_file.clone()) {
+        server_config.tenants =
+            kvtier_server::read_tenants(&path).map_err(|e| format!("the tenants file: {e}"))?;
+    }
     let server = Server::new(Arc::clone(&store), server_config)?;
     let server_stop = server.stop_flag();
     let stop_seen = Arc::clone(&stop);

@@ -20,7 +20,9 @@ mod streamed_put;
 mod trust;
 
 pub use limits::Limits;
-pub use trust::{check_token, data_dir_token, Auth, Peer, MIN_TOKEN_LEN, TOKEN_FILE};
+pub use trust::{
+    check_token, data_dir_token, read_tenants, Auth, Peer, Tenant, MIN_TOKEN_LEN, TOKEN_FILE,
+};
 
 use crate::metrics::Metrics;
 use kvtier::Store;
@@ -64,6 +66,10 @@ pub struct ServerConfig {
     /// page that rebinds its own name to 127.0.0.1 sends its own name and
     /// is turned away. Default: none.
     pub admin_allowed_hosts: Vec<String>,
+    /// Tokens scoped to namespace prefixes (`read_tenants`). With any, the
+    /// admin endpoint asks for the server's token on loopback too.
+    /// Default: none.
+    pub tenants: Vec<Tenant>,
 }
 
 impl Default for ServerConfig {
@@ -78,6 +84,7 @@ impl Default for ServerConfig {
             cluster: None,
             peer_tls_ca: None,
             admin_allowed_hosts: Vec::new(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -118,7 +125,14 @@ impl Server {
     /// Checks the configuration: TCP and a non-loopback admin port need a
     /// token of at least `MIN_TOKEN_LEN` bytes.
     pub fn new(store: Arc<Store>, config: ServerConfig) -> io::Result<Server> {
-        let auth = Auth::new(config.auth_token.as_deref())?;
+        let auth = Auth::new(config.auth_token.as_deref())?.with_tenants(config.tenants.clone())?;
+        if auth.has_tenants() && !auth.has_token() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "tenants need the server's own token too (it opens the admin endpoint, which \
+                 shows every tenant)",
+            ));
+        }
         auth.check_listeners(config.listen, config.tls.is_some(), config.admin)?;
         if config.listen.is_none() && config.socket.is_none() {
             return Err(io::Error::new(

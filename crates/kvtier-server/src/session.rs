@@ -53,6 +53,8 @@ struct State<'a> {
     peer: crate::trust::Peer,
     /// The connection's slot: pending until the hello succeeds.
     slot: crate::trust::Slot,
+    /// What the hello opened (before it: nothing is served anyway).
+    scope: crate::trust::Scope,
     /// When the hello must be done by.
     hello_deadline: Instant,
 }
@@ -103,6 +105,7 @@ impl<'a> Session<'a> {
                 registered_bytes: 0,
                 peer,
                 slot,
+                scope: crate::trust::Scope::Full,
                 hello_deadline,
             },
         }
@@ -343,6 +346,10 @@ impl State<'_> {
             Request::PrefixLen { keys } => handlers::prefix_len(backend, &keys),
             Request::Remove { key } => handlers::remove(backend, key),
             Request::Flush => handlers::flush(backend),
+            Request::Stats | Request::ClusterView if !self.scope.sees_the_server() => Reply::error(
+                code::UNAUTHORIZED,
+                "a tenant's token does not open the server's statistics or cluster view",
+            ),
             Request::Stats => {
                 let json = shared.metrics.json(&shared.store.stats());
                 Reply::ok(json.to_string().into_bytes())
@@ -386,14 +393,22 @@ impl State<'_> {
     /// namespace.
     fn hello<'b>(&mut self, token: &[u8], namespace: &str) -> Reply<'b> {
         let shared = self.shared;
-        if let Err(why) =
-            shared
+        let scope =
+            match shared
                 .auth
                 .admit_hello(&self.peer, token, &shared.guesses, self.hello_deadline)
-        {
+            {
+                Ok(scope) => scope,
+                Err(why) => {
+                    shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    return Reply::error(code::UNAUTHORIZED, why).closing();
+                }
+            };
+        if let Some(why) = scope.refuses_namespace(namespace) {
             shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
             return Reply::error(code::UNAUTHORIZED, why).closing();
         }
+        self.scope = scope;
         if let Err(why) = shared.admission.admit_hello(&mut self.slot) {
             shared
                 .metrics

@@ -238,6 +238,111 @@ pub const TOKEN_FILE: &str = "auth-token";
 pub struct Auth {
     token: Option<Box<[u8]>>,
     server_uid: u32,
+    /// Tokens scoped to namespace prefixes (`tenants`).
+    tenants: Vec<Tenant>,
+}
+
+/// A token that may use only namespaces starting with one of its
+/// prefixes, and sees no other tenant (no STATS, no cluster view).
+#[derive(Clone)]
+pub struct Tenant {
+    pub name: String,
+    token: Box<[u8]>,
+    pub prefixes: Vec<String>,
+}
+
+impl std::fmt::Debug for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenant")
+            .field("name", &self.name)
+            .field("prefixes", &self.prefixes)
+            .finish()
+    }
+}
+
+/// What a connection may do once its hello succeeded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// The server's token, or a Unix peer of the server's user: anything.
+    Full,
+    /// A tenant's token: its namespaces only, and no server-wide views.
+    Tenant { name: String, prefixes: Vec<String> },
+}
+
+impl Scope {
+    /// Why `namespace` is refused to this scope, if it is.
+    pub fn refuses_namespace(&self, namespace: &str) -> Option<String> {
+        match self {
+            Scope::Full => None,
+            Scope::Tenant { name, prefixes } => {
+                (!prefixes.iter().any(|p| namespace.starts_with(p.as_str()))).then(|| {
+                    format!(
+                        "namespace {namespace:?} is outside tenant {name}'s namespaces \
+                         ({prefixes:?})"
+                    )
+                })
+            }
+        }
+    }
+
+    /// Whether server-wide views (STATS, the cluster view) are open to it.
+    pub fn sees_the_server(&self) -> bool {
+        matches!(self, Scope::Full)
+    }
+}
+
+/// The tenants file (TOML): one `[[tenant]]` table per tenant, with
+/// `name`, `token` (at least `MIN_TOKEN_LEN` bytes) and `namespaces` (the
+/// prefixes its namespaces must start with; at least one, none empty).
+/// Opened as a secret (no link, the server's own, no group/other rights).
+pub fn read_tenants(path: &Path) -> io::Result<Vec<Tenant>> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct File {
+        #[serde(default)]
+        tenant: Vec<Entry>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Entry {
+        name: String,
+        token: String,
+        namespaces: Vec<String>,
+    }
+    let invalid = |why: String| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{}: {why}", path.display()),
+        )
+    };
+    let mut text = String::new();
+    io::Read::read_to_string(&mut kvtier::private_files::open_secret(path)?, &mut text)?;
+    let file: File = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+    let mut tenants: Vec<Tenant> = Vec::new();
+    for entry in file.tenant {
+        check_token(&entry.token).map_err(|e| invalid(format!("tenant {}: {e}", entry.name)))?;
+        if entry.namespaces.is_empty() || entry.namespaces.iter().any(String::is_empty) {
+            return Err(invalid(format!(
+                "tenant {} needs at least one non-empty namespace prefix",
+                entry.name
+            )));
+        }
+        if tenants
+            .iter()
+            .any(|t| t.name == entry.name || *t.token == *entry.token.as_bytes())
+        {
+            return Err(invalid(format!(
+                "tenant {} (or its token) appears twice",
+                entry.name
+            )));
+        }
+        tenants.push(Tenant {
+            name: entry.name,
+            token: entry.token.into_bytes().into(),
+            prefixes: entry.namespaces,
+        });
+    }
+    Ok(tenants)
 }
 
 impl std::fmt::Debug for Auth {
@@ -258,7 +363,48 @@ impl Auth {
         Ok(Auth {
             token: token.map(|t| t.as_bytes().into()),
             server_uid: rustix::process::geteuid().as_raw(),
+            tenants: Vec::new(),
         })
+    }
+
+    /// Adds tokens scoped to namespace prefixes (see `read_tenants`); none
+    /// may equal the server's token.
+    pub fn with_tenants(mut self, tenants: Vec<Tenant>) -> io::Result<Auth> {
+        if tenants
+            .iter()
+            .any(|t| self.token.as_deref() == Some(&*t.token))
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a tenant's token is the server's token: give every tenant a token of its own",
+            ));
+        }
+        self.tenants = tenants;
+        Ok(self)
+    }
+
+    /// Whether tokens scoped to tenants are configured (then the admin
+    /// endpoint asks for the server's token even on loopback: its views
+    /// show every tenant).
+    pub fn has_tenants(&self) -> bool {
+        !self.tenants.is_empty()
+    }
+
+    /// The scope `presented` opens: the server's token, a tenant's, or
+    /// none. Every token is compared, each in constant time.
+    fn scope_of(&self, presented: &[u8]) -> Option<Scope> {
+        let mut scope = self.token_matches(presented).then_some(Scope::Full);
+        for tenant in &self.tenants {
+            let matches =
+                tenant.token.len() == presented.len() && bool::from(tenant.token.ct_eq(presented));
+            if matches && scope.is_none() {
+                scope = Some(Scope::Tenant {
+                    name: tenant.name.clone(),
+                    prefixes: tenant.prefixes.clone(),
+                });
+            }
+        }
+        scope
     }
 
     pub fn has_token(&self) -> bool {
@@ -325,16 +471,16 @@ impl Auth {
         token: &[u8],
         guesses: &GuessBudget,
         deadline: Instant,
-    ) -> Result<(), &'static str> {
+    ) -> Result<Scope, &'static str> {
         if peer.trusted_by_credentials {
-            return Ok(());
+            return Ok(Scope::Full);
         }
         let Some(turn) = guesses.take_turn(deadline) else {
             return Err("too many refused hellos on this server: retry later");
         };
-        if self.token_matches(token) {
+        if let Some(scope) = self.scope_of(token) {
             turn.give_back();
-            return Ok(());
+            return Ok(scope);
         }
         std::thread::sleep(guesses.delay);
         Err(if peer.unix {

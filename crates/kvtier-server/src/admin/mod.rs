@@ -56,7 +56,10 @@ pub(crate) fn serve(listener: std::net::TcpListener, shared: &Arc<Shared>) {
             return;
         }
     };
-    let needs_token = crate::trust::Auth::admin_needs_token(listener.local_addr().ok());
+    // With tenants, the admin views (every tenant's traffic) need the
+    // server's token on loopback too.
+    let needs_token = crate::trust::Auth::admin_needs_token(listener.local_addr().ok())
+        || shared.auth.has_tenants();
     let admin = Arc::new(Admin {
         registry: metrics::registry(
             Arc::clone(&shared.metrics),
@@ -174,6 +177,10 @@ impl Admin {
                 asset.content_type,
                 Bytes::from_static(asset.body),
             ));
+        }
+        // Liveness reveals nothing: answered without the token.
+        if path == "/health" {
+            return text(StatusCode::OK, "ok\n");
         }
         let authorization = request
             .headers()
