@@ -189,14 +189,17 @@ pub(crate) fn batch_get<'b>(
     }
     let slot_of = |len: usize| len.div_ceil(4096) * 4096;
     // What is staged comes from what the store holds, not from what the
-    // request names: a key known absent gets no slot, and a key named
-    // again (with the same capacity) is read once and sent from the first
-    // one's slot.
+    // request names: a key known absent gets no slot (it is still asked
+    // for, with an empty destination, so the store counts its miss), and a
+    // key named again (with the same capacity) is read once and sent from
+    // the first one's slot.
     let mut first_of: HashMap<(&[u8], u64), usize> = HashMap::new();
     let mut same_as: Vec<Option<usize>> = vec![None; items.len()];
     let mut to_read: Vec<usize> = Vec::new();
+    let mut absent: Vec<usize> = Vec::new();
     for &i in &unleased {
         if matches!(known[i], KnownLen::Absent) {
+            absent.push(i);
             continue;
         }
         match first_of.entry((keys[i], items[i].1)) {
@@ -218,9 +221,9 @@ pub(crate) fn batch_get<'b>(
         *arena = Some(AlignedBuf::zeroed(needed));
     }
     let arena = arena.as_mut().expect("sized above");
-    if !to_read.is_empty() {
+    if !to_read.is_empty() || !absent.is_empty() {
         let mut rest = arena.as_mut_slice();
-        let mut slices: Vec<[&mut [u8]; 1]> = Vec::with_capacity(to_read.len());
+        let mut slices: Vec<[&mut [u8]; 1]> = Vec::with_capacity(to_read.len() + absent.len());
         for &i in &to_read {
             let (slot, tail) = rest.split_at_mut(slot_of(lens[i].max(1)));
             // The caller's capacity bounds what is returned.
@@ -228,13 +231,21 @@ pub(crate) fn batch_get<'b>(
             slices.push([&mut slot[..limit]]);
             rest = tail;
         }
+        for _ in &absent {
+            slices.push([&mut []]);
+        }
         let mut dests: Vec<&mut [&mut [u8]]> = slices.iter_mut().map(|s| &mut s[..]).collect();
-        let read_keys: Vec<&[u8]> = to_read.iter().map(|&i| keys[i]).collect();
-        for (&i, result) in to_read
-            .iter()
-            .zip(backend.batch_get(&read_keys, &mut dests))
-        {
-            results[i] = result;
+        let read_keys: Vec<&[u8]> = to_read.iter().chain(&absent).map(|&i| keys[i]).collect();
+        let answers = backend.batch_get(&read_keys, &mut dests);
+        for (n, (&i, result)) in to_read.iter().chain(&absent).zip(answers).enumerate() {
+            results[i] = match result {
+                // Absent at the length lookup, put since: this get came
+                // first, and it is a miss.
+                Err(e) if n >= to_read.len() && e.kind() == kvtier::ErrorKind::BufferTooSmall => {
+                    Ok(None)
+                }
+                result => result,
+            };
         }
     }
     for i in 0..items.len() {
