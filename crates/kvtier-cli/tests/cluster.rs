@@ -649,3 +649,72 @@ fn a_routing_client_sends_each_key_to_its_owners() {
         "all on the member left"
     );
 }
+
+/// Member records are not signed yet (anyone who can write to etcd can
+/// add one), but a forged record cannot take a member's place by reusing
+/// its id under another key, and one claiming a huge capacity is weighed
+/// at most 4 times the median.
+#[test]
+fn forged_member_records_neither_replace_members_nor_draw_every_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let nodes: Vec<ServerProcess> = (1..=2)
+        .map(|i| node(&dir.path().join(format!("node{i}")), &etcd, &[]))
+        .collect();
+    let refs: Vec<&ServerProcess> = nodes.iter().collect();
+    wait_for_members(&refs, 2, Duration::from_secs(20));
+    let real = members_seen(&nodes[1]);
+    let victim = real
+        .iter()
+        .find(|m| m.address == nodes[0].tcp)
+        .unwrap()
+        .clone();
+    let forge = |key: &str, member: &Member| {
+        let status = Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &etcd.endpoints(), "put", key])
+            .arg(serde_json::to_string(member).unwrap())
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    let impostor = Member {
+        address: "127.0.0.1:1".into(),
+        capacity: u64::MAX / 2,
+        ..victim.clone()
+    };
+    forge("/kvtier/test/members/zz-impostor", &impostor);
+    let evil = Member {
+        id: "evil".into(),
+        address: "127.0.0.1:1".into(),
+        capacity: u64::MAX / 2,
+        ..victim.clone()
+    };
+    forge("/kvtier/test/members/evil", &evil);
+    // The view is listed again on every change: give it a moment.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let seen = loop {
+        let seen = members_seen(&nodes[1]);
+        if seen.iter().any(|m| m.id == "evil") {
+            break seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the forged member never showed: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let victim_seen = seen.iter().find(|m| m.id == victim.id).unwrap();
+    assert_eq!(
+        victim_seen.address, victim.address,
+        "an impostor replaced {}",
+        victim.id
+    );
+    let evil_seen = seen.iter().find(|m| m.id == "evil").unwrap();
+    assert!(
+        evil_seen.capacity <= 4 * victim.capacity,
+        "a forged capacity of {} was taken as it is",
+        evil_seen.capacity
+    );
+}

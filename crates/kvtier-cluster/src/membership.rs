@@ -149,8 +149,18 @@ async fn read_members(
     )
     .await?;
     let mut members = Vec::new();
+    let prefix = member_prefix(cluster);
     for kv in response.kvs() {
         match serde_json::from_slice::<Member>(kv.value()) {
+            // A member registers under its own id: a record under another
+            // key claims an id it was not registered as.
+            Ok(member) if kv.key() != format!("{prefix}{}", member.id).as_bytes() => {
+                tracing::warn!(
+                    key = %String::from_utf8_lossy(kv.key()),
+                    id = %member.id,
+                    "ignoring a member record stored under another member's key"
+                );
+            }
             Ok(member) => members.push(member),
             Err(e) => tracing::warn!(
                 key = %String::from_utf8_lossy(kv.key()),

@@ -31,6 +31,46 @@ pub struct Member {
     pub tls: bool,
 }
 
+/// A member's placement weight is at most this many times the median
+/// capacity of the list.
+pub const MAX_WEIGHT_OVER_MEDIAN: u64 = 4;
+
+/// The member list a node acts on, from records anyone who can write to
+/// etcd can forge (until member records are signed): sorted by id; an id
+/// claimed by more than one record is refused altogether (an impostor must
+/// not replace a member by reusing its id, and which record is genuine
+/// cannot be told); a record with this node's id is replaced by this
+/// node's own facts (it knows where it is); and every capacity is capped
+/// at `MAX_WEIGHT_OVER_MEDIAN` times the median, so one record claiming a
+/// huge capacity cannot draw nearly every key to itself.
+pub fn accept_members(me: &Member, mut members: Vec<Member>) -> Vec<Member> {
+    members.sort_by(|a, b| a.id.cmp(&b.id));
+    let mut accepted: Vec<Member> = Vec::with_capacity(members.len());
+    let mut i = 0;
+    while i < members.len() {
+        let mut j = i + 1;
+        while j < members.len() && members[j].id == members[i].id {
+            j += 1;
+        }
+        if members[i].id == me.id {
+            accepted.push(me.clone());
+        } else if j - i == 1 {
+            accepted.push(members[i].clone());
+        }
+        i = j;
+    }
+    if !accepted.is_empty() {
+        let mut capacities: Vec<u64> = accepted.iter().map(|m| m.capacity).collect();
+        capacities.sort_unstable();
+        let median = capacities[(capacities.len() - 1) / 2].max(1);
+        let cap = median.saturating_mul(MAX_WEIGHT_OVER_MEDIAN);
+        for member in &mut accepted {
+            member.capacity = member.capacity.min(cap);
+        }
+    }
+    accepted
+}
+
 /// What this node knows of its cluster: itself, the live members (the last
 /// list etcd gave; kept while etcd cannot be reached), and how
 /// registration has gone.
@@ -98,9 +138,10 @@ impl ClusterView {
         Arc::clone(&self.members.read().unwrap())
     }
 
-    pub fn set_members(&self, mut members: Vec<Member>) {
-        members.sort_by(|a, b| a.id.cmp(&b.id));
-        members.dedup_by(|a, b| a.id == b.id);
+    /// Takes a member list (from etcd, or from a server's cluster view)
+    /// through `accept_members`.
+    pub fn set_members(&self, members: Vec<Member>) {
+        let members = accept_members(&self.me(), members);
         *self.members.write().unwrap() = Arc::new(members);
         *self.updated.write().unwrap() = Some(Instant::now());
     }
@@ -135,5 +176,57 @@ impl ClusterView {
             "lease_losses": self.lease_losses.load(Ordering::Relaxed),
             "etcd_errors": self.etcd_errors.load(Ordering::Relaxed),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(id: &str, address: &str, capacity: u64) -> Member {
+        Member {
+            id: id.into(),
+            address: address.into(),
+            capacity,
+            incarnation: 1,
+            admin: None,
+            tls: false,
+        }
+    }
+
+    #[test]
+    fn reused_ids_are_refused_and_this_node_is_itself() {
+        let me = member("b", "10.0.0.2:7700", 100);
+        let list = vec![
+            member("c", "10.0.0.3:7700", 100),
+            member("a", "10.0.0.1:7700", 100),
+            member("a", "6.6.6.6:7700", 100),
+            member("b", "6.6.6.6:7700", 100),
+        ];
+        let accepted = accept_members(&me, list);
+        let ids: Vec<(&str, &str)> = accepted
+            .iter()
+            .map(|m| (m.id.as_str(), m.address.as_str()))
+            .collect();
+        assert_eq!(ids, [("b", "10.0.0.2:7700"), ("c", "10.0.0.3:7700")]);
+    }
+
+    #[test]
+    fn a_huge_capacity_is_capped_relative_to_the_median() {
+        let me = member("a", "x:1", 100);
+        let list = vec![
+            member("a", "x:1", 100),
+            member("b", "x:2", 120),
+            member("c", "x:3", 80),
+            member("evil", "x:4", u64::MAX),
+        ];
+        let accepted = accept_members(&me, list);
+        let evil = accepted.iter().find(|m| m.id == "evil").unwrap();
+        // Median of [80, 100, 120, MAX] (the lower middle) is 100.
+        assert_eq!(evil.capacity, 400);
+        assert_eq!(accepted.iter().find(|m| m.id == "b").unwrap().capacity, 120);
+        // With equal capacities nothing changes.
+        let even = accept_members(&me, vec![member("a", "x:1", 100), member("b", "x:2", 100)]);
+        assert!(even.iter().all(|m| m.capacity == 100));
     }
 }
