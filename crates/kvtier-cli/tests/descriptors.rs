@@ -5,57 +5,18 @@
 
 mod common;
 
-use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use common::{frame, hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
 use kvtier_client::{Client, ClientOptions};
-use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use kvtier_wire::protocol::{Op, Writer};
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 
-fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
-    let mut f = Header {
-        op: op as u16,
-        request_id: id,
-        body_len: body.len() as u32,
-        status: 0,
-    }
-    .encode()
-    .to_vec();
-    f.extend_from_slice(body);
-    f
-}
-
-fn status_of(stream: &mut UnixStream) -> (i32, String) {
-    let mut head = [0u8; HEADER_LEN];
-    stream.read_exact(&mut head).unwrap();
-    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
-    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).unwrap();
+fn reply_text(stream: &mut UnixStream) -> (i32, String) {
+    let (status, body) = read_reply(stream);
     (status, String::from_utf8_lossy(&body).into_owned())
-}
-
-fn sealed_memfd(len: i64) -> OwnedFd {
-    // SAFETY: creating, sizing and sealing our own memfd.
-    unsafe {
-        let raw = libc::memfd_create(
-            c"fd-test".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        );
-        assert!(raw >= 0);
-        assert_eq!(libc::ftruncate(raw, len), 0);
-        assert_eq!(
-            libc::fcntl(
-                raw,
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
-            ),
-            0
-        );
-        OwnedFd::from_raw_fd(raw)
-    }
 }
 
 #[test]
@@ -86,9 +47,9 @@ fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(&frame(Op::Hello, 1, &hello_body(TEST_TOKEN, "")))
             .unwrap();
-        assert_eq!(status_of(&mut s).0, 0);
+        assert_eq!(reply_text(&mut s).0, 0);
         for i in 0..64u64 {
-            let fd = sealed_memfd(1 << 16);
+            let fd = memfd(1 << 16, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
             let mut w = Writer::default();
             w.u64(1 << 16);
             kvtier_wire::shm::send_with_fd(
@@ -97,7 +58,7 @@ fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
                 fd.as_raw_fd(),
             )
             .unwrap();
-            match status_of(&mut s) {
+            match reply_text(&mut s) {
                 (0, _) => registered += 1,
                 (_, why) => {
                     refused += 1;

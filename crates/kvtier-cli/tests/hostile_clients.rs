@@ -4,12 +4,12 @@
 
 mod common;
 
-use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use common::{hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -28,17 +28,6 @@ fn header(op: Op, id: u64, body_len: u32) -> [u8; HEADER_LEN] {
         status: 0,
     }
     .encode()
-}
-
-/// Reads one response frame: (status, body).
-fn read_reply(stream: &mut impl Read) -> (i32, Vec<u8>) {
-    let mut head = [0u8; HEADER_LEN];
-    stream.read_exact(&mut head).unwrap();
-    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
-    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).unwrap();
-    (status, body)
 }
 
 fn hello(stream: &mut (impl Read + Write)) {
@@ -264,22 +253,6 @@ impl RawUnix {
         }
         let (status, body) = read_reply(&mut self.0);
         (status, String::from_utf8_lossy(&body).into_owned())
-    }
-}
-
-fn memfd(len: i64, seals: i32) -> OwnedFd {
-    // SAFETY: creating, sizing and sealing our own memfd.
-    unsafe {
-        let raw = libc::memfd_create(
-            c"test".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        );
-        assert!(raw >= 0);
-        assert_eq!(libc::ftruncate(raw, len), 0);
-        if seals != 0 {
-            assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, seals), 0);
-        }
-        OwnedFd::from_raw_fd(raw)
     }
 }
 

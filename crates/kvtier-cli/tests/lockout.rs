@@ -167,15 +167,7 @@ fn token_guesses_are_capped_server_wide_however_many_connections_guess() {
                     };
                     let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
                     let body = common::hello_body(&format!("guess-{guesser}-0123456789abcdef"), "");
-                    let mut frame = kvtier_wire::protocol::Header {
-                        op: kvtier_wire::protocol::Op::Hello as u16,
-                        request_id: 1,
-                        body_len: body.len() as u32,
-                        status: 0,
-                    }
-                    .encode()
-                    .to_vec();
-                    frame.extend_from_slice(&body);
+                    let frame = common::frame(kvtier_wire::protocol::Op::Hello, 1, &body);
                     if s.write_all(&frame).is_err() {
                         continue;
                     }

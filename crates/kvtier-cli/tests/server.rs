@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use common::{frame, hello_body, options, ServerProcess, TEST_TOKEN};
 use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::{Header, Op, Writer};
@@ -533,18 +533,6 @@ fn pipelined_requests_are_answered_in_order() {
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let frame = |op: Op, id: u64, body: &[u8]| {
-        let mut f = Header {
-            op: op as u16,
-            request_id: id,
-            body_len: body.len() as u32,
-            status: 0,
-        }
-        .encode()
-        .to_vec();
-        f.extend_from_slice(body);
-        f
-    };
     let hello = hello_body(TEST_TOKEN, "");
     let mut put = Writer::default();
     put.u8(0).u32(1).key(b"pipelined").u64(3).bytes(b"abc");

@@ -6,40 +6,17 @@
 
 mod common;
 
-use common::{hello_body, options, ServerProcess, TEST_TOKEN};
+use common::{frame, hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
 use kvtier_client::Client;
-use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use kvtier_wire::protocol::{Op, Writer};
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 const KEYS: u64 = 24;
 const VALUE: usize = 1 << 20;
-
-fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
-    let mut f = Header {
-        op: op as u16,
-        request_id: id,
-        body_len: body.len() as u32,
-        status: 0,
-    }
-    .encode()
-    .to_vec();
-    f.extend_from_slice(body);
-    f
-}
-
-fn reply(stream: &mut UnixStream) -> (i32, Vec<u8>) {
-    let mut head = [0u8; HEADER_LEN];
-    stream.read_exact(&mut head).unwrap();
-    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
-    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body).unwrap();
-    (status, body)
-}
 
 fn key(i: u64) -> Vec<u8> {
     format!("scribbled/{i}").into_bytes()
@@ -74,49 +51,33 @@ fn a_client_scribbling_on_its_get_destination_loses_no_durable_entry() {
     // A restart: the pool is empty, every get reads the disk.
     let server = ServerProcess::start(dir.path(), &[]);
     let len = KEYS as usize * VALUE;
-    // SAFETY: creating, sizing, sealing and mapping our own memfd.
-    let (fd, mapping) = unsafe {
-        let raw = libc::memfd_create(
-            c"scribble".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        );
-        assert!(raw >= 0);
-        assert_eq!(libc::ftruncate(raw, len as i64), 0);
-        assert_eq!(
-            libc::fcntl(
-                raw,
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
-            ),
-            0
-        );
-        let ptr = libc::mmap(
+    let fd = memfd(len as i64, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW);
+    // SAFETY: a shared mapping of our own memfd, checked below.
+    let ptr = unsafe {
+        libc::mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
-            raw,
+            fd.as_raw_fd(),
             0,
-        );
-        assert_ne!(ptr, libc::MAP_FAILED);
-        (
-            OwnedFd::from_raw_fd(raw),
-            Mapping {
-                ptr: ptr.cast(),
-                len,
-            },
         )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED);
+    let mapping = Mapping {
+        ptr: ptr.cast(),
+        len,
     };
     let mut s = UnixStream::connect(&server.unix).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     s.write_all(&frame(Op::Hello, 1, &hello_body(TEST_TOKEN, "")))
         .unwrap();
-    assert_eq!(reply(&mut s).0, 0);
+    assert_eq!(read_reply(&mut s).0, 0);
     let mut w = Writer::default();
     w.u64(len as u64);
     kvtier_wire::shm::send_with_fd(&s, &frame(Op::RegisterBuffer, 2, &w.buf), fd.as_raw_fd())
         .unwrap();
-    assert_eq!(reply(&mut s).0, 0, "register");
+    assert_eq!(read_reply(&mut s).0, 0, "register");
 
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -141,7 +102,7 @@ fn a_client_scribbling_on_its_get_destination_loses_no_durable_entry() {
             }
             s.write_all(&frame(Op::BatchGetShm, 10 + attempt, &w.buf))
                 .unwrap();
-            let (status, _) = reply(&mut s);
+            let (status, _) = read_reply(&mut s);
             assert_eq!(status, 0, "batch get shm");
         }
         stop.store(true, Ordering::Relaxed);

@@ -3,9 +3,10 @@
 #![allow(dead_code)]
 
 use kvtier_client::ClientOptions;
-use kvtier_wire::protocol::Writer;
+use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,6 +30,49 @@ pub fn hello_body(token: &str, namespace: &str) -> Vec<u8> {
         .u16(namespace.len() as u16)
         .bytes(namespace.as_bytes());
     w.buf
+}
+
+/// A whole request frame: header and body.
+pub fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
+    let mut f = Header {
+        op: op as u16,
+        request_id: id,
+        body_len: body.len() as u32,
+        status: 0,
+    }
+    .encode()
+    .to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+/// Reads one response frame: (status, body).
+pub fn read_reply(stream: &mut impl Read) -> (i32, Vec<u8>) {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).unwrap();
+    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
+    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).unwrap();
+    (status, body)
+}
+
+/// A memfd of `len` bytes with `seals` added (0: none), as a client
+/// would register one.
+pub fn memfd(len: i64, seals: i32) -> OwnedFd {
+    // SAFETY: creating, sizing and sealing our own memfd.
+    unsafe {
+        let raw = libc::memfd_create(
+            c"test".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        );
+        assert!(raw >= 0);
+        assert_eq!(libc::ftruncate(raw, len), 0);
+        if seals != 0 {
+            assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, seals), 0);
+        }
+        OwnedFd::from_raw_fd(raw)
+    }
 }
 
 pub struct ServerProcess {
