@@ -136,8 +136,9 @@ impl<'a> Session<'a> {
     fn serve_frames(&mut self) -> End {
         let shared = self.state.shared;
         let limits = &shared.config.limits;
-        let opened = Instant::now();
-        let handshake_deadline = opened + limits.handshake_timeout;
+        // One deadline for the hello, set when the session began: the
+        // frame reads and the token check both keep to it.
+        let handshake_deadline = self.state.hello_deadline;
         let mut idle_since = Instant::now();
         loop {
             let authenticated = self.state.namespace.is_some();
