@@ -51,7 +51,14 @@ impl std::fmt::Debug for Node {
 
 /// The node `serve` will be, when `--cluster` is given: `node_id` (the data
 /// directory's), a fresh incarnation and `capacity` as its weight.
-pub fn prepare(args: &ClusterArgs, node_id: &str, capacity: u64) -> Result<Option<Node>, String> {
+/// `token` is the servers' auth token: members share it, and it signs
+/// their records in etcd.
+pub fn prepare(
+    args: &ClusterArgs,
+    node_id: &str,
+    capacity: u64,
+    token: Option<&str>,
+) -> Result<Option<Node>, String> {
     let Some(name) = &args.cluster else {
         if !args.etcd.is_empty() {
             return Err("--etcd needs --cluster NAME".into());
@@ -83,7 +90,11 @@ pub fn prepare(args: &ClusterArgs, node_id: &str, capacity: u64) -> Result<Optio
                 args.lease_ttl
             )
         })?;
-    prepare_node(args, name, node_id, capacity, ttl)
+    let token = token.ok_or(
+        "cluster mode needs the TCP listener (--listen) and its auth token: members reach \
+         each other over TCP and sign their records with the token",
+    )?;
+    prepare_node(args, name, node_id, capacity, ttl, token)
 }
 
 #[cfg(feature = "cluster")]
@@ -93,6 +104,7 @@ fn prepare_node(
     node_id: &str,
     capacity: u64,
     ttl: std::time::Duration,
+    token: &str,
 ) -> Result<Option<Node>, String> {
     let me = kvtier_wire::cluster::Member {
         id: node_id.to_string(),
@@ -102,7 +114,7 @@ fn prepare_node(
         admin: None,
         tls: false,
     };
-    let mut config = kvtier_cluster::MembershipConfig::new(args.etcd.clone());
+    let mut config = kvtier_cluster::MembershipConfig::new(args.etcd.clone(), token.as_bytes());
     config.lease_ttl = ttl;
     Ok(Some(Node {
         view: ClusterView::new(name, me, args.replicas),
@@ -118,6 +130,7 @@ fn prepare_node(
     _: &str,
     _: u64,
     _: std::time::Duration,
+    _: &str,
 ) -> Result<Option<Node>, String> {
     Err(NOT_BUILT.into())
 }
@@ -206,6 +219,10 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// The cluster's auth token: only records it signed are listed.
+    /// Default: KVTIER_AUTH_TOKEN.
+    #[arg(long, env = "KVTIER_AUTH_TOKEN", hide_env_values = true)]
+    pub auth_token: String,
 }
 
 pub fn run(command: &ClusterCommand) -> Result<(), Box<dyn std::error::Error>> {
@@ -230,6 +247,7 @@ fn status(args: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
         .block_on(kvtier_cluster::list_members(
             &args.etcd,
             &args.cluster,
+            &kvtier_wire::proof::member_record_key(args.auth_token.as_bytes()),
             timeout,
         ))
         .map_err(|e| format!("reading cluster {:?} from etcd: {e}", args.cluster))?;

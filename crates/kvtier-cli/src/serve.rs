@@ -117,6 +117,7 @@ struct FileConfig {
     max_registered_total: Option<String>,
     max_registered_buffers_total: Option<usize>,
     max_receiving: Option<String>,
+    max_buffer_bytes: Option<String>,
     max_admin_connections: Option<usize>,
     admin_timeout: Option<f64>,
     peer_timeout: Option<f64>,
@@ -324,6 +325,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(bytes) = size(&file.max_registered, "max_registered")? {
         limits.max_registered_bytes = bytes;
     }
+    if let Some(bytes) = size(&file.max_buffer_bytes, "max_buffer_bytes")? {
+        limits.max_buffer_bytes = Some(bytes);
+    }
     if let Some(bytes) = size(&file.max_receiving, "max_receiving")? {
         limits.max_receiving_bytes = Some(bytes);
     }
@@ -351,6 +355,7 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         &args.cluster,
         store.node_id(),
         stats.memory_capacity + stats.disk_capacity,
+        server_config.auth_token.as_deref(),
     )?;
     server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));
     server_config.peer_tls_ca = args.cluster.peer_ca.clone();

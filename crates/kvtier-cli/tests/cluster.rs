@@ -288,6 +288,7 @@ fn three_nodes_serve_one_cache_and_survive_failures() {
             "test",
             "--json",
         ])
+        .env("KVTIER_AUTH_TOKEN", common::TEST_TOKEN)
         .output()
         .unwrap();
     assert!(
@@ -650,12 +651,38 @@ fn a_routing_client_sends_each_key_to_its_owners() {
     );
 }
 
-/// Member records are not signed yet (anyone who can write to etcd can
-/// add one), but a forged record cannot take a member's place by reusing
-/// its id under another key, and one claiming a huge capacity is weighed
-/// at most 4 times the median.
+/// Writes `value` under `key` in etcd, as anyone who can write to etcd can.
+fn etcd_put(etcd: &Etcd, key: &str, value: &[u8]) {
+    let status = Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args(["--endpoints", &etcd.endpoints(), "put", key])
+        .arg(String::from_utf8(value.to_vec()).unwrap())
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits (bounded) until `node` lists a member with `id`.
+fn wait_for_member(node: &ServerProcess, id: &str) -> Vec<Member> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let seen = members_seen(node);
+        if seen.iter().any(|m| m.id == id) {
+            return seen;
+        }
+        assert!(Instant::now() < deadline, "{id} never showed: {seen:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Member records are signed with a key derived from the cluster's token:
+/// a writer to etcd without the token cannot add a member (unsigned as
+/// before, or signed with another token), cannot move a genuine record
+/// to another id's key, and even a validly signed record claiming a huge
+/// capacity is weighed at most 4 times the median.
 #[test]
-fn forged_member_records_neither_replace_members_nor_draw_every_key() {
+fn forged_member_records_are_ignored_and_capacities_capped() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = Etcd::start(dir.path(), 1);
     let nodes: Vec<ServerProcess> = (1..=2)
@@ -669,52 +696,175 @@ fn forged_member_records_neither_replace_members_nor_draw_every_key() {
         .find(|m| m.address == nodes[0].tcp)
         .unwrap()
         .clone();
-    let forge = |key: &str, member: &Member| {
-        let status = Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .args(["--endpoints", &etcd.endpoints(), "put", key])
-            .arg(serde_json::to_string(member).unwrap())
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
-    };
-    let impostor = Member {
-        address: "127.0.0.1:1".into(),
-        capacity: u64::MAX / 2,
-        ..victim.clone()
-    };
-    forge("/kvtier/test/members/zz-impostor", &impostor);
+    let ours = kvtier_wire::proof::member_record_key(common::TEST_TOKEN.as_bytes());
+    let theirs = kvtier_wire::proof::member_record_key(b"an-attackers-own-token-0123");
     let evil = Member {
         id: "evil".into(),
         address: "127.0.0.1:1".into(),
         capacity: u64::MAX / 2,
         ..victim.clone()
     };
-    forge("/kvtier/test/members/evil", &evil);
-    // The view is listed again on every change: give it a moment.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let seen = loop {
-        let seen = members_seen(&nodes[1]);
-        if seen.iter().any(|m| m.id == "evil") {
-            break seen;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the forged member never showed: {seen:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let victim_seen = seen.iter().find(|m| m.id == victim.id).unwrap();
-    assert_eq!(
-        victim_seen.address, victim.address,
-        "an impostor replaced {}",
-        victim.id
+    // Unsigned (what every record was before), signed with another token,
+    // and the victim's id at another key with a genuine-looking signature
+    // for the victim's own key.
+    etcd_put(
+        &etcd,
+        "/kvtier/test/members/evil",
+        &serde_json::to_vec(&evil).unwrap(),
     );
-    let evil_seen = seen.iter().find(|m| m.id == "evil").unwrap();
+    etcd_put(
+        &etcd,
+        "/kvtier/test/members/evil2",
+        &kvtier_wire::cluster::sign_member(
+            &theirs,
+            "/kvtier/test/members/evil2",
+            &Member {
+                id: "evil2".into(),
+                ..evil.clone()
+            },
+        ),
+    );
+    let impostor = Member {
+        address: "127.0.0.1:1".into(),
+        ..victim.clone()
+    };
+    etcd_put(
+        &etcd,
+        "/kvtier/test/members/zz-impostor",
+        &kvtier_wire::cluster::sign_member(
+            &ours,
+            &format!("/kvtier/test/members/{}", victim.id),
+            &impostor,
+        ),
+    );
+    // Then a record the cluster's token signed (as a member would), with
+    // a huge capacity: once it shows, the forged ones had their chance.
+    let big = Member {
+        id: "big".into(),
+        ..evil.clone()
+    };
+    etcd_put(
+        &etcd,
+        "/kvtier/test/members/big",
+        &kvtier_wire::cluster::sign_member(&ours, "/kvtier/test/members/big", &big),
+    );
+    for node in &nodes {
+        let seen = wait_for_member(node, "big");
+        let ids: Vec<&str> = seen.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids.len(), 3, "forged records were taken: {seen:?}");
+        assert!(
+            !ids.contains(&"evil") && !ids.contains(&"evil2"),
+            "{seen:?}"
+        );
+        let victim_seen = seen.iter().find(|m| m.id == victim.id).unwrap();
+        assert_eq!(
+            victim_seen.address, victim.address,
+            "an impostor replaced {}",
+            victim.id
+        );
+        let big_seen = seen.iter().find(|m| m.id == "big").unwrap();
+        assert!(
+            big_seen.capacity <= 4 * victim.capacity,
+            "a capacity of {} was taken as it is",
+            big_seen.capacity
+        );
+    }
+}
+
+/// A member record whose address now belongs to someone else (a replayed
+/// old record, a port taken over after a member died): the node dials it
+/// but the squatter cannot prove it holds the token, so the node sends it
+/// neither the token nor any request, and its keys are misses, never the
+/// squatter's bytes.
+#[test]
+fn a_squatter_at_a_members_address_never_sees_the_token() {
+    use kvtier_wire::protocol::{Header, Op, HEADER_LEN};
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let n1 = node(&dir.path().join("node1"), &etcd, &[]);
+    wait_for_members(&[&n1], 1, Duration::from_secs(20));
+    let all = keys(400);
+    let mut client = Client::connect_with(&n1.tcp_url(), options()).unwrap();
+    put_all(&mut client, &all);
+    // The squatter: answers a challenge with a proof it cannot make, and
+    // anything else by closing; keeps every byte it receives.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let received = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let ops = Arc::new(Mutex::new(Vec::<u16>::new()));
+    {
+        let (received, ops) = (Arc::clone(&received), Arc::clone(&ops));
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut s) = stream else { return };
+                let (received, ops) = (Arc::clone(&received), Arc::clone(&ops));
+                std::thread::spawn(move || loop {
+                    let mut head = [0u8; HEADER_LEN];
+                    if s.read_exact(&mut head).is_err() {
+                        return;
+                    }
+                    let header = Header::decode(&head, 1 << 20).unwrap();
+                    let mut body = vec![0u8; header.body_len as usize];
+                    if s.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    received.lock().unwrap().extend_from_slice(&head);
+                    received.lock().unwrap().extend_from_slice(&body);
+                    ops.lock().unwrap().push(header.op);
+                    if header.op != Op::Challenge as u16 {
+                        return;
+                    }
+                    let reply = common::frame(Op::Challenge, header.request_id, &[0x55; 64]);
+                    if s.write_all(&reply).is_err() {
+                        return;
+                    }
+                });
+            }
+        });
+    }
+    let ours = kvtier_wire::proof::member_record_key(common::TEST_TOKEN.as_bytes());
+    let me = members_seen(&n1)[0].clone();
+    let squatter = Member {
+        id: "squatter".into(),
+        address: address.clone(),
+        ..me.clone()
+    };
+    etcd_put(
+        &etcd,
+        "/kvtier/test/members/squatter",
+        &kvtier_wire::cluster::sign_member(&ours, "/kvtier/test/members/squatter", &squatter),
+    );
+    let members = wait_for_member(&n1, "squatter");
+    let owned: Vec<usize> = (0..all.len())
+        .filter(|&i| owners(key_hash("", &all[i]), &members, 1)[0].id == "squatter")
+        .collect();
+    assert!(owned.len() > 50, "the squatter owns {} keys", owned.len());
+    let owned_keys: Vec<Vec<u8>> = owned.iter().map(|&i| all[i].clone()).collect();
+    let mut bufs: Vec<Vec<u8>> = owned.iter().map(|_| vec![0u8; VALUE_LEN]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let results = client.batch_get_into(&owned_keys, &mut slices).unwrap();
+    for ((result, buf), &i) in results.into_iter().zip(&bufs).zip(&owned) {
+        match result {
+            Ok(Some(n)) => assert!(
+                n == VALUE_LEN && *buf == value(i, VALUE_LEN),
+                "key {i}: served bytes that are not its value"
+            ),
+            Ok(None) => {}
+            Err(e) => panic!("key {i}: {e} (a member that cannot prove itself is a miss)"),
+        }
+    }
+    let received = received.lock().unwrap().clone();
+    let ops = ops.lock().unwrap().clone();
+    assert!(!ops.is_empty(), "the node never dialled the squatter");
     assert!(
-        evil_seen.capacity <= 4 * victim.capacity,
-        "a forged capacity of {} was taken as it is",
-        evil_seen.capacity
+        ops.iter().all(|&op| op == Op::Challenge as u16),
+        "the node sent the squatter more than challenges: ops {ops:?}"
+    );
+    let token = common::TEST_TOKEN.as_bytes();
+    assert!(
+        !received.windows(token.len()).any(|w| w == token),
+        "the token crossed the wire to the squatter"
     );
 }

@@ -494,3 +494,87 @@ fn announced_put_values_pin_at_most_their_share_of_the_pool() {
         .as_ref()
         .expect("a put once the announcers are gone");
 }
+
+/// Bodies of buffered requests grow out of one server-wide budget as their
+/// bytes arrive: connections holding big frames one byte short hold at
+/// most the budget together, the rest wait, then are answered LIMIT (the
+/// body read and dropped, the connection still usable), and small
+/// requests of other clients are served throughout.
+#[test]
+fn request_bodies_come_out_of_one_buffer_budget() {
+    const FRAME: usize = 60 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("kvtier.toml");
+    std::fs::write(
+        &config,
+        "max_frame = \"64MiB\"\nmax_buffer_bytes = \"128MiB\"\n",
+    )
+    .unwrap();
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &["--config", config.to_str().unwrap()],
+    );
+    let pid = server.child.id();
+    let mut bystander = Client::connect_with(&server.tcp_url(), options()).unwrap();
+    verified_round_trip(&mut bystander, "before-bodies");
+    let before = rss_bytes(pid);
+    // Six connections, each sending a 60 MiB BatchExists body but its last
+    // byte (360 MiB announced and sent).
+    let mut held: Vec<TcpStream> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..6)
+            .map(|_| {
+                let server = &server;
+                scope.spawn(move || {
+                    let mut s = TcpStream::connect(&server.tcp).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                    hello(&mut s);
+                    s.write_all(&header(Op::BatchExists, 2, FRAME as u32))
+                        .unwrap();
+                    let chunk = vec![0u8; 1 << 20];
+                    let mut sent = 0;
+                    while sent < FRAME - 1 {
+                        let n = chunk.len().min(FRAME - 1 - sent);
+                        s.write_all(&chunk[..n]).unwrap();
+                        sent += n;
+                    }
+                    s
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Give the server time to take in what it was sent.
+    std::thread::sleep(Duration::from_secs(3));
+    let during = rss_bytes(pid);
+    eprintln!(
+        "server RSS before {} MiB, with 6 x 60 MiB bodies one byte short {} MiB",
+        before >> 20,
+        during >> 20
+    );
+    verified_round_trip(&mut bystander, "during-bodies");
+    assert!(
+        during < before + (128 << 20) + (32 << 20),
+        "six unfinished bodies grew the server's RSS from {before} to {during} bytes \
+         (the budget is 128 MiB)"
+    );
+    // Finish the frames: two fit the budget and are answered (a malformed
+    // body: PROTOCOL, closed); the others were refused LIMIT and keep
+    // their connection.
+    let mut limited = 0;
+    for s in &mut held {
+        s.write_all(&[0]).unwrap();
+        let (status, body) = read_reply(s);
+        if status == kvtier_wire::protocol::code::LIMIT {
+            limited += 1;
+            assert!(String::from_utf8_lossy(&body).contains("max_buffer_bytes"));
+            // Still in step: a small request is answered.
+            s.write_all(&header(Op::Flush, 3, 0)).unwrap();
+            assert_eq!(read_reply(s).0, 0);
+        }
+    }
+    assert!(limited >= 3, "only {limited} of 6 bodies were refused");
+    let refused = server.stats()["server"]["requests_refused_for_memory"]
+        .as_u64()
+        .unwrap();
+    assert!(refused >= 3, "{refused}");
+}

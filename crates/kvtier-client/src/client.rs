@@ -4,6 +4,7 @@
 
 use crate::routing::{DirectRouting, Router, ServerView};
 use kvtier::{Error, ErrorKind, PutOptions, Result};
+use kvtier_wire::proof;
 use kvtier_wire::protocol::{self, code, put_flags, Header, HelloReply, Op, Reader, Writer};
 use kvtier_wire::shm::{self, SharedRegion};
 use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
@@ -56,6 +57,16 @@ impl Default for ClientOptions {
             shm_size: 256 << 20,
             local_only: false,
             route: false,
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Tcp(addr) => write!(f, "tcp://{addr}"),
+            Endpoint::Tls { addr, .. } => write!(f, "tls://{addr}"),
+            Endpoint::Unix(path) => write!(f, "unix://{}", path.display()),
         }
     }
 }
@@ -299,12 +310,18 @@ impl Client {
             .set_timeouts(Some(self.options.timeout), Some(self.options.timeout))
             .map_err(|e| Error::io("configuring the socket", e))?;
         self.transport = Some(transport);
+        let namespace = self.options.namespace.clone();
+        kvtier::validate_namespace(&namespace)?;
+        // The token never crosses the wire: the server proves it holds the
+        // token first (a forged member or a squatter on a dead member's
+        // port cannot), then the hello carries this side's proof.
+        let credential = match self.options.auth_token.clone() {
+            Some(token) if !token.is_empty() => self.prove_token(token.as_bytes(), &namespace)?,
+            _ => Vec::new(),
+        };
         let mut w = Writer::default();
-        let token = self.options.auth_token.clone().unwrap_or_default();
-        let namespace = &self.options.namespace;
-        kvtier::validate_namespace(namespace)?;
-        w.u32(token.len() as u32)
-            .bytes(token.as_bytes())
+        w.u32(credential.len() as u32)
+            .bytes(&credential)
             .u16(namespace.len() as u16)
             .bytes(namespace.as_bytes());
         let len = self.call(Op::Hello, &w.buf, None)?;
@@ -330,6 +347,41 @@ impl Client {
             self.shm_id = Some(id);
         }
         Ok(())
+    }
+
+    /// The challenge half of the hello: checks the server's proof of the
+    /// token and returns this side's proof for the hello.
+    fn prove_token(&mut self, token: &[u8], namespace: &str) -> Result<Vec<u8>> {
+        let key = proof::TokenKey::new(token);
+        let client_nonce = proof::nonce().map_err(|e| Error::io("drawing a nonce", e))?;
+        let mut w = Writer::default();
+        w.bytes(&client_nonce).bytes(&key.id());
+        let len = self.call(Op::Challenge, &w.buf, None)?;
+        let body = &self.response[..len];
+        if body.len() != proof::NONCE_LEN + proof::PROOF_LEN {
+            return Err(protocol_error(format!(
+                "a challenge answer of {} bytes (expected {})",
+                body.len(),
+                proof::NONCE_LEN + proof::PROOF_LEN
+            )));
+        }
+        let server_nonce: [u8; proof::NONCE_LEN] = body[..proof::NONCE_LEN]
+            .try_into()
+            .expect("NONCE_LEN bytes");
+        let expected = key.server_proof(&client_nonce, &server_nonce);
+        if !proof::proofs_equal(&body[proof::NONCE_LEN..], &expected) {
+            return Err(Error::new(
+                code::kind(code::UNAUTHORIZED),
+                format!(
+                    "{} did not prove it holds the auth token (not a server of this \
+                     deployment, or one with another token); the hello was not sent",
+                    self.endpoint
+                ),
+            ));
+        }
+        Ok(key
+            .client_proof(&client_nonce, &server_nonce, namespace)
+            .to_vec())
     }
 
     /// Sends one request and returns the response body; a transport failure

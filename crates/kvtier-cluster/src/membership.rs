@@ -4,7 +4,12 @@
 
 use crate::incarnation::new_incarnation;
 use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions, WatchOptions};
-use kvtier_wire::cluster::{ClusterView, Member};
+use kvtier_wire::cluster::{sign_member, verify_member, ClusterView, Member};
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
+/// Keys of unsigned or forged records already warned about.
+static FORGED_WARNED: Mutex<BTreeSet<Vec<u8>>> = Mutex::new(BTreeSet::new());
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -12,19 +17,34 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How a node joins its cluster.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct MembershipConfig {
     /// etcd client URLs (`http://127.0.0.1:2379`, ...).
     pub endpoints: Vec<String>,
+    /// Signs this node's record and verifies the others'
+    /// (`kvtier_wire::proof::member_record_key` of the cluster's token).
+    pub record_key: [u8; 32],
     /// Lease time to live: a node that stops renewing (killed, paused,
     /// partitioned) drops out of every view within this. Default: 5 s.
     pub lease_ttl: Duration,
 }
 
+impl std::fmt::Debug for MembershipConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MembershipConfig")
+            .field("endpoints", &self.endpoints)
+            .field("lease_ttl", &self.lease_ttl)
+            .finish()
+    }
+}
+
 impl MembershipConfig {
-    pub fn new(endpoints: Vec<String>) -> MembershipConfig {
+    /// Members of one cluster share `token` (the servers' auth token):
+    /// it signs and verifies their records.
+    pub fn new(endpoints: Vec<String>, token: &[u8]) -> MembershipConfig {
         MembershipConfig {
             endpoints,
+            record_key: kvtier_wire::proof::member_record_key(token),
             lease_ttl: Duration::from_secs(5),
         }
     }
@@ -101,11 +121,12 @@ impl Drop for Membership {
     }
 }
 
-/// The members registered in `cluster`, read once (for `kvtier cluster
-/// status` and tests).
+/// The members registered in `cluster` whose records verify under
+/// `record_key`, read once (for `kvtier cluster status` and tests).
 pub async fn list_members(
     endpoints: &[String],
     cluster: &str,
+    record_key: &[u8; 32],
     timeout: Duration,
 ) -> Result<Vec<Member>, String> {
     let mut client = bounded(
@@ -113,7 +134,7 @@ pub async fn list_members(
         Client::connect(endpoints, Some(connect_options(timeout))),
     )
     .await?;
-    read_members(&mut client, cluster, timeout).await
+    read_members(&mut client, cluster, record_key, timeout).await
 }
 
 fn connect_options(timeout: Duration) -> ConnectOptions {
@@ -138,6 +159,7 @@ async fn bounded<T>(
 async fn read_members(
     client: &mut Client,
     cluster: &str,
+    record_key: &[u8; 32],
     timeout: Duration,
 ) -> Result<Vec<Member>, String> {
     let response = bounded(
@@ -151,9 +173,10 @@ async fn read_members(
     let mut members = Vec::new();
     let prefix = member_prefix(cluster);
     for kv in response.kvs() {
-        match serde_json::from_slice::<Member>(kv.value()) {
-            // A member registers under its own id: a record under another
-            // key claims an id it was not registered as.
+        match verify_member(record_key, kv.key(), kv.value()) {
+            // A member registers under its own id (and signs the key): a
+            // record under another key claims an id it was not
+            // registered as.
             Ok(member) if kv.key() != format!("{prefix}{}", member.id).as_bytes() => {
                 tracing::warn!(
                     key = %String::from_utf8_lossy(kv.key()),
@@ -162,11 +185,20 @@ async fn read_members(
                 );
             }
             Ok(member) => members.push(member),
-            Err(e) => tracing::warn!(
-                key = %String::from_utf8_lossy(kv.key()),
-                error = %e,
-                "ignoring a member entry that is not a kvtier member"
-            ),
+            Err(why) => {
+                // Every relist would repeat it: warn once per key.
+                let mut warned = FORGED_WARNED.lock().unwrap();
+                if warned.len() >= 1024 {
+                    warned.clear();
+                }
+                if warned.insert(kv.key().to_vec()) {
+                    tracing::warn!(
+                        key = %String::from_utf8_lossy(kv.key()),
+                        %why,
+                        "ignoring a member record that this cluster's token did not sign"
+                    );
+                }
+            }
         }
     }
     Ok(members)
@@ -244,14 +276,11 @@ async fn session(
             let ttl = config.lease_ttl.as_secs().max(1) as i64;
             let id = bounded(limit, client.lease_grant(ttl, None)).await?.id();
             let me = view.me();
-            let value = serde_json::to_vec(&me).expect("a member serializes");
+            let key = format!("{prefix}{}", me.id);
+            let value = sign_member(&config.record_key, &key, &me);
             bounded(
                 limit,
-                client.put(
-                    format!("{prefix}{}", me.id),
-                    value,
-                    Some(PutOptions::new().with_lease(id)),
-                ),
+                client.put(key, value, Some(PutOptions::new().with_lease(id))),
             )
             .await?;
             *lease = Some(id);
@@ -261,7 +290,7 @@ async fn session(
         }
     };
     view.etcd_reachable.store(true, Ordering::Relaxed);
-    view.set_members(read_members(&mut client, &view.name, limit).await?);
+    view.set_members(read_members(&mut client, &view.name, &config.record_key, limit).await?);
     let (mut keeper, mut renewals) = bounded(limit, client.lease_keep_alive(id)).await?;
     let mut watch = bounded(
         limit,
@@ -296,12 +325,12 @@ async fn session(
                 Err(e) => return Err(e.to_string()),
             },
             event = watch.message() => match event {
-                Ok(Some(_)) => view.set_members(read_members(&mut client, &view.name, limit).await?),
+                Ok(Some(_)) => view.set_members(read_members(&mut client, &view.name, &config.record_key, limit).await?),
                 Ok(None) => return Err("the member watch ended".into()),
                 Err(e) => return Err(e.to_string()),
             },
             // A safety net under the watch, and the view's age stays fresh.
-            _ = relist.tick() => view.set_members(read_members(&mut client, &view.name, limit).await?),
+            _ = relist.tick() => view.set_members(read_members(&mut client, &view.name, &config.record_key, limit).await?),
         }
     }
 }

@@ -120,7 +120,10 @@ pub(crate) fn batch_put<'b>(
 /// members). `arena` and `leases` are the connection's, reused from
 /// request to request. A slot holds the value's indexed length where the
 /// backend knows it, else the key's capacity bounded by `largest` (the
-/// most a put may store).
+/// most a put may store). A larger arena is taken only if `grant` allows
+/// its size (the server's buffer budget), else the request is answered
+/// LIMIT with `spent`'s message.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn batch_get<'b>(
     backend: &dyn KvBackend,
     items: &[(&[u8], u64)],
@@ -128,6 +131,8 @@ pub(crate) fn batch_get<'b>(
     leases: &'b mut Vec<Option<ValueLease>>,
     max_frame: u64,
     largest: u64,
+    grant: &mut dyn FnMut(usize) -> bool,
+    spent: &dyn Fn() -> String,
 ) -> Reply<'b> {
     let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
     let capacities: Vec<usize> = items
@@ -218,6 +223,12 @@ pub(crate) fn batch_get<'b>(
     }
     let needed = needed.max(1);
     if arena.as_ref().is_none_or(|a| a.len() < needed) {
+        // The old arena goes first: the budget counts the new one alone.
+        *arena = None;
+        if !grant(needed) {
+            leases.clear();
+            return Reply::error(code::LIMIT, spent());
+        }
         *arena = Some(AlignedBuf::zeroed(needed));
     }
     let arena = arena.as_mut().expect("sized above");
@@ -479,7 +490,16 @@ mod tests {
         ];
         let before = store.stats();
         let (mut arena, mut leases) = (None, Vec::new());
-        let reply = batch_get(&view, &items, &mut arena, &mut leases, 1 << 30, 1 << 30);
+        let reply = batch_get(
+            &view,
+            &items,
+            &mut arena,
+            &mut leases,
+            1 << 30,
+            1 << 30,
+            &mut |_| true,
+            &String::new,
+        );
         assert_eq!(reply.status, code::OK);
         let mut r = kvtier_wire::protocol::Reader::new(&reply.body);
         assert_eq!(r.u32().unwrap(), 6);

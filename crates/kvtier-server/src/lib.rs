@@ -113,6 +113,9 @@ pub(crate) struct Shared {
     pub registered_buffers: Arc<Budget>,
     /// Bytes of streamed put values still arriving (their pool extents).
     pub receiving: Arc<Budget>,
+    /// Heap buffers clients cause: request bodies and reply staging
+    /// (`Limits::max_buffer_bytes`).
+    pub buffers: Arc<Budget>,
     /// Connections to the other cluster members, in cluster mode.
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
 }
@@ -158,6 +161,19 @@ impl Server {
             Err(why) => return Err(io::Error::other(why)),
         }
         let limits = &config.limits;
+        let buffer_bytes = limits
+            .max_buffer_bytes
+            .unwrap_or_else(|| store.stats().memory_capacity.max(limits.max_frame));
+        if buffer_bytes < limits.max_frame {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "max_buffer_bytes ({buffer_bytes}) is below max_frame ({}): a frame of the \
+                     largest size could never be received; raise it or lower max_frame",
+                    limits.max_frame
+                ),
+            ));
+        }
         let peers = config.cluster.as_ref().map(|view| {
             Arc::new(kvtier_client::routing::Peers::new(
                 Arc::clone(view),
@@ -181,6 +197,7 @@ impl Server {
                         .max_receiving_bytes
                         .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
                 ),
+                buffers: Budget::new(buffer_bytes),
                 store,
                 auth,
                 config,

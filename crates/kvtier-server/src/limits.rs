@@ -69,6 +69,16 @@ pub struct Limits {
     /// length until its bytes are in): the share of the pool unfinished
     /// values may pin. Default (`None`): half the memory tier.
     pub max_receiving_bytes: Option<u64>,
+    /// Bytes of heap buffers that clients may cause, all connections
+    /// together: request bodies (taken as their bytes arrive) and reply
+    /// staging (disk reads, values from other members). A request that
+    /// finds the budget spent waits up to `buffer_wait` for room, then is
+    /// answered LIMIT (its body read and dropped; the connection stays).
+    /// Default (`None`): the memory tier's size, at least `max_frame`.
+    pub max_buffer_bytes: Option<u64>,
+    /// How long a request waits for room in the buffer budget. Default:
+    /// 2 s.
+    pub buffer_wait: Duration,
     /// Pause before a refused hello is answered, so a token cannot be
     /// guessed at the speed of the network. Default: 1 s.
     pub failed_auth_delay: Duration,
@@ -105,6 +115,8 @@ impl Default for Limits {
             max_registered_bytes_total: 256 << 30,
             max_registered_buffers_total: 4096,
             max_receiving_bytes: None,
+            max_buffer_bytes: None,
+            buffer_wait: Duration::from_secs(2),
             failed_auth_delay: Duration::from_secs(1),
             max_admin_connections: 256,
             admin_timeout: Duration::from_secs(5),
@@ -118,6 +130,13 @@ impl Default for Limits {
 /// region file, the admin runtime, logging. (Region files are counted
 /// apart, from the store's capacity.)
 pub const DESCRIPTOR_RESERVE: u64 = 256;
+
+/// Buffer bytes each connection holds outside the buffer budget: a small
+/// request or reply (a hello, a batch of exists, a get of a few small
+/// values) is never refused for memory, whoever holds the budget. The
+/// budget bounds the rest; RSS is bounded by the pool, the budget, and
+/// this times the connections.
+pub const FREE_BUFFER_BYTES: usize = 64 << 10;
 
 /// Connections past `max_admin_connections` still answered (`/health`).
 pub const ADMIN_OVERFLOW: u64 = 64;
@@ -235,6 +254,58 @@ pub struct Permit {
     amount: u64,
 }
 
+impl Budget {
+    /// A share of nothing yet, to grow with [`Permit::grow_to`].
+    pub fn empty_permit(self: &Arc<Self>) -> Permit {
+        Permit {
+            budget: Arc::clone(self),
+            amount: 0,
+        }
+    }
+}
+
+impl Permit {
+    pub fn amount(&self) -> u64 {
+        self.amount
+    }
+
+    /// Grows (or shrinks) this share to `to`; `false` (nothing changed)
+    /// when growing would pass the budget's limit.
+    pub fn try_set(&mut self, to: u64) -> bool {
+        if to <= self.amount {
+            self.budget
+                .used
+                .fetch_sub(self.amount - to, Ordering::AcqRel);
+            self.amount = to;
+            return true;
+        }
+        match self.budget.try_take(to - self.amount) {
+            Some(extra) => {
+                self.amount = to;
+                // The extra share is now part of this one.
+                std::mem::forget(extra);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`try_set`](Self::try_set), waiting up to `wait` for others to give
+    /// room back.
+    pub fn set_within(&mut self, to: u64, wait: Duration) -> bool {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            if self.try_set(to) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
 impl Drop for Permit {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.amount, Ordering::AcqRel);
@@ -270,6 +341,23 @@ mod tests {
         assert_eq!(budget.used(), 4);
         assert!(budget.try_take(u64::MAX).is_none());
         drop(b);
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn a_permit_grows_within_the_budget_and_shrinks_back() {
+        let budget = Budget::new(10);
+        let mut held = budget.empty_permit();
+        assert!(held.try_set(7));
+        let other = budget.try_take(3).unwrap();
+        assert!(!held.try_set(8), "past the limit");
+        assert_eq!((held.amount(), budget.used()), (7, 10));
+        assert!(!held.set_within(8, Duration::from_millis(20)));
+        drop(other);
+        assert!(held.set_within(10, Duration::from_millis(20)));
+        assert!(held.try_set(2));
+        assert_eq!(budget.used(), 2);
+        drop(held);
         assert_eq!(budget.used(), 0);
     }
 }

@@ -49,6 +49,8 @@ pub struct Metrics {
     pub connections_refused: AtomicU64,
     /// Connections dropped by a deadline: handshake, idle or a slow frame.
     pub connections_timed_out: AtomicU64,
+    /// Requests answered LIMIT because the buffer budget was spent.
+    pub requests_refused_for_memory: AtomicU64,
     /// Shared buffers refused (not a sealed memfd, over a cap, ...).
     pub buffers_refused: AtomicU64,
     pub registered_buffers: AtomicU64,
@@ -263,6 +265,7 @@ impl Metrics {
                 "connections_refused": self.connections_refused.load(Ordering::Relaxed),
                 "connections_timed_out": self.connections_timed_out.load(Ordering::Relaxed),
                 "buffers_refused": self.buffers_refused.load(Ordering::Relaxed),
+                "requests_refused_for_memory": self.requests_refused_for_memory.load(Ordering::Relaxed),
                 "registered_buffers": self.registered_buffers.load(Ordering::Relaxed),
                 "registered_bytes": self.registered_bytes.load(Ordering::Relaxed),
                 "ops": ops,
@@ -704,6 +707,13 @@ impl Collector for ServerCollector {
             "Connections refused at the connection cap.",
             None,
             load(&m.connections_refused),
+        )?;
+        counter(
+            &mut e,
+            "kvtier_requests_refused_for_memory",
+            "Requests answered LIMIT because the server's buffer budget was spent.",
+            None,
+            load(&m.requests_refused_for_memory),
         )?;
         counter(
             &mut e,

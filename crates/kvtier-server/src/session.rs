@@ -57,6 +57,14 @@ struct State<'a> {
     scope: crate::trust::Scope,
     /// When the hello must be done by.
     hello_deadline: Instant,
+    /// This connection's share of the server's buffer budget: what
+    /// `body_held` and the arena hold.
+    held: crate::limits::Permit,
+    /// Bytes of body buffer counted in `held`.
+    body_held: usize,
+    /// The challenge answered on this connection, if the client asked
+    /// for one: its hello then carries a proof, never the token.
+    challenge: Option<crate::trust::Issued>,
 }
 
 /// A client's shared buffer, with its share of the server-wide budget.
@@ -107,6 +115,9 @@ impl<'a> Session<'a> {
                 slot,
                 scope: crate::trust::Scope::Full,
                 hello_deadline,
+                challenge: None,
+                held: shared.buffers.empty_permit(),
+                body_held: 0,
             },
         }
     }
@@ -160,14 +171,27 @@ impl<'a> Session<'a> {
             // pool. Frames with unknown flags take the plain path, which
             // refuses them.
             let local = shared.peers.is_none();
-            let read = self
-                .transport
-                .read_frame_or_stream(&mut body, &frame_limits, |h| {
+            // The body grows out of the server's buffer budget, as its
+            // bytes arrive (never on a length the peer announced).
+            let arena_len = self.state.arena.as_ref().map_or(0, |a| a.len());
+            let (held, body_held) = (&mut self.state.held, &mut self.state.body_held);
+            let read = self.transport.read_frame_or_stream(
+                &mut body,
+                &frame_limits,
+                |h| {
                     authenticated
                         && h.op == Op::BatchPut as u16
                         && h.status & !request_flags::LOCAL_ONLY == 0
                         && (local || h.status == request_flags::LOCAL_ONLY)
-                });
+                },
+                |want| {
+                    let fits = held.set_within(charged(want + arena_len), limits.buffer_wait);
+                    if fits {
+                        *body_held = want;
+                    }
+                    fits
+                },
+            );
             let (header, fd) = match read {
                 Ok(FrameRead::Frame { header, fd }) => (header, fd),
                 Ok(FrameRead::Streamed {
@@ -197,6 +221,25 @@ impl<'a> Session<'a> {
                         &header,
                         reply,
                         started,
+                    ) {
+                        return End::Closed;
+                    }
+                    idle_since = Instant::now();
+                    continue;
+                }
+                Ok(FrameRead::Refused { header }) => {
+                    self.state.body = body;
+                    shared
+                        .metrics
+                        .requests_refused_for_memory
+                        .fetch_add(1, Ordering::Relaxed);
+                    let reply = Reply::error(code::LIMIT, buffers_spent(shared));
+                    if !answer(
+                        &mut self.transport,
+                        &shared.metrics,
+                        &header,
+                        reply,
+                        Instant::now(),
                     ) {
                         return End::Closed;
                     }
@@ -288,6 +331,10 @@ impl State<'_> {
         if self.arena.as_ref().is_some_and(|a| a.len() > keep) {
             self.arena = None;
         }
+        self.body_held = self.body.capacity();
+        let arena_len = self.arena.as_ref().map_or(0, |a| a.len());
+        // Shrinking always succeeds.
+        self.held.try_set(charged(self.body_held + arena_len));
     }
 
     fn handle<'b>(&'b mut self, header: &Header, body: &[u8], fd: Option<OwnedFd>) -> Reply<'b> {
@@ -307,11 +354,37 @@ impl State<'_> {
             }
         };
         let namespace = match (&self.namespace, request) {
+            (
+                None,
+                Request::Challenge {
+                    client_nonce,
+                    token_id,
+                },
+            ) => {
+                if self.challenge.is_some() {
+                    return Reply::error(code::PROTOCOL, "one challenge per connection").closing();
+                }
+                return match shared.auth.challenge(
+                    client_nonce,
+                    token_id,
+                    &shared.guesses,
+                    self.hello_deadline,
+                ) {
+                    Ok((issued, reply)) => {
+                        self.challenge = Some(issued);
+                        Reply::ok(reply)
+                    }
+                    Err(why) => {
+                        shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        Reply::error(code::UNAUTHORIZED, why).closing()
+                    }
+                };
+            }
             (None, Request::Hello { token, namespace }) => return self.hello(token, namespace),
             (None, _) => {
                 return Reply::error(code::UNAUTHORIZED, "say hello first").closing();
             }
-            (Some(_), Request::Hello { .. }) => {
+            (Some(_), Request::Hello { .. } | Request::Challenge { .. }) => {
                 return Reply::error(code::PROTOCOL, "hello was already said on this connection")
                     .closing();
             }
@@ -333,16 +406,33 @@ impl State<'_> {
             _ => store,
         };
         match request {
-            Request::Hello { .. } => unreachable!("handled above"),
+            Request::Hello { .. } | Request::Challenge { .. } => unreachable!("handled above"),
             Request::BatchPut { flags, items } => handlers::batch_put(backend, flags, &items),
-            Request::BatchGet { items } => handlers::batch_get(
-                backend,
-                &items,
-                &mut self.arena,
-                &mut self.leases,
-                shared.config.limits.max_frame,
-                shared.store.max_put_len(),
-            ),
+            Request::BatchGet { items } => {
+                // Reply staging comes out of the buffer budget too.
+                let (held, body_held) = (&mut self.held, self.body_held);
+                let wait = shared.config.limits.buffer_wait;
+                let mut room = |arena_len: usize| {
+                    let fits = held.set_within(charged(body_held + arena_len), wait);
+                    if !fits {
+                        shared
+                            .metrics
+                            .requests_refused_for_memory
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    fits
+                };
+                handlers::batch_get(
+                    backend,
+                    &items,
+                    &mut self.arena,
+                    &mut self.leases,
+                    shared.config.limits.max_frame,
+                    shared.store.max_put_len(),
+                    &mut room,
+                    &|| buffers_spent(shared),
+                )
+            }
             Request::BatchExists { keys } => handlers::batch_exists(backend, &keys),
             Request::PrefixLen { keys } => handlers::prefix_len(backend, &keys),
             Request::Remove { key } => handlers::remove(backend, key),
@@ -394,17 +484,27 @@ impl State<'_> {
     /// namespace.
     fn hello<'b>(&mut self, token: &[u8], namespace: &str) -> Reply<'b> {
         let shared = self.shared;
-        let scope =
-            match shared
-                .auth
-                .admit_hello(&self.peer, token, &shared.guesses, self.hello_deadline)
-            {
-                Ok(scope) => scope,
-                Err(why) => {
-                    shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
-                    return Reply::error(code::UNAUTHORIZED, why).closing();
-                }
-            };
+        // After a challenge the token field carries the client's proof.
+        let credential = match &self.challenge {
+            Some(issued) => crate::trust::Credential::Proof {
+                issued,
+                proof: token,
+                namespace,
+            },
+            None => crate::trust::Credential::Token(token),
+        };
+        let scope = match shared.auth.admit_hello(
+            &self.peer,
+            &credential,
+            &shared.guesses,
+            self.hello_deadline,
+        ) {
+            Ok(scope) => scope,
+            Err(why) => {
+                shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                return Reply::error(code::UNAUTHORIZED, why).closing();
+            }
+        };
         if let Some(why) = scope.refuses_namespace(namespace) {
             shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
             return Reply::error(code::UNAUTHORIZED, why).closing();
@@ -573,6 +673,21 @@ fn answer(
     );
     metrics.record(header.op, started.elapsed(), reply.sample);
     sent.is_ok() && !reply.close
+}
+
+/// What a connection holding `bytes` of buffers takes from the budget.
+fn charged(bytes: usize) -> u64 {
+    bytes.saturating_sub(crate::limits::FREE_BUFFER_BYTES) as u64
+}
+
+/// Why a request found no room in the buffer budget.
+fn buffers_spent(shared: &Shared) -> String {
+    format!(
+        "the server's buffers for requests and replies are spent ({} of {} bytes in use, \
+         max_buffer_bytes); retry",
+        shared.buffers.used(),
+        shared.buffers.limit()
+    )
 }
 
 fn unknown_buffer<'b>(buffer: u32) -> Reply<'b> {

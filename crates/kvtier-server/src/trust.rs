@@ -24,6 +24,7 @@
 //! `Limits::failed_auth_delay`.
 
 use crate::limits::{Budget, Limits, Permit};
+use kvtier_wire::proof::{self, TokenKey};
 use kvtier_wire::transport::Transport;
 use std::collections::HashMap;
 use std::fs::{self, OpenOptions};
@@ -237,6 +238,8 @@ pub const TOKEN_FILE: &str = "auth-token";
 #[derive(Clone)]
 pub struct Auth {
     token: Option<Box<[u8]>>,
+    /// The server token's proof keys (challenge-response hellos).
+    token_key: Option<TokenKey>,
     server_uid: u32,
     /// Tokens scoped to namespace prefixes (`tenants`).
     tenants: Vec<Tenant>,
@@ -248,6 +251,7 @@ pub struct Auth {
 pub struct Tenant {
     pub name: String,
     token: Box<[u8]>,
+    key: TokenKey,
     pub prefixes: Vec<String>,
 }
 
@@ -257,6 +261,50 @@ impl std::fmt::Debug for Tenant {
             .field("name", &self.name)
             .field("prefixes", &self.prefixes)
             .finish()
+    }
+}
+
+impl Tenant {
+    fn scope(&self) -> Scope {
+        Scope::Tenant {
+            name: self.name.clone(),
+            prefixes: self.prefixes.clone(),
+        }
+    }
+}
+
+/// A challenge this server answered on a connection: its hello must carry
+/// the client's proof for these nonces.
+#[derive(Debug, Clone)]
+pub struct Issued {
+    client_nonce: [u8; proof::NONCE_LEN],
+    server_nonce: [u8; proof::NONCE_LEN],
+    /// Whose token the client named.
+    holder: Holder,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Holder {
+    Server,
+    Tenant(usize),
+}
+
+/// What a hello presents.
+#[derive(Debug)]
+pub enum Credential<'a> {
+    /// The token itself (clients that skip the challenge).
+    Token(&'a [u8]),
+    /// A proof for a challenge answered on this connection.
+    Proof {
+        issued: &'a Issued,
+        proof: &'a [u8],
+        namespace: &'a str,
+    },
+}
+
+impl Credential<'_> {
+    fn is_empty(&self) -> bool {
+        matches!(self, Credential::Token(t) if t.is_empty())
     }
 }
 
@@ -338,6 +386,7 @@ pub fn read_tenants(path: &Path) -> io::Result<Vec<Tenant>> {
         }
         tenants.push(Tenant {
             name: entry.name,
+            key: TokenKey::new(entry.token.as_bytes()),
             token: entry.token.into_bytes().into(),
             prefixes: entry.namespaces,
         });
@@ -362,6 +411,7 @@ impl Auth {
         }
         Ok(Auth {
             token: token.map(|t| t.as_bytes().into()),
+            token_key: token.map(|t| TokenKey::new(t.as_bytes())),
             server_uid: rustix::process::geteuid().as_raw(),
             tenants: Vec::new(),
         })
@@ -392,19 +442,89 @@ impl Auth {
 
     /// The scope `presented` opens: the server's token, a tenant's, or
     /// none. Every token is compared, each in constant time.
-    fn scope_of(&self, presented: &[u8]) -> Option<Scope> {
+    fn scope_of_token(&self, presented: &[u8]) -> Option<Scope> {
         let mut scope = self.token_matches(presented).then_some(Scope::Full);
         for tenant in &self.tenants {
             let matches =
                 tenant.token.len() == presented.len() && bool::from(tenant.token.ct_eq(presented));
             if matches && scope.is_none() {
-                scope = Some(Scope::Tenant {
-                    name: tenant.name.clone(),
-                    prefixes: tenant.prefixes.clone(),
-                });
+                scope = Some(tenant.scope());
             }
         }
         scope
+    }
+
+    /// The scope a credential opens, if any.
+    fn scope_of(&self, credential: &Credential<'_>) -> Option<Scope> {
+        match credential {
+            Credential::Token(token) => self.scope_of_token(token),
+            Credential::Proof {
+                issued,
+                proof,
+                namespace,
+            } => {
+                let (key, scope) = match issued.holder {
+                    Holder::Server => (self.token_key.as_ref()?, Scope::Full),
+                    Holder::Tenant(i) => {
+                        let tenant = self.tenants.get(i)?;
+                        (&tenant.key, tenant.scope())
+                    }
+                };
+                let expected =
+                    key.client_proof(&issued.client_nonce, &issued.server_nonce, namespace);
+                proof::proofs_equal(proof, &expected).then_some(scope)
+            }
+        }
+    }
+
+    /// Answers a client's challenge: a fresh nonce and the proof that this
+    /// server holds the token the client names by `token_id`. Naming a
+    /// token the server does not hold is a refused guess, exactly as a
+    /// wrong token in a hello: it takes a turn of `guesses` and is
+    /// answered only after its delay (else the challenge would test
+    /// guesses faster than hellos may).
+    pub fn challenge(
+        &self,
+        client_nonce: &[u8; proof::NONCE_LEN],
+        token_id: &[u8; proof::TOKEN_ID_LEN],
+        guesses: &GuessBudget,
+        deadline: Instant,
+    ) -> Result<(Issued, Vec<u8>), String> {
+        let Some(turn) = guesses.take_turn(deadline) else {
+            return Err("too many refused hellos on this server: retry later".into());
+        };
+        let found = if self.token_key.as_ref().is_some_and(|k| k.id() == *token_id) {
+            Some(Holder::Server)
+        } else {
+            self.tenants
+                .iter()
+                .position(|t| t.key.id() == *token_id)
+                .map(Holder::Tenant)
+        };
+        let found = found.and_then(|holder| {
+            let key = match holder {
+                Holder::Server => self.token_key.as_ref()?,
+                Holder::Tenant(i) => &self.tenants[i].key,
+            };
+            Some((holder, key))
+        });
+        let Some((holder, key)) = found else {
+            std::thread::sleep(guesses.delay);
+            return Err("wrong auth token".into());
+        };
+        turn.give_back();
+        let server_nonce = proof::nonce().map_err(|e| e.to_string())?;
+        let mut reply = Vec::with_capacity(proof::NONCE_LEN + proof::PROOF_LEN);
+        reply.extend_from_slice(&server_nonce);
+        reply.extend_from_slice(&key.server_proof(client_nonce, &server_nonce));
+        Ok((
+            Issued {
+                client_nonce: *client_nonce,
+                server_nonce,
+                holder,
+            },
+            reply,
+        ))
     }
 
     pub fn has_token(&self) -> bool {
@@ -468,7 +588,7 @@ impl Auth {
     pub fn admit_hello(
         &self,
         peer: &Peer,
-        token: &[u8],
+        credential: &Credential<'_>,
         guesses: &GuessBudget,
         deadline: Instant,
     ) -> Result<Scope, &'static str> {
@@ -478,14 +598,14 @@ impl Auth {
         let Some(turn) = guesses.take_turn(deadline) else {
             return Err("too many refused hellos on this server: retry later");
         };
-        if let Some(scope) = self.scope_of(token) {
+        if let Some(scope) = self.scope_of(credential) {
             turn.give_back();
             return Ok(scope);
         }
         std::thread::sleep(guesses.delay);
         Err(if peer.unix {
             "this Unix-socket peer runs as another user: present the server's auth token"
-        } else if token.is_empty() {
+        } else if credential.is_empty() {
             "TCP clients must present the server's auth token (KVTIER_AUTH_TOKEN; kvtier \
              serve keeps a generated one in <data_dir>/auth-token)"
         } else {
@@ -674,6 +794,59 @@ mod tests {
             &allowed
         ));
         assert!(Auth::admin_host_allowed(false, None, &allowed));
+    }
+
+    #[test]
+    fn challenges_prove_the_named_token_and_spend_a_guess_on_any_other() {
+        let token = "0123456789abcdef0123";
+        let auth = Auth::new(Some(token)).unwrap();
+        let guesses = GuessBudget::new(1, Duration::ZERO);
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let key = TokenKey::new(token.as_bytes());
+        let cn = [7u8; proof::NONCE_LEN];
+        let peer = Peer {
+            unix: false,
+            trusted_by_credentials: false,
+        };
+        // The right token, many times: no turn is spent.
+        for _ in 0..5 {
+            let (issued, reply) = auth.challenge(&cn, &key.id(), &guesses, deadline).unwrap();
+            let sn: [u8; 32] = reply[..32].try_into().unwrap();
+            assert!(proof::proofs_equal(
+                &reply[32..],
+                &key.server_proof(&cn, &sn)
+            ));
+            let good = key.client_proof(&cn, &sn, "ns");
+            let credential = Credential::Proof {
+                issued: &issued,
+                proof: &good,
+                namespace: "ns",
+            };
+            assert_eq!(
+                auth.admit_hello(&peer, &credential, &guesses, deadline),
+                Ok(Scope::Full)
+            );
+            // The proof is bound to its namespace.
+            let credential = Credential::Proof {
+                issued: &issued,
+                proof: &good,
+                namespace: "other",
+            };
+            assert!(auth
+                .admit_hello(&peer, &credential, &guesses, deadline)
+                .is_err());
+            guesses.state.lock().unwrap().0 = 1.0;
+        }
+        // Another token: refused, and it spends the only turn, so the next
+        // guess before the deadline finds none.
+        let wrong = TokenKey::new(b"0123456789abcdef0124");
+        assert!(auth
+            .challenge(&cn, &wrong.id(), &guesses, deadline)
+            .is_err());
+        let err = auth
+            .challenge(&cn, &wrong.id(), &guesses, Instant::now())
+            .unwrap_err();
+        assert!(err.contains("too many refused"), "{err}");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! it links neither.
 
 pub mod cluster;
+pub mod proof;
 pub mod protocol;
 pub mod shm;
 pub mod stats;

@@ -45,11 +45,14 @@ pub enum Op {
     BatchPutShmSegments = 12,
     BatchGetShmSegments = 13,
     ClusterView = 14,
+    /// Before hello: the client's nonce and token id; the reply is the
+    /// server's nonce and its proof of the token (`proof`).
+    Challenge = 15,
 }
 
 impl Op {
     /// Every operation, in code order (codes run from 1 without gaps).
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 15] = [
         Op::Hello,
         Op::BatchPut,
         Op::BatchGet,
@@ -64,6 +67,7 @@ impl Op {
         Op::BatchPutShmSegments,
         Op::BatchGetShmSegments,
         Op::ClusterView,
+        Op::Challenge,
     ];
 
     pub fn from_u16(code: u16) -> Option<Op> {
@@ -92,6 +96,7 @@ impl Op {
             Op::BatchPutShmSegments => "batch_put_shm_segments",
             Op::BatchGetShmSegments => "batch_get_shm_segments",
             Op::ClusterView => "cluster_view",
+            Op::Challenge => "challenge",
         }
     }
 
@@ -516,6 +521,12 @@ pub mod put_flags {
 /// A decoded request body, borrowing from the frame.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Request<'a> {
+    /// The first half of a challenge-response hello (`proof`): the hello
+    /// that follows carries a proof in place of the token.
+    Challenge {
+        client_nonce: &'a [u8; crate::proof::NONCE_LEN],
+        token_id: &'a [u8; crate::proof::TOKEN_ID_LEN],
+    },
     Hello {
         token: &'a [u8],
         /// UTF-8, at most `kvtier::MAX_NAMESPACE_LEN` bytes.
@@ -570,6 +581,7 @@ impl Request<'_> {
     /// The operation this request is.
     pub fn op(&self) -> Op {
         match self {
+            Request::Challenge { .. } => Op::Challenge,
             Request::Hello { .. } => Op::Hello,
             Request::BatchPut { .. } => Op::BatchPut,
             Request::BatchGet { .. } => Op::BatchGet,
@@ -599,6 +611,12 @@ impl Request<'_> {
             }
         };
         match self {
+            Request::Challenge {
+                client_nonce,
+                token_id,
+            } => {
+                w.bytes(&client_nonce[..]).bytes(&token_id[..]);
+            }
             Request::Hello { token, namespace } => {
                 w.u32(token.len() as u32)
                     .bytes(token)
@@ -683,6 +701,16 @@ pub fn decode_request<'a>(
         (0..n).map(|_| r.key()).collect()
     };
     let request = match op {
+        Op::Challenge => Request::Challenge {
+            client_nonce: r
+                .bytes(crate::proof::NONCE_LEN)?
+                .try_into()
+                .expect("NONCE_LEN bytes"),
+            token_id: r
+                .bytes(crate::proof::TOKEN_ID_LEN)?
+                .try_into()
+                .expect("TOKEN_ID_LEN bytes"),
+        },
         Op::Hello => {
             let len = r.u32()? as usize;
             if len > MAX_TOKEN_LEN {

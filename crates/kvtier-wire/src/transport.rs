@@ -31,6 +31,10 @@ pub enum FrameRead {
     /// No byte of a new frame arrived within one read timeout (only with
     /// `FrameLimits::return_when_idle`); call again to keep waiting.
     Idle,
+    /// A frame whose body the caller's `grow` refused room for: the body
+    /// was read and discarded (the connection is still in step), and the
+    /// request is to be answered as refused.
+    Refused { header: Header },
     /// The header of a frame the caller asked to read itself
     /// ([`Transport::read_frame_or_stream`]): its body follows on the
     /// connection, to be read through `body`.
@@ -200,18 +204,23 @@ impl Transport {
         body: &mut Vec<u8>,
         limits: &FrameLimits,
     ) -> Result<FrameRead, ReadError> {
-        self.read_frame_or_stream(body, limits, |_| false)
+        self.read_frame_or_stream(body, limits, |_| false, |_| true)
     }
 
     /// [`read_frame`](Self::read_frame), except that a frame whose header
     /// `stream` picks is returned as [`FrameRead::Streamed`] as soon as its
     /// header is in: the caller reads the body itself (a put's values
-    /// straight into their destination).
+    /// straight into their destination). Before `body` grows to hold more
+    /// bytes, `grow` is asked with the capacity it would have; when it
+    /// refuses, the rest of the body is read into a small scratch buffer
+    /// and dropped, and the frame comes back as [`FrameRead::Refused`] (a
+    /// server's memory budget decides).
     pub fn read_frame_or_stream(
         &mut self,
         body: &mut Vec<u8>,
         limits: &FrameLimits,
         stream: impl FnOnce(&Header) -> bool,
+        mut grow: impl FnMut(usize) -> bool,
     ) -> Result<FrameRead, ReadError> {
         let mut header = [0u8; HEADER_LEN];
         let mut fd = None;
@@ -265,15 +274,33 @@ impl Transport {
         // `body` keeps its initialised length between frames (no zeroing
         // per frame); it grows only as bytes arrive.
         let mut filled = 0usize;
+        let mut scratch: Option<Box<[u8]>> = None;
         while filled < len {
-            if body.len() == filled {
+            if scratch.is_none() && body.len() == filled {
                 // Grow by what has arrived so far (at least a first chunk),
                 // never straight to the announced length.
-                let grow = filled.max(BODY_FIRST_CHUNK).min(len - filled);
-                body.resize(filled + grow, 0);
+                let more = filled.max(BODY_FIRST_CHUNK).min(len - filled);
+                let want = filled + more;
+                if want > body.capacity() && !grow(want) {
+                    scratch = Some(vec![0u8; BODY_FIRST_CHUNK].into_boxed_slice());
+                } else {
+                    if want > body.capacity() {
+                        body.reserve_exact(want - body.len());
+                    }
+                    body.resize(want, 0);
+                }
             }
-            let end = body.len().min(len);
-            match self.read_some(&mut body[filled..end], &mut fd) {
+            let target = match &mut scratch {
+                Some(scratch) => {
+                    let n = scratch.len().min(len - filled);
+                    &mut scratch[..n]
+                }
+                None => {
+                    let end = body.len().min(len);
+                    &mut body[filled..end]
+                }
+            };
+            match self.read_some(target, &mut fd) {
                 Ok(0) => return Err(eof("connection closed inside a frame body")),
                 Ok(n) => {
                     filled += n;
@@ -288,6 +315,9 @@ impl Transport {
             if deadline.is_some_and(|d| Instant::now() > d) && filled < len {
                 return Err(too_slow());
             }
+        }
+        if scratch.is_some() {
+            return Ok(FrameRead::Refused { header });
         }
         Ok(FrameRead::Frame { header, fd })
     }

@@ -10,6 +10,10 @@ use kvtier_wire::protocol::{decode_request, Header, Request, HEADER_LEN};
 /// directory).
 fn write_seeds(dir: &str) {
     let requests = [
+        Request::Challenge {
+            client_nonce: &[3; 32],
+            token_id: &[4; 16],
+        },
         Request::Hello {
             token: b"a-token-of-sixteen-bytes",
             namespace: "llama3-8b/bf16/tp0of2",

@@ -31,12 +31,58 @@ pub struct Member {
     pub tls: bool,
 }
 
+/// A member record as stored in etcd: the member and its signature, a
+/// keyed hash (`proof::sign_record`, key from the cluster's token) over
+/// the etcd key and the member's JSON as `serde_json` writes a `Member`.
+/// A writer to etcd without the token cannot make a record members accept,
+/// nor move a genuine one to another member's key.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SignedRecord {
+    pub member: Member,
+    /// 64 lowercase hex digits.
+    pub signature: String,
+}
+
+/// The value a member registers under `etcd_key`.
+pub fn sign_member(key: &[u8; 32], etcd_key: &str, member: &Member) -> Vec<u8> {
+    let canonical = serde_json::to_vec(member).expect("a member serializes");
+    let signature = crate::proof::sign_record(key, etcd_key.as_bytes(), &canonical);
+    let record = SignedRecord {
+        member: member.clone(),
+        signature: signature.iter().map(|b| format!("{b:02x}")).collect(),
+    };
+    serde_json::to_vec(&record).expect("a record serializes")
+}
+
+/// The member a record stored under `etcd_key` names, if its signature
+/// verifies under `key`; otherwise why not.
+pub fn verify_member(key: &[u8; 32], etcd_key: &[u8], value: &[u8]) -> Result<Member, String> {
+    let record: SignedRecord =
+        serde_json::from_slice(value).map_err(|e| format!("not a signed member record: {e}"))?;
+    let signature = decode_hex(&record.signature).ok_or("a signature that is not 64 hex digits")?;
+    let canonical = serde_json::to_vec(&record.member).expect("a member serializes");
+    if !crate::proof::record_signed(key, etcd_key, &canonical, &signature) {
+        return Err("a signature that does not verify under the cluster's token".into());
+    }
+    Ok(record.member)
+}
+
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
+        .collect()
+}
+
 /// A member's placement weight is at most this many times the median
 /// capacity of the list.
 pub const MAX_WEIGHT_OVER_MEDIAN: u64 = 4;
 
-/// The member list a node acts on, from records anyone who can write to
-/// etcd can forge (until member records are signed): sorted by id; an id
+/// The member list a node acts on, from records whose signatures verified
+/// (a holder of the cluster token may still misbehave): sorted by id; an id
 /// claimed by more than one record is refused altogether (an impostor must
 /// not replace a member by reusing its id, and which record is genuine
 /// cannot be told); a record with this node's id is replaced by this
@@ -192,6 +238,29 @@ mod tests {
             admin: None,
             tls: false,
         }
+    }
+
+    #[test]
+    fn only_records_signed_with_the_cluster_token_under_their_key_verify() {
+        let key = crate::proof::member_record_key(b"cluster-token-0123456789");
+        let m = member("a", "10.0.0.1:7700", 100);
+        let value = sign_member(&key, "/kvtier/c/members/a", &m);
+        assert_eq!(
+            verify_member(&key, b"/kvtier/c/members/a", &value),
+            Ok(m.clone())
+        );
+        // Moved to another key, re-signed with another token, edited, or
+        // unsigned as before: refused.
+        assert!(verify_member(&key, b"/kvtier/c/members/b", &value).is_err());
+        let other = crate::proof::member_record_key(b"other-token-0123456789ab");
+        assert!(verify_member(&other, b"/kvtier/c/members/a", &value).is_err());
+        let edited = String::from_utf8(value.clone())
+            .unwrap()
+            .replace("\"capacity\":100", "\"capacity\":100000");
+        assert_ne!(edited.as_bytes(), &value[..]);
+        assert!(verify_member(&key, b"/kvtier/c/members/a", edited.as_bytes()).is_err());
+        let plain = serde_json::to_vec(&m).unwrap();
+        assert!(verify_member(&key, b"/kvtier/c/members/a", &plain).is_err());
     }
 
     #[test]

@@ -244,12 +244,20 @@ fn nothing_acknowledged_is_lost_across_power_losses() {
 
 #[test]
 fn a_skipped_value_sync_is_caught() {
-    let tally = run(64, 4, true, 0xBAD5EED);
-    eprintln!("power loss, single-sync protocol: {tally:?}");
-    assert!(
-        tally.failures() > 0,
-        "the power-loss test did not notice record and values synced together: {tally:?}"
-    );
+    // Where the flusher's writes fall relative to the cut depends on
+    // thread timing, so a loaded machine may catch fewer losses per round
+    // (about 6 in 64 cases when idle): try rounds of fresh seeds until one
+    // catches it, failing only if none of 8 does.
+    let mut tallies = Vec::new();
+    for round in 0..8u64 {
+        let tally = run(64, 4, true, 0xBAD5EED ^ (round << 32));
+        eprintln!("power loss, single-sync protocol, round {round}: {tally:?}");
+        if tally.failures() > 0 {
+            return;
+        }
+        tallies.push(tally);
+    }
+    panic!("the power-loss test did not notice record and values synced together: {tallies:?}");
 }
 
 /// What one caller did, in completion order, for the concurrent model.
