@@ -18,7 +18,14 @@
 //! keeps freed megabyte buffers for reuse), so a one-sample start caught
 //! in a dip read as growth; a leak still raises every later peak.
 //!
-//! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS]
+//! With ATTACKERS > 0, that many threads run the attacks of
+//! `attacks.rs` against the TCP port all along (the token from
+//! `KVTIER_AUTH_TOKEN`); any attack the server lets through is a breach
+//! and fails the run.
+//!
+//! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS] [ATTACKERS]
+
+mod attacks;
 
 use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
@@ -159,8 +166,22 @@ fn main() {
     let pid: u32 = args[3].parse().expect("server pid");
     let seconds: f64 = args[4].parse().expect("seconds");
     let clients: usize = args.get(5).map_or(64, |c| c.parse().expect("clients"));
+    let attackers: usize = args.get(6).map_or(0, |a| a.parse().expect("attackers"));
+    let token = std::env::var("KVTIER_AUTH_TOKEN").unwrap_or_default();
     let stop = Arc::new(AtomicBool::new(false));
     let counts = Arc::new(Counts::default());
+    let attacked = Arc::new(attacks::AttackCounts::default());
+    let attack_threads: Vec<_> = (0..attackers)
+        .map(|id| {
+            let (stop, counts, tcp, token) = (
+                Arc::clone(&stop),
+                Arc::clone(&attacked),
+                tcp.clone(),
+                token.clone(),
+            );
+            std::thread::spawn(move || attacks::attacker_loop(id, &tcp, &token, &stop, &counts))
+        })
+        .collect();
     let threads: Vec<_> = (0..clients)
         .map(|id| {
             let url = if id % 2 == 0 {
@@ -194,6 +215,14 @@ fn main() {
     for t in threads {
         t.join().expect("client thread");
     }
+    for t in attack_threads {
+        t.join().expect("attacker thread");
+    }
+    let attack_rounds: serde_json::Map<String, serde_json::Value> = attacks::CLASSES
+        .iter()
+        .zip(&attacked.rounds)
+        .map(|(name, n)| (name.to_string(), n.load(Ordering::Relaxed).into()))
+        .collect();
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let (earlier, later) = rss_samples.split_at(rss_samples.len().div_ceil(2));
     let peak = |s: &[u64]| s.iter().copied().max().unwrap_or(0);
@@ -213,9 +242,13 @@ fn main() {
         "server_rss_growth": growth,
         "server_rss_growth_basis": "highest later-half sample / highest earlier-half sample - 1",
         "server_rss_samples_mib": rss_samples.iter().map(|r| r >> 20).collect::<Vec<_>>(),
+        "attackers": attackers,
+        "attack_rounds": attack_rounds,
+        "attack_breaches": c(&attacked.breaches),
     });
     println!("{report}");
-    let bad = c(&counts.errors) + c(&counts.wrong_bytes) + c(&counts.resurrected);
+    let bad =
+        c(&counts.errors) + c(&counts.wrong_bytes) + c(&counts.resurrected) + c(&attacked.breaches);
     if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 {
         eprintln!("soak FAILED: {report}");
         std::process::exit(1);

@@ -1,0 +1,194 @@
+//! The attacks `soak` interleaves with its legitimate clients (issue 24's
+//! classes, each bounded and on loopback): every attacker thread cycles
+//! through them, and each round's outcome is checked where the server must
+//! refuse (a guessed token admitted, an unauthenticated request answered,
+//! a malformed frame answered OK) as a *breach*.
+
+use kvtier_wire::proof;
+use kvtier_wire::protocol::{code, Header, Op, Writer, HEADER_LEN};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The attack classes, in the order each attacker runs them.
+pub const CLASSES: [&str; 7] = [
+    "idle_unauthenticated_sockets",
+    "token_guesses",
+    "challenge_guesses",
+    "bodies_one_byte_short",
+    "gets_of_absent_keys",
+    "announced_put_values",
+    "malformed_frames",
+];
+
+#[derive(Default)]
+pub struct AttackCounts {
+    pub rounds: [AtomicU64; CLASSES.len()],
+    pub breaches: AtomicU64,
+}
+
+fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
+    let mut f = Header {
+        op: op as u16,
+        request_id: id,
+        body_len: body.len() as u32,
+        status: 0,
+    }
+    .encode()
+    .to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+/// The status of the next reply (its body skipped), or `None` if the
+/// connection ended first.
+fn reply_status(s: &mut TcpStream) -> Option<i32> {
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head).ok()?;
+    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as u64;
+    std::io::copy(&mut (&mut *s).take(len), &mut std::io::sink()).ok()?;
+    Some(i32::from_le_bytes(head[20..24].try_into().unwrap()))
+}
+
+fn hello_body(token: &[u8]) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u32(token.len() as u32).bytes(token).u16(0);
+    w.buf
+}
+
+fn connect(tcp: &str) -> Option<TcpStream> {
+    let s = TcpStream::connect(tcp).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(20))).ok()?;
+    s.set_write_timeout(Some(Duration::from_secs(20))).ok()?;
+    Some(s)
+}
+
+/// A connection that said hello with the real token (an authenticated
+/// attacker: a token holder is a principal too).
+fn authenticated(tcp: &str, token: &str) -> Option<TcpStream> {
+    let mut s = connect(tcp)?;
+    s.write_all(&frame(Op::Hello, 1, &hello_body(token.as_bytes())))
+        .ok()?;
+    (reply_status(&mut s)? == code::OK).then_some(s)
+}
+
+fn sleep_unless(stop: &AtomicBool, d: Duration) {
+    let until = Instant::now() + d;
+    while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn attacker_loop(id: usize, tcp: &str, token: &str, stop: &AtomicBool, counts: &AttackCounts) {
+    let mut round = id;
+    while !stop.load(Ordering::Relaxed) {
+        let class = round % CLASSES.len();
+        round += 1;
+        let breach = match class {
+            0 => {
+                // Idle sockets that never say hello, held 2 s.
+                let idle: Vec<TcpStream> = (0..16).filter_map(|_| connect(tcp)).collect();
+                sleep_unless(stop, Duration::from_secs(2));
+                drop(idle);
+                false
+            }
+            1 => {
+                // Wrong tokens: must be refused (after the delay).
+                let guess = format!("guess-{id}-{round}-0123456789abcdef");
+                connect(tcp).is_some_and(|mut s| {
+                    s.write_all(&frame(Op::Hello, 1, &hello_body(guess.as_bytes())))
+                        .is_ok()
+                        && reply_status(&mut s) == Some(code::OK)
+                })
+            }
+            2 => {
+                // A challenge naming a token the server does not hold.
+                let key =
+                    proof::TokenKey::new(format!("guess-{id}-{round}-abcdef0123456789").as_bytes());
+                let mut body = [3u8; proof::NONCE_LEN].to_vec();
+                body.extend_from_slice(&key.id());
+                connect(tcp).is_some_and(|mut s| {
+                    s.write_all(&frame(Op::Challenge, 1, &body)).is_ok()
+                        && reply_status(&mut s) == Some(code::OK)
+                })
+            }
+            3 => {
+                // A 16 MiB body sent but its last byte, held, then dropped.
+                if let Some(mut s) = authenticated(tcp, token) {
+                    let len = 16usize << 20;
+                    let _ = s.write_all(
+                        &Header {
+                            op: Op::BatchExists as u16,
+                            request_id: 2,
+                            body_len: len as u32,
+                            status: 0,
+                        }
+                        .encode(),
+                    );
+                    let chunk = vec![0u8; 1 << 20];
+                    let mut sent = 0;
+                    while sent < len - 1 {
+                        let n = chunk.len().min(len - 1 - sent);
+                        if s.write_all(&chunk[..n]).is_err() {
+                            break;
+                        }
+                        sent += n;
+                    }
+                    sleep_unless(stop, Duration::from_secs(2));
+                }
+                false
+            }
+            4 => {
+                // 4,096 absent keys with 1 MiB capacities each.
+                if let Some(mut s) = authenticated(tcp, token) {
+                    let mut w = Writer::default();
+                    w.u32(4096);
+                    for k in 0..4096u32 {
+                        w.key(format!("absent/{id}/{k}").as_bytes()).u64(1 << 20);
+                    }
+                    let _ = s.write_all(&frame(Op::BatchGet, 2, &w.buf));
+                    let _ = reply_status(&mut s);
+                }
+                false
+            }
+            5 => {
+                // A streamed put announcing a 4 MiB value, sending 1 KiB.
+                if let Some(mut s) = authenticated(tcp, token) {
+                    let mut w = Writer::default();
+                    w.u8(0).u32(1).key(b"announced").u64(4 << 20);
+                    let mut f = Header {
+                        op: Op::BatchPut as u16,
+                        request_id: 2,
+                        body_len: (w.buf.len() + (4 << 20)) as u32,
+                        status: 0,
+                    }
+                    .encode()
+                    .to_vec();
+                    f.extend_from_slice(&w.buf);
+                    f.extend_from_slice(&[0u8; 1024]);
+                    let _ = s.write_all(&f);
+                    sleep_unless(stop, Duration::from_secs(2));
+                }
+                false
+            }
+            _ => {
+                // Garbage where a header should be, unauthenticated and
+                // after hello: never answered OK.
+                let garbage = [0x5au8; 64];
+                let before = connect(tcp).is_some_and(|mut s| {
+                    s.write_all(&garbage).is_ok() && reply_status(&mut s) == Some(code::OK)
+                });
+                let after = authenticated(tcp, token).is_some_and(|mut s| {
+                    s.write_all(&garbage).is_ok() && reply_status(&mut s) == Some(code::OK)
+                });
+                before || after
+            }
+        };
+        counts.rounds[class].fetch_add(1, Ordering::Relaxed);
+        if breach {
+            counts.breaches.fetch_add(1, Ordering::Relaxed);
+            eprintln!("attacker {id}: {} was let through", CLASSES[class]);
+        }
+    }
+}
