@@ -13,9 +13,8 @@ pub struct ClusterArgs {
     /// Default: none (a single node).
     #[arg(long)]
     pub cluster: Option<String>,
-    /// etcd client URLs, comma-separated (http://127.0.0.1:2379,...).
-    #[arg(long, value_delimiter = ',')]
-    pub etcd: Vec<String>,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// Members that own each block. Default: 1.
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
@@ -32,6 +31,90 @@ pub struct ClusterArgs {
     /// members whose listeners speak TLS. Default: KVTIER_TLS_CA, else none.
     #[arg(long, env = "KVTIER_TLS_CA")]
     pub peer_ca: Option<std::path::PathBuf>,
+}
+
+/// Where etcd is and how to reach it safely.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EtcdArgs {
+    /// etcd client URLs, comma-separated (http://127.0.0.1:2379,...;
+    /// https:// with --etcd-ca). Plain http:// is refused off loopback
+    /// unless --etcd-allow-plaintext.
+    #[arg(long = "etcd", value_delimiter = ',')]
+    pub endpoints: Vec<String>,
+    /// PEM file of the CA that signs etcd's server certificates. Default:
+    /// none (then the endpoints must be http://).
+    #[arg(long)]
+    pub etcd_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate and key for etcd's --client-cert-auth.
+    /// Default: none.
+    #[arg(long, requires = "etcd_key")]
+    pub etcd_cert: Option<std::path::PathBuf>,
+    #[arg(long, requires = "etcd_cert")]
+    pub etcd_key: Option<std::path::PathBuf>,
+    /// etcd user (etcd's `auth enable`); the password is read from
+    /// --etcd-password-file. Default: none.
+    #[arg(long, requires = "etcd_password_file")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (owner-only, no link).
+    #[arg(long, requires = "etcd_user")]
+    pub etcd_password_file: Option<std::path::PathBuf>,
+    /// Allow plain http:// etcd endpoints off loopback (member records,
+    /// leases and the etcd password then cross the network in the
+    /// clear). Default: refused.
+    #[arg(long)]
+    pub etcd_allow_plaintext: bool,
+}
+
+impl EtcdArgs {
+    /// The files read and checked, as the cluster crate takes them.
+    #[cfg(feature = "cluster")]
+    pub fn access(&self) -> Result<kvtier_cluster::EtcdAccess, String> {
+        let read = |path: &std::path::Path, what: &str| {
+            std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))
+        };
+        let ca_pem = match &self.etcd_ca {
+            Some(path) => Some(read(path, "--etcd-ca")?),
+            None => None,
+        };
+        let identity = match (&self.etcd_cert, &self.etcd_key) {
+            (Some(cert), Some(key)) => {
+                let key_pem = {
+                    use std::io::Read;
+                    let mut file = kvtier::private_files::open_secret(key)
+                        .map_err(|e| format!("--etcd-key {}: {e}", key.display()))?;
+                    let mut pem = Vec::new();
+                    file.read_to_end(&mut pem)
+                        .map_err(|e| format!("--etcd-key {}: {e}", key.display()))?;
+                    pem
+                };
+                Some((read(cert, "--etcd-cert")?, key_pem))
+            }
+            _ => None,
+        };
+        let user = match (&self.etcd_user, &self.etcd_password_file) {
+            (Some(user), Some(path)) => {
+                use std::io::Read;
+                let mut file = kvtier::private_files::open_secret(path)
+                    .map_err(|e| format!("--etcd-password-file {}: {e}", path.display()))?;
+                let mut password = String::new();
+                file.read_to_string(&mut password)
+                    .map_err(|e| format!("--etcd-password-file {}: {e}", path.display()))?;
+                Some((
+                    user.clone(),
+                    password.trim_end_matches(['\n', '\r']).to_string(),
+                ))
+            }
+            _ => None,
+        };
+        let access = kvtier_cluster::EtcdAccess {
+            ca_pem,
+            identity,
+            user,
+            allow_plaintext: self.etcd_allow_plaintext,
+        };
+        access.check(&self.endpoints)?;
+        Ok(access)
+    }
 }
 
 /// This node in its cluster, from `serve`'s start to its end.
@@ -60,7 +143,7 @@ pub fn prepare(
     token: Option<&str>,
 ) -> Result<Option<Node>, String> {
     let Some(name) = &args.cluster else {
-        if !args.etcd.is_empty() {
+        if !args.etcd.endpoints.is_empty() {
             return Err("--etcd needs --cluster NAME".into());
         }
         return Ok(None);
@@ -75,7 +158,7 @@ pub fn prepare(
             "cluster name {name:?}: use 1-64 letters, digits, '-', '_' or '.'"
         ));
     }
-    if args.etcd.is_empty() {
+    if args.etcd.endpoints.is_empty() {
         return Err("--cluster needs --etcd with at least one etcd URL".into());
     }
     if args.replicas == 0 {
@@ -114,7 +197,9 @@ fn prepare_node(
         admin: None,
         tls: false,
     };
-    let mut config = kvtier_cluster::MembershipConfig::new(args.etcd.clone(), token.as_bytes());
+    let mut config =
+        kvtier_cluster::MembershipConfig::new(args.etcd.endpoints.clone(), token.as_bytes());
+    config.access = args.etcd.access()?;
     config.lease_ttl = ttl;
     Ok(Some(Node {
         view: ClusterView::new(name, me, args.replicas),
@@ -207,9 +292,8 @@ pub enum ClusterAction {
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
-    /// etcd client URLs, comma-separated.
-    #[arg(long, value_delimiter = ',', required = true)]
-    pub etcd: Vec<String>,
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
     /// The cluster's name.
     #[arg(long)]
     pub cluster: String,
@@ -238,6 +322,9 @@ fn status(_: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 #[cfg(feature = "cluster")]
 fn status(args: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
+    if args.etcd.endpoints.is_empty() {
+        return Err("--etcd URLS is required".into());
+    }
     let timeout = std::time::Duration::try_from_secs_f64(args.timeout)
         .map_err(|_| format!("--timeout {}: not a number of seconds", args.timeout))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -245,7 +332,8 @@ fn status(args: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     let members = runtime
         .block_on(kvtier_cluster::list_members(
-            &args.etcd,
+            &args.etcd.endpoints,
+            &args.etcd.access()?,
             &args.cluster,
             &kvtier_wire::proof::member_record_key(args.auth_token.as_bytes()),
             timeout,

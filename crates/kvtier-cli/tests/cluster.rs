@@ -868,3 +868,211 @@ fn a_squatter_at_a_members_address_never_sees_the_token() {
         "the token crossed the wire to the squatter"
     );
 }
+
+/// One etcd on loopback, started with `args` on top of the basics.
+fn single_etcd(dir: &Path, client_url: &str, args: &[&str]) -> Child {
+    let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+    let peer = format!("http://127.0.0.1:{}", free_port());
+    Command::new(etcd_binary())
+        .args([
+            "--name",
+            "solo",
+            "--data-dir",
+            dir.join("solo").to_str().unwrap(),
+            "--listen-client-urls",
+            client_url,
+            "--advertise-client-urls",
+            client_url,
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+            "--initial-cluster",
+            &format!("solo={peer}"),
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start etcd")
+}
+
+/// Waits (bounded) until `node` lists `n` members; false if it never did.
+fn sees_members(node: &ServerProcess, n: usize, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if members_seen(node).len() == n {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+/// etcd over TLS with client certificates, and etcd's own users: a node
+/// with the right CA, certificate or password registers and `cluster
+/// status` lists it; one without cannot; plain http:// off loopback is
+/// refused at start.
+#[test]
+fn etcd_over_tls_with_client_certificates_and_users() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = common::tls_files(dir.path());
+    let url = format!("https://127.0.0.1:{}", free_port());
+    let cert_s = cert.to_str().unwrap();
+    let key_s = key.to_str().unwrap();
+    let ca_s = ca.to_str().unwrap();
+    let mut etcd = single_etcd(
+        dir.path(),
+        &url,
+        &[
+            "--cert-file",
+            cert_s,
+            "--key-file",
+            key_s,
+            "--client-cert-auth",
+            "--trusted-ca-file",
+            ca_s,
+        ],
+    );
+    let tls_args = [
+        "--etcd-ca",
+        ca_s,
+        "--etcd-cert",
+        cert_s,
+        "--etcd-key",
+        key_s,
+    ];
+    let with_tls = |name: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--cluster",
+            "test",
+            "--etcd",
+            &url,
+            "--lease-ttl",
+            LEASE_TTL,
+        ];
+        args.extend_from_slice(extra);
+        ServerProcess::start(&dir.path().join(name), &args)
+    };
+    let n1 = with_tls("node1", &tls_args);
+    assert!(
+        sees_members(&n1, 1, Duration::from_secs(20)),
+        "a node with the CA and a client certificate did not register over TLS"
+    );
+    // Without a client certificate etcd refuses the node.
+    let n2 = with_tls("node2", &tls_args[..2]);
+    assert!(
+        !sees_members(&n2, 1, Duration::from_secs(5)),
+        "a node without a client certificate registered"
+    );
+    assert!(!sees_members(&n1, 2, Duration::from_millis(500)));
+    let status = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "cluster",
+            "status",
+            "--etcd",
+            &url,
+            "--cluster",
+            "test",
+            "--json",
+        ])
+        .args(tls_args)
+        .env("KVTIER_AUTH_TOKEN", common::TEST_TOKEN)
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    drop((n1, n2));
+    let _ = etcd.kill();
+    let _ = etcd.wait();
+
+    // etcd's users, on a loopback etcd: the right password registers.
+    let plain_dir = dir.path().join("users");
+    std::fs::create_dir(&plain_dir).unwrap();
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let mut etcd = single_etcd(&plain_dir, &url, &[]);
+    let etcdctl = |args: &[&str]| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .args(["--endpoints", &url])
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .unwrap()
+                .success();
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "etcdctl {args:?} kept failing");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    etcdctl(&["user", "add", "root", "--new-user-password", "root-pw"]);
+    etcdctl(&["user", "add", "kvtier", "--new-user-password", "s3cret-pw"]);
+    etcdctl(&["role", "add", "kvtier"]);
+    etcdctl(&[
+        "role",
+        "grant-permission",
+        "kvtier",
+        "--prefix=true",
+        "readwrite",
+        "/kvtier/",
+    ]);
+    etcdctl(&["user", "grant-role", "kvtier", "kvtier"]);
+    etcdctl(&["auth", "enable"]);
+    let password = plain_dir.join("etcd-password");
+    std::fs::write(&password, "s3cret-pw\n").unwrap();
+    std::fs::set_permissions(
+        &password,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let with_user = |name: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--cluster",
+            "test",
+            "--etcd",
+            &url,
+            "--lease-ttl",
+            LEASE_TTL,
+        ];
+        args.extend_from_slice(extra);
+        ServerProcess::start(&plain_dir.join(name), &args)
+    };
+    let n3 = with_user(
+        "node3",
+        &[
+            "--etcd-user",
+            "kvtier",
+            "--etcd-password-file",
+            password.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        sees_members(&n3, 1, Duration::from_secs(20)),
+        "a node with etcd's user and password did not register"
+    );
+    let n4 = with_user("node4", &[]);
+    assert!(
+        !sees_members(&n4, 1, Duration::from_secs(5)),
+        "a node without etcd's password registered"
+    );
+    drop((n3, n4));
+    let _ = etcd.kill();
+    let _ = etcd.wait();
+
+    // Plain text off loopback: refused before anything is sent.
+    let refused = ServerProcess::try_start(
+        &dir.path().join("node5"),
+        &["--cluster", "test", "--etcd", "http://10.255.255.1:2379"],
+    );
+    assert!(refused.contains("--etcd-allow-plaintext"), "{refused}");
+}

@@ -10,9 +10,11 @@
 //! partition), it registers under a new incarnation. It never exits for
 //! etcd's sake.
 
+mod access;
 mod incarnation;
 mod membership;
 
+pub use access::EtcdAccess;
 pub use incarnation::new_incarnation;
 pub use kvtier_wire::cluster::{ClusterView, Member};
 pub use membership::{list_members, member_prefix, Membership, MembershipConfig};

@@ -2,8 +2,9 @@
 //! one-thread runtime. Every call to etcd is bounded by a deadline, so a
 //! partition or an etcd without quorum costs a retry, never a hang.
 
+use crate::access::EtcdAccess;
 use crate::incarnation::new_incarnation;
-use etcd_client::{Client, ConnectOptions, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, GetOptions, PutOptions, WatchOptions};
 use kvtier_wire::cluster::{sign_member, verify_member, ClusterView, Member};
 use std::collections::BTreeSet;
 use std::sync::Mutex;
@@ -24,6 +25,8 @@ pub struct MembershipConfig {
     /// Signs this node's record and verifies the others'
     /// (`kvtier_wire::proof::member_record_key` of the cluster's token).
     pub record_key: [u8; 32],
+    /// TLS and authentication towards etcd.
+    pub access: EtcdAccess,
     /// Lease time to live: a node that stops renewing (killed, paused,
     /// partitioned) drops out of every view within this. Default: 5 s.
     pub lease_ttl: Duration,
@@ -34,6 +37,7 @@ impl std::fmt::Debug for MembershipConfig {
         f.debug_struct("MembershipConfig")
             .field("endpoints", &self.endpoints)
             .field("lease_ttl", &self.lease_ttl)
+            .field("access", &self.access)
             .finish()
     }
 }
@@ -45,6 +49,7 @@ impl MembershipConfig {
         MembershipConfig {
             endpoints,
             record_key: kvtier_wire::proof::member_record_key(token),
+            access: EtcdAccess::default(),
             lease_ttl: Duration::from_secs(5),
         }
     }
@@ -79,6 +84,10 @@ impl Membership {
     /// Returns at once: the first registration happens in the background
     /// (a node whose etcd is down still serves its own keys).
     pub fn start(config: MembershipConfig, view: Arc<ClusterView>) -> std::io::Result<Membership> {
+        config
+            .access
+            .check(&config.endpoints)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         if config.endpoints.is_empty() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -125,22 +134,18 @@ impl Drop for Membership {
 /// `record_key`, read once (for `kvtier cluster status` and tests).
 pub async fn list_members(
     endpoints: &[String],
+    access: &EtcdAccess,
     cluster: &str,
     record_key: &[u8; 32],
     timeout: Duration,
 ) -> Result<Vec<Member>, String> {
+    access.check(endpoints)?;
     let mut client = bounded(
         timeout,
-        Client::connect(endpoints, Some(connect_options(timeout))),
+        Client::connect(endpoints, Some(access.options(timeout))),
     )
     .await?;
     read_members(&mut client, cluster, record_key, timeout).await
-}
-
-fn connect_options(timeout: Duration) -> ConnectOptions {
-    ConnectOptions::new()
-        .with_connect_timeout(timeout)
-        .with_timeout(timeout)
 }
 
 /// Awaits `call` for at most `limit`, turning both a timeout and an etcd
@@ -253,7 +258,7 @@ async fn session(
     let limit = config.call_timeout();
     let mut client = bounded(
         limit,
-        Client::connect(&config.endpoints, Some(connect_options(limit))),
+        Client::connect(&config.endpoints, Some(config.access.options(limit))),
     )
     .await?;
     // The lease we had may have outlived the outage: then we are still the
