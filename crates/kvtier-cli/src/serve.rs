@@ -118,6 +118,7 @@ struct FileConfig {
     max_registered_buffers_total: Option<usize>,
     max_receiving: Option<String>,
     max_buffer_bytes: Option<String>,
+    tenant_share_percent: Option<u8>,
     max_admin_connections: Option<usize>,
     admin_timeout: Option<f64>,
     peer_timeout: Option<f64>,
@@ -327,6 +328,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(bytes) = size(&file.max_buffer_bytes, "max_buffer_bytes")? {
         limits.max_buffer_bytes = Some(bytes);
+    }
+    if let Some(percent) = file.tenant_share_percent {
+        if !(1..=100).contains(&percent) {
+            return Err(format!("tenant_share_percent {percent}: give 1 to 100").into());
+        }
+        limits.tenant_share_percent = percent;
     }
     if let Some(bytes) = size(&file.max_receiving, "max_receiving")? {
         limits.max_receiving_bytes = Some(bytes);

@@ -134,3 +134,93 @@ fn a_tenants_file_that_is_open_to_others_or_malformed_is_refused() {
     );
     assert!(said.contains("non-empty namespace prefix"), "{said}");
 }
+
+/// A tenant's connections hold at most its share of the buffer budget
+/// (`tenant_share_percent`, 50 %): bodies one byte short from tenant a
+/// leave room for a client of the server's own token.
+#[test]
+fn a_tenant_holds_at_most_its_share_of_the_buffers() {
+    use kvtier_wire::protocol::{code, Op};
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::time::Duration;
+    const FRAME: usize = 60 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    std::fs::write(
+        &tenants,
+        format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&tenants, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = dir.path().join("kvtier.toml");
+    std::fs::write(
+        &config,
+        "max_frame = \"64MiB\"\nmax_buffer_bytes = \"128MiB\"\n",
+    )
+    .unwrap();
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--tenants",
+            tenants.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let connect = |token: &str, namespace: &str| {
+        let mut s = TcpStream::connect(&server.tcp).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(&common::frame(
+            Op::Hello,
+            1,
+            &common::hello_body(token, namespace),
+        ))
+        .unwrap();
+        assert_eq!(common::read_reply(&mut s).0, 0, "hello refused");
+        s
+    };
+    // Tenant a: three 60 MiB bodies, each one byte short.
+    let mut held: Vec<TcpStream> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut s = connect(TOKEN_A, "tenant-a/x");
+                    let mut head = common::frame(Op::BatchExists, 2, &[]);
+                    head[16..20].copy_from_slice(&(FRAME as u32).to_le_bytes());
+                    s.write_all(&head).unwrap();
+                    s.write_all(&vec![0u8; FRAME - 1]).unwrap();
+                    s
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    // A client of the server's token sends a whole 60 MiB body: it fits
+    // in the half tenant a cannot take (answered PROTOCOL: the body is
+    // not a valid BatchExists, which shows it was read, not refused).
+    let mut own = connect(TEST_TOKEN, "");
+    let mut head = common::frame(Op::BatchExists, 2, &[]);
+    head[16..20].copy_from_slice(&(FRAME as u32).to_le_bytes());
+    own.write_all(&head).unwrap();
+    own.write_all(&vec![0xffu8; FRAME]).unwrap();
+    let (status, body) = common::read_reply(&mut own);
+    assert_ne!(
+        status,
+        code::LIMIT,
+        "tenant a held the whole budget: {}",
+        String::from_utf8_lossy(&body)
+    );
+    let mut limited = 0;
+    for s in &mut held {
+        s.write_all(&[0]).unwrap();
+        if common::read_reply(s).0 == code::LIMIT {
+            limited += 1;
+        }
+    }
+    assert!(
+        limited >= 2,
+        "only {limited} of tenant a's 3 bodies were refused"
+    );
+}

@@ -116,6 +116,8 @@ pub(crate) struct Shared {
     /// Heap buffers clients cause: request bodies and reply staging
     /// (`Limits::max_buffer_bytes`).
     pub buffers: Arc<Budget>,
+    /// Each tenant's shares of `buffers` and `receiving`, by name.
+    pub tenant_budgets: std::collections::HashMap<String, (limits::Budgets, limits::Budgets)>,
     /// Connections to the other cluster members, in cluster mode.
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
 }
@@ -174,6 +176,25 @@ impl Server {
                 ),
             ));
         }
+        let buffers = Budget::new(buffer_bytes);
+        let receiving = Budget::new(
+            limits
+                .max_receiving_bytes
+                .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
+        );
+        let tenant_budgets = config
+            .tenants
+            .iter()
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    (
+                        limits::Budgets::shared(&buffers, limits.tenant_share_percent),
+                        limits::Budgets::shared(&receiving, limits.tenant_share_percent),
+                    ),
+                )
+            })
+            .collect();
         let peers = config.cluster.as_ref().map(|view| {
             Arc::new(kvtier_client::routing::Peers::new(
                 Arc::clone(view),
@@ -192,12 +213,9 @@ impl Server {
                 ),
                 registered: Budget::new(limits.max_registered_bytes_total),
                 registered_buffers: Budget::new(limits.max_registered_buffers_total as u64),
-                receiving: Budget::new(
-                    limits
-                        .max_receiving_bytes
-                        .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
-                ),
-                buffers: Budget::new(buffer_bytes),
+                receiving,
+                tenant_budgets,
+                buffers,
                 store,
                 auth,
                 config,

@@ -79,6 +79,11 @@ pub struct Limits {
     /// How long a request waits for room in the buffer budget. Default:
     /// 2 s.
     pub buffer_wait: Duration,
+    /// The share of `max_buffer_bytes` and of `max_receiving_bytes` one
+    /// tenant's connections may hold together, in percent: a tenant that
+    /// holds its share waits (then LIMIT / NO_SPACE) while the others go
+    /// on. Clients of the server's own token share the whole. Default: 50.
+    pub tenant_share_percent: u8,
     /// Pause before a refused hello is answered, so a token cannot be
     /// guessed at the speed of the network. Default: 1 s.
     pub failed_auth_delay: Duration,
@@ -117,6 +122,7 @@ impl Default for Limits {
             max_receiving_bytes: None,
             max_buffer_bytes: None,
             buffer_wait: Duration::from_secs(2),
+            tenant_share_percent: 50,
             failed_auth_delay: Duration::from_secs(1),
             max_admin_connections: 256,
             admin_timeout: Duration::from_secs(5),
@@ -306,6 +312,100 @@ impl Permit {
     }
 }
 
+/// The budgets one principal draws from: the server-wide one, and for a
+/// tenant its share of it too (`Limits::tenant_share_percent`). What it
+/// holds counts against both.
+#[derive(Debug, Clone)]
+pub struct Budgets {
+    global: Arc<Budget>,
+    share: Option<Arc<Budget>>,
+}
+
+impl Budgets {
+    pub fn server_wide(global: &Arc<Budget>) -> Budgets {
+        Budgets {
+            global: Arc::clone(global),
+            share: None,
+        }
+    }
+
+    /// `global` with a share of `percent` of it.
+    pub fn shared(global: &Arc<Budget>, percent: u8) -> Budgets {
+        let limit = (u128::from(global.limit()) * u128::from(percent.min(100)) / 100) as u64;
+        Budgets {
+            global: Arc::clone(global),
+            share: Some(Budget::new(limit)),
+        }
+    }
+
+    /// The most this principal may hold.
+    pub fn limit(&self) -> u64 {
+        self.share
+            .as_ref()
+            .map_or(self.global.limit(), |s| s.limit().min(self.global.limit()))
+    }
+
+    /// What is in use: server-wide, and by the principal's share.
+    pub fn used(&self) -> (u64, Option<u64>) {
+        (self.global.used(), self.share.as_ref().map(|s| s.used()))
+    }
+
+    pub fn empty(&self) -> Held {
+        Held {
+            global: self.global.empty_permit(),
+            share: self.share.as_ref().map(|s| s.empty_permit()),
+        }
+    }
+
+    /// Takes `amount`, waiting up to `wait` for room.
+    pub fn take_within(&self, amount: u64, wait: Duration) -> Option<Held> {
+        let mut held = self.empty();
+        held.set_within(amount, wait).then_some(held)
+    }
+}
+
+/// What a principal holds of its [`Budgets`]; given back on drop.
+#[derive(Debug)]
+pub struct Held {
+    global: Permit,
+    share: Option<Permit>,
+}
+
+impl Held {
+    pub fn amount(&self) -> u64 {
+        self.global.amount()
+    }
+
+    /// Sets the holding to `to` in both budgets, or changes nothing.
+    pub fn try_set(&mut self, to: u64) -> bool {
+        let before = self.global.amount();
+        if !self.global.try_set(to) {
+            return false;
+        }
+        if let Some(share) = &mut self.share {
+            if !share.try_set(to) {
+                self.global.try_set(before);
+                return false;
+            }
+        }
+        true
+    }
+
+    /// [`try_set`](Self::try_set), waiting up to `wait` for room.
+    pub fn set_within(&mut self, to: u64, wait: Duration) -> bool {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            if self.try_set(to) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
 impl Drop for Permit {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.amount, Ordering::AcqRel);
@@ -342,6 +442,24 @@ mod tests {
         assert!(budget.try_take(u64::MAX).is_none());
         drop(b);
         assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn a_tenant_holds_at_most_its_share_and_the_others_go_on() {
+        let global = Budget::new(100);
+        let tenant = Budgets::shared(&global, 50);
+        let mut a = tenant.take_within(40, Duration::ZERO).unwrap();
+        assert!(!a.try_set(60), "past the tenant's share");
+        assert_eq!(tenant.used(), (40, Some(40)));
+        // The server's own clients still find the other half.
+        let others = Budgets::server_wide(&global);
+        let b = others.take_within(60, Duration::ZERO).unwrap();
+        // Now the global budget is full: the tenant cannot grow either.
+        assert!(!a.try_set(50) && a.amount() == 40);
+        drop(b);
+        assert!(a.try_set(50));
+        drop(a);
+        assert_eq!(tenant.used(), (0, Some(0)));
     }
 
     #[test]

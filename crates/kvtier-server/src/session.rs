@@ -57,9 +57,12 @@ struct State<'a> {
     scope: crate::trust::Scope,
     /// When the hello must be done by.
     hello_deadline: Instant,
-    /// This connection's share of the server's buffer budget: what
-    /// `body_held` and the arena hold.
-    held: crate::limits::Permit,
+    /// The buffer and receiving budgets this connection's principal draws
+    /// from (a tenant's shares after its hello).
+    heap: crate::limits::Budgets,
+    receiving: crate::limits::Budgets,
+    /// What `body_held` and the arena hold of `heap`.
+    held: crate::limits::Held,
     /// Bytes of body buffer counted in `held`.
     body_held: usize,
     /// The challenge answered on this connection, if the client asked
@@ -116,7 +119,9 @@ impl<'a> Session<'a> {
                 scope: crate::trust::Scope::Full,
                 hello_deadline,
                 challenge: None,
-                held: shared.buffers.empty_permit(),
+                heap: crate::limits::Budgets::server_wide(&shared.buffers),
+                receiving: crate::limits::Budgets::server_wide(&shared.receiving),
+                held: crate::limits::Budgets::server_wide(&shared.buffers).empty(),
                 body_held: 0,
             },
         }
@@ -208,7 +213,7 @@ impl<'a> Session<'a> {
                         stream,
                         limits.max_batch,
                         &mut body,
-                        &shared.receiving,
+                        &self.state.receiving,
                     );
                     self.state.body = body;
                     let reply = match reply {
@@ -233,7 +238,7 @@ impl<'a> Session<'a> {
                         .metrics
                         .requests_refused_for_memory
                         .fetch_add(1, Ordering::Relaxed);
-                    let reply = Reply::error(code::LIMIT, buffers_spent(shared));
+                    let reply = Reply::error(code::LIMIT, buffers_spent(&self.state.heap));
                     if !answer(
                         &mut self.transport,
                         &shared.metrics,
@@ -410,7 +415,7 @@ impl State<'_> {
             Request::BatchPut { flags, items } => handlers::batch_put(backend, flags, &items),
             Request::BatchGet { items } => {
                 // Reply staging comes out of the buffer budget too.
-                let (held, body_held) = (&mut self.held, self.body_held);
+                let (held, body_held, heap) = (&mut self.held, self.body_held, &self.heap);
                 let wait = shared.config.limits.buffer_wait;
                 let mut room = |arena_len: usize| {
                     let fits = held.set_within(charged(body_held + arena_len), wait);
@@ -430,7 +435,7 @@ impl State<'_> {
                     shared.config.limits.max_frame,
                     shared.store.max_put_len(),
                     &mut room,
-                    &|| buffers_spent(shared),
+                    &|| buffers_spent(heap),
                 )
             }
             Request::BatchExists { keys } => handlers::batch_exists(backend, &keys),
@@ -508,6 +513,17 @@ impl State<'_> {
         if let Some(why) = scope.refuses_namespace(namespace) {
             shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
             return Reply::error(code::UNAUTHORIZED, why).closing();
+        }
+        if let crate::trust::Scope::Tenant { name, .. } = &scope {
+            if let Some((heap, receiving)) = shared.tenant_budgets.get(name) {
+                // From here on this connection draws on the tenant's shares
+                // too (what it held before hello is within the free bytes).
+                let mut held = heap.empty();
+                held.try_set(self.held.amount());
+                self.held = held;
+                self.heap = heap.clone();
+                self.receiving = receiving.clone();
+            }
         }
         self.scope = scope;
         if let Err(why) = shared.admission.admit_hello(&mut self.slot) {
@@ -681,12 +697,13 @@ fn charged(bytes: usize) -> u64 {
 }
 
 /// Why a request found no room in the buffer budget.
-fn buffers_spent(shared: &Shared) -> String {
+fn buffers_spent(buffers: &crate::limits::Budgets) -> String {
+    let (used, share) = buffers.used();
     format!(
-        "the server's buffers for requests and replies are spent ({} of {} bytes in use, \
-         max_buffer_bytes); retry",
-        shared.buffers.used(),
-        shared.buffers.limit()
+        "the server's buffers for requests and replies are spent ({used} bytes in use{}; \
+         max_buffer_bytes, or a tenant's share of it: {}); retry",
+        share.map_or(String::new(), |s| format!(", {s} by this tenant")),
+        buffers.limit()
     )
 }
 

@@ -9,12 +9,11 @@
 //! values received so far first: each exactly as its client sent it).
 
 use crate::handlers::{put_reply, result_code, Reply};
-use crate::limits::{Budget, Permit};
+use crate::limits::{Budgets, Held};
 use kvtier::NamespacedStore;
 use kvtier_wire::protocol::{put_flags, rules, ProtocolError};
 use kvtier_wire::transport::{BodyStream, ReadError, Transport};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Reads and runs one BatchPut whose header has been read; `discard` is
 /// scratch space for the bytes of values that are not stored.
@@ -30,7 +29,7 @@ pub(crate) fn batch_put_streamed<'b>(
     mut body: BodyStream,
     max_batch: u32,
     discard: &mut Vec<u8>,
-    receiving: &Arc<Budget>,
+    receiving: &Budgets,
 ) -> Result<Reply<'b>, ReadError> {
     let mut head = [0u8; 5];
     transport.read_body(&mut body, &mut head)?;
@@ -57,9 +56,11 @@ pub(crate) fn batch_put_streamed<'b>(
             puts.refuse(kvtier::Error::new(
                 kvtier::ErrorKind::NoSpace,
                 format!(
-                    "the server is receiving {} bytes of unfinished values, the most it \
-                     lets arrive at once (max_receiving_bytes: {}); retry",
-                    receiving.used(),
+                    "the server is receiving {} bytes of unfinished values (this principal: \
+                     {:?}), the most it lets arrive at once (max_receiving_bytes, a tenant's \
+                     share: {}); retry",
+                    receiving.used().0,
+                    receiving.used().1,
                     receiving.limit()
                 ),
             ));
@@ -101,18 +102,8 @@ const RECEIVING_WAIT: Duration = Duration::from_secs(2);
 /// Takes `len` bytes of `receiving`, waiting up to `RECEIVING_WAIT` for
 /// values in flight elsewhere to finish. (A value larger than the whole
 /// budget is let through alone, when nothing else is arriving.)
-fn take_receiving(receiving: &Arc<Budget>, len: u64) -> Option<Permit> {
-    let len = len.min(receiving.limit());
-    let deadline = Instant::now() + RECEIVING_WAIT;
-    loop {
-        if let Some(permit) = receiving.try_take(len) {
-            return Some(permit);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
+fn take_receiving(receiving: &Budgets, len: u64) -> Option<Held> {
+    receiving.take_within(len.min(receiving.limit()), RECEIVING_WAIT)
 }
 
 /// Reads and drops `len` body bytes (a value answered without storing).
