@@ -60,6 +60,13 @@ pub trait KvBackend {
 
     /// Returns once everything acknowledged so far is durable.
     fn flush(&self) -> Result<()>;
+
+    /// The store itself, when this backend is one (it then reads from and
+    /// writes to foreign memory directly: `batch_put_foreign`,
+    /// `batch_get_foreign`); `None` for backends that need private copies.
+    fn as_store(&self) -> Option<&NamespacedStore> {
+        None
+    }
 }
 
 /// What a backend knows of a value's length before reading it.
@@ -122,6 +129,10 @@ impl KvBackend for NamespacedStore {
 
     fn flush(&self) -> Result<()> {
         NamespacedStore::flush(self)
+    }
+
+    fn as_store(&self) -> Option<&NamespacedStore> {
+        Some(self)
     }
 }
 

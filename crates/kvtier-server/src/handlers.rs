@@ -3,8 +3,8 @@
 //! here knows about sockets, sessions or limits other than those passed in.
 
 use crate::metrics::Sample;
-use kvtier::AlignedBuf;
 use kvtier::ValueLease;
+use kvtier::{AlignedBuf, ForeignSegments};
 use kvtier_client::{KnownLen, KvBackend};
 use kvtier_wire::protocol::{code, put_flags, Writer};
 use kvtier_wire::shm::SharedRegion;
@@ -351,48 +351,74 @@ pub(crate) fn flush<'b>(backend: &dyn KvBackend) -> Reply<'b> {
 }
 
 /// Puts values gathered from `(offset, len)` segments of a registered
-/// buffer (the single-range op passes one segment per value).
+/// buffer (the single-range op passes one segment per value). The client
+/// may write its buffer at any time, so its bytes are reached only through
+/// raw copies (`kvtier::ForeignSegments`): straight into the pool when the
+/// backend is the store, else first into a private copy taken from the
+/// buffer budget (`grant`; past it the request is answered LIMIT).
 pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
     backend: &dyn KvBackend,
     region: &SharedRegion,
     flags: u8,
     items: &[(&[u8], S)],
+    grant: &mut dyn FnMut(usize) -> bool,
+    spent: &dyn Fn() -> String,
 ) -> Reply<'b> {
     let mut codes = vec![code::OK; items.len()];
     let mut keys = Vec::with_capacity(items.len());
-    let mut values: Vec<Vec<&[u8]>> = Vec::with_capacity(items.len());
+    let mut values: Vec<ForeignSegments> = Vec::with_capacity(items.len());
     let mut slots = Vec::with_capacity(items.len());
     for (i, (key, segments)) in items.iter().enumerate() {
-        let key: &[u8] = key;
-        let gathered: Option<Vec<&[u8]>> = segments
-            .as_ref()
-            .iter()
-            .map(|&(offset, len)| region.range(offset, len))
-            .collect();
-        match gathered {
-            Some(parts) => {
-                keys.push(key);
-                values.push(parts);
+        match region.foreign_segments(segments.as_ref()) {
+            Some(value) => {
+                keys.push(*key);
+                values.push(value);
                 slots.push(i);
             }
             None => codes[i] = code::INVALID_ARGUMENT,
         }
     }
-    let refs: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
-    let results = backend.batch_put(&keys, &refs, &put_flags::decode(flags));
+    let options = put_flags::decode(flags);
+    let bytes_in: u64 = values.iter().map(|v| v.len() as u64).sum();
+    let results = match backend.as_store() {
+        Some(store) => store.batch_put_foreign(&keys, &values, &options),
+        None => {
+            let total = usize::try_from(bytes_in).unwrap_or(usize::MAX);
+            if !grant(total) {
+                return Reply::error(code::LIMIT, spent());
+            }
+            let copies: Vec<Vec<u8>> = values
+                .iter()
+                .map(|v| {
+                    let mut copy = vec![0u8; v.len()];
+                    v.copy_out(0, &mut copy);
+                    copy
+                })
+                .collect();
+            let parts: Vec<[&[u8]; 1]> = copies.iter().map(|c| [&c[..]]).collect();
+            let refs: Vec<&[&[u8]]> = parts.iter().map(|p| &p[..]).collect();
+            backend.batch_put(&keys, &refs, &options)
+        }
+    };
     for (slot, result) in slots.into_iter().zip(&results) {
         codes[slot] = result_code(result);
     }
-    let bytes_in = values.iter().flatten().map(|v| v.len() as u64).sum();
     put_reply(&codes, bytes_in)
 }
 
 /// Gets values scattered into `(offset, capacity)` segments of a registered
-/// buffer, in order; no two segments of the batch may overlap.
+/// buffer, in order; no two segments of the batch may overlap. Values go
+/// in through raw copies only (`kvtier::ForeignSegments`): from the pool
+/// or a private, verified disk read when the backend is the store; else
+/// through a private copy from the buffer budget (`grant`: each key's room
+/// is its capacity bounded by `largest`).
 pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
     backend: &dyn KvBackend,
     region: &SharedRegion,
     items: &[(&[u8], S)],
+    largest: u64,
+    grant: &mut dyn FnMut(usize) -> bool,
+    spent: &dyn Fn() -> String,
 ) -> Reply<'b> {
     let mut all: Vec<(u64, u64)> = items
         .iter()
@@ -406,31 +432,41 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
     }
     let mut results: Vec<kvtier::Result<Option<usize>>> = Vec::with_capacity(items.len());
     let mut keys = Vec::with_capacity(items.len());
-    let mut dests: Vec<Vec<&mut [u8]>> = Vec::with_capacity(items.len());
+    let mut dests: Vec<ForeignSegments> = Vec::with_capacity(items.len());
     let mut slots = Vec::with_capacity(items.len());
     for (i, (key, segments)) in items.iter().enumerate() {
-        let key: &[u8] = key;
-        // SAFETY: segments were checked disjoint above, and the client does
-        // not touch them until this reply arrives (a client that does
-        // anyway only garbles its own bytes: the memfd is sealed against
-        // shrinking, so no access can fault).
-        let scattered: Option<Vec<&mut [u8]>> = segments
-            .as_ref()
-            .iter()
-            .map(|&(offset, cap)| unsafe { region.range_mut(offset, cap) })
-            .collect();
-        match scattered {
-            Some(parts) => {
-                keys.push(key);
-                dests.push(parts);
+        // The segments were checked disjoint above.
+        match region.foreign_segments(segments.as_ref()) {
+            Some(dest) => {
+                keys.push(*key);
+                dests.push(dest);
                 slots.push(i);
                 results.push(Ok(None)); // replaced by the read's result
             }
             None => results.push(Err(kvtier::Error::invalid("range outside the buffer"))),
         }
     }
-    let mut refs: Vec<&mut [&mut [u8]]> = dests.iter_mut().map(|d| &mut d[..]).collect();
-    let got = backend.batch_get(&keys, &mut refs);
+    let got = match backend.as_store() {
+        Some(store) => store.batch_get_foreign(&keys, &mut dests),
+        None => {
+            let room = usize::try_from(largest).unwrap_or(usize::MAX);
+            let sizes: Vec<usize> = dests.iter().map(|d| d.len().min(room)).collect();
+            let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
+            if !grant(total) {
+                return Reply::error(code::LIMIT, spent());
+            }
+            let mut copies: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+            let mut parts: Vec<[&mut [u8]; 1]> = copies.iter_mut().map(|c| [&mut c[..]]).collect();
+            let mut refs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(|p| &mut p[..]).collect();
+            let got = backend.batch_get(&keys, &mut refs);
+            for ((result, copy), dest) in got.iter().zip(&copies).zip(&dests) {
+                if let Ok(Some(n)) = result {
+                    dest.copy_in(&copy[..*n]);
+                }
+            }
+            got
+        }
+    };
     for (slot, result) in slots.into_iter().zip(got) {
         results[slot] = result;
     }

@@ -458,30 +458,73 @@ impl State<'_> {
                 Reply::ok(json.to_string().into_bytes())
             }
             Request::RegisterBuffer { size } => self.register(size, fd),
-            Request::BatchPutShm {
-                buffer,
-                flags,
-                items,
-            } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_put_shm(backend, &b.region, flags, &one_segment(&items)),
-                None => unknown_buffer(buffer),
-            },
-            Request::BatchGetShm { buffer, items } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_get_shm(backend, &b.region, &one_segment(&items)),
-                None => unknown_buffer(buffer),
-            },
-            Request::BatchPutShmSegments {
-                buffer,
-                flags,
-                items,
-            } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_put_shm(backend, &b.region, flags, &items),
-                None => unknown_buffer(buffer),
-            },
-            Request::BatchGetShmSegments { buffer, items } => match self.buffers.get(&buffer) {
-                Some(b) => handlers::batch_get_shm(backend, &b.region, &items),
-                None => unknown_buffer(buffer),
-            },
+            Request::BatchPutShm { .. }
+            | Request::BatchGetShm { .. }
+            | Request::BatchPutShmSegments { .. }
+            | Request::BatchGetShmSegments { .. } => {
+                // Private copies (for backends other than the store) come
+                // out of the buffer budget, for the request's duration.
+                let (heap, wait) = (&self.heap, shared.config.limits.buffer_wait);
+                let mut bounce: Option<crate::limits::Held> = None;
+                let mut grant = |bytes: usize| {
+                    bounce = heap.take_within(bytes as u64, wait);
+                    if bounce.is_none() {
+                        shared
+                            .metrics
+                            .requests_refused_for_memory
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    bounce.is_some()
+                };
+                let spent = || buffers_spent(heap);
+                let largest = shared.store.max_put_len();
+                let region = |buffer: u32| self.buffers.get(&buffer).map(|b| &b.region);
+                match request {
+                    Request::BatchPutShm {
+                        buffer,
+                        flags,
+                        items,
+                    } => match region(buffer) {
+                        Some(r) => handlers::batch_put_shm(
+                            backend,
+                            r,
+                            flags,
+                            &one_segment(&items),
+                            &mut grant,
+                            &spent,
+                        ),
+                        None => unknown_buffer(buffer),
+                    },
+                    Request::BatchGetShm { buffer, items } => match region(buffer) {
+                        Some(r) => handlers::batch_get_shm(
+                            backend,
+                            r,
+                            &one_segment(&items),
+                            largest,
+                            &mut grant,
+                            &spent,
+                        ),
+                        None => unknown_buffer(buffer),
+                    },
+                    Request::BatchPutShmSegments {
+                        buffer,
+                        flags,
+                        items,
+                    } => match region(buffer) {
+                        Some(r) => {
+                            handlers::batch_put_shm(backend, r, flags, &items, &mut grant, &spent)
+                        }
+                        None => unknown_buffer(buffer),
+                    },
+                    Request::BatchGetShmSegments { buffer, items } => match region(buffer) {
+                        Some(r) => {
+                            handlers::batch_get_shm(backend, r, &items, largest, &mut grant, &spent)
+                        }
+                        None => unknown_buffer(buffer),
+                    },
+                    _ => unreachable!("matched above"),
+                }
+            }
         }
     }
 

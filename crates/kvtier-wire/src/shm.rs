@@ -144,14 +144,24 @@ impl SharedRegion {
         self.fd.as_ref().map(AsRawFd::as_raw_fd)
     }
 
-    /// The bytes of `offset..offset + len`, if in range.
-    pub fn range(&self, offset: u64, len: u64) -> Option<&[u8]> {
-        let end = offset.checked_add(len)?;
-        if end > self.len as u64 {
-            return None;
+    /// The `(offset, len)` ranges as foreign segments (see
+    /// `kvtier::ForeignSegments`): memory the peer may write at any time,
+    /// reached only through raw copies. `None` if a range leaves the
+    /// buffer.
+    pub fn foreign_segments(&self, ranges: &[(u64, u64)]) -> Option<kvtier::ForeignSegments> {
+        let mut segments = Vec::with_capacity(ranges.len());
+        for &(offset, len) in ranges {
+            let end = offset.checked_add(len)?;
+            if end > self.len as u64 {
+                return None;
+            }
+            // SAFETY: inside the mapping (checked above).
+            segments.push((unsafe { self.ptr.add(offset as usize) }, len as usize));
         }
-        // SAFETY: in bounds of the live mapping.
-        Some(unsafe { std::slice::from_raw_parts(self.ptr.add(offset as usize), len as usize) })
+        // SAFETY: the ranges lie inside this mapping, which lives as long
+        // as `self` (the caller keeps the region for the request). Overlap
+        // is the caller's to rule out for destinations.
+        Some(unsafe { kvtier::ForeignSegments::new(segments) })
     }
 
     /// Mutable bytes of `offset..offset + len`, if in range.

@@ -31,6 +31,7 @@ mod data_dir;
 mod disk;
 mod error;
 mod flusher;
+mod foreign;
 mod index;
 mod io;
 mod key;
@@ -50,6 +51,7 @@ pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::{DiskLocation, RecoveryReport};
 pub use error::{Error, ErrorKind, Result};
+pub use foreign::ForeignSegments;
 pub use io::AlignedBuf;
 pub use key::{
     validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace,

@@ -463,10 +463,6 @@ fn mismatched<T>(n: usize, what: &str, m: usize) -> Vec<Result<T>> {
         .collect()
 }
 
-fn segments_len(segments: &[&[u8]]) -> usize {
-    segments.iter().map(|s| s.len()).sum()
-}
-
 fn check_buffer(len: usize, buf_len: usize) -> Result<()> {
     if buf_len < len {
         return Err(Error::new(

@@ -1,8 +1,9 @@
 //! A store seen through one namespace: what every call goes through.
 
-use super::{check_buffer, mismatched, segments_len, Inner, PutOptions, StreamedPuts, ValueLease};
+use super::{check_buffer, mismatched, Inner, PutOptions, StreamedPuts, ValueLease};
 use crate::disk::DiskLocation;
 use crate::error::{ErrorKind, Result};
+use crate::foreign::{ForeignSegments, Source};
 use crate::key::{validate_key, KeyDigest, Namespace};
 use crate::stats::Counters;
 use crate::units::PAGE_SIZE;
@@ -83,13 +84,36 @@ impl NamespacedStore {
         values: &[&[&[u8]]],
         options: &PutOptions,
     ) -> Vec<Result<()>> {
+        self.put_sources(keys, values, options)
+    }
+
+    /// [`batch_put_segments`](Self::batch_put_segments) from memory another
+    /// process may write meanwhile (a client's shared buffer): the bytes
+    /// are copied out through raw pointers, once, and the checksum is taken
+    /// from the copy.
+    pub fn batch_put_foreign<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        values: &[ForeignSegments],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
+        let sources: Vec<&ForeignSegments> = values.iter().collect();
+        self.put_sources(keys, &sources, options)
+    }
+
+    fn put_sources<K: AsRef<[u8]>, S: Source + Copy>(
+        &self,
+        keys: &[K],
+        values: &[S],
+        options: &PutOptions,
+    ) -> Vec<Result<()>> {
         if keys.len() != values.len() {
             return mismatched(keys.len(), "values", values.len());
         }
         if keys.len() > 1 {
             let pages = values
                 .iter()
-                .map(|v| (segments_len(v) as u64).div_ceil(PAGE_SIZE).max(1))
+                .map(|v| (v.len() as u64).div_ceil(PAGE_SIZE).max(1))
                 .sum();
             self.inner.eviction.lock().unwrap().note_batch(pages);
         }
@@ -102,7 +126,7 @@ impl NamespacedStore {
         for (key, value) in keys.iter().zip(values).rev() {
             let result = self
                 .inner
-                .put_one(&self.namespace, key.as_ref(), value, options);
+                .put_one(&self.namespace, key.as_ref(), *value, options);
             if let Ok(Some(seq)) = &result {
                 seqs = (seqs.0.min(*seq), seqs.1.max(*seq));
             }
@@ -208,6 +232,19 @@ impl NamespacedStore {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Vec<Result<Option<usize>>> {
         self.inner.get_into(&self.namespace, keys, bufs)
+    }
+
+    /// [`batch_get_segments`](Self::batch_get_segments) into memory another
+    /// process may write meanwhile (a client's shared buffer): values are
+    /// copied in through raw pointers; disk reads land in private memory
+    /// and are verified there first, so nothing the other process writes
+    /// can make a value count as damaged.
+    pub fn batch_get_foreign<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        dests: &mut [ForeignSegments],
+    ) -> Vec<Result<Option<usize>>> {
+        self.inner.get_into(&self.namespace, keys, dests)
     }
 
     pub fn exists(&self, key: impl AsRef<[u8]>) -> bool {

@@ -2,9 +2,10 @@
 //! value entered into the index, the eviction queues and the flusher's
 //! queue), the pool's eviction when it is short of room, and removes.
 
-use super::{segments_len, Inner, PutOptions, PutTier};
+use super::{Inner, PutOptions, PutTier};
 use crate::config::FlushPolicy;
 use crate::error::{Error, Result};
+use crate::foreign::Source;
 use crate::index::Entry;
 use crate::key::{validate_key, KeyDigest, Namespace, ValueChecksum};
 use crate::pool::PoolSlot;
@@ -20,26 +21,18 @@ impl Inner {
         &self,
         ns: &Namespace,
         key: &[u8],
-        value: &[&[u8]],
+        value: impl Source,
         options: &PutOptions,
     ) -> Result<Option<u64>> {
-        let Some(mut put) = self.begin_put(ns, key, segments_len(value) as u64, options)? else {
+        let Some(mut put) = self.begin_put(ns, key, value.len() as u64, options)? else {
             return Ok(None);
         };
-        // The segments' bounds and the chunks' need not line up.
-        let mut segments = value.iter().copied();
-        let mut current: &[u8] = &[];
+        // Copied chunk by chunk into the pool extent; the checksum is
+        // taken from the copy (private memory), never from the source.
+        let mut at = 0;
         put.fill(|chunk| {
-            let mut at = 0;
-            while at < chunk.len() {
-                while current.is_empty() {
-                    current = segments.next().expect("the segments fill the value");
-                }
-                let n = current.len().min(chunk.len() - at);
-                chunk[at..at + n].copy_from_slice(&current[..n]);
-                current = &current[n..];
-                at += n;
-            }
+            value.copy_to(at, chunk);
+            at += chunk.len();
             Ok(())
         })
         .expect("copying from memory cannot fail");
