@@ -1076,3 +1076,40 @@ fn etcd_over_tls_with_client_certificates_and_users() {
     );
     assert!(refused.contains("--etcd-allow-plaintext"), "{refused}");
 }
+
+/// A client cycling made-up namespaces on one node cannot fill another
+/// node's connection slots through the forwarding pool: idle peer
+/// connections are bounded per member (and closed after 30 s idle).
+#[test]
+fn made_up_namespaces_do_not_pile_up_peer_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let a = node(&dir.path().join("a"), &etcd, &[]);
+    let b = node(&dir.path().join("b"), &etcd, &[]);
+    wait_for_members(&[&a, &b], 2, Duration::from_secs(20));
+    let before = b.stats()["server"]["connections"].as_u64().unwrap();
+    for i in 0..200 {
+        let options = ClientOptions {
+            namespace: format!("made-up-{i}"),
+            shm_size: 0,
+            ..options()
+        };
+        let mut client = Client::connect_with(&a.tcp_url(), options).unwrap();
+        // Eight keys: some are b's, so a forwards them in this namespace.
+        let keys = keys(8);
+        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; 16]).collect();
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        for result in client.batch_get_into(&keys, &mut slices).unwrap() {
+            assert!(result.unwrap().is_none());
+        }
+    }
+    let after = b.stats()["server"]["connections"].as_u64().unwrap();
+    eprintln!("node b's connections: {before} before, {after} after 200 namespaces through a");
+    assert!(
+        after <= before + 20,
+        "200 made-up namespaces left {after} connections open on b (before: {before})"
+    );
+    // b still serves its own clients.
+    let mut own = Client::connect_with(&b.tcp_url(), options()).unwrap();
+    own.flush().unwrap();
+}
