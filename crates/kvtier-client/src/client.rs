@@ -384,8 +384,6 @@ impl Client {
             .to_vec())
     }
 
-    /// Sends one request and returns the response body; a transport failure
-    /// drops the connection (the next call reconnects).
     /// Sends one request and returns the response body's length; the body
     /// is `self.response[..len]`.
     fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
@@ -408,10 +406,11 @@ impl Client {
                 // A connection that had been idle may have died with its
                 // server (a restart): reconnect and send once more. Every
                 // operation is safe to repeat (a put stores the same bytes
-                // again); a hello or buffer registration is part of
-                // reconnecting itself. Shared-memory requests start with the
+                // again); a challenge, hello or buffer registration is part
+                // of reconnecting itself (retrying one would reconnect
+                // within the reconnect, without end). Shared-memory requests start with the
                 // buffer's id, which the new connection assigns afresh.
-                if fresh || matches!(op, Op::Hello | Op::RegisterBuffer) {
+                if fresh || matches!(op, Op::Challenge | Op::Hello | Op::RegisterBuffer) {
                     return result.map_err(Error::from);
                 }
                 self.reconnect()?;
