@@ -76,29 +76,25 @@ impl EtcdArgs {
             Some(path) => Some(read(path, "--etcd-ca")?),
             None => None,
         };
+        // Keys and passwords: never through a link, only our own
+        // owner-only file.
+        let read_secret = |path: &std::path::Path, what: &str| {
+            let mut bytes = Vec::new();
+            kvtier::private_files::open_secret(path)
+                .and_then(|mut file| std::io::Read::read_to_end(&mut file, &mut bytes))
+                .map_err(|e| format!("{what} {}: {e}", path.display()))?;
+            Ok::<_, String>(bytes)
+        };
         let identity = match (&self.etcd_cert, &self.etcd_key) {
             (Some(cert), Some(key)) => {
-                let key_pem = {
-                    use std::io::Read;
-                    let mut file = kvtier::private_files::open_secret(key)
-                        .map_err(|e| format!("--etcd-key {}: {e}", key.display()))?;
-                    let mut pem = Vec::new();
-                    file.read_to_end(&mut pem)
-                        .map_err(|e| format!("--etcd-key {}: {e}", key.display()))?;
-                    pem
-                };
-                Some((read(cert, "--etcd-cert")?, key_pem))
+                Some((read(cert, "--etcd-cert")?, read_secret(key, "--etcd-key")?))
             }
             _ => None,
         };
         let user = match (&self.etcd_user, &self.etcd_password_file) {
             (Some(user), Some(path)) => {
-                use std::io::Read;
-                let mut file = kvtier::private_files::open_secret(path)
-                    .map_err(|e| format!("--etcd-password-file {}: {e}", path.display()))?;
-                let mut password = String::new();
-                file.read_to_string(&mut password)
-                    .map_err(|e| format!("--etcd-password-file {}: {e}", path.display()))?;
+                let password = String::from_utf8(read_secret(path, "--etcd-password-file")?)
+                    .map_err(|_| format!("--etcd-password-file {}: not UTF-8", path.display()))?;
                 Some((
                     user.clone(),
                     password.trim_end_matches(['\n', '\r']).to_string(),

@@ -172,12 +172,16 @@ impl Drop for Etcd {
 }
 
 fn node(dir: &Path, etcd: &Etcd, extra: &[&str]) -> ServerProcess {
-    let endpoints = etcd.endpoints();
+    node_at(dir, &etcd.endpoints(), extra)
+}
+
+/// A member of cluster "test" whose etcd is at `endpoints`.
+fn node_at(dir: &Path, endpoints: &str, extra: &[&str]) -> ServerProcess {
     let mut args = vec![
         "--cluster",
         "test",
         "--etcd",
-        &endpoints,
+        endpoints,
         "--lease-ttl",
         LEASE_TTL,
     ];
@@ -942,18 +946,7 @@ fn etcd_over_tls_with_client_certificates_and_users() {
         "--etcd-key",
         key_s,
     ];
-    let with_tls = |name: &str, extra: &[&str]| {
-        let mut args = vec![
-            "--cluster",
-            "test",
-            "--etcd",
-            &url,
-            "--lease-ttl",
-            LEASE_TTL,
-        ];
-        args.extend_from_slice(extra);
-        ServerProcess::start(&dir.path().join(name), &args)
-    };
+    let with_tls = |name: &str, extra: &[&str]| node_at(&dir.path().join(name), &url, extra);
     let n1 = with_tls("node1", &tls_args);
     assert!(
         sees_members(&n1, 1, Duration::from_secs(20)),
@@ -1035,18 +1028,7 @@ fn etcd_over_tls_with_client_certificates_and_users() {
         std::os::unix::fs::PermissionsExt::from_mode(0o600),
     )
     .unwrap();
-    let with_user = |name: &str, extra: &[&str]| {
-        let mut args = vec![
-            "--cluster",
-            "test",
-            "--etcd",
-            &url,
-            "--lease-ttl",
-            LEASE_TTL,
-        ];
-        args.extend_from_slice(extra);
-        ServerProcess::start(&plain_dir.join(name), &args)
-    };
+    let with_user = |name: &str, extra: &[&str]| node_at(&plain_dir.join(name), &url, extra);
     let n3 = with_user(
         "node3",
         &[

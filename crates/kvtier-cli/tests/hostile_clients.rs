@@ -504,12 +504,7 @@ fn announced_put_values_pin_at_most_their_share_of_the_pool() {
 fn request_bodies_come_out_of_one_buffer_budget() {
     const FRAME: usize = 60 << 20;
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("kvtier.toml");
-    std::fs::write(
-        &config,
-        "max_frame = \"64MiB\"\nmax_buffer_bytes = \"128MiB\"\n",
-    )
-    .unwrap();
+    let config = common::small_buffer_config(dir.path());
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &["--config", config.to_str().unwrap()],
@@ -528,15 +523,7 @@ fn request_bodies_come_out_of_one_buffer_budget() {
                     let mut s = TcpStream::connect(&server.tcp).unwrap();
                     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
                     hello(&mut s);
-                    s.write_all(&header(Op::BatchExists, 2, FRAME as u32))
-                        .unwrap();
-                    let chunk = vec![0u8; 1 << 20];
-                    let mut sent = 0;
-                    while sent < FRAME - 1 {
-                        let n = chunk.len().min(FRAME - 1 - sent);
-                        s.write_all(&chunk[..n]).unwrap();
-                        sent += n;
-                    }
+                    common::send_all_but_last_byte(&mut s, Op::BatchExists, FRAME);
                     s
                 })
             })

@@ -11,6 +11,12 @@ use std::os::unix::fs::PermissionsExt;
 const TOKEN_A: &str = "tenant-a-token-0123456789abcdef";
 const TOKEN_B: &str = "tenant-b-token-0123456789abcdef";
 
+/// Writes the tenants file `path` with `body` and file mode `mode`.
+fn write_tenants(path: &std::path::Path, body: &str, mode: u32) {
+    std::fs::write(path, body).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
 fn as_tenant(token: &str, namespace: &str) -> ClientOptions {
     ClientOptions {
         auth_token: Some(token.into()),
@@ -24,15 +30,14 @@ fn as_tenant(token: &str, namespace: &str) -> ClientOptions {
 fn a_tenant_uses_only_its_namespaces_and_sees_no_other_tenant() {
     let dir = tempfile::tempdir().unwrap();
     let tenants = dir.path().join("tenants.toml");
-    std::fs::write(
+    write_tenants(
         &tenants,
-        format!(
+        &format!(
             "[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n\n\
              [[tenant]]\nname = \"b\"\ntoken = \"{TOKEN_B}\"\nnamespaces = [\"tenant-b/\"]\n"
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&tenants, std::fs::Permissions::from_mode(0o600)).unwrap();
+        0o600,
+    );
     let data = dir.path().join("data");
     let server = ServerProcess::start(&data, &["--tenants", tenants.to_str().unwrap()]);
 
@@ -101,12 +106,11 @@ fn a_tenant_uses_only_its_namespaces_and_sees_no_other_tenant() {
 fn a_tenants_file_that_is_open_to_others_or_malformed_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let tenants = dir.path().join("tenants.toml");
-    std::fs::write(
+    write_tenants(
         &tenants,
-        format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n"),
-    )
-    .unwrap();
-    std::fs::set_permissions(&tenants, std::fs::Permissions::from_mode(0o644)).unwrap();
+        &format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n"),
+        0o644,
+    );
     let said = ServerProcess::try_start(
         &dir.path().join("d1"),
         &[
@@ -117,12 +121,11 @@ fn a_tenants_file_that_is_open_to_others_or_malformed_is_refused() {
         ],
     );
     assert!(said.contains("chmod 600"), "{said}");
-    std::fs::write(
+    write_tenants(
         &tenants,
-        format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"\"]\n"),
-    )
-    .unwrap();
-    std::fs::set_permissions(&tenants, std::fs::Permissions::from_mode(0o600)).unwrap();
+        &format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"\"]\n"),
+        0o600,
+    );
     let said = ServerProcess::try_start(
         &dir.path().join("d2"),
         &[
@@ -147,18 +150,12 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
     const FRAME: usize = 60 << 20;
     let dir = tempfile::tempdir().unwrap();
     let tenants = dir.path().join("tenants.toml");
-    std::fs::write(
+    write_tenants(
         &tenants,
-        format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n"),
-    )
-    .unwrap();
-    std::fs::set_permissions(&tenants, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let config = dir.path().join("kvtier.toml");
-    std::fs::write(
-        &config,
-        "max_frame = \"64MiB\"\nmax_buffer_bytes = \"128MiB\"\n",
-    )
-    .unwrap();
+        &format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n"),
+        0o600,
+    );
+    let config = common::small_buffer_config(dir.path());
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &[
@@ -186,10 +183,7 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
             .map(|_| {
                 scope.spawn(|| {
                     let mut s = connect(TOKEN_A, "tenant-a/x");
-                    let mut head = common::frame(Op::BatchExists, 2, &[]);
-                    head[16..20].copy_from_slice(&(FRAME as u32).to_le_bytes());
-                    s.write_all(&head).unwrap();
-                    s.write_all(&vec![0u8; FRAME - 1]).unwrap();
+                    common::send_all_but_last_byte(&mut s, Op::BatchExists, FRAME);
                     s
                 })
             })

@@ -226,19 +226,24 @@ impl Budget {
     /// Takes `amount`, or returns `None` (taking nothing) if that would pass
     /// the limit.
     pub fn try_take(self: &Arc<Self>, amount: u64) -> Option<Permit> {
+        self.reserve(amount).then(|| Permit {
+            budget: Arc::clone(self),
+            amount,
+        })
+    }
+
+    /// Counts `amount` as used if the limit allows it.
+    fn reserve(&self, amount: u64) -> bool {
         let mut used = self.used.load(Ordering::Relaxed);
         loop {
-            let next = used.checked_add(amount).filter(|&n| n <= self.limit)?;
+            let Some(next) = used.checked_add(amount).filter(|&n| n <= self.limit) else {
+                return false;
+            };
             match self
                 .used
                 .compare_exchange_weak(used, next, Ordering::AcqRel, Ordering::Relaxed)
             {
-                Ok(_) => {
-                    return Some(Permit {
-                        budget: Arc::clone(self),
-                        amount,
-                    })
-                }
+                Ok(_) => return true,
                 Err(now) => used = now,
             }
         }
@@ -285,30 +290,17 @@ impl Permit {
             self.amount = to;
             return true;
         }
-        match self.budget.try_take(to - self.amount) {
-            Some(extra) => {
-                self.amount = to;
-                // The extra share is now part of this one.
-                std::mem::forget(extra);
-                true
-            }
-            None => false,
+        if !self.budget.reserve(to - self.amount) {
+            return false;
         }
+        self.amount = to;
+        true
     }
 
     /// [`try_set`](Self::try_set), waiting up to `wait` for others to give
     /// room back.
     pub fn set_within(&mut self, to: u64, wait: Duration) -> bool {
-        let deadline = std::time::Instant::now() + wait;
-        loop {
-            if self.try_set(to) {
-                return true;
-            }
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        retry_within(wait, || self.try_set(to))
     }
 }
 
@@ -393,16 +385,21 @@ impl Held {
 
     /// [`try_set`](Self::try_set), waiting up to `wait` for room.
     pub fn set_within(&mut self, to: u64, wait: Duration) -> bool {
-        let deadline = std::time::Instant::now() + wait;
-        loop {
-            if self.try_set(to) {
-                return true;
-            }
-            if std::time::Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(2));
+        retry_within(wait, || self.try_set(to))
+    }
+}
+
+/// Calls `attempt` until it succeeds or `wait` has passed (at least once).
+fn retry_within(wait: Duration, mut attempt: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if attempt() {
+            return true;
         }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

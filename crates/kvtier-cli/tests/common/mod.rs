@@ -11,6 +11,37 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A config file (written in `dir`) with frames of at most 64 MiB and a
+/// 128 MiB buffer budget: small enough for a test to fill.
+pub fn small_buffer_config(dir: &Path) -> std::path::PathBuf {
+    let config = dir.join("kvtier.toml");
+    std::fs::write(
+        &config,
+        "max_frame = \"64MiB\"\nmax_buffer_bytes = \"128MiB\"\n",
+    )
+    .unwrap();
+    config
+}
+
+/// Sends a frame header announcing a `len`-byte body of `op`, then every
+/// body byte (zeros) but the last: a request the server must hold open.
+pub fn send_all_but_last_byte(s: &mut impl Write, op: Op, len: usize) {
+    let head = Header {
+        op: op as u16,
+        request_id: 2,
+        body_len: len as u32,
+        status: 0,
+    };
+    s.write_all(&head.encode()).unwrap();
+    let chunk = vec![0u8; 1 << 20];
+    let mut sent = 0;
+    while sent < len - 1 {
+        let n = chunk.len().min(len - 1 - sent);
+        s.write_all(&chunk[..n]).unwrap();
+        sent += n;
+    }
+}
+
 /// The token test servers are started with (unless a test gives its own).
 pub const TEST_TOKEN: &str = "kvtier-test-token-0123456789";
 
