@@ -110,6 +110,7 @@ class Store(_Engine):
         io_engine: Literal["uring", "psync"] | None = None,
         eviction: Literal["s3fifo", "lru"] | None = None,
         max_value_size: Size | None = None,
+        shared_dir: str | PathLike[str] | None = None,
     ) -> None: ...
 
 class Client(_Engine):

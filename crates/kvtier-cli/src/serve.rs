@@ -15,7 +15,8 @@ use std::sync::Arc;
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, io_depth, read_piece, eviction, auth_token, and the limits of
+    /// region_size, io_engine, io_depth, read_piece, eviction, shared_dir, shared_poll,
+    /// auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -79,6 +80,17 @@ pub struct ServeArgs {
     /// io engine: uring or psync. Default: uring.
     #[arg(long)]
     pub io_engine: Option<String>,
+    /// Keep the disk tier's log in this directory of a file system every
+    /// node mounts (JuiceFS, CephFS, Lustre, NFS): this node writes under
+    /// <dir>/nodes/<node id>/ and reads every other node's blocks there
+    /// directly (docs/design.md, "Shared directory"); --disk is this
+    /// node's share. Default: none (the log stays in the data directory).
+    #[arg(long)]
+    pub shared_dir: Option<PathBuf>,
+    /// Seconds between looks for other nodes' new blocks in --shared-dir.
+    /// Default: 0.2.
+    #[arg(long)]
+    pub shared_poll: Option<f64>,
     #[command(flatten)]
     pub cluster: crate::cluster::ClusterArgs,
 }
@@ -97,6 +109,8 @@ struct FileConfig {
     io_depth: Option<u32>,
     read_piece: Option<String>,
     eviction: Option<String>,
+    shared_dir: Option<PathBuf>,
+    shared_poll: Option<f64>,
     auth_token: Option<String>,
     max_frame: Option<String>,
     max_batch: Option<u32>,
@@ -240,6 +254,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(policy) = &file.eviction {
         config = config.eviction(EvictionPolicy::parse(policy)?);
+    }
+    if let Some(dir) = args.shared_dir.clone().or(file.shared_dir) {
+        config = config.shared_dir(dir);
+    }
+    if let Some(every) = seconds(args.shared_poll.or(file.shared_poll), "shared_poll")? {
+        config = config.shared_poll(every);
     }
     // TCP always needs a token: without one given, the data directory
     // keeps a generated one (0600) for the clients of this host to read.

@@ -10,15 +10,18 @@ use std::sync::Arc;
 
 /// The embedded store, in this process: `Store(path, memory="1GiB",
 /// disk="16GiB", *, namespace="", region_size=None, io_engine="uring",
-/// eviction="s3fifo", max_value_size="128MiB")`. Sizes are bytes or strings
-/// like "64MiB". Every key lives in `namespace`.
+/// eviction="s3fifo", max_value_size="128MiB", shared_dir=None)`. Sizes are
+/// bytes or strings like "64MiB". Every key lives in `namespace`. With
+/// `shared_dir`, the disk tier's log lives in that directory of a file
+/// system every node mounts, and every node's flushed blocks are read there
+/// (docs/design.md, "Shared directory").
 #[pyclass(extends = Engine, name = "Store", module = "kvtier._native")]
 pub(crate) struct Store_;
 
 #[pymethods]
 impl Store_ {
     #[new]
-    #[pyo3(signature = (path, memory=None, disk=None, *, namespace="", region_size=None, io_engine=None, eviction=None, max_value_size=None))]
+    #[pyo3(signature = (path, memory=None, disk=None, *, namespace="", region_size=None, io_engine=None, eviction=None, max_value_size=None, shared_dir=None))]
     #[expect(
         clippy::too_many_arguments,
         reason = "the store's settings as keyword arguments"
@@ -33,6 +36,7 @@ impl Store_ {
         io_engine: Option<String>,
         eviction: Option<String>,
         max_value_size: Option<&Bound<'_, PyAny>>,
+        shared_dir: Option<std::path::PathBuf>,
     ) -> PyResult<PyClassInitializer<Self>> {
         // The defaults are the core's, as `kvtier serve`'s are (1 GiB of
         // memory, 16 GiB of disk): a directory opened by either keeps its
@@ -55,6 +59,9 @@ impl Store_ {
         }
         if let Some(v) = max_value_size {
             config = config.max_value_size(parse_size(v)?);
+        }
+        if let Some(dir) = shared_dir {
+            config = config.shared_dir(dir);
         }
         let store = py.detach(|| Store::open(config)).map_err(to_py_err)?;
         log_recovery(py, &store)?;

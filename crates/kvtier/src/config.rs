@@ -114,6 +114,10 @@ pub struct Config {
     pub(crate) put_wait: Duration,
     pub(crate) time_policy: bool,
     pub(crate) namespace: String,
+    /// A directory on a file system every node mounts (docs/design.md,
+    /// "Shared directory"); `None`: the log stays under `data_dir`.
+    pub(crate) shared_dir: Option<PathBuf>,
+    pub(crate) shared_poll: Duration,
     /// Test seam: wraps the io engine (see `io::faulty`).
     #[cfg(feature = "test-util")]
     pub(crate) engine_wrapper: Option<EngineWrapper>,
@@ -163,6 +167,8 @@ impl Config {
             put_wait: Duration::from_secs(5),
             time_policy: false,
             namespace: String::new(),
+            shared_dir: None,
+            shared_poll: Duration::from_millis(200),
             #[cfg(feature = "test-util")]
             engine_wrapper: None,
             #[cfg(feature = "test-util")]
@@ -293,6 +299,36 @@ impl Config {
         self
     }
 
+    /// Keep the disk tier's region log on a shared file system (JuiceFS,
+    /// CephFS, Lustre, NFS, 3FS's FUSE) that every node mounts at `dir`:
+    /// this store writes its own log under `dir/nodes/<node id>/` and
+    /// indexes, follows and reads every other node's log there, so a block
+    /// flushed by one node is a disk hit on every node. `data_dir` stays
+    /// local (lock, node id, socket). Every node of one shared directory
+    /// must use the same `dir` contents (its `key-secret` keys every
+    /// digest). `disk_capacity` is this node's share. Default: none (the
+    /// log lives in `data_dir/regions`, read by this store alone).
+    pub fn shared_dir(mut self, dir: impl AsRef<Path>) -> Self {
+        self.shared_dir = Some(dir.as_ref().to_path_buf());
+        self
+    }
+
+    /// How often the store looks for new batch records of the other
+    /// writers of the shared directory (a listing of their region
+    /// directories and a read of their newest files' new pages); a block
+    /// another node flushed is indexed here within about this long plus
+    /// the file system's own metadata cache time. 10 ms to 60 s.
+    /// Default: 200 ms.
+    pub fn shared_poll(mut self, every: Duration) -> Self {
+        self.shared_poll = every;
+        self
+    }
+
+    /// The shared directory, if the log lives on one.
+    pub fn configured_shared_dir(&self) -> Option<&Path> {
+        self.shared_dir.as_deref()
+    }
+
     /// Test seam: the disk tier uses `wrap(engine)` instead of the engine
     /// it built, e.g. a `io::faulty::FaultyEngine` around it. Default:
     /// none.
@@ -376,6 +412,19 @@ impl Config {
                 "read_piece {} must be a multiple of 4096 from 4 KiB to 64 MiB",
                 self.read_piece
             )));
+        }
+        if self.shared_dir.is_some() {
+            if !self.disk_enabled() {
+                return Err(Error::invalid(
+                    "a shared directory needs a disk tier (a disk capacity above 0): it holds \
+                     this node's log",
+                ));
+            }
+            if self.shared_poll < Duration::from_millis(10)
+                || self.shared_poll > Duration::from_secs(60)
+            {
+                return Err(Error::invalid("shared_poll must be 10 ms to 60 s"));
+            }
         }
         if self.flush_batch_bytes < PAGE_SIZE {
             return Err(Error::invalid("flush_batch_bytes must be at least 4096"));

@@ -99,12 +99,14 @@ impl Flusher {
         index: Arc<Index>,
         counters: Arc<Counters>,
         batch_bytes: u64,
+        shared_floor: Option<Arc<std::sync::atomic::AtomicU64>>,
     ) -> Self {
         let reclaimer = Reclaimer {
             log: Arc::clone(&log),
             disk: Arc::clone(&disk),
             index: Arc::clone(&index),
             counters: Arc::clone(&counters),
+            shared_floor,
         };
         Flusher {
             log,
@@ -255,6 +257,10 @@ pub(crate) struct Reclaimer {
     disk: Arc<DiskTier>,
     index: Arc<Index>,
     counters: Arc<Counters>,
+    /// Set when the log is one writer's of a shared directory: the lowest
+    /// sequence number in any other writer's followed region (see
+    /// `shared::Follower`).
+    shared_floor: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl Reclaimer {
@@ -280,9 +286,21 @@ impl Reclaimer {
         let mut carried_bytes = 0u64;
         let mut carry: Vec<RecoveredEntry> = Vec::new();
         let mut dropped = 0u64;
+        // In a shared directory: no second chance for values (a copy would
+        // get a new sequence number, which could outrank a remove another
+        // node issued and this one has not read yet), and tombstones that
+        // may still shadow a put in another writer's log are kept.
+        let shared_floor = self
+            .shared_floor
+            .as_ref()
+            .map(|f| f.load(std::sync::atomic::Ordering::Acquire));
+        let mut kept_tombstones: Vec<RecordEntry> = Vec::new();
         for recovered in entries {
             let entry = &recovered.entry;
             if entry.kind != RecordKind::Put {
+                if shared_floor.is_some_and(|floor| entry.seq >= floor) {
+                    kept_tombstones.push(entry.clone());
+                }
                 continue;
             }
             let mut shard = self.index.lock(entry.digest);
@@ -293,7 +311,10 @@ impl Reclaimer {
                 continue;
             }
             let padded = page_round_up(u64::from(entry.value_len));
-            if current.accessed() && (carried_bytes == 0 || carried_bytes + padded <= budget) {
+            if shared_floor.is_none()
+                && current.accessed()
+                && (carried_bytes == 0 || carried_bytes + padded <= budget)
+            {
                 carried_bytes += padded;
                 drop(shard);
                 carry.push(recovered);
@@ -301,6 +322,20 @@ impl Reclaimer {
                 shard.clear_disk(entry.digest, entry.seq, recovered.loc);
                 dropped += 1;
             }
+        }
+        if !kept_tombstones.is_empty() {
+            // Rewritten with their own sequence numbers before the region
+            // goes, so no instant exists where a restart would miss them.
+            let kept = kept_tombstones.len() as u64;
+            let mut batch = PendingBatch {
+                entries: kept_tombstones,
+                values: Vec::new(),
+            };
+            if let Err(e) = disk.write_batch(&mut batch, self.log.next_seq()) {
+                tracing::error!(region = region.id, error = %e, "rewriting removals another writer's log may still need; the region stays until it succeeds");
+                return false;
+            }
+            Counters::add(&self.counters.carried_entries, kept);
         }
         // Remove first so the carried batch has room; the open file handle
         // still reads the unlinked region. A crash in between loses only

@@ -435,21 +435,28 @@ impl Index {
     /// Forgets every disk copy in `region` (gone); entries left in no tier
     /// are removed. Takes each shard's lock once. Returns how many.
     pub fn clear_region(&self, region: u32) -> u64 {
+        self.clear_regions(|r| r == region)
+    }
+
+    /// Drops the disk location of every entry in a region `doomed` says is
+    /// gone (one pass over the index for any number of regions); returns
+    /// how many.
+    pub fn clear_regions(&self, doomed: impl Fn(u32) -> bool) -> u64 {
         let mut cleared = 0;
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap();
-            let doomed: Vec<(KeyDigest, u64, DiskLoc)> = shard
+            let hits: Vec<(KeyDigest, u64, DiskLoc)> = shard
                 .map
                 .iter()
                 .filter_map(|(key, entry)| {
                     let loc = entry.disk?;
-                    (loc.region() == region).then(|| {
+                    doomed(loc.region()).then(|| {
                         let digest = KeyDigest(u128::from(key.high) << 64 | u128::from(key.low));
                         (digest, entry.seq(), loc)
                     })
                 })
                 .collect();
-            for (digest, seq, loc) in doomed {
+            for (digest, seq, loc) in hits {
                 if shard.clear_disk(digest, seq, loc) {
                     cleared += 1;
                 }

@@ -41,6 +41,7 @@ mod pattern;
 mod pool;
 mod prefix;
 mod private;
+mod shared;
 mod size;
 mod stats;
 mod store;
@@ -67,6 +68,7 @@ pub mod private_files {
         check_dir, check_socket_dir, create_dir, open_secret, DIR_MODE, FILE_MODE,
     };
 }
+pub use shared::SharedWriter;
 pub use stats::{StatValue, Stats};
 pub use store::{
     NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,

@@ -83,6 +83,25 @@ pub struct Stats {
     pub io_fixed_buffers: bool,
     /// Whether the io engine names region files by registered slots.
     pub io_registered_files: bool,
+    /// Whether the log lives in a shared directory (`Config::shared_dir`).
+    pub shared_dir: bool,
+    /// Other writers of the shared directory followed, their region files
+    /// and those files' bytes.
+    pub shared_writers: u64,
+    pub shared_regions: u64,
+    pub shared_bytes: u64,
+    /// Their batches indexed since open.
+    pub shared_batches: u64,
+    /// Their regions whose newest page does not hold a whole batch record
+    /// yet (a flush in progress, or a writer that died in one).
+    pub shared_stuck_regions: u64,
+    /// Removes remembered so that an older put read later is not indexed.
+    pub shared_tombstones: u64,
+    /// Follow passes since open, and milliseconds since the last began.
+    pub shared_polls: u64,
+    pub shared_follow_age_ms: u64,
+    /// Disk hits served from other writers' files.
+    pub shared_reads: u64,
 }
 
 /// One field of [`Stats`], for serialisers that need no per-field code.
@@ -159,6 +178,25 @@ impl Stats {
                 "io_registered_files",
                 StatValue::Flag(self.io_registered_files),
             ),
+            ("shared_dir", StatValue::Flag(self.shared_dir)),
+            ("shared_writers", StatValue::Count(self.shared_writers)),
+            ("shared_regions", StatValue::Count(self.shared_regions)),
+            ("shared_bytes", StatValue::Count(self.shared_bytes)),
+            ("shared_batches", StatValue::Count(self.shared_batches)),
+            (
+                "shared_stuck_regions",
+                StatValue::Count(self.shared_stuck_regions),
+            ),
+            (
+                "shared_tombstones",
+                StatValue::Count(self.shared_tombstones),
+            ),
+            ("shared_polls", StatValue::Count(self.shared_polls)),
+            (
+                "shared_follow_age_ms",
+                StatValue::Count(self.shared_follow_age_ms),
+            ),
+            ("shared_reads", StatValue::Count(self.shared_reads)),
         ]
     }
 }
@@ -178,6 +216,7 @@ pub(crate) struct Counters {
     pub removes: AtomicU64,
     pub flushed_batches: AtomicU64,
     pub flush_errors: AtomicU64,
+    pub shared_reads: AtomicU64,
 }
 
 impl Counters {

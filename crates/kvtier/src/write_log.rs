@@ -113,6 +113,9 @@ struct LogState {
     requested: bool,
     shutdown: bool,
     retrying: Ranges,
+    /// Items of the batch the flusher holds now that were retrying when it
+    /// took them (they are out of `items` while it writes them).
+    retrying_in_flight: u64,
     failed: Ranges,
     /// The error behind `retrying` and `failed`, for messages.
     last_error: Option<Error>,
@@ -132,6 +135,11 @@ pub(crate) struct WriteLog {
     /// Callers wait on this for the flusher's progress.
     progress: Condvar,
     write_through: bool,
+    /// Shared-directory mode: sequence numbers are hybrid logical clock
+    /// readings (docs/design.md, "Order across writers"): never below the
+    /// wall clock in nanoseconds since the Unix epoch, and past every
+    /// number `observe`d from other writers.
+    clock: bool,
 }
 
 /// What the flusher should do next.
@@ -141,7 +149,9 @@ pub(crate) enum Work {
 }
 
 impl WriteLog {
-    pub fn new(next_seq: u64, write_through: bool) -> Self {
+    /// A write log handing out `next_seq` on; with `clock`, sequence
+    /// numbers follow the clock (see the field).
+    pub fn with_clock(next_seq: u64, write_through: bool, clock: bool) -> Self {
         WriteLog {
             state: Mutex::new(LogState {
                 next_seq,
@@ -150,6 +160,7 @@ impl WriteLog {
                 requested: false,
                 shutdown: false,
                 retrying: Ranges::default(),
+                retrying_in_flight: 0,
                 failed: Ranges::default(),
                 last_error: None,
                 attempts: 0,
@@ -159,6 +170,19 @@ impl WriteLog {
             work: Condvar::new(),
             progress: Condvar::new(),
             write_through,
+            clock,
+        }
+    }
+
+    /// Another writer's sequence number was read: later numbers of this
+    /// log outrank it (a hybrid logical clock's receive step).
+    pub fn observe(&self, seq: u64) {
+        if !self.clock {
+            return;
+        }
+        let mut state = self.lock();
+        if seq < crate::disk::format::MAX_SEQ && state.next_seq <= seq {
+            state.next_seq = seq + 1;
         }
     }
 
@@ -173,6 +197,14 @@ impl WriteLog {
         let mut state = self.lock();
         if let Some(why) = &state.dead {
             return Err(dead_error(why));
+        }
+        if self.clock {
+            // Physical time as the floor, so numbers of writers that never
+            // read each other still order as their clocks do.
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            state.next_seq = state.next_seq.max(now);
         }
         let seq = state.next_seq;
         if seq > crate::disk::format::MAX_SEQ {
@@ -282,7 +314,14 @@ impl WriteLog {
 
     /// Writes that failed an attempt and are waiting for the next one.
     pub fn retrying_writes(&self) -> u64 {
-        self.lock().retrying.count()
+        // Counted by item: sequence numbers may leave gaps (clock mode).
+        let state = self.lock();
+        let queued = state
+            .items
+            .iter()
+            .filter(|item| state.retrying.intersects(item.seq(), item.seq()))
+            .count() as u64;
+        queued + state.retrying_in_flight
     }
 
     // ---- the flusher's side ----
@@ -320,6 +359,11 @@ impl WriteLog {
                             }
                             taken.push(state.items.pop_front().expect("front exists"));
                         }
+                        let retrying = &state.retrying;
+                        state.retrying_in_flight = taken
+                            .iter()
+                            .filter(|item| retrying.intersects(item.seq(), item.seq()))
+                            .count() as u64;
                         return Work::Batch(taken);
                     }
                 }
@@ -344,6 +388,7 @@ impl WriteLog {
             return Vec::new();
         };
         let mut state = self.lock();
+        state.retrying_in_flight = 0;
         let given_up = match outcome {
             Ok(()) => {
                 state.retrying.remove(low, high);

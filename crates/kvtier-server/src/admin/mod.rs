@@ -227,6 +227,7 @@ impl Admin {
                     }
                     None => serde_json::json!({ "enabled": false, "members": [] }),
                 };
+                json["shared_storage"] = shared_storage_json(&shared.store);
                 json_reply(&json)
             }
             "/stats/history" => json_reply(&self.history.lock().unwrap().json()),
@@ -236,6 +237,38 @@ impl Admin {
             ),
         }
     }
+}
+
+/// The shared directory and each other writer's log as this node follows
+/// it (docs/design.md, "Shared directory").
+fn shared_storage_json(store: &kvtier::Store) -> serde_json::Value {
+    let Some(dir) = store.config().configured_shared_dir() else {
+        return serde_json::json!({ "enabled": false, "writers": [] });
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let writers: Vec<serde_json::Value> = store
+        .shared_writers()
+        .into_iter()
+        .map(|w| {
+            serde_json::json!({
+                "node": w.node,
+                "regions": w.regions,
+                "bytes": w.bytes,
+                "newest_seq": w.newest_seq,
+                "last_change_unix_ms": w.last_change_unix_ms,
+                "last_change_age_ms": (w.last_change_unix_ms > 0)
+                    .then(|| now_ms.saturating_sub(w.last_change_unix_ms)),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "enabled": true,
+        "dir": dir.display().to_string(),
+        "node": store.node_id(),
+        "writers": writers,
+    })
 }
 
 /// Connections past the admin cap answered at once (each for at most

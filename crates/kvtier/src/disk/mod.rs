@@ -8,8 +8,10 @@
 //! records. See docs/design.md for the bytes and the crash protocol.
 
 pub mod format;
+mod others;
 mod read;
 
+pub(crate) use others::scan_new_batches;
 pub(crate) use read::{Destination, ReadOutcome, ValueRead};
 
 use crate::config::{Config, IoEngineKind};
@@ -42,6 +44,10 @@ pub(crate) const HEAD_FILE: &str = "log-head";
 /// clear `NoSpace` error; a region file named above it is set aside rather
 /// than allowed to stop every later write.
 pub const MAX_REGION_ID: u32 = u32::MAX - 1;
+
+/// Index handles of other writers' regions (a shared directory) start
+/// here; this node's own region ids then stay below it.
+pub const OTHERS_BASE: u32 = 1 << 31;
 /// Recovery reads region files in windows this large once it is
 /// resynchronising through damage (a page at a time would crawl).
 const SCAN_WINDOW: usize = 8 << 20;
@@ -234,22 +240,30 @@ pub struct DiskTier {
     /// a name is never reused, even if a region id is after a reclaim.
     node_id: String,
     incarnation: u64,
+    /// The highest region id this log may use: `MAX_REGION_ID`, or below
+    /// `OTHERS_BASE` when the log is one writer's of a shared directory.
+    max_region_id: u32,
+    /// Other writers' regions (a shared directory), by index handle.
+    others: RwLock<std::collections::HashMap<u32, Arc<Region>>>,
 }
 
 /// Bytes of bounce buffers kept for reuse between reads.
 const BOUNCE_CACHE_BYTES: usize = 256 << 20;
 
 impl DiskTier {
-    /// Opens (or creates) the region log under `config.data_dir` and hands
-    /// every record entry of every valid batch, in log order, to `apply`.
+    /// Opens (or creates) the region log under `log_dir` (the data
+    /// directory, or this node's writer directory of a shared directory)
+    /// and hands every record entry of every valid batch, in log order, to
+    /// `apply`.
     pub fn open(
         config: &Config,
+        log_dir: &Path,
         secret: Arc<KeySecret>,
         node_id: &str,
         checks: RecoveryChecks,
         mut apply: impl FnMut(RecoveredEntry),
     ) -> Result<(DiskTier, RecoveryReport)> {
-        let dir = config.data_dir.join(REGION_DIR);
+        let dir = log_dir.join(REGION_DIR);
         crate::private::create_dir(&dir)
             .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         // Cached values are private to the store's user (also for a
@@ -303,6 +317,12 @@ impl DiskTier {
             incarnation: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(1, |d| d.as_nanos() as u64),
+            max_region_id: if config.shared_dir.is_some() {
+                OTHERS_BASE - 1
+            } else {
+                MAX_REGION_ID
+            },
+            others: RwLock::new(std::collections::HashMap::new()),
         };
         let report = tier.recover(checks, &mut apply)?;
         Ok((tier, report))
@@ -329,7 +349,12 @@ impl DiskTier {
         self.regions.read().unwrap().len()
     }
 
+    /// The region an index entry names: this log's, or another writer's
+    /// (handles from `OTHERS_BASE` up).
     pub fn region(&self, id: u32) -> Option<Arc<Region>> {
+        if id >= OTHERS_BASE && self.max_region_id < OTHERS_BASE {
+            return self.others.read().unwrap().get(&id).cloned();
+        }
         self.regions.read().unwrap().get(&id).cloned()
     }
 
@@ -390,7 +415,7 @@ impl DiskTier {
                     // only what it wrote and verified.
                     tracing::warn!(file = %name, "ignoring a region file of another node")
                 }
-                Some(RegionName { id, .. }) if id > MAX_REGION_ID => {
+                Some(RegionName { id, .. }) if id > self.max_region_id => {
                     // No writer of this directory gets here (ids are handed
                     // out in order and refused past MAX_REGION_ID): a name
                     // that would stop every later write must not count.
@@ -626,7 +651,7 @@ impl DiskTier {
             if let Some(RegionName { id, node }) =
                 parse_region_name(&item.file_name().to_string_lossy())
             {
-                if id <= MAX_REGION_ID && node.is_none_or(|node| node == self.node_id) {
+                if id <= self.max_region_id && node.is_none_or(|node| node == self.node_id) {
                     next_region = next_region.max(id + 1);
                 }
             }
@@ -900,13 +925,14 @@ impl DiskTier {
 
     fn create_region(&self, writer: &mut WriterState, first_seq: u64) -> Result<Arc<Region>> {
         let id = writer.next_region;
-        if id > MAX_REGION_ID {
+        if id > self.max_region_id {
             return Err(Error::new(
                 crate::ErrorKind::NoSpace,
                 format!(
-                    "the region log in {} has used every region id (up to {MAX_REGION_ID}); \
+                    "the region log in {} has used every region id (up to {}); \
                      move the directory aside and start empty",
-                    self.dir.display()
+                    self.dir.display(),
+                    self.max_region_id
                 ),
             ));
         }
@@ -1358,15 +1384,15 @@ struct ScanEnd {
 
 /// A region file name, parsed.
 #[derive(Debug, PartialEq, Eq)]
-struct RegionName<'a> {
-    id: u32,
+pub(crate) struct RegionName<'a> {
+    pub id: u32,
     /// `None` for format 2's names (the region id alone).
-    node: Option<&'a str>,
+    pub node: Option<&'a str>,
 }
 
 /// `<node id>-<incarnation>-<region>.kvr` (32, 16 and 8 lower-case hex
 /// digits), or format 2's `<region>.kvr`.
-fn parse_region_name(name: &str) -> Option<RegionName<'_>> {
+pub(crate) fn parse_region_name(name: &str) -> Option<RegionName<'_>> {
     let stem = name.strip_suffix(REGION_SUFFIX)?;
     let hex = |s: &str, len: usize| {
         s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))

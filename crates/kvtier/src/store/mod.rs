@@ -53,6 +53,10 @@ pub(crate) struct Inner {
     disk: Option<Arc<DiskTier>>,
     /// Sequence numbers, the flusher's queue and the durable watermark.
     log: Arc<WriteLog>,
+    /// With a shared directory: the follower of the other writers' logs,
+    /// and this node's writer directory (locked while the store lives).
+    follower: Option<Arc<crate::shared::Follower>>,
+    shared: Option<crate::shared::SharedDir>,
     counters: Arc<Counters>,
     closed: AtomicBool,
     lock: Mutex<Option<DirLock>>,
@@ -89,6 +93,7 @@ impl ValueLease {
 pub struct Store {
     inner: Arc<Inner>,
     flusher: Mutex<Option<FlusherHandle>>,
+    follow_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// The store's own methods go through the namespace of
     /// `Config::namespace`.
     default_view: NamespacedStore,
@@ -255,6 +260,12 @@ impl Store {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        if let Some(follower) = &self.inner.follower {
+            follower.shut_down();
+            if let Some(thread) = self.follow_thread.lock().unwrap().take() {
+                let _ = thread.join();
+            }
+        }
         self.inner.log.shut_down();
         let had_flusher = if let Some(handle) = self.flusher.lock().unwrap().take() {
             handle.join();
@@ -299,6 +310,24 @@ impl Store {
         &self.inner.node_id
     }
 
+    /// The other writers of the shared directory as this node follows
+    /// them (empty without one).
+    pub fn shared_writers(&self) -> Vec<crate::shared::SharedWriter> {
+        self.inner
+            .follower
+            .as_ref()
+            .map_or_else(Vec::new, |f| f.writers())
+    }
+
+    /// Looks for the other writers' new records now instead of at the next
+    /// poll (`Config::shared_poll`); returns once this pass is done. A
+    /// no-op without a shared directory.
+    pub fn follow_shared_now(&self) {
+        if let Some(follower) = &self.inner.follower {
+            follower.poll();
+        }
+    }
+
     /// Largest value a put can accept with this configuration: the smallest
     /// of the max value size, the memory pool and (for disk puts) one batch.
     pub fn max_put_len(&self) -> u64 {
@@ -316,6 +345,9 @@ impl Drop for Store {
             std::mem::forget(Arc::clone(&self.inner));
             if let Some(handle) = self.flusher.get_mut().ok().and_then(Option::take) {
                 std::mem::forget(handle);
+            }
+            if let Some(thread) = self.follow_thread.get_mut().ok().and_then(Option::take) {
+                std::mem::forget(thread);
             }
             return;
         }
@@ -449,7 +481,31 @@ impl Inner {
                 .disk
                 .as_ref()
                 .is_some_and(|d| d.engine().uses_registered_files()),
+            shared_dir: self.shared.is_some(),
+            shared_writers: self.follow_count(|f| &f.writers),
+            shared_regions: self.follow_count(|f| &f.regions),
+            shared_bytes: self.follow_count(|f| &f.bytes),
+            shared_batches: self.follow_count(|f| &f.batches),
+            shared_stuck_regions: self.follow_count(|f| &f.stuck_regions),
+            shared_tombstones: self.follow_count(|f| &f.tombstones),
+            shared_polls: self.follow_count(|f| &f.polls),
+            shared_follow_age_ms: self.follower.as_ref().map_or(0, |f| {
+                let last = f.counters.last_pass_unix_ms.load(Ordering::Relaxed);
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                now.saturating_sub(last)
+            }),
+            shared_reads: Counters::get(&c.shared_reads),
         }
+    }
+}
+
+impl Inner {
+    fn follow_count(&self, field: impl Fn(&crate::shared::FollowCounters) -> &AtomicU64) -> u64 {
+        self.follower
+            .as_ref()
+            .map_or(0, |f| field(&f.counters).load(Ordering::Relaxed))
     }
 }
 

@@ -12,6 +12,7 @@ use crate::index::{Entry, Index};
 use crate::key::{KeyDigest, Namespace};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
+use crate::shared::{Follower, SharedDir};
 use crate::units::{page_round_up, PAGE_SIZE};
 use crate::write_log::WriteLog;
 use std::collections::HashMap;
@@ -46,10 +47,23 @@ impl Store {
             &config.data_dir,
             &config.data_dir.join(crate::disk::REGION_DIR),
         )?;
-        let secret = Arc::new(identity.secret);
         let node_id = identity.node_id;
+        // With a shared directory, its secret keys every digest (every
+        // node must compute the digests other nodes' records hold) and this
+        // node's log lives in its writer directory there.
+        let (shared, secret, identity_confirmed) = match &config.shared_dir {
+            Some(root) => {
+                let (shared, secret) = SharedDir::open(root, &node_id)?;
+                (Some(shared), Arc::new(secret), true)
+            }
+            None => (None, Arc::new(identity.secret), identity.confirmed),
+        };
+        let log_dir = shared
+            .as_ref()
+            .map_or(config.data_dir.clone(), |s| s.writer_dir.clone());
         let default_namespace = Namespace::new(Arc::clone(&secret), &config.namespace)?;
-        let index = Index::default();
+        let index = Arc::new(Index::default());
+        let mut own_tombstones: HashMap<u128, u64> = HashMap::new();
         // Whether the last run closed cleanly: taken (and synced away) now,
         // so that a crash of this run is noticed by the next.
         let clean = crate::data_dir::take_clean_marker(&config.data_dir)?;
@@ -57,13 +71,14 @@ impl Store {
         // good once the store runs (their records would index them again).
         let mut lost: Vec<(KeyDigest, Box<[u8]>)> = Vec::new();
         let (disk, recovery) = if config.disk_enabled() {
-            let mut tombstones: HashMap<u128, u64> = HashMap::new();
+            let tombstones = &mut own_tombstones;
             let checks = RecoveryChecks {
-                identity_confirmed: identity.confirmed,
+                identity_confirmed,
                 scrub_tail: !clean,
             };
             let (disk, report) = DiskTier::open(
                 &config,
+                &log_dir,
                 Arc::clone(&secret),
                 &node_id,
                 checks,
@@ -74,14 +89,14 @@ impl Store {
                             recovered.entry.key.clone().into_boxed_slice(),
                         ));
                     }
-                    apply_recovered(&index, &mut tombstones, recovered)
+                    apply_recovered(&index, tombstones, recovered)
                 },
             )?;
             (Some(disk), report)
         } else {
             (None, RecoveryReport::default())
         };
-        if !identity.confirmed {
+        if !identity_confirmed {
             // The records (if any) verified under the secret: record it.
             crate::data_dir::write_key_check(&config.data_dir, &secret)?;
         }
@@ -144,15 +159,51 @@ impl Store {
             }
         }
         let write_through = config.flush == FlushPolicy::WriteThrough;
+        let disk = disk.map(Arc::new);
+        let log = Arc::new(WriteLog::with_clock(
+            next_seq,
+            write_through,
+            shared.is_some(),
+        ));
+        let shared_floor = Arc::new(AtomicU64::new(u64::MAX));
+        let follower = match (&shared, &disk) {
+            (Some(shared), Some(disk)) => {
+                let follower = Arc::new(Follower::new(
+                    &shared.root,
+                    &node_id,
+                    Arc::clone(disk),
+                    Arc::clone(&index),
+                    Arc::clone(&log),
+                    own_tombstones,
+                    Arc::clone(&shared_floor),
+                ));
+                // Every other writer's log is indexed before the store
+                // answers (their records are the meta persisted with
+                // their data).
+                let started = std::time::Instant::now();
+                follower.poll();
+                tracing::info!(
+                    shared_dir = %shared.root.display(),
+                    writers = follower.writers().len(),
+                    entries = index.counts().entries,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "indexed the other writers of the shared directory"
+                );
+                Some(follower)
+            }
+            _ => None,
+        };
         let inner = Arc::new(Inner {
-            max_put_len: AtomicU64::new(max_put_len(&config, disk.as_ref())),
+            max_put_len: AtomicU64::new(max_put_len(&config, disk.as_deref())),
             config,
-            index: Arc::new(index),
+            index,
             pool,
             shadow: eviction.shadow(),
             eviction: Mutex::new(eviction),
-            disk: disk.map(Arc::new),
-            log: Arc::new(WriteLog::new(next_seq, write_through)),
+            disk,
+            log,
+            follower,
+            shared,
             counters: Arc::default(),
             closed: AtomicBool::new(false),
             lock: Mutex::new(Some(lock)),
@@ -169,15 +220,30 @@ impl Store {
                     Arc::clone(&inner.index),
                     Arc::clone(&inner.counters),
                     inner.config.flush_batch_bytes,
+                    inner.follower.as_ref().map(|_| Arc::clone(&shared_floor)),
                 )
                 .spawn()?,
             ),
+            None => None,
+        };
+        let follow_thread = match &inner.follower {
+            Some(follower) => {
+                let follower = Arc::clone(follower);
+                let every = inner.config.shared_poll;
+                Some(
+                    std::thread::Builder::new()
+                        .name("kvtier-follower".into())
+                        .spawn(move || follower.run(every))
+                        .map_err(|e| Error::io("starting the shared-directory follower", e))?,
+                )
+            }
             None => None,
         };
         let store = Store {
             default_view: NamespacedStore::new(Arc::clone(&inner), default_namespace),
             inner,
             flusher: Mutex::new(flusher),
+            follow_thread: Mutex::new(follow_thread),
         };
         // A lost value whose key has a newer surviving put keeps that put:
         // only keys recovery left absent get their tombstone.

@@ -145,7 +145,12 @@ impl Inner {
                 continue;
             };
             match outcome {
-                ReadOutcome::Verified => Counters::add(&self.counters.disk_hits, 1),
+                ReadOutcome::Verified => {
+                    Counters::add(&self.counters.disk_hits, 1);
+                    if read.loc.region() >= crate::disk::OTHERS_BASE && self.follower.is_some() {
+                        Counters::add(&self.counters.shared_reads, 1);
+                    }
+                }
                 ReadOutcome::Rejected(_) => {
                     Counters::add(&self.counters.checksum_failures, 1);
                     Counters::add(&self.counters.misses, 1);

@@ -183,7 +183,14 @@ impl Inner {
         let digest = ns.digest(key);
         let mut removed = None;
         let seq = self.log.append(|seq| {
-            removed = self.index.lock(digest).remove(digest);
+            let mut shard = self.index.lock(digest);
+            removed = shard.remove(digest);
+            if let Some(follower) = &self.follower {
+                // Under the shard lock: another writer's older put of this
+                // key, read from now on, is not indexed.
+                follower.note_removal(digest, seq);
+            }
+            drop(shard);
             // Logged even for a key the index does not know: an older
             // durable value may still lie on disk (replaced by a
             // memory-only put that was then evicted) and must not come

@@ -12,3 +12,4 @@ mod full_disk;
 mod io_faults;
 mod model;
 mod power_loss;
+mod shared;

@@ -110,6 +110,37 @@ function fill(stats) {
     cluster.textContent = "cluster mode is off: this server is the whole cache";
     members.hidden = true;
   }
+  const shared = document.getElementById("shared");
+  const writers = document.getElementById("writers");
+  const s = stats.shared_storage;
+  if (s && s.enabled) {
+    shared.textContent = `log in ${s.dir} (node ${s.node.slice(0, 8)}): ` +
+      `${s.writers.length} other writers followed, last pass ` +
+      `${format(stats.store.shared_follow_age_ms / 1000, "seconds")} ago, ` +
+      `${format(stats.store.shared_reads, "count")} reads from their files`;
+    const rows = s.writers.map((w) => {
+      const row = document.createElement("tr");
+      row.dataset.writer = w.node;
+      const cells = [
+        w.node.slice(0, 8),
+        format(w.regions, "count"),
+        format(w.bytes, "bytes"),
+        String(w.newest_seq),
+        w.last_change_age_ms === null ? "never" : `${format(w.last_change_age_ms / 1000, "seconds")} ago`,
+      ];
+      cells.forEach((text, i) => {
+        const cell = document.createElement(i === 0 ? "th" : "td");
+        cell.textContent = text;
+        row.appendChild(cell);
+      });
+      return row;
+    });
+    writers.tBodies[0].replaceChildren(...rows);
+    writers.hidden = false;
+  } else {
+    shared.textContent = "no shared directory: the disk tier is this node's own";
+    writers.hidden = true;
+  }
 }
 
 // A line chart of `series` over the last 15 minutes, drawn as SVG.

@@ -1,0 +1,308 @@
+//! The shared directory's identity and layout (docs/design.md, "Shared
+//! directory"): one format line and one `key-secret` for every node, and
+//! a writer directory per node, which only that node writes.
+//!
+//! Nodes may start at the same moment on an empty directory, from hosts
+//! that share nothing but the file system, so every identity file is
+//! written to a private temporary name and hard-linked into place: a link
+//! either creates the name whole or fails because another node's file is
+//! already there, in which case this node reads and uses that one. No
+//! node ever replaces an identity file another node may have read.
+
+use crate::data_dir::{self, KEY_CHECK_FILE, KEY_SECRET_FILE};
+use crate::error::{Error, ErrorKind, Result};
+use crate::key::KeySecret;
+use crate::private::FILE_MODE;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// The format this build writes and reads.
+pub const SHARED_DIR_FORMAT: u32 = 1;
+const FORMAT_PREFIX: &str = "kvtier shared directory format ";
+pub const FORMAT_FILE: &str = "FORMAT";
+/// Holds one directory per writer, named by its node id.
+pub const NODES_DIR: &str = "nodes";
+/// In a writer directory: held with `flock` by the writing process.
+pub const WRITER_LOCK_FILE: &str = "LOCK";
+
+/// An opened shared directory: the secret every node keys digests with,
+/// and this node's writer directory, locked.
+#[derive(Debug)]
+pub struct SharedDir {
+    pub root: PathBuf,
+    /// `root/nodes/<node id>`: this node's log (regions, head, quarantine).
+    pub writer_dir: PathBuf,
+    /// Held for the store's life: a second process with the same node id
+    /// (a copied data directory) must not write this log too.
+    _writer_lock: Option<File>,
+}
+
+impl SharedDir {
+    /// Opens (creating what is missing) the shared directory `root` for
+    /// node `node_id`; returns it with the secret every node keys digests
+    /// with.
+    pub fn open(root: &Path, node_id: &str) -> Result<(SharedDir, KeySecret)> {
+        crate::private::create_dir(root)
+            .map_err(|e| Error::io(format!("creating shared directory {}", root.display()), e))?;
+        let tightened = crate::private::check_dir(root)
+            .map_err(|e| Error::io(format!("checking shared directory {}", root.display()), e))?;
+        if tightened {
+            tracing::warn!(dir = %root.display(), "the shared directory was readable by other users; made it private (mode 700)");
+        }
+        let secret = settle_identity(root, node_id)?;
+        let nodes = root.join(NODES_DIR);
+        let writer_dir = nodes.join(node_id);
+        crate::private::create_dir(&writer_dir)
+            .map_err(|e| Error::io(format!("creating {}", writer_dir.display()), e))?;
+        let writer_lock = lock_writer(&writer_dir)?;
+        let shared = SharedDir {
+            root: root.to_path_buf(),
+            writer_dir,
+            _writer_lock: writer_lock,
+        };
+        Ok((shared, secret))
+    }
+
+    /// Every writer directory but `own`: (node id, path). Names that are
+    /// not node ids are ignored.
+    pub fn other_writers(root: &Path, own: &str) -> std::io::Result<Vec<(String, PathBuf)>> {
+        let mut out = Vec::new();
+        for item in fs::read_dir(root.join(NODES_DIR))? {
+            let item = item?;
+            let name = item.file_name().to_string_lossy().into_owned();
+            if name != own && data_dir::is_node_id(&name) {
+                out.push((name, item.path()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+/// Reads the shared directory's format and secret, creating them if this
+/// node is the first; every node ends up with the one secret that won.
+fn settle_identity(root: &Path, node_id: &str) -> Result<KeySecret> {
+    let format = format!("{FORMAT_PREFIX}{SHARED_DIR_FORMAT}\n");
+    let format_path = root.join(FORMAT_FILE);
+    match fs::read_to_string(&format_path) {
+        Ok(text) => check_format(root, &text)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // First node (or racing first nodes): the secret first, so a
+            // format line always names a directory that has one.
+            let fresh = KeySecret::generate()?;
+            link_into_place(root, KEY_SECRET_FILE, fresh.as_bytes(), node_id)?;
+            let secret = data_dir::read_secret(root)?;
+            let check = format!("{}\n", secret.check_value());
+            link_into_place(root, KEY_CHECK_FILE, check.as_bytes(), node_id)?;
+            link_into_place(root, FORMAT_FILE, format.as_bytes(), node_id)?;
+            fs::create_dir_all(root.join(NODES_DIR)).map_err(|e| {
+                Error::io(format!("creating {}", root.join(NODES_DIR).display()), e)
+            })?;
+            sync_dir(root)?;
+            let text = fs::read_to_string(&format_path)
+                .map_err(|e| Error::io(format!("reading {}", format_path.display()), e))?;
+            check_format(root, &text)?;
+        }
+        Err(e) => return Err(Error::io(format!("reading {}", format_path.display()), e)),
+    }
+    let secret = data_dir::read_secret(root)?;
+    let check_path = root.join(KEY_CHECK_FILE);
+    let check = fs::read_to_string(&check_path)
+        .map_err(|e| Error::io(format!("reading {}", check_path.display()), e))?;
+    if check.trim() != secret.check_value() {
+        return Err(Error::new(
+            ErrorKind::Corruption,
+            format!(
+                "{} does not match {}: the shared key-secret is damaged or was replaced, and \
+                 no node's blocks would verify. Restore it (nothing was changed)",
+                check_path.display(),
+                root.join(KEY_SECRET_FILE).display()
+            ),
+        ));
+    }
+    fs::create_dir_all(root.join(NODES_DIR))
+        .map_err(|e| Error::io(format!("creating {}", root.join(NODES_DIR).display()), e))?;
+    Ok(secret)
+}
+
+fn check_format(root: &Path, text: &str) -> Result<()> {
+    let version = text
+        .trim()
+        .strip_prefix(FORMAT_PREFIX.trim_end())
+        .and_then(|v| v.trim().parse::<u32>().ok());
+    match version {
+        Some(SHARED_DIR_FORMAT) => Ok(()),
+        Some(other) => Err(Error::invalid(format!(
+            "{} is a kvtier shared directory of format {other}; this kvtier reads format \
+             {SHARED_DIR_FORMAT} only",
+            root.display()
+        ))),
+        None => Err(Error::new(
+            ErrorKind::Corruption,
+            format!(
+                "{} is not a kvtier shared directory format file (expected \"{FORMAT_PREFIX}N\"); \
+                 refusing to guess how to read {}",
+                root.join(FORMAT_FILE).display(),
+                root.display()
+            ),
+        )),
+    }
+}
+
+/// Creates `root/name` holding `bytes` unless it exists: written and
+/// synced under a name private to this node, then hard-linked (a link
+/// never replaces an existing name, so of racing nodes exactly one wins).
+fn link_into_place(root: &Path, name: &str, bytes: &[u8], node_id: &str) -> Result<()> {
+    let tmp = root.join(format!(".{name}.{node_id}.tmp"));
+    let _ = fs::remove_file(&tmp);
+    let written = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(FILE_MODE)
+        .open(&tmp)
+        .and_then(|mut file| {
+            file.write_all(bytes)?;
+            file.sync_all()
+        });
+    if let Err(e) = written {
+        let _ = fs::remove_file(&tmp);
+        return Err(Error::io(format!("writing {}", tmp.display()), e));
+    }
+    let linked = fs::hard_link(&tmp, root.join(name));
+    let _ = fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(Error::io(
+            format!("linking {} into place", root.join(name).display()),
+            e,
+        )),
+    }
+}
+
+/// `flock`s the writer directory's lock file. A file system without
+/// `flock` (some NFS setups) is run without the lock, with a warning: the
+/// node id in `data_dir` is then the only thing that keeps writers apart.
+fn lock_writer(writer_dir: &Path) -> Result<Option<File>> {
+    let path = writer_dir.join(WRITER_LOCK_FILE);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(FILE_MODE)
+        .open(&path)
+        .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    // SAFETY: flock on a descriptor this function owns.
+    let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if locked != 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => {
+                let holder = fs::read_to_string(&path).unwrap_or_default();
+                Err(Error::new(
+                    ErrorKind::Locked,
+                    format!(
+                        "{} is held by another process ({}): another store writes this node's \
+                         log (two data directories with one node-id, copied?). Give each node \
+                         its own data directory",
+                        path.display(),
+                        holder.trim()
+                    ),
+                ))
+            }
+            Some(libc::ENOSYS | libc::EOPNOTSUPP | libc::ENOLCK) => {
+                tracing::warn!(path = %path.display(), error = %e, "the shared file system does not lock files; running without the writer lock (make sure no two nodes share a node id)");
+                Ok(None)
+            }
+            _ => Err(Error::io(format!("locking {}", path.display()), e)),
+        };
+    }
+    let holder = format!("pid {} on {}\n", std::process::id(), host_name());
+    let _ = file.set_len(0);
+    let _ = file.write_all(holder.as_bytes());
+    Ok(Some(file))
+}
+
+/// This host's name, for the lock holder's line.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at
+    // most that many bytes.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if ok {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "an unknown host".to_string()
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_racing_on_an_empty_directory_settle_on_one_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("shared");
+        let ids: Vec<String> = (0..8).map(|n| format!("{n:032x}")).collect();
+        let secrets: Vec<[u8; 32]> = std::thread::scope(|s| {
+            let handles: Vec<_> = ids
+                .iter()
+                .map(|id| {
+                    let root = root.clone();
+                    s.spawn(move || *SharedDir::open(&root, id).unwrap().1.as_bytes())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(secrets.iter().all(|s| s == &secrets[0]));
+        let writers = SharedDir::other_writers(&root, &ids[0]).unwrap();
+        assert_eq!(writers.len(), 7);
+        // Nothing temporary is left behind.
+        let names: Vec<String> = fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+    }
+
+    #[test]
+    fn a_second_writer_with_the_same_node_id_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 7);
+        let first = SharedDir::open(dir.path(), &id).unwrap();
+        let second = SharedDir::open(dir.path(), &id).unwrap_err();
+        assert_eq!(second.kind(), ErrorKind::Locked, "{second}");
+        drop(first);
+        SharedDir::open(dir.path(), &id).unwrap();
+    }
+
+    #[test]
+    fn a_replaced_secret_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 1);
+        drop(SharedDir::open(dir.path(), &id).unwrap());
+        let path = dir.path().join(KEY_SECRET_FILE);
+        fs::remove_file(&path).unwrap();
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(FILE_MODE)
+            .open(&path)
+            .unwrap();
+        file.write_all(&[9u8; 32]).unwrap();
+        let error = SharedDir::open(dir.path(), &id).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Corruption, "{error}");
+    }
+}

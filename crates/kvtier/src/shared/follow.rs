@@ -1,0 +1,503 @@
+//! Following the other writers of a shared directory (docs/design.md,
+//! "Following other writers"): their batch records are the meta persisted
+//! with the data, so this node's index learns their blocks by reading the
+//! records they append, exactly as recovery reads its own log: a record
+//! counts only once it verifies (checksums and keyed digests), so a batch
+//! its writer is still writing, or tore by dying, is never indexed.
+//!
+//! Order across writers: every writer's sequence numbers are hybrid
+//! logical clock readings (`WriteLog` in shared mode), and each record
+//! entry read here advances this node's clock past it, so a remove issued
+//! here after this node saw a put outranks that put everywhere. Per key the
+//! highest sequence number wins, a tombstone on a tie.
+
+use crate::disk::format::{RecordEntry, RecordKind};
+use crate::disk::{parse_region_name, scan_new_batches, DiskTier, OTHERS_BASE, REGION_DIR};
+use crate::index::{DiskLoc, Entry, Index};
+use crate::key::KeyDigest;
+use crate::shared::dir::SharedDir;
+use crate::units::PAGE_SIZE;
+use crate::write_log::WriteLog;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, SystemTime};
+
+/// A tombstone's origin: another writer's region (its handle), or this
+/// node's own log (`OWN`), whose tombstones are kept until the store
+/// closes.
+const OWN: u32 = u32::MAX;
+
+/// What one other writer's log looks like from here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedWriter {
+    /// Its node id (the name of its writer directory).
+    pub node: String,
+    /// Region files of it this node follows, and their bytes.
+    pub regions: u64,
+    pub bytes: u64,
+    /// The highest sequence number read from its records.
+    pub newest_seq: u64,
+    /// Milliseconds since the Unix epoch when its log last changed as seen
+    /// from here (a new batch, region or removal); 0 if never.
+    pub last_change_unix_ms: u64,
+}
+
+#[derive(Debug)]
+struct Followed {
+    handle: u32,
+    file_name: String,
+    /// Where the next scan starts.
+    scanned_to: u64,
+    /// The file's length when last opened.
+    len: u64,
+    /// Lowest sequence number of any entry read from it (`u64::MAX`
+    /// before the first).
+    min_seq: u64,
+    stuck: bool,
+}
+
+#[derive(Debug, Default)]
+struct WriterLog {
+    regions: BTreeMap<u32, Followed>,
+    newest_seq: u64,
+    last_change: Option<SystemTime>,
+}
+
+#[derive(Debug)]
+struct FollowState {
+    writers: BTreeMap<String, WriterLog>,
+    next_handle: u32,
+    /// Per key digest: the newest removal known (sequence number, origin),
+    /// so a put with a lower number read later (a writer whose flush came
+    /// after the remove, or whose log this node reads later) is not
+    /// indexed.
+    tombstones: HashMap<u128, (u64, u32)>,
+}
+
+/// Counters for `Stats`.
+#[derive(Debug, Default)]
+pub(crate) struct FollowCounters {
+    pub writers: AtomicU64,
+    pub regions: AtomicU64,
+    pub bytes: AtomicU64,
+    pub batches: AtomicU64,
+    pub stuck_regions: AtomicU64,
+    pub tombstones: AtomicU64,
+    pub polls: AtomicU64,
+    /// Milliseconds since the Unix epoch when the last pass began.
+    pub last_pass_unix_ms: AtomicU64,
+}
+
+/// Follows every other writer of one shared directory into this node's
+/// index. Built from the handles it needs; a thread polls it.
+#[derive(Debug)]
+pub(crate) struct Follower {
+    root: PathBuf,
+    own: String,
+    disk: Arc<DiskTier>,
+    index: Arc<Index>,
+    log: Arc<WriteLog>,
+    state: Mutex<FollowState>,
+    pub counters: FollowCounters,
+    /// The lowest sequence number of any entry in any other writer's
+    /// region this node follows (`u64::MAX` if none): a tombstone of this
+    /// node's log at or above it may still shadow a put in another log,
+    /// so the reclaimer rewrites it instead of dropping it.
+    floor: Arc<AtomicU64>,
+    stop: (Mutex<bool>, Condvar),
+}
+
+impl Follower {
+    pub fn new(
+        root: &Path,
+        own: &str,
+        disk: Arc<DiskTier>,
+        index: Arc<Index>,
+        log: Arc<WriteLog>,
+        own_tombstones: HashMap<u128, u64>,
+        floor: Arc<AtomicU64>,
+    ) -> Follower {
+        floor.store(u64::MAX, Ordering::Release);
+        Follower {
+            root: root.to_path_buf(),
+            own: own.to_string(),
+            disk,
+            index,
+            log,
+            state: Mutex::new(FollowState {
+                writers: BTreeMap::new(),
+                next_handle: OTHERS_BASE,
+                tombstones: own_tombstones
+                    .into_iter()
+                    .map(|(digest, seq)| (digest, (seq, OWN)))
+                    .collect(),
+            }),
+            counters: FollowCounters::default(),
+            floor,
+            stop: (Mutex::new(false), Condvar::new()),
+        }
+    }
+
+    /// A removal this node logged (called under the key's index shard
+    /// lock, so a put of another writer applied concurrently sees it).
+    pub fn note_removal(&self, digest: KeyDigest, seq: u64) {
+        let mut state = self.state.lock().unwrap();
+        let slot = state.tombstones.entry(digest.0).or_insert((seq, OWN));
+        if slot.0 <= seq {
+            *slot = (seq, OWN);
+        }
+    }
+
+    /// Each other writer's log as seen now.
+    pub fn writers(&self) -> Vec<SharedWriter> {
+        let state = self.state.lock().unwrap();
+        state
+            .writers
+            .iter()
+            .map(|(node, log)| SharedWriter {
+                node: node.clone(),
+                regions: log.regions.len() as u64,
+                bytes: log.regions.values().map(|r| r.len).sum(),
+                newest_seq: log.newest_seq,
+                last_change_unix_ms: log
+                    .last_change
+                    .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_millis() as u64),
+            })
+            .collect()
+    }
+
+    /// Polls every `every` until `shut_down`.
+    pub fn run(&self, every: Duration) {
+        loop {
+            {
+                let stopped = self.stop.0.lock().unwrap();
+                let (stopped, _) = self
+                    .stop
+                    .1
+                    .wait_timeout_while(stopped, every, |s| !*s)
+                    .unwrap();
+                if *stopped {
+                    return;
+                }
+            }
+            self.poll();
+        }
+    }
+
+    pub fn shut_down(&self) {
+        *self.stop.0.lock().unwrap() = true;
+        self.stop.1.notify_all();
+    }
+
+    /// One pass over every other writer: new regions opened, grown ones
+    /// scanned from where the last pass stopped, vanished ones dropped
+    /// (with their index entries). Errors (a file system hiccup) are
+    /// logged and retried next pass; they never stop the follower.
+    pub fn poll(&self) {
+        let began = SystemTime::now();
+        self.counters.last_pass_unix_ms.store(
+            began
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            Ordering::Relaxed,
+        );
+        let writers = match SharedDir::other_writers(&self.root, &self.own) {
+            Ok(writers) => writers,
+            Err(e) => {
+                tracing::warn!(dir = %self.root.display(), error = %e, "cannot list the shared directory's writers; will retry");
+                return;
+            }
+        };
+        let mut vanished: HashSet<u32> = HashSet::new();
+        let mut state = self.state.lock().unwrap();
+        // Writers whose directory went (removed by `kvtier shared gc` or
+        // an adopter): every region of theirs is gone.
+        let present: HashSet<&str> = writers.iter().map(|(n, _)| n.as_str()).collect();
+        let gone: Vec<String> = state
+            .writers
+            .keys()
+            .filter(|n| !present.contains(n.as_str()))
+            .cloned()
+            .collect();
+        for node in gone {
+            if let Some(log) = state.writers.remove(&node) {
+                vanished.extend(log.regions.values().map(|r| r.handle));
+            }
+        }
+        drop(state);
+        for (node, dir) in &writers {
+            self.follow_writer(node, dir, &mut vanished);
+        }
+        let mut state = self.state.lock().unwrap();
+        if !vanished.is_empty() {
+            for handle in &vanished {
+                self.disk.drop_other(*handle);
+            }
+            state
+                .tombstones
+                .retain(|_, (_, origin)| !vanished.contains(origin));
+        }
+        let mut floor = u64::MAX;
+        let (mut regions, mut bytes, mut stuck) = (0u64, 0u64, 0u64);
+        for log in state.writers.values() {
+            for region in log.regions.values() {
+                floor = floor.min(region.min_seq);
+                regions += 1;
+                bytes += region.len;
+                stuck += u64::from(region.stuck);
+            }
+        }
+        self.floor.store(floor, Ordering::Release);
+        self.counters
+            .writers
+            .store(state.writers.len() as u64, Ordering::Relaxed);
+        self.counters.regions.store(regions, Ordering::Relaxed);
+        self.counters.bytes.store(bytes, Ordering::Relaxed);
+        self.counters.stuck_regions.store(stuck, Ordering::Relaxed);
+        self.counters
+            .tombstones
+            .store(state.tombstones.len() as u64, Ordering::Relaxed);
+        drop(state);
+        if !vanished.is_empty() {
+            // Entries naming a region that is gone would count in `exists`
+            // and `prefix_len` but miss on read: dropped in one sweep.
+            self.index
+                .clear_regions(|region| vanished.contains(&region));
+        }
+        self.counters.polls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn follow_writer(&self, node: &str, dir: &Path, vanished: &mut HashSet<u32>) {
+        let region_dir = dir.join(REGION_DIR);
+        let listing = match std::fs::read_dir(&region_dir) {
+            Ok(listing) => listing,
+            // A writer that has not created its first region yet.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::warn!(dir = %region_dir.display(), error = %e, "cannot list another writer's regions; will retry");
+                return;
+            }
+        };
+        // Region id -> file name; of two names for one id (a copy made by
+        // hand), the longer file (its writer keeps the longest too).
+        let mut files: BTreeMap<u32, (String, u64)> = BTreeMap::new();
+        for item in listing.flatten() {
+            let name = item.file_name().to_string_lossy().into_owned();
+            let Some(parsed) = parse_region_name(&name) else {
+                continue;
+            };
+            if parsed.node != Some(node) || parsed.id >= OTHERS_BASE {
+                continue;
+            }
+            let len = item.metadata().map_or(0, |m| m.len());
+            let id = parsed.id;
+            match files.get(&id) {
+                Some((_, held)) if *held >= len => {}
+                _ => {
+                    files.insert(id, (name, len));
+                }
+            }
+        }
+        let newest = files.keys().next_back().copied();
+        let mut state = self.state.lock().unwrap();
+        let log = state.writers.entry(node.to_string()).or_default();
+        // Regions gone (reclaimed by their writer) or replaced by another
+        // file under the same id.
+        let doomed: Vec<u32> = log
+            .regions
+            .iter()
+            .filter(|(id, r)| files.get(id).is_none_or(|(name, _)| *name != r.file_name))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in doomed {
+            if let Some(region) = log.regions.remove(&id) {
+                vanished.insert(region.handle);
+                log.last_change = Some(SystemTime::now());
+            }
+        }
+        let known: Vec<(u32, u64, bool)> = log
+            .regions
+            .iter()
+            .map(|(id, r)| (*id, r.len, r.stuck))
+            .collect();
+        drop(state);
+        for (id, (name, listed_len)) in files {
+            let sealed = newest.is_some_and(|n| n > id);
+            let path = region_dir.join(&name);
+            // Scanned again when it grew, or when its tail did not verify
+            // last time: the record is written after the values, in place,
+            // so a batch becomes whole without the file growing.
+            let unchanged = known
+                .iter()
+                .any(|&(known_id, len, stuck)| known_id == id && !stuck && listed_len <= len);
+            if unchanged {
+                continue;
+            }
+            self.scan_region(node, id, &name, &path, sealed, vanished);
+        }
+    }
+
+    /// Opens region `id` of `node` afresh (a new open is what makes a
+    /// distributed file system show another client's appends: close-to-
+    /// open consistency) and indexes the batches past where the last scan
+    /// stopped.
+    fn scan_region(
+        &self,
+        node: &str,
+        id: u32,
+        name: &str,
+        path: &Path,
+        sealed: bool,
+        vanished: &mut HashSet<u32>,
+    ) {
+        let opened = match self.disk.open_other(path) {
+            Ok(opened) => opened,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot open another writer's region; will retry");
+                return;
+            }
+        };
+        let (handle, from) = {
+            let mut state = self.state.lock().unwrap();
+            let existing = state
+                .writers
+                .get(node)
+                .and_then(|log| log.regions.get(&id))
+                .map(|r| (r.handle, r.scanned_to));
+            match existing {
+                Some(found) => found,
+                None => {
+                    let handle = state.next_handle;
+                    if handle == OWN {
+                        tracing::error!("this process has followed 2^31 regions of other writers; restart it to follow more");
+                        return;
+                    }
+                    state.next_handle += 1;
+                    state
+                        .writers
+                        .entry(node.to_string())
+                        .or_default()
+                        .regions
+                        .insert(
+                            id,
+                            Followed {
+                                handle,
+                                file_name: name.to_string(),
+                                scanned_to: PAGE_SIZE,
+                                len: 0,
+                                min_seq: u64::MAX,
+                                stuck: false,
+                            },
+                        );
+                    (handle, PAGE_SIZE)
+                }
+            }
+        };
+        let len = opened.len;
+        if len < from {
+            // Shrank under its writer's name: no writer truncates a region,
+            // so this is damage or a replacement. Its entries go; a later
+            // pass meets it as a new file only if its name changes.
+            tracing::warn!(path = %path.display(), len, scanned_to = from, "another writer's region shrank; dropping its entries");
+            let mut state = self.state.lock().unwrap();
+            if let Some(log) = state.writers.get_mut(node) {
+                log.regions.remove(&id);
+            }
+            vanished.insert(handle);
+            return;
+        }
+        let scan = scan_new_batches(&opened.file, id, len, from, self.disk.secret(), sealed);
+        // Reads of values go through this fresh descriptor from now on.
+        self.disk.set_other(handle, opened, path.to_path_buf());
+        let mut batches = 0u64;
+        let mut min_seq = u64::MAX;
+        let mut max_seq = 0u64;
+        for (batch_start, entries) in &scan.batches {
+            batches += 1;
+            for entry in entries {
+                min_seq = min_seq.min(entry.seq);
+                max_seq = max_seq.max(entry.seq);
+            }
+            // The clock first (never under a shard lock: the write log
+            // takes shard locks under its own).
+            if max_seq > 0 {
+                self.log.observe(max_seq);
+            }
+            for entry in entries {
+                self.apply(handle, *batch_start, entry);
+            }
+        }
+        if scan.skipped_pages > 0 {
+            tracing::warn!(path = %path.display(), pages = scan.skipped_pages, "pages without a valid batch in another writer's sealed region (a torn tail or damage); skipped them");
+        }
+        let mut state = self.state.lock().unwrap();
+        let Some(log) = state.writers.get_mut(node) else {
+            return;
+        };
+        if batches > 0 {
+            log.newest_seq = log.newest_seq.max(max_seq);
+            log.last_change = Some(SystemTime::now());
+        }
+        if let Some(region) = log.regions.get_mut(&id) {
+            region.scanned_to = scan.end;
+            region.len = len;
+            region.min_seq = region.min_seq.min(min_seq);
+            region.stuck = scan.stuck.is_some();
+        }
+        drop(state);
+        self.counters.batches.fetch_add(batches, Ordering::Relaxed);
+    }
+
+    /// Applies one record entry of another writer (whose region is
+    /// `handle`): per key, the highest sequence number wins, a tombstone on
+    /// a tie.
+    fn apply(&self, handle: u32, batch_start: u64, entry: &RecordEntry) {
+        let digest = entry.digest;
+        let mut shard = self.index.lock(digest);
+        let current = shard.get(digest).map(Entry::seq);
+        let mut state = self.state.lock().unwrap();
+        match entry.kind {
+            RecordKind::Tombstone => {
+                let slot = state.tombstones.entry(digest.0).or_insert((0, handle));
+                if slot.0 <= entry.seq {
+                    *slot = (entry.seq, handle);
+                }
+                drop(state);
+                if current.is_some_and(|s| s <= entry.seq) {
+                    shard.remove(digest);
+                }
+            }
+            RecordKind::Put => {
+                let removed_after = state
+                    .tombstones
+                    .get(&digest.0)
+                    .is_some_and(|(seq, _)| *seq >= entry.seq);
+                drop(state);
+                if removed_after || current.is_some_and(|s| s >= entry.seq) {
+                    return;
+                }
+                let Some(page) = batch_start
+                    .checked_add(entry.value_offset)
+                    .map(|at| at / PAGE_SIZE)
+                    .and_then(|page| u32::try_from(page).ok())
+                else {
+                    return;
+                };
+                shard.insert(
+                    digest,
+                    Entry::new(
+                        entry.seq,
+                        entry.checksum,
+                        None,
+                        Some(DiskLoc::new(handle, page)),
+                        entry.value_len,
+                    ),
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! A region log on a shared file system (docs/design.md, "Shared
+//! directory"): `dir` owns the directory's identity and this node's
+//! writer directory; `follow` indexes every other writer's log as it
+//! grows, so any node reads any node's blocks straight from the file
+//! system.
+
+mod dir;
+mod follow;
+
+pub(crate) use dir::SharedDir;
+pub use follow::SharedWriter;
+pub(crate) use follow::{FollowCounters, Follower};

@@ -1,0 +1,381 @@
+//! Shared directory: several stores (nodes) with their own data
+//! directories and one shared directory, in one process, on the local file
+//! system. The same behaviour on a real distributed file system (two
+//! JuiceFS mounts, real `kvtier serve` processes) is tested in
+//! `kvtier-cli/tests/shared_storage.rs`.
+
+use crate::common::*;
+use kvtier::{Config, Store};
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+struct Node {
+    data: PathBuf,
+    shared: PathBuf,
+    capacity: u64,
+    store: Option<Store>,
+}
+
+impl Node {
+    fn config(data: &Path, shared: &Path, capacity: u64) -> Config {
+        Config::new(data)
+            .memory_capacity(4 * MIB)
+            .disk_capacity(capacity)
+            .region_size(MIB)
+            .io_engine(engine())
+            .shared_dir(shared)
+    }
+
+    fn start(root: &Path, name: &str, capacity: u64) -> Node {
+        let data = root.join(name);
+        let shared = root.join("shared");
+        let store = open(Self::config(&data, &shared, capacity));
+        Node {
+            data,
+            shared,
+            capacity,
+            store: Some(store),
+        }
+    }
+
+    fn store(&self) -> &Store {
+        self.store.as_ref().expect("node is running")
+    }
+
+    fn restart(&mut self) {
+        drop(self.store.take());
+        self.store = Some(open(Self::config(&self.data, &self.shared, self.capacity)));
+    }
+}
+
+fn read(store: &Store, key: &[u8]) -> Option<Vec<u8>> {
+    let len = store.value_len(key).unwrap()?;
+    let mut buf = vec![0u8; len];
+    let got = store.batch_get_into(&[key], &mut [&mut buf[..]]);
+    match &got[0] {
+        Ok(Some(n)) => {
+            buf.truncate(*n);
+            Some(buf)
+        }
+        Ok(None) => None,
+        Err(e) => panic!("a get failed: {e}"),
+    }
+}
+
+#[test]
+fn blocks_flushed_on_one_node_are_read_on_every_node() {
+    for_each_engine(|_| {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Node::start(dir.path(), "b", 64 * MIB);
+        let c = Node::start(dir.path(), "c", 64 * MIB);
+        let keys: Vec<Vec<u8>> = (0..200).map(key).collect();
+        let values: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|k| value_for(k, 1, 20_000 + k.len() * 997))
+            .collect();
+        for result in b.store().batch_put(&keys, &values) {
+            result.unwrap();
+        }
+        b.store().flush().unwrap();
+        assert_eq!(c.store().prefix_len(&keys), 0, "not followed yet");
+        c.store().follow_shared_now();
+        assert_eq!(c.store().prefix_len(&keys), keys.len());
+        let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+        let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        let got = c.store().batch_get_into(&keys, &mut dests);
+        for (i, result) in got.iter().enumerate() {
+            assert_eq!(result.as_ref().unwrap(), &Some(values[i].len()), "key {i}");
+            assert_eq!(bufs[i], values[i], "key {i}");
+        }
+        let stats = c.store().stats();
+        assert_eq!(stats.shared_reads, 200, "{stats:?}");
+        assert_eq!(stats.shared_writers, 1);
+        assert!(stats.shared_batches >= 1 && stats.shared_regions >= 1);
+        assert_eq!(c.store().shared_writers()[0].node, b.store().node_id());
+        // C never wrote: its own log is empty, B's files are untouched.
+        assert_eq!(stats.disk_regions, 0);
+        // A restarted C indexes B's log from the shared directory alone.
+        let mut c = c;
+        c.restart();
+        assert_eq!(c.store().prefix_len(&keys), keys.len());
+        assert_eq!(read(c.store(), &keys[7]).unwrap(), values[7]);
+    });
+}
+
+#[test]
+fn removes_win_on_every_node_and_survive_restarts() {
+    for_each_engine(|_| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = Node::start(dir.path(), "b", 64 * MIB);
+        let mut c = Node::start(dir.path(), "c", 64 * MIB);
+        let v = |k: &[u8], n| value_for(k, n, 30_000);
+        for k in [&b"k1"[..], b"k2", b"k3"] {
+            b.store().put(k, v(k, 1)).unwrap();
+        }
+        b.store().flush().unwrap();
+        c.store().follow_shared_now();
+        assert_eq!(read(c.store(), b"k1").unwrap(), v(b"k1", 1));
+        // Removed on C: a block of B's log.
+        assert!(c.store().remove(b"k1").unwrap());
+        assert_eq!(read(c.store(), b"k1"), None);
+        b.store().follow_shared_now();
+        assert_eq!(read(b.store(), b"k1"), None, "C's remove wins on B");
+        // Removed on B: C follows.
+        assert!(b.store().remove(b"k2").unwrap());
+        c.store().follow_shared_now();
+        assert_eq!(read(c.store(), b"k2"), None);
+        // k3 overwritten on C: the newer value wins on both.
+        c.store().put(b"k3", v(b"k3", 2)).unwrap();
+        c.store().flush().unwrap();
+        b.store().follow_shared_now();
+        assert_eq!(read(b.store(), b"k3").unwrap(), v(b"k3", 2));
+        for restart_b_first in [true, false] {
+            if restart_b_first {
+                b.restart();
+                c.restart();
+            } else {
+                c.restart();
+                b.restart();
+            }
+            for node in [&b, &c] {
+                assert_eq!(read(node.store(), b"k1"), None);
+                assert_eq!(read(node.store(), b"k2"), None);
+                assert_eq!(read(node.store(), b"k3").unwrap(), v(b"k3", 2));
+                assert!(!node.store().exists(b"k1"));
+            }
+        }
+        // A put after the remove brings the key back, on both.
+        b.store().put(b"k1", v(b"k1", 3)).unwrap();
+        b.store().flush().unwrap();
+        c.store().follow_shared_now();
+        assert_eq!(read(c.store(), b"k1").unwrap(), v(b"k1", 3));
+    });
+}
+
+#[test]
+fn a_torn_batch_at_a_writers_tail_is_never_indexed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    b.store()
+        .put(b"whole", value_for(b"whole", 1, 10_000))
+        .unwrap();
+    b.store().flush().unwrap();
+    let b_id = b.store().node_id().to_string();
+    drop(b.store.take());
+    // What a writer killed mid-flush leaves: values landed, the record
+    // page half written (a batch header, then zeros).
+    let regions = dir.path().join("shared/nodes").join(&b_id).join("regions");
+    let newest = region_files_in(&regions).pop().unwrap();
+    let good = std::fs::read(&newest).unwrap();
+    let mut torn = good[4096..8192].to_vec();
+    torn[2048..].fill(0);
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&newest)
+        .unwrap();
+    std::io::Write::write_all(&mut file, &torn).unwrap();
+    std::io::Write::write_all(&mut file, &vec![7u8; 16384]).unwrap();
+    drop(file);
+    c.store().follow_shared_now();
+    let stats = c.store().stats();
+    assert_eq!(stats.shared_stuck_regions, 1, "{stats:?}");
+    assert_eq!(
+        read(c.store(), b"whole").unwrap(),
+        value_for(b"whole", 1, 10_000)
+    );
+    // B comes back and writes on: its torn region is sealed, C skips the
+    // torn pages and indexes the new batch.
+    b.restart();
+    b.store()
+        .put(b"after", value_for(b"after", 1, 5_000))
+        .unwrap();
+    b.store().flush().unwrap();
+    c.store().follow_shared_now();
+    assert_eq!(
+        read(c.store(), b"after").unwrap(),
+        value_for(b"after", 1, 5_000)
+    );
+    assert_eq!(c.store().stats().shared_stuck_regions, 0);
+    assert_eq!(c.store().stats().checksum_failures, 0);
+}
+
+#[test]
+fn reads_while_the_writer_reclaims_are_hits_or_misses_never_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    // B's share: 4 regions of 1 MiB, so it reclaims all the time.
+    let b = Node::start(dir.path(), "b", 4 * MIB);
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (hits, misses) = std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            for round in 0..40u64 {
+                let keys: Vec<Vec<u8>> = (0..16).map(|i| key(round * 16 + i)).collect();
+                let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 60_000)).collect();
+                for r in b.store().batch_put(&keys, &values) {
+                    r.unwrap();
+                }
+                b.store().flush().unwrap();
+            }
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let reader = s.spawn(|| {
+            let (mut hits, mut misses) = (0u64, 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                c.store().follow_shared_now();
+                for i in (0..640u64).step_by(7) {
+                    let k = key(i);
+                    let mut buf = vec![0u8; 60_000];
+                    match &c.store().batch_get_into(&[&k], &mut [&mut buf[..]])[0] {
+                        Ok(Some(n)) => {
+                            assert_eq!(*n, 60_000);
+                            assert_eq!(buf, value_for(&k, 1, 60_000), "wrong bytes for key {i}");
+                            hits += 1;
+                        }
+                        Ok(None) => misses += 1,
+                        Err(e) => panic!("a read of another writer's reclaimed block failed: {e}"),
+                    }
+                }
+            }
+            (hits, misses)
+        });
+        writer.join().unwrap();
+        reader.join().unwrap()
+    });
+    let stats = b.store().stats();
+    assert!(stats.reclaimed_regions > 10, "{stats:?}");
+    assert!(hits > 0, "hits {hits} misses {misses}");
+    c.store().follow_shared_now();
+    // Entries of regions B reclaimed are gone from C's index too.
+    let keys: Vec<Vec<u8>> = (0..640).map(key).collect();
+    let present = c.store().batch_exists(&keys).iter().filter(|p| **p).count();
+    assert!(present <= 4 * 16, "{present} keys still indexed on C");
+    for (k, p) in keys.iter().zip(c.store().batch_exists(&keys)) {
+        if p {
+            assert_eq!(read(c.store(), k).unwrap(), value_for(k, 1, 60_000));
+        }
+    }
+}
+
+/// A remove issued on a node whose tombstone lands in a region that node
+/// reclaims is kept (rewritten) while another writer's log may still hold
+/// the put it removed: no restart brings the put back.
+#[test]
+fn removes_outlive_their_region_while_another_log_holds_the_put() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let mut c = Node::start(dir.path(), "c", 4 * MIB);
+    b.store()
+        .put(b"victim", value_for(b"victim", 1, 50_000))
+        .unwrap();
+    b.store().flush().unwrap();
+    c.store().follow_shared_now();
+    assert!(c.store().remove(b"victim").unwrap());
+    // C writes enough to reclaim every region it had, the tombstone's too.
+    for round in 0..12u64 {
+        let keys: Vec<Vec<u8>> = (0..8).map(|i| key(round * 8 + i)).collect();
+        let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 100_000)).collect();
+        for r in c.store().batch_put(&keys, &values) {
+            r.unwrap();
+        }
+        c.store().flush().unwrap();
+    }
+    assert!(c.store().stats().reclaimed_regions >= 4);
+    b.restart();
+    c.restart();
+    assert_eq!(
+        read(b.store(), b"victim"),
+        None,
+        "the remove was lost with its region"
+    );
+    assert_eq!(read(c.store(), b"victim"), None);
+}
+
+fn region_files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "kvr"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put { node: usize, key: u8, len: usize },
+    Remove { node: usize, key: u8 },
+    Flush { node: usize },
+    Follow { node: usize },
+    Restart { node: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let node = 0usize..2;
+    prop_oneof![
+        6 => (node.clone(), 0u8..12, 1usize..40_000).prop_map(|(node, key, len)| Op::Put { node, key, len }),
+        3 => (node.clone(), 0u8..12).prop_map(|(node, key)| Op::Remove { node, key }),
+        2 => node.clone().prop_map(|node| Op::Flush { node }),
+        2 => node.clone().prop_map(|node| Op::Follow { node }),
+        1 => node.prop_map(|node| Op::Restart { node }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Puts, overwrites and removes from two nodes of one shared directory,
+    /// with restarts, against a model: once both nodes have flushed and
+    /// followed each other, both read exactly the model's value for every
+    /// key (0 resurrections, 0 stale versions, 0 wrong bytes); the node
+    /// that removed a key reads it as a miss at once.
+    #[test]
+    fn two_writers_agree_with_a_model(ops in proptest::collection::vec(op(), 1..40)) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut nodes = [
+            Node::start(dir.path(), "b", 64 * MIB),
+            Node::start(dir.path(), "c", 64 * MIB),
+        ];
+        let mut model: HashMap<u8, Option<Vec<u8>>> = HashMap::new();
+        let mut version = 0u64;
+        for op in &ops {
+            match *op {
+                Op::Put { node, key, len } => {
+                    version += 1;
+                    let k = [b'k', key];
+                    let value = value_for(&k, version, len);
+                    nodes[node].store().put(k, &value).unwrap();
+                    model.insert(key, Some(value));
+                }
+                Op::Remove { node, key } => {
+                    let k = [b'k', key];
+                    nodes[node].store().remove(k).unwrap();
+                    prop_assert_eq!(read(nodes[node].store(), &k), None);
+                    model.insert(key, None);
+                }
+                Op::Flush { node } => nodes[node].store().flush().unwrap(),
+                Op::Follow { node } => nodes[node].store().follow_shared_now(),
+                Op::Restart { node } => nodes[node].restart(),
+            }
+        }
+        for node in &nodes {
+            node.store().flush().unwrap();
+        }
+        for node in &nodes {
+            node.store().follow_shared_now();
+        }
+        for round in 0..2 {
+            for (n, node) in nodes.iter().enumerate() {
+                for (key, expected) in &model {
+                    let k = [b'k', *key];
+                    let got = read(node.store(), &k);
+                    prop_assert_eq!(&got, expected, "node {} key {} round {}", n, key, round);
+                }
+            }
+            for node in nodes.iter_mut() {
+                node.restart();
+            }
+        }
+    }
+}
