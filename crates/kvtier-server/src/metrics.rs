@@ -597,6 +597,15 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_reads")],
     },
     StoreFamily {
+        name: "kvtier_shared_read_failures",
+        help: "Reads of other writers' files that failed (reclaimed or replaced under the \
+               read); each was a miss.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "shared_read_failures")],
+    },
+    StoreFamily {
         name: "kvtier_eviction_policy",
         help: "Bytes the eviction policy's queues and simulations occupy.",
         bytes: true,

@@ -102,6 +102,9 @@ pub struct Stats {
     pub shared_follow_age_ms: u64,
     /// Disk hits served from other writers' files.
     pub shared_reads: u64,
+    /// Reads of other writers' files that failed (a file reclaimed or
+    /// replaced under the read): each was a miss.
+    pub shared_read_failures: u64,
 }
 
 /// One field of [`Stats`], for serialisers that need no per-field code.
@@ -197,6 +200,10 @@ impl Stats {
                 StatValue::Count(self.shared_follow_age_ms),
             ),
             ("shared_reads", StatValue::Count(self.shared_reads)),
+            (
+                "shared_read_failures",
+                StatValue::Count(self.shared_read_failures),
+            ),
         ]
     }
 }
@@ -217,6 +224,7 @@ pub(crate) struct Counters {
     pub flushed_batches: AtomicU64,
     pub flush_errors: AtomicU64,
     pub shared_reads: AtomicU64,
+    pub shared_read_failures: AtomicU64,
 }
 
 impl Counters {

@@ -18,11 +18,13 @@ fn recover(config: &Config, secret: &Arc<KeySecret>) -> Vec<(u64, u128, u32, u32
         identity_confirmed: true,
         scrub_tail: true,
     };
-    let (_tier, _report) = DiskTier::open(config, Arc::clone(secret), node_id, checks, |r| {
-        assert_eq!(secret.digest_qualified(&r.entry.key), r.entry.digest);
-        seen.push((r.entry.seq, r.entry.digest.0, r.loc.region(), r.loc.page()));
-    })
-    .expect("recovery of damaged content must not fail");
+    let log_dir = config.data_dir().to_path_buf();
+    let (_tier, _report) =
+        DiskTier::open(config, &log_dir, Arc::clone(secret), node_id, checks, |r| {
+            assert_eq!(secret.digest_qualified(&r.entry.key), r.entry.digest);
+            seen.push((r.entry.seq, r.entry.digest.0, r.loc.region(), r.loc.page()));
+        })
+        .expect("recovery of damaged content must not fail");
     seen
 }
 

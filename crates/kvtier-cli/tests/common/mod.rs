@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod juicefs;
+
 use kvtier_client::ClientOptions;
 use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -130,13 +132,15 @@ impl ServerProcess {
             "serve".to_string(),
             "--data-dir".into(),
             dir.display().to_string(),
-            "--memory".into(),
-            "64MiB".into(),
-            "--disk".into(),
-            "1GiB".into(),
             "--listen".into(),
             "127.0.0.1:0".into(),
         ];
+        if !extra.contains(&"--memory") {
+            args.extend(["--memory".into(), "64MiB".into()]);
+        }
+        if !extra.contains(&"--disk") {
+            args.extend(["--disk".into(), "1GiB".into()]);
+        }
         if !extra.contains(&"--admin") {
             args.extend(["--admin".into(), "127.0.0.1:0".into()]);
         }

@@ -497,6 +497,7 @@ impl Inner {
                 now.saturating_sub(last)
             }),
             shared_reads: Counters::get(&c.shared_reads),
+            shared_read_failures: Counters::get(&c.shared_read_failures),
         }
     }
 }

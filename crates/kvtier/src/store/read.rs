@@ -159,6 +159,19 @@ impl Inner {
                         .clear_disk(read.digest, seqs[i], read.loc);
                     results[i] = Ok(None);
                 }
+                ReadOutcome::Failed(e)
+                    if read.loc.region() >= crate::disk::OTHERS_BASE && self.follower.is_some() =>
+                {
+                    // Another writer's file: it may have been reclaimed (or
+                    // replaced) since this node last looked, which some
+                    // file systems report as EIO rather than keep the
+                    // unlinked file readable. A miss, never an error; the
+                    // next follow pass drops the region's entries.
+                    tracing::debug!(error = %e, region = read.loc.region(), "a read of another writer's region failed; a miss");
+                    Counters::add(&self.counters.shared_read_failures, 1);
+                    Counters::add(&self.counters.misses, 1);
+                    results[i] = Ok(None);
+                }
                 ReadOutcome::Failed(e) => results[i] = Err(e),
             }
         }

@@ -1,0 +1,409 @@
+//! Shared storage on a real distributed file system: one JuiceFS volume
+//! mounted twice (two clients, each with its own cache, as two hosts
+//! would mount it), node B serving from mount 1 and node C from mount 2,
+//! both real `kvtier serve` processes with `--shared-dir` on their mount.
+//! No cluster mode: C finds B's blocks only through the file system.
+
+mod common;
+
+use common::juicefs::{Mount, Volume};
+use common::{options, ServerProcess};
+use kvtier::test_util::Dice;
+use kvtier_client::Client;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const VALUE: usize = 64 * 1024;
+
+fn value(key: &[u8], version: u64, len: usize) -> Vec<u8> {
+    let mut named = key.to_vec();
+    named.extend_from_slice(&version.to_le_bytes());
+    kvtier::internals::pattern::value(&named, len)
+}
+
+fn key(i: u64) -> Vec<u8> {
+    format!("block-{i:06}").into_bytes()
+}
+
+/// Two mounts of one volume and the directories the nodes use.
+struct Hosts {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    // Mounts drop after the servers that use them (fields drop in order).
+    _mounts: (Mount, Mount),
+    shared: (PathBuf, PathBuf),
+}
+
+impl Hosts {
+    fn new() -> Hosts {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().to_path_buf();
+        let volume = Volume::format(&root.join("volume"));
+        let one = volume.mount("b");
+        let two = volume.mount("c");
+        let shared = (one.point.join("kvtier"), two.point.join("kvtier"));
+        Hosts {
+            _tmp: tmp,
+            root,
+            _mounts: (one, two),
+            shared,
+        }
+    }
+
+    fn node(&self, name: &str, shared: &Path, extra: &[&str]) -> ServerProcess {
+        let data = self.root.join(format!("data-{name}"));
+        let shared = shared.display().to_string();
+        let mut args = vec!["--shared-dir", &shared];
+        args.extend_from_slice(extra);
+        ServerProcess::start(&data, &args)
+    }
+
+    fn b(&self, extra: &[&str]) -> ServerProcess {
+        self.node("b", &self.shared.0, extra)
+    }
+
+    fn c(&self, extra: &[&str]) -> ServerProcess {
+        self.node("c", &self.shared.1, extra)
+    }
+}
+
+fn client(server: &ServerProcess) -> Client {
+    Client::connect_with(&server.tcp_url(), options()).unwrap()
+}
+
+fn put(client: &mut Client, keys: &[Vec<u8>], values: &[Vec<u8>]) {
+    for r in client.batch_put(keys, values).unwrap() {
+        r.unwrap();
+    }
+}
+
+/// Each key's value through `client` (`None` for a miss), every byte
+/// checked by the caller; an error fails the test.
+fn get_all(client: &mut Client, keys: &[Vec<u8>], len: usize) -> Vec<Option<Vec<u8>>> {
+    let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; len]).collect();
+    let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let got = client.batch_get_into(keys, &mut dests).unwrap();
+    got.into_iter()
+        .zip(bufs)
+        .map(|(r, mut buf)| {
+            let n = r.expect("a get through the shared directory failed")?;
+            buf.truncate(n);
+            Some(buf)
+        })
+        .collect()
+}
+
+fn store_stat(stats: &serde_json::Value, name: &str) -> u64 {
+    stats["store"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no store.{name} in {stats}"))
+}
+
+/// Waits (up to 20 s) until `done` holds; returns how long it took.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    loop {
+        if done() {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{what}: not within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[test]
+fn blocks_put_through_one_node_are_read_through_the_other_from_the_file_system() {
+    let hosts = Hosts::new();
+    let b = hosts.b(&[]);
+    let c = hosts.c(&[]);
+    let (mut on_b, mut on_c) = (client(&b), client(&c));
+    let mut visible_after = Vec::new();
+    let keys: Vec<Vec<u8>> = (0..1000).map(key).collect();
+    for chunk in keys.chunks(50) {
+        let values: Vec<Vec<u8>> = chunk.iter().map(|k| value(k, 1, VALUE)).collect();
+        put(&mut on_b, chunk, &values);
+        on_b.flush().unwrap();
+        visible_after.push(wait_until("C sees B's flushed blocks", || {
+            on_c.batch_exists(chunk).unwrap().iter().all(|p| *p)
+        }));
+    }
+    let max = *visible_after.iter().max().unwrap();
+    eprintln!(
+        "flushed on B -> visible on C: median {:?}, max {:?} ({} batches of 50)",
+        median(visible_after.clone()),
+        max,
+        visible_after.len()
+    );
+    for chunk in keys.chunks(100) {
+        for (k, got) in chunk.iter().zip(get_all(&mut on_c, chunk, VALUE)) {
+            assert_eq!(got.as_deref(), Some(&value(k, 1, VALUE)[..]), "{k:?}");
+        }
+    }
+    let stats = on_c.stats().unwrap();
+    assert_eq!(store_stat(&stats, "shared_reads"), 1000, "{stats}");
+    assert_eq!(store_stat(&stats, "memory_hits"), 0);
+    assert_eq!(store_stat(&stats, "checksum_failures"), 0);
+    assert_eq!(store_stat(&stats, "shared_writers"), 1);
+    // The admin view names B's log.
+    let admin = c.stats();
+    let writers = admin["shared_storage"]["writers"].as_array().unwrap();
+    assert_eq!(writers.len(), 1, "{admin}");
+    assert!(writers[0]["bytes"].as_u64().unwrap() >= 1000 * VALUE as u64);
+    let metrics = c.http("/metrics");
+    assert!(
+        metrics.contains("kvtier_shared_reads_total 1000"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn removes_through_either_node_win_on_both_and_survive_restarts() {
+    let hosts = Hosts::new();
+    let mut b = hosts.b(&[]);
+    let mut c = hosts.c(&[]);
+    let keys: Vec<Vec<u8>> = (0..60).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, VALUE)).collect();
+    {
+        let mut on_b = client(&b);
+        put(&mut on_b, &keys, &values);
+        on_b.flush().unwrap();
+        let mut on_c = client(&c);
+        wait_until("C sees B's blocks", || {
+            on_c.prefix_len(&keys).unwrap() == 60
+        });
+        // 0..10 removed through B; 10..20 (blocks of B's log) through C.
+        for k in &keys[..10] {
+            assert!(on_b.remove(k).unwrap());
+        }
+        for k in &keys[10..20] {
+            assert!(on_c.remove(k).unwrap());
+        }
+    }
+    let check = |b: &ServerProcess, c: &ServerProcess| {
+        for server in [b, c] {
+            let mut on = client(server);
+            wait_until("removes seen", || {
+                on.batch_exists(&keys[..20]).unwrap().iter().all(|p| !p)
+            });
+            let got = get_all(&mut on, &keys, VALUE);
+            for (i, got) in got.iter().enumerate() {
+                if i < 20 {
+                    assert_eq!(got, &None, "removed key {i} came back");
+                } else {
+                    assert_eq!(got.as_deref(), Some(&values[i][..]), "key {i}");
+                }
+            }
+        }
+    };
+    check(&b, &c);
+    for restart_b in [true, false] {
+        let server = if restart_b { &mut b } else { &mut c };
+        server.signal(libc::SIGTERM);
+        assert!(server.wait().success());
+        *server = if restart_b {
+            hosts.b(&[])
+        } else {
+            hosts.c(&[])
+        };
+        check(&b, &c);
+    }
+}
+
+/// Puts, overwrites and removes through both nodes in a seeded random
+/// order, with restarts; after each round both nodes must converge on the
+/// model (no resurrection, no stale version, no wrong byte).
+#[test]
+fn puts_overwrites_and_removes_from_both_nodes_agree_with_a_model() {
+    let hosts = Hosts::new();
+    let mut nodes = [hosts.b(&[]), hosts.c(&[])];
+    let mut dice = Dice::new(0x5eed_2026);
+    let mut model: HashMap<u64, Option<Vec<u8>>> = HashMap::new();
+    let mut version = 0;
+    for round in 0..5 {
+        let mut clients = [client(&nodes[0]), client(&nodes[1])];
+        for _ in 0..40 {
+            let node = dice.below(2) as usize;
+            let k = dice.below(16);
+            if dice.below(3) == 0 {
+                clients[node].remove(key(k)).unwrap();
+                model.insert(k, None);
+            } else {
+                version += 1;
+                let len = 4096 + dice.below(60_000) as usize;
+                let v = value(&key(k), version, len);
+                put(&mut clients[node], &[key(k)], std::slice::from_ref(&v));
+                model.insert(k, Some(v));
+            }
+        }
+        for client in clients.iter_mut() {
+            client.flush().unwrap();
+        }
+        let keys: Vec<u64> = model.keys().copied().collect();
+        for (n, client) in clients.iter_mut().enumerate() {
+            let mut last = String::new();
+            let converged = wait_until_or_not(|| {
+                let got = get_all(
+                    client,
+                    &keys.iter().map(|k| key(*k)).collect::<Vec<_>>(),
+                    70_000,
+                );
+                let wrong: Vec<u64> = keys
+                    .iter()
+                    .zip(&got)
+                    .filter(|(k, g)| &model[k] != *g)
+                    .map(|(k, _)| *k)
+                    .collect();
+                last = format!("{wrong:?}");
+                wrong.is_empty()
+            });
+            assert!(
+                converged,
+                "round {round}: node {n} disagrees with the model on keys {last}"
+            );
+        }
+        drop(clients);
+        let restart = dice.below(2) as usize;
+        nodes[restart].signal(libc::SIGTERM);
+        assert!(nodes[restart].wait().success());
+        nodes[restart] = if restart == 0 {
+            hosts.b(&[])
+        } else {
+            hosts.c(&[])
+        };
+    }
+}
+
+fn wait_until_or_not(mut done: impl FnMut() -> bool) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(15) {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+#[test]
+fn a_killed_writer_leaves_every_flushed_block_readable_and_no_torn_batch_indexed() {
+    let hosts = Hosts::new();
+    let b = hosts.b(&[]);
+    let mut c = hosts.c(&[]);
+    // B writes and flushes in a loop; SIGKILL lands mid-flush or between.
+    let flushed = std::sync::Mutex::new(0u64);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut on_b = client(&b);
+            for batch in 0.. {
+                let keys: Vec<Vec<u8>> = (batch * 20..batch * 20 + 20).map(key).collect();
+                let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, VALUE)).collect();
+                let Ok(results) = on_b.batch_put(&keys, &values) else {
+                    return;
+                };
+                if results.iter().any(Result::is_err) || on_b.flush().is_err() {
+                    return;
+                }
+                *flushed.lock().unwrap() = batch * 20 + 20;
+            }
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        b.signal(libc::SIGKILL);
+    });
+    let flushed = *flushed.lock().unwrap();
+    assert!(
+        flushed >= 40,
+        "B flushed only {flushed} blocks before the kill"
+    );
+    let keys: Vec<Vec<u8>> = (0..flushed).map(key).collect();
+    let check = |c: &ServerProcess| {
+        let mut on_c = client(c);
+        wait_until("C sees every block B flushed", || {
+            on_c.prefix_len(&keys).unwrap() == keys.len()
+        });
+        for chunk in keys.chunks(100) {
+            for (k, got) in chunk.iter().zip(get_all(&mut on_c, chunk, VALUE)) {
+                assert_eq!(got.as_deref(), Some(&value(k, 1, VALUE)[..]));
+            }
+        }
+        // Blocks B never acknowledged: a hit is whole and right, or a miss.
+        let after: Vec<Vec<u8>> = (flushed..flushed + 40).map(key).collect();
+        for (k, got) in after.iter().zip(get_all(&mut on_c, &after, VALUE)) {
+            if let Some(got) = got {
+                assert_eq!(got, value(k, 1, VALUE));
+            }
+        }
+        let stats = on_c.stats().unwrap();
+        assert_eq!(store_stat(&stats, "checksum_failures"), 0, "{stats}");
+    };
+    check(&c);
+    // C restarted: its index of B's log comes from the file system alone.
+    c.signal(libc::SIGKILL);
+    c.wait();
+    let c = hosts.c(&[]);
+    check(&c);
+}
+
+#[test]
+fn a_writer_reclaiming_at_its_capacity_never_serves_wrong_bytes_to_a_reader() {
+    let hosts = Hosts::new();
+    // B's share of the shared directory: 32 MiB (regions of 4 MiB).
+    let b = hosts.b(&["--disk", "32MiB", "--memory", "16MiB"]);
+    let c = hosts.c(&[]);
+    let written = std::sync::atomic::AtomicU64::new(0);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (hits, misses) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut on_b = client(&b);
+            for batch in 0..40u64 {
+                let keys: Vec<Vec<u8>> = (batch * 16..batch * 16 + 16).map(key).collect();
+                let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, VALUE * 4)).collect();
+                put(&mut on_b, &keys, &values);
+                on_b.flush().unwrap();
+                written.store(batch * 16 + 16, std::sync::atomic::Ordering::Release);
+            }
+            done.store(true, std::sync::atomic::Ordering::Release);
+        });
+        let reader = s.spawn(|| {
+            let mut on_c = client(&c);
+            let (mut hits, mut misses) = (0u64, 0u64);
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                let upto = written.load(std::sync::atomic::Ordering::Acquire);
+                let keys: Vec<Vec<u8>> = (0..upto).step_by(3).map(key).collect();
+                if keys.is_empty() {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                for (k, got) in keys.iter().zip(get_all(&mut on_c, &keys, VALUE * 4)) {
+                    match got {
+                        Some(got) => {
+                            assert_eq!(got, value(k, 1, VALUE * 4), "wrong bytes for {k:?}");
+                            hits += 1;
+                        }
+                        None => misses += 1,
+                    }
+                }
+            }
+            (hits, misses)
+        });
+        reader.join().unwrap()
+    });
+    let b_stats = client(&b).stats().unwrap();
+    assert!(store_stat(&b_stats, "reclaimed_regions") >= 4, "{b_stats}");
+    assert!(hits > 0, "hits {hits}, misses {misses}");
+    let c_stats = client(&c).stats().unwrap();
+    eprintln!(
+        "reader during reclaim: {hits} hits, {misses} misses; on C: {} reads of B's files failed \
+         (reclaimed under the read: misses), {} checksum failures",
+        store_stat(&c_stats, "shared_read_failures"),
+        store_stat(&c_stats, "checksum_failures")
+    );
+}
