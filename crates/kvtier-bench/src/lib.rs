@@ -77,9 +77,17 @@ pub struct BenchArgs {
     /// Operations: put, get.
     #[arg(long, default_value = "put,get", value_delimiter = ',')]
     pub ops: Vec<String>,
-    /// Tiers: memory, disk.
+    /// Tiers: memory, disk, shared (the seed's workflow: a prefill store
+    /// puts into a shared directory, a decode store reads it through
+    /// another mount; needs --shared-mounts).
     #[arg(long, default_value = "memory,disk", value_delimiter = ',')]
     pub tiers: Vec<String>,
+    /// With --tiers shared: one directory of a shared file system as the
+    /// prefill node's mount and as the decode node's mount shows it
+    /// (two mounts of one JuiceFS volume, say: `scripts/shared-bench` sets
+    /// them up), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub shared_mounts: Vec<PathBuf>,
     /// io engine: uring or psync.
     #[arg(long, default_value = "uring")]
     pub io_engine: String,
@@ -361,8 +369,14 @@ pub fn run(args: &BenchArgs) -> BenchResult<()> {
         }
     }
     for tier in &args.tiers {
-        if tier != "memory" && tier != "disk" {
-            return Err(format!("unknown tier {tier:?}: expected memory or disk").into());
+        if tier != "memory" && tier != "disk" && tier != "shared" {
+            return Err(format!("unknown tier {tier:?}: expected memory, disk or shared").into());
+        }
+        if tier == "shared" && args.shared_mounts.len() != 2 {
+            return Err(
+                "--tiers shared needs --shared-mounts B,C (one directory as two mounts show it)"
+                    .into(),
+            );
         }
     }
     if args.threads == 0 || args.batches.contains(&0) || args.value_sizes.contains(&0) {

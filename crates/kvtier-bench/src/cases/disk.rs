@@ -25,7 +25,6 @@ pub(super) fn run(
     // swapping every round.
     let case_config = |batch: usize| size.config_in(store_dir.join(format!("x{batch}")));
     let twin_config = |batch: usize| size.config_in(store_dir.join(format!("x{batch}-twin")));
-    let mut engine_name = "";
     // The write ceiling: a size x depth sweep on a scratch file,
     // whose best shape is re-measured in every put round.
     let sweep_budget = (2 * args.bytes_per_case).max(16 << 20);
@@ -47,7 +46,7 @@ pub(super) fn run(
         let store = Store::open(case_config(batch))?;
         let twin = Store::open(twin_config(batch))?;
         let stats = store.stats();
-        engine_name = stats.io_engine;
+        let engine_name = stats.io_engine;
         if !stats.direct_io {
             return Err("the store is not using O_DIRECT: the bench refuses to report disk cases through the page cache".into());
         }
@@ -134,13 +133,47 @@ pub(super) fn run(
         }
     }
     if wants(args, "get", "disk") {
+        get_cases(size, progress, rows, "disk", |batch| Copies {
+            read: [case_config(batch), twin_config(batch)],
+            region_dirs: [
+                case_config(batch).data_dir().to_path_buf(),
+                twin_config(batch).data_dir().to_path_buf(),
+            ],
+        })?;
+    }
+    Ok(())
+}
+
+/// The two copies a get case reads: the stores that read them (in the
+/// disk cases the stores that wrote them; in the shared cases other nodes'
+/// stores, which find them in a shared directory) and the directories
+/// holding their region files, which the raw sides read.
+pub(super) struct Copies {
+    pub read: [kvtier::Config; 2],
+    pub region_dirs: [std::path::PathBuf; 2],
+}
+
+/// The get cases of one value size over the copies `copies(batch)` names,
+/// each against the device's sides on the same files: the ceiling (a size
+/// x depth sweep), the ceiling in the batch's memory and the shape-matched
+/// stream. Rows are reported under `tier`.
+pub(super) fn get_cases(
+    size: &SizeCases<'_>,
+    progress: &mut Progress,
+    rows: &mut Vec<Row>,
+    tier: &str,
+    copies: impl Fn(usize) -> Copies,
+) -> BenchResult<()> {
+    let (args, value_size) = (size.args, size.value_size);
+    let sweep_budget = (2 * args.bytes_per_case).max(16 << 20);
+    {
         // The read ceiling: a sweep over the first case's two
         // copies (the same kind of files every case reads).
         progress.note(&format!("read ceiling sweep {}", format_size(value_size)));
         let first = args.batches[0];
         let read_ceiling = {
-            let (a, b) = (case_config(first), twin_config(first));
-            let set = device::FileSet::regions_of(&[a.data_dir(), b.data_dir()])?;
+            let dirs = copies(first).region_dirs;
+            let set = device::FileSet::regions_of(&[&dirs[0], &dirs[1]])?;
             device::sweep_reads(&set, sweep_budget)?
         };
         for &batch in &args.batches {
@@ -155,12 +188,12 @@ pub(super) fn run(
             // other way round. Each side reads half of each copy, so
             // where the host placed each copy (which on this disk
             // decides its speed) weighs the same on every side.
-            let copies = [case_config(batch), twin_config(batch)];
+            let Copies { read, region_dirs } = copies(batch);
             let mut stores = Vec::new();
             let mut sets = Vec::new();
             let mut located = Vec::new();
             let keys = case.batches * batch as u64;
-            for copy in &copies {
+            for (copy, region_dir) in read.iter().zip(&region_dirs) {
                 let store = Store::open(copy.clone())?;
                 if !store.stats().direct_io {
                     return Err("the store is not using O_DIRECT: the bench refuses to report disk cases through the page cache".into());
@@ -169,9 +202,10 @@ pub(super) fn run(
                     &store,
                     (0..keys).map(|i| data::key("disk", value_size, batch, i)),
                 )?);
-                sets.push(device::FileSet::regions_of(&[copy.data_dir()])?);
+                sets.push(device::FileSet::regions_of(&[region_dir])?);
                 stores.push(store);
             }
+            let engine_name = stores[0].stats().io_engine;
             let depth = stores[0].config().configured_io_depth() as usize;
             let shapes: Vec<device::ShapeReader<'_>> = sets
                 .iter()
@@ -266,6 +300,12 @@ pub(super) fn run(
             if stores.iter().any(|s| s.stats().memory_hits > 0) {
                 return Err("a disk get was served from memory: the case is invalid".into());
             }
+            if tier == "shared" && stores.iter().any(|s| s.stats().shared_reads == 0) {
+                return Err(
+                    "a shared get was not served from another writer's files: the case is invalid"
+                        .into(),
+                );
+            }
             device::check_same_verified(shape_verified, verified)?;
             let mut row = Row::against_device(
                 "get",
@@ -280,14 +320,16 @@ pub(super) fn run(
                 verified,
             );
             row.pipeline = (args.pipeline > 1).then_some(args.pipeline);
+            row.tier = tier.to_string();
             progress.row(&row);
             rows.push(row);
             drop((ceilings, landed_readers, shapes));
             for store in stores {
                 store.close()?;
             }
-            let _ = std::fs::remove_dir_all(copies[0].data_dir());
-            let _ = std::fs::remove_dir_all(copies[1].data_dir());
+            for copy in &read {
+                let _ = std::fs::remove_dir_all(copy.data_dir());
+            }
         }
     }
     Ok(())

@@ -6,6 +6,7 @@
 
 mod disk;
 mod memory;
+mod shared;
 
 use super::report::Row;
 use super::{data, index, rounds, wants, BenchArgs, BenchResult, Progress};
@@ -125,6 +126,7 @@ pub fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>
         ("get", "disk"),
         ("put", "memory"),
         ("get", "memory"),
+        ("get", "shared"),
     ]
     .iter()
     .filter(|(op, tier)| wants(args, op, tier))
@@ -149,6 +151,13 @@ pub fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>
         }
         if wants(args, "put", "memory") || wants(args, "get", "memory") {
             memory::run(&size, &mut progress, &mut rows)?;
+            let _ = std::fs::remove_dir_all(&store_dir);
+        }
+        if wants(args, "get", "shared") {
+            let [b, c] = &args.shared_mounts[..] else {
+                return Err("the shared tier needs --shared-mounts B,C".into());
+            };
+            shared::run(&size, (b, c), &mut progress, &mut rows)?;
             let _ = std::fs::remove_dir_all(&store_dir);
         }
     }
