@@ -572,6 +572,22 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_tombstones")],
     },
     StoreFamily {
+        name: "kvtier_shared_checkpoints_loaded",
+        help: "Other writers' index checkpoints loaded since open.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "shared_checkpoints_loaded")],
+    },
+    StoreFamily {
+        name: "kvtier_shared_checkpoint_entries",
+        help: "Index entries taken from other writers' checkpoints since open.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "shared_checkpoint_entries")],
+    },
+    StoreFamily {
         name: "kvtier_shared_polls",
         help: "Passes over the other writers' logs since open.",
         bytes: false,

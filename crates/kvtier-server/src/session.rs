@@ -400,7 +400,12 @@ impl State<'_> {
         // Cluster mode: keys other members own go to them (one hop at
         // most: what peers forward carries LOCAL_ONLY). One dispatch below
         // serves both: the backend is the store or the router over it.
-        let router = match (&shared.peers, local_only) {
+        // With a shared directory every node's index covers every node's
+        // flushed blocks and reads them from the file system, and a put
+        // belongs in the node that computed it (docs/cluster.md, "Shared
+        // storage"): nothing is forwarded.
+        let shares_storage = shared.store.config().configured_shared_dir().is_some();
+        let router = match (&shared.peers, local_only || shares_storage) {
             (Some(peers), false) => {
                 Router::new(peers, namespace.name()).map(|r| r.with_local(store))
             }

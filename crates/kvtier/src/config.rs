@@ -118,6 +118,7 @@ pub struct Config {
     /// "Shared directory"); `None`: the log stays under `data_dir`.
     pub(crate) shared_dir: Option<PathBuf>,
     pub(crate) shared_poll: Duration,
+    pub(crate) shared_checkpoint_interval: Duration,
     /// Test seam: wraps the io engine (see `io::faulty`).
     #[cfg(feature = "test-util")]
     pub(crate) engine_wrapper: Option<EngineWrapper>,
@@ -169,6 +170,7 @@ impl Config {
             namespace: String::new(),
             shared_dir: None,
             shared_poll: Duration::from_millis(200),
+            shared_checkpoint_interval: Duration::from_secs(60),
             #[cfg(feature = "test-util")]
             engine_wrapper: None,
             #[cfg(feature = "test-util")]
@@ -324,6 +326,17 @@ impl Config {
         self
     }
 
+    /// With a shared directory: how often this node writes an index
+    /// checkpoint of its log (its live entries and removals, so that a node
+    /// starting beside a large log reads the checkpoint and only the
+    /// records after it; docs/design.md, "Index checkpoints"), when
+    /// batches were written since the last one; one more is written at a
+    /// clean close. At least 1 s. Default: 60 s.
+    pub fn shared_checkpoint_interval(mut self, every: Duration) -> Self {
+        self.shared_checkpoint_interval = every;
+        self
+    }
+
     /// The shared directory, if the log lives on one.
     pub fn configured_shared_dir(&self) -> Option<&Path> {
         self.shared_dir.as_deref()
@@ -424,6 +437,11 @@ impl Config {
                 || self.shared_poll > Duration::from_secs(60)
             {
                 return Err(Error::invalid("shared_poll must be 10 ms to 60 s"));
+            }
+            if self.shared_checkpoint_interval < Duration::from_secs(1) {
+                return Err(Error::invalid(
+                    "shared_checkpoint_interval must be at least 1 s",
+                ));
             }
         }
         if self.flush_batch_bytes < PAGE_SIZE {

@@ -71,7 +71,6 @@ impl BatchBudget {
 }
 
 /// The flusher thread's work: a function of its handles.
-#[derive(Debug)]
 pub(crate) struct Flusher {
     log: Arc<WriteLog>,
     disk: Arc<DiskTier>,
@@ -80,7 +79,13 @@ pub(crate) struct Flusher {
     reclaimer: Reclaimer,
     /// `Config::flush_batch_bytes`: the most bytes one batch may take.
     batch_bytes: u64,
+    /// Run on this thread after each batch that landed, between batches
+    /// (a shared directory's index checkpoints).
+    after_batch: Option<AfterBatch>,
 }
+
+/// See `Flusher::after_batch`.
+pub(crate) type AfterBatch = Box<dyn Fn() + Send>;
 
 /// The running flusher thread; joined by [`FlusherHandle::join`].
 #[derive(Debug)]
@@ -100,6 +105,7 @@ impl Flusher {
         counters: Arc<Counters>,
         batch_bytes: u64,
         shared_floor: Option<Arc<std::sync::atomic::AtomicU64>>,
+        after_batch: Option<AfterBatch>,
     ) -> Self {
         let reclaimer = Reclaimer {
             log: Arc::clone(&log),
@@ -115,6 +121,7 @@ impl Flusher {
             counters,
             reclaimer,
             batch_bytes,
+            after_batch,
         }
     }
 
@@ -156,7 +163,10 @@ impl Flusher {
                 budget.admit(key_len, padded)
             });
             match work {
-                Work::Batch(batch) => self.flush_one_batch(batch),
+                Work::Batch(batch) => {
+                    let _quiet = self.log.hold_flusher();
+                    self.flush_one_batch(batch);
+                }
                 Work::Stop => return,
             }
         }
@@ -216,6 +226,9 @@ impl Flusher {
                     slot.set_evictable();
                 }
                 Counters::add(&self.counters.flushed_batches, 1);
+                if let Some(after) = &self.after_batch {
+                    after();
+                }
                 Ok(())
             }
             Err(e) => {

@@ -434,6 +434,20 @@ impl Index {
 
     /// Forgets every disk copy in `region` (gone); entries left in no tier
     /// are removed. Takes each shard's lock once. Returns how many.
+    /// Calls `f` with every entry, one shard locked at a time (so writers
+    /// of other shards go on meanwhile).
+    pub fn visit(&self, mut f: impl FnMut(KeyDigest, &Entry)) {
+        for shard in self.shards.iter() {
+            let shard = shard.lock().unwrap();
+            for (key, entry) in &shard.map {
+                f(
+                    KeyDigest(u128::from(key.high) << 64 | u128::from(key.low)),
+                    entry,
+                );
+            }
+        }
+    }
+
     pub fn clear_region(&self, region: u32) -> u64 {
         self.clear_regions(|r| r == region)
     }

@@ -97,6 +97,10 @@ pub struct Stats {
     pub shared_stuck_regions: u64,
     /// Removes remembered so that an older put read later is not indexed.
     pub shared_tombstones: u64,
+    /// Other writers' index checkpoints loaded since open, and the entries
+    /// they gave (instead of reading those writers' records).
+    pub shared_checkpoints_loaded: u64,
+    pub shared_checkpoint_entries: u64,
     /// Follow passes since open, and milliseconds since the last began.
     pub shared_polls: u64,
     pub shared_follow_age_ms: u64,
@@ -193,6 +197,14 @@ impl Stats {
             (
                 "shared_tombstones",
                 StatValue::Count(self.shared_tombstones),
+            ),
+            (
+                "shared_checkpoints_loaded",
+                StatValue::Count(self.shared_checkpoints_loaded),
+            ),
+            (
+                "shared_checkpoint_entries",
+                StatValue::Count(self.shared_checkpoint_entries),
             ),
             ("shared_polls", StatValue::Count(self.shared_polls)),
             (

@@ -136,10 +136,13 @@ pub(crate) struct WriteLog {
     progress: Condvar,
     write_through: bool,
     /// Shared-directory mode: sequence numbers are hybrid logical clock
-    /// readings (docs/design.md, "Order across writers"): never below the
+    /// readings (docs/design.md, "Sequence numbers: a hybrid logical clock"): never below the
     /// wall clock in nanoseconds since the Unix epoch, and past every
     /// number `observe`d from other writers.
     clock: bool,
+    /// Held by the flusher while it writes a batch, and by whoever needs
+    /// the log still between batches (an index checkpoint).
+    quiet: Mutex<()>,
 }
 
 /// What the flusher should do next.
@@ -171,7 +174,16 @@ impl WriteLog {
             progress: Condvar::new(),
             write_through,
             clock,
+            quiet: Mutex::new(()),
         }
+    }
+
+    /// While held, the flusher writes no batch (it takes this around each
+    /// one).
+    pub fn hold_flusher(&self) -> MutexGuard<'_, ()> {
+        self.quiet
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Another writer's sequence number was read: later numbers of this

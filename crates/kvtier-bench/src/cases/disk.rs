@@ -300,7 +300,7 @@ pub(super) fn get_cases(
             if stores.iter().any(|s| s.stats().memory_hits > 0) {
                 return Err("a disk get was served from memory: the case is invalid".into());
             }
-            if tier == "shared" && stores.iter().any(|s| s.stats().shared_reads == 0) {
+            if tier == "shared" && stores.iter().map(|s| s.stats().shared_reads).sum::<u64>() == 0 {
                 return Err(
                     "a shared get was not served from another writer's files: the case is invalid"
                         .into(),

@@ -358,6 +358,27 @@ impl DiskTier {
         self.regions.read().unwrap().get(&id).cloned()
     }
 
+    /// This open's incarnation (in the names of the files it creates).
+    pub(crate) fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// This log's regions: id, the incarnation in the file's name and the
+    /// bytes written (for index checkpoints; called on the flusher's
+    /// thread, so no batch is being appended).
+    pub(crate) fn own_regions(&self) -> Vec<(u32, u64, u64)> {
+        self.regions
+            .read()
+            .unwrap()
+            .values()
+            .map(|r| {
+                let name = r.path.file_name().unwrap_or_default().to_string_lossy();
+                let incarnation = parse_region_name(&name).map_or(0, |n| n.incarnation);
+                (r.id, incarnation, r.len())
+            })
+            .collect()
+    }
+
     /// The largest batch (record plus values) that can ever be written:
     /// what is left of the capacity after one region header.
     /// Where an index entry's bytes lie in its region file, for tools that
@@ -648,7 +669,7 @@ impl DiskTier {
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?
             .flatten()
         {
-            if let Some(RegionName { id, node }) =
+            if let Some(RegionName { id, node, .. }) =
                 parse_region_name(&item.file_name().to_string_lossy())
             {
                 if id <= self.max_region_id && node.is_none_or(|node| node == self.node_id) {
@@ -1388,6 +1409,8 @@ pub(crate) struct RegionName<'a> {
     pub id: u32,
     /// `None` for format 2's names (the region id alone).
     pub node: Option<&'a str>,
+    /// The open that created the file (0 for format 2's names).
+    pub incarnation: u64,
 }
 
 /// `<node id>-<incarnation>-<region>.kvr` (32, 16 and 8 lower-case hex
@@ -1402,11 +1425,13 @@ pub(crate) fn parse_region_name(name: &str) -> Option<RegionName<'_>> {
         [region] if hex(region, 8) => Some(RegionName {
             id: u32::from_str_radix(region, 16).ok()?,
             node: None,
+            incarnation: 0,
         }),
         [node, incarnation, region] if hex(node, 32) && hex(incarnation, 16) && hex(region, 8) => {
             Some(RegionName {
                 id: u32::from_str_radix(region, 16).ok()?,
                 node: Some(node),
+                incarnation: u64::from_str_radix(incarnation, 16).ok()?,
             })
         }
         _ => None,

@@ -15,6 +15,7 @@ use crate::disk::format::{RecordEntry, RecordKind};
 use crate::disk::{parse_region_name, scan_new_batches, DiskTier, OTHERS_BASE, REGION_DIR};
 use crate::index::{DiskLoc, Entry, Index};
 use crate::key::KeyDigest;
+use crate::shared::checkpoint;
 use crate::shared::dir::SharedDir;
 use crate::units::PAGE_SIZE;
 use crate::write_log::WriteLog;
@@ -86,6 +87,10 @@ pub(crate) struct FollowCounters {
     pub stuck_regions: AtomicU64,
     pub tombstones: AtomicU64,
     pub polls: AtomicU64,
+    /// Index checkpoints of other writers loaded, and the entries they
+    /// gave (instead of reading those writers' records).
+    pub checkpoints_loaded: AtomicU64,
+    pub checkpoint_entries: AtomicU64,
     /// Milliseconds since the Unix epoch when the last pass began.
     pub last_pass_unix_ms: AtomicU64,
 }
@@ -148,6 +153,17 @@ impl Follower {
         if slot.0 <= seq {
             *slot = (seq, OWN);
         }
+    }
+
+    /// This node's own removals known now (for its index checkpoints).
+    pub fn own_tombstones(&self) -> Vec<(KeyDigest, u64)> {
+        let state = self.state.lock().unwrap();
+        state
+            .tombstones
+            .iter()
+            .filter(|(_, (_, origin))| *origin == OWN)
+            .map(|(digest, (seq, _))| (KeyDigest(*digest), *seq))
+            .collect()
     }
 
     /// Each other writer's log as seen now.
@@ -302,6 +318,10 @@ impl Follower {
             }
         }
         let newest = files.keys().next_back().copied();
+        let first_sight = !self.state.lock().unwrap().writers.contains_key(node);
+        if first_sight {
+            self.load_checkpoint(node, dir, &region_dir, &files);
+        }
         let mut state = self.state.lock().unwrap();
         let log = state.writers.entry(node.to_string()).or_default();
         // Regions gone (reclaimed by their writer) or replaced by another
@@ -453,33 +473,11 @@ impl Follower {
     }
 
     /// Applies one record entry of another writer (whose region is
-    /// `handle`): per key, the highest sequence number wins, a tombstone on
-    /// a tie.
+    /// `handle`).
     fn apply(&self, handle: u32, batch_start: u64, entry: &RecordEntry) {
-        let digest = entry.digest;
-        let mut shard = self.index.lock(digest);
-        let current = shard.get(digest).map(Entry::seq);
-        let mut state = self.state.lock().unwrap();
         match entry.kind {
-            RecordKind::Tombstone => {
-                let slot = state.tombstones.entry(digest.0).or_insert((0, handle));
-                if slot.0 <= entry.seq {
-                    *slot = (entry.seq, handle);
-                }
-                drop(state);
-                if current.is_some_and(|s| s <= entry.seq) {
-                    shard.remove(digest);
-                }
-            }
+            RecordKind::Tombstone => self.apply_tombstone(handle, entry.digest, entry.seq),
             RecordKind::Put => {
-                let removed_after = state
-                    .tombstones
-                    .get(&digest.0)
-                    .is_some_and(|(seq, _)| *seq >= entry.seq);
-                drop(state);
-                if removed_after || current.is_some_and(|s| s >= entry.seq) {
-                    return;
-                }
                 let Some(page) = batch_start
                     .checked_add(entry.value_offset)
                     .map(|at| at / PAGE_SIZE)
@@ -487,17 +485,169 @@ impl Follower {
                 else {
                     return;
                 };
-                shard.insert(
-                    digest,
-                    Entry::new(
-                        entry.seq,
-                        entry.checksum,
-                        None,
-                        Some(DiskLoc::new(handle, page)),
-                        entry.value_len,
-                    ),
+                self.apply_put(
+                    entry.digest,
+                    entry.seq,
+                    entry.checksum,
+                    DiskLoc::new(handle, page),
+                    entry.value_len,
                 );
             }
         }
+    }
+
+    /// Per key the highest sequence number wins, a tombstone on a tie.
+    fn apply_put(&self, digest: KeyDigest, seq: u64, checksum: u64, loc: DiskLoc, len: u32) {
+        let mut shard = self.index.lock(digest);
+        let current = shard.get(digest).map(Entry::seq);
+        let removed_after = self
+            .state
+            .lock()
+            .unwrap()
+            .tombstones
+            .get(&digest.0)
+            .is_some_and(|(removed, _)| *removed >= seq);
+        if removed_after || current.is_some_and(|s| s >= seq) {
+            return;
+        }
+        shard.insert(digest, Entry::new(seq, checksum, None, Some(loc), len));
+    }
+
+    /// Remembers a removal (from `origin`, a region handle) and drops an
+    /// entry it outranks.
+    fn apply_tombstone(&self, origin: u32, digest: KeyDigest, seq: u64) {
+        let mut shard = self.index.lock(digest);
+        let current = shard.get(digest).map(Entry::seq);
+        {
+            let mut state = self.state.lock().unwrap();
+            let slot = state.tombstones.entry(digest.0).or_insert((0, origin));
+            if slot.0 <= seq {
+                *slot = (seq, origin);
+            }
+        }
+        if current.is_some_and(|s| s <= seq) {
+            shard.remove(digest);
+        }
+    }
+
+    /// Loads the newest index checkpoint of a writer seen for the first
+    /// time: the regions it covers are then read only past what it covers.
+    /// A checkpoint that does not verify, or whose regions are gone or
+    /// differ, is passed over (the records are read instead).
+    fn load_checkpoint(
+        &self,
+        node: &str,
+        dir: &Path,
+        region_dir: &Path,
+        files: &BTreeMap<u32, (String, u64)>,
+    ) {
+        let Some((_, path)) = checkpoint::list(&dir.join(checkpoint::CHECKPOINT_DIR), node).pop()
+        else {
+            return;
+        };
+        let loaded = match checkpoint::read(&path, node, self.disk.secret()) {
+            Ok(loaded) => loaded,
+            Err(why) => {
+                tracing::warn!(path = %path.display(), %why, "passing over another writer's index checkpoint; reading its records instead");
+                return;
+            }
+        };
+        let mut handles: HashMap<u32, u32> = HashMap::new();
+        let mut regions: BTreeMap<u32, Followed> = BTreeMap::new();
+        for covered in &loaded.regions {
+            let Some((name, listed_len)) = files.get(&covered.id) else {
+                continue;
+            };
+            let same_file =
+                parse_region_name(name).is_some_and(|n| n.incarnation == covered.incarnation);
+            if !same_file || *listed_len < covered.covered || covered.covered < PAGE_SIZE {
+                continue;
+            }
+            let Ok(opened) = self.disk.open_other(&region_dir.join(name)) else {
+                continue;
+            };
+            let handle = {
+                let mut state = self.state.lock().unwrap();
+                let handle = state.next_handle;
+                if handle == OWN {
+                    return;
+                }
+                state.next_handle += 1;
+                handle
+            };
+            self.disk.set_other(handle, opened, region_dir.join(name));
+            handles.insert(covered.id, handle);
+            regions.insert(
+                covered.id,
+                Followed {
+                    handle,
+                    file_name: name.clone(),
+                    scanned_to: covered.covered,
+                    len: covered.covered,
+                    min_seq: u64::MAX,
+                    stuck: false,
+                },
+            );
+        }
+        let Some(&origin) = regions.values().next_back().map(|r| &r.handle) else {
+            return;
+        };
+        let max_seq = loaded
+            .entries
+            .iter()
+            .map(|e| e.seq)
+            .chain(loaded.tombstones.iter().map(|t| t.1))
+            .max()
+            .unwrap_or(0);
+        if max_seq > 0 {
+            self.log.observe(max_seq);
+        }
+        {
+            let mut state = self.state.lock().unwrap();
+            let log = state.writers.entry(node.to_string()).or_default();
+            log.regions = regions;
+            log.newest_seq = max_seq;
+            log.last_change = Some(SystemTime::now());
+        }
+        for (digest, seq) in &loaded.tombstones {
+            self.apply_tombstone(origin, *digest, *seq);
+        }
+        let mut applied = 0u64;
+        let mut min_seqs: HashMap<u32, u64> = HashMap::new();
+        for e in &loaded.entries {
+            let Some(&handle) = handles.get(&e.region) else {
+                continue;
+            };
+            let min = min_seqs.entry(e.region).or_insert(u64::MAX);
+            *min = (*min).min(e.seq);
+            self.apply_put(
+                e.digest,
+                e.seq,
+                e.checksum,
+                DiskLoc::new(handle, e.page),
+                e.len,
+            );
+            applied += 1;
+        }
+        if let Some(log) = self.state.lock().unwrap().writers.get_mut(node) {
+            for (id, min) in min_seqs {
+                if let Some(region) = log.regions.get_mut(&id) {
+                    region.min_seq = min;
+                }
+            }
+        }
+        tracing::info!(
+            writer = node,
+            seq = loaded.seq,
+            entries = applied,
+            tombstones = loaded.tombstones.len(),
+            "loaded another writer's index checkpoint"
+        );
+        self.counters
+            .checkpoints_loaded
+            .fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .checkpoint_entries
+            .fetch_add(applied, Ordering::Relaxed);
     }
 }

@@ -4,9 +4,11 @@
 //! grows, so any node reads any node's blocks straight from the file
 //! system.
 
+mod checkpoint;
 mod dir;
 mod follow;
 
+pub(crate) use checkpoint::CheckpointWriter;
 pub(crate) use dir::SharedDir;
 pub use follow::SharedWriter;
 pub(crate) use follow::{FollowCounters, Follower};

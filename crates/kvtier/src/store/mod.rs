@@ -56,6 +56,8 @@ pub(crate) struct Inner {
     /// With a shared directory: the follower of the other writers' logs,
     /// and this node's writer directory (locked while the store lives).
     follower: Option<Arc<crate::shared::Follower>>,
+    /// This node's index checkpoints (with a shared directory).
+    checkpoints: Option<Arc<crate::shared::CheckpointWriter>>,
     shared: Option<crate::shared::SharedDir>,
     counters: Arc<Counters>,
     closed: AtomicBool,
@@ -278,11 +280,17 @@ impl Store {
         } else {
             Ok(())
         };
-        self.inner.index.clear();
         let lock = self.inner.lock.lock().unwrap().take();
         if let (Some(disk), Some(lock)) = (&self.inner.disk, &lock) {
             // The flusher is joined: no write of this store is in flight.
             disk.engine().release_hold(lock.dir_file());
+        }
+        if let (Ok(()), Some(checkpoints)) = (&result, &self.inner.checkpoints) {
+            // The flusher is joined: the log is still. Other nodes starting
+            // later read this instead of every record.
+            if let Err(e) = checkpoints.write_now() {
+                tracing::warn!(error = %e, "could not write an index checkpoint at close");
+            }
         }
         if result.is_ok() {
             // Everything acknowledged is on disk and nothing writes any
@@ -292,6 +300,7 @@ impl Store {
                 tracing::warn!(error = %e, "could not mark the shutdown clean; the next open scrubs the newest region");
             }
         }
+        self.inner.index.clear();
         drop(lock);
         result
     }
@@ -326,6 +335,20 @@ impl Store {
         if let Some(follower) = &self.inner.follower {
             follower.poll();
         }
+    }
+
+    /// Writes an index checkpoint of this node's log now (with a shared
+    /// directory; otherwise `InvalidArgument`), after making everything
+    /// put so far durable. Returns the checkpoint's path. Nodes that start
+    /// later load it instead of reading every record of this log.
+    pub fn write_checkpoint(&self) -> Result<std::path::PathBuf> {
+        let Some(checkpoints) = &self.inner.checkpoints else {
+            return Err(Error::invalid("index checkpoints need a shared directory"));
+        };
+        self.flush()?;
+        // Between batches: the flusher is told to wait for this.
+        let _quiet = self.inner.log.hold_flusher();
+        checkpoints.write_now()
     }
 
     /// Largest value a put can accept with this configuration: the smallest
@@ -488,6 +511,8 @@ impl Inner {
             shared_batches: self.follow_count(|f| &f.batches),
             shared_stuck_regions: self.follow_count(|f| &f.stuck_regions),
             shared_tombstones: self.follow_count(|f| &f.tombstones),
+            shared_checkpoints_loaded: self.follow_count(|f| &f.checkpoints_loaded),
+            shared_checkpoint_entries: self.follow_count(|f| &f.checkpoint_entries),
             shared_polls: self.follow_count(|f| &f.polls),
             shared_follow_age_ms: self.follower.as_ref().map_or(0, |f| {
                 let last = f.counters.last_pass_unix_ms.load(Ordering::Relaxed);

@@ -12,7 +12,7 @@ use crate::index::{Entry, Index};
 use crate::key::{KeyDigest, Namespace};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
-use crate::shared::{Follower, SharedDir};
+use crate::shared::{CheckpointWriter, Follower, SharedDir};
 use crate::units::{page_round_up, PAGE_SIZE};
 use crate::write_log::WriteLog;
 use std::collections::HashMap;
@@ -193,6 +193,19 @@ impl Store {
             }
             _ => None,
         };
+        let checkpoints = match (&shared, &disk, &follower) {
+            (Some(shared), Some(disk), Some(follower)) => Some(Arc::new(CheckpointWriter::new(
+                &shared.writer_dir,
+                &node_id,
+                Arc::clone(&secret),
+                Arc::clone(disk),
+                Arc::clone(&index),
+                Arc::clone(&log),
+                Arc::clone(follower),
+                config.shared_checkpoint_interval,
+            ))),
+            _ => None,
+        };
         let inner = Arc::new(Inner {
             max_put_len: AtomicU64::new(max_put_len(&config, disk.as_deref())),
             config,
@@ -203,6 +216,7 @@ impl Store {
             disk,
             log,
             follower,
+            checkpoints,
             shared,
             counters: Arc::default(),
             closed: AtomicBool::new(false),
@@ -221,6 +235,10 @@ impl Store {
                     Arc::clone(&inner.counters),
                     inner.config.flush_batch_bytes,
                     inner.follower.as_ref().map(|_| Arc::clone(&shared_floor)),
+                    inner.checkpoints.as_ref().map(|writer| {
+                        let writer = Arc::clone(writer);
+                        Box::new(move || writer.after_batch()) as crate::flusher::AfterBatch
+                    }),
                 )
                 .spawn()?,
             ),

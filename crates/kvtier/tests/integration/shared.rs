@@ -379,3 +379,59 @@ proptest! {
         }
     }
 }
+
+/// A node starting beside another writer's log loads that writer's newest
+/// index checkpoint and reads only the records after it; a damaged
+/// checkpoint is passed over (the records are read instead).
+#[test]
+fn a_starting_node_loads_the_newest_checkpoint_and_the_records_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let first: Vec<Vec<u8>> = (0..300).map(key).collect();
+    let values: Vec<Vec<u8>> = first.iter().map(|k| value_for(k, 1, 5_000)).collect();
+    for r in b.store().batch_put(&first, &values) {
+        r.unwrap();
+    }
+    b.store().remove(&first[0]).unwrap();
+    let checkpoint = b.store().write_checkpoint().unwrap();
+    // After the checkpoint: more puts and a remove of a block it covers.
+    let later: Vec<Vec<u8>> = (300..400).map(key).collect();
+    let later_values: Vec<Vec<u8>> = later.iter().map(|k| value_for(k, 1, 5_000)).collect();
+    for r in b.store().batch_put(&later, &later_values) {
+        r.unwrap();
+    }
+    b.store().remove(&first[1]).unwrap();
+    b.store().flush().unwrap();
+    let check = |c: &Node| {
+        assert_eq!(read(c.store(), &first[0]), None);
+        assert_eq!(read(c.store(), &first[1]), None);
+        for (k, v) in first[2..]
+            .iter()
+            .zip(&values[2..])
+            .chain(later.iter().zip(&later_values))
+        {
+            assert_eq!(read(c.store(), k).as_ref(), Some(v));
+        }
+    };
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    let stats = c.store().stats();
+    assert_eq!(stats.shared_checkpoints_loaded, 1, "{stats:?}");
+    assert_eq!(stats.shared_checkpoint_entries, 299);
+    check(&c);
+    drop(c);
+    // A damaged checkpoint: passed over, the same index from the records.
+    let mut bytes = std::fs::read(&checkpoint).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    std::fs::write(&checkpoint, &bytes).unwrap();
+    let c = Node::start(dir.path(), "c2", 64 * MIB);
+    assert_eq!(c.store().stats().shared_checkpoints_loaded, 0);
+    check(&c);
+    drop(c);
+    // A clean close writes a fresh one, covering everything.
+    b.restart();
+    let c = Node::start(dir.path(), "c3", 64 * MIB);
+    assert_eq!(c.store().stats().shared_checkpoints_loaded, 1);
+    assert_eq!(c.store().stats().shared_checkpoint_entries, 398);
+    check(&c);
+}
