@@ -157,3 +157,146 @@ pub fn reopen_case(
     store.close()?;
     Ok(row)
 }
+
+/// A node starting beside another writer's log of `entries` blocks in a
+/// shared directory under `dir` (docs/design.md, "Index checkpoints"):
+/// once reading every batch record of the log, once loading the writer's
+/// index checkpoint (and the records after it, none here). The log is laid
+/// out directly as region files of batch records over sparse value pages
+/// (each value 4 KiB of zeros, verified by its checksum if read), since
+/// writing 10 M values would need 40 GiB; recovery and following read only
+/// the records. Returns the two rows.
+pub fn follow_case(
+    dir: &Path,
+    entries: u64,
+    engine: IoEngineKind,
+) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
+    use kvtier::internals::format::{self, RecordEntry, RecordKind, RegionHeader};
+    use std::os::unix::fs::FileExt;
+    let _ = std::fs::remove_dir_all(dir);
+    let shared = dir.join("shared");
+    const VALUE: u64 = 4096;
+    let per_batch = kvtier::internals::MAX_BATCH_ENTRIES as u64;
+    let batches_per_region = 32u64;
+    let capacity = entries * (VALUE + 256) + (4 << 30);
+    let config = |name: &str| {
+        Config::new(dir.join(name))
+            .memory_capacity(64 << 20)
+            .disk_capacity(capacity)
+            .region_size(1 << 30)
+            .io_engine(engine)
+            .shared_dir(&shared)
+    };
+    // The writer: its directory and node id, then its log laid out.
+    let writer = Store::open(config("b"))?;
+    let node = writer.node_id().to_string();
+    writer.close()?;
+    drop(writer);
+    let secret = {
+        let bytes = std::fs::read(shared.join("key-secret"))?;
+        KeySecret::from_bytes(bytes.try_into().map_err(|_| "key-secret is not 32 bytes")?)
+    };
+    let regions_dir = shared.join("nodes").join(&node).join("regions");
+    std::fs::create_dir_all(&regions_dir)?;
+    let zeros = vec![0u8; VALUE as usize];
+    let mut next = 0u64;
+    let mut region = 0u32;
+    let started = Instant::now();
+    while next < entries {
+        let path = regions_dir.join(format!("{node}-{:016x}-{region:08x}.kvr", 1u64));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        let mut page = vec![0u8; 4096];
+        RegionHeader {
+            region,
+            first_seq: next + 1,
+        }
+        .encode(&mut page);
+        file.write_all_at(&page, 0)?;
+        let mut offset = 4096u64;
+        for _ in 0..batches_per_region {
+            if next >= entries {
+                break;
+            }
+            let n = per_batch.min(entries - next);
+            let keys: Vec<Vec<u8>> = (next..next + n)
+                .map(|i| {
+                    let mut q = vec![0u8];
+                    q.extend_from_slice(format!("follow/{i:012}").as_bytes());
+                    q
+                })
+                .collect();
+            let record_len = format::record_len(keys.iter().map(Vec::len)) as u64;
+            let padded = record_len.div_ceil(4096) * 4096;
+            let batch_len = padded + n * VALUE;
+            let records: Vec<RecordEntry> = keys
+                .into_iter()
+                .enumerate()
+                .map(|(j, key)| {
+                    let digest = secret.digest_qualified(&key);
+                    RecordEntry {
+                        kind: RecordKind::Put,
+                        seq: next + j as u64 + 1,
+                        digest,
+                        value_offset: padded + j as u64 * VALUE,
+                        value_len: VALUE as u32,
+                        checksum: kvtier::value_checksum(digest, &zeros),
+                        key,
+                    }
+                })
+                .collect();
+            let mut out = vec![0u8; padded as usize];
+            format::encode_record(&mut out, region, batch_len, &records);
+            file.write_all_at(&out, offset)?;
+            offset += batch_len;
+            next += n;
+        }
+        file.set_len(offset)?;
+        file.sync_all()?;
+        region += 1;
+    }
+    eprintln!(
+        "laid out {entries} entries in {region} regions in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let mut rows = Vec::new();
+    let mut measure =
+        |name: &str, op: &str, checkpoints: u64| -> Result<(), Box<dyn std::error::Error>> {
+            let started = Instant::now();
+            let reader = Store::open(config(name))?;
+            let seconds = started.elapsed().as_secs_f64();
+            let stats = reader.stats();
+            if stats.entries != entries || stats.shared_checkpoints_loaded != checkpoints {
+                return Err(format!(
+                    "{op}: the reader indexed {} of {entries} entries, {} checkpoints",
+                    stats.entries, stats.shared_checkpoints_loaded
+                )
+                .into());
+            }
+            let mut row = empty_row(op, "shared", stats.io_engine);
+            row.seconds = seconds;
+            row.p50_us = (seconds * 1e6) as u64;
+            row.index_entries = Some(entries);
+            row.bytes = stats.shared_bytes;
+            println!("{}", row.line());
+            rows.push(row);
+            reader.close()?;
+            Ok(())
+        };
+    measure("c", "follow-records", 0)?;
+    // The writer reopens (its own recovery) and closes: a clean close
+    // writes its index checkpoint.
+    let started = Instant::now();
+    let writer = Store::open(config("b"))?;
+    writer.close()?;
+    drop(writer);
+    eprintln!(
+        "writer reopened and wrote its checkpoint in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    measure("c2", "follow-checkpoint", 1)?;
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(rows)
+}

@@ -194,6 +194,11 @@ pub struct BenchArgs {
     /// 4 KiB each); 0 skips it.
     #[arg(long, default_value = "0", value_parser = parse_count)]
     pub reopen_entries: u64,
+    /// Also measure a node starting beside another writer's log of this
+    /// many blocks in a shared directory, by reading its records and by
+    /// loading its index checkpoint (e.g. 1M,10M); none by default.
+    #[arg(long, value_delimiter = ',', value_parser = parse_count)]
+    pub follow_entries: Vec<u64>,
     /// Write the rows as a JSON array to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,

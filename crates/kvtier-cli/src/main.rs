@@ -3,6 +3,7 @@
 mod cluster;
 mod demo;
 mod serve;
+mod shared;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -32,6 +33,8 @@ enum Command {
     /// Cluster mode: show a cluster's members (needs the `cluster` build
     /// feature).
     Cluster(cluster::ClusterCommand),
+    /// Shared directories: collect the logs of writers that died.
+    Shared(shared::SharedCommand),
 }
 
 /// Log level from RUST_LOG (one of error, warn, info, debug, trace).
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => kvtier_bench::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Cluster(command) => cluster::run(command),
+        Command::Shared(command) => shared::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

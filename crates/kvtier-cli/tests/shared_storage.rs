@@ -407,3 +407,42 @@ fn a_writer_reclaiming_at_its_capacity_never_serves_wrong_bytes_to_a_reader() {
         store_stat(&c_stats, "checksum_failures")
     );
 }
+
+#[test]
+fn shared_gc_collects_a_killed_writers_log_and_leaves_the_live_one() {
+    let hosts = Hosts::new();
+    let mut b = hosts.b(&[]);
+    let c = hosts.c(&[]);
+    let keys: Vec<Vec<u8>> = (0..40).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, VALUE)).collect();
+    let mut on_b = client(&b);
+    put(&mut on_b, &keys, &values);
+    on_b.flush().unwrap();
+    drop(on_b);
+    let mut on_c = client(&c);
+    wait_until("C sees B's blocks", || {
+        on_c.prefix_len(&keys).unwrap() == 40
+    });
+    b.signal(libc::SIGKILL);
+    b.wait();
+    // Collected through C's mount: another host's view of the directory.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["shared", "gc", "--older-than", "0s", "--shared-dir"])
+        .arg(&hosts.shared.1)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("reclaimed"), "{stdout}");
+    assert!(stdout.contains("alive, left alone"), "{stdout}");
+    wait_until("C drops the collected blocks", || {
+        on_c.prefix_len(&keys).unwrap() == 0
+    });
+    assert!(get_all(&mut on_c, &keys, VALUE).iter().all(Option::is_none));
+    let stats = on_c.stats().unwrap();
+    assert_eq!(store_stat(&stats, "checksum_failures"), 0, "{stats}");
+}

@@ -119,6 +119,10 @@ pub struct Config {
     pub(crate) shared_dir: Option<PathBuf>,
     pub(crate) shared_poll: Duration,
     pub(crate) shared_checkpoint_interval: Duration,
+    /// `shared::collect_dead_writers`: write this (dead) writer's log of the
+    /// shared directory instead of the data directory's node's, and
+    /// reclaim every region it had at open.
+    pub(crate) adopt_writer: Option<String>,
     /// Test seam: wraps the io engine (see `io::faulty`).
     #[cfg(feature = "test-util")]
     pub(crate) engine_wrapper: Option<EngineWrapper>,
@@ -171,6 +175,7 @@ impl Config {
             shared_dir: None,
             shared_poll: Duration::from_millis(200),
             shared_checkpoint_interval: Duration::from_secs(60),
+            adopt_writer: None,
             #[cfg(feature = "test-util")]
             engine_wrapper: None,
             #[cfg(feature = "test-util")]

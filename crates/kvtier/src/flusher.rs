@@ -82,10 +82,26 @@ pub(crate) struct Flusher {
     /// Run on this thread after each batch that landed, between batches
     /// (a shared directory's index checkpoints).
     after_batch: Option<AfterBatch>,
+    /// Collecting a dead writer's log: every region below this id (all it
+    /// had at open) is reclaimed before anything else.
+    reclaim_before: Option<u32>,
 }
 
 /// See `Flusher::after_batch`.
 pub(crate) type AfterBatch = Box<dyn Fn() + Send>;
+
+/// What a log that is one writer's of a shared directory adds to the
+/// flusher (docs/design.md, "Shared directory").
+pub(crate) struct SharedHooks {
+    /// The lowest sequence number in any other writer's followed region:
+    /// the reclaimer keeps this log's removals at or above it.
+    pub floor: Arc<std::sync::atomic::AtomicU64>,
+    /// Collecting a dead writer's log: reclaim every region below this id
+    /// first.
+    pub reclaim_before: Option<u32>,
+    /// Run after each batch that landed (index checkpoints).
+    pub after_batch: AfterBatch,
+}
 
 /// The running flusher thread; joined by [`FlusherHandle::join`].
 #[derive(Debug)]
@@ -104,9 +120,12 @@ impl Flusher {
         index: Arc<Index>,
         counters: Arc<Counters>,
         batch_bytes: u64,
-        shared_floor: Option<Arc<std::sync::atomic::AtomicU64>>,
-        after_batch: Option<AfterBatch>,
+        shared: Option<SharedHooks>,
     ) -> Self {
+        let (shared_floor, reclaim_before, after_batch) = match shared {
+            Some(h) => (Some(h.floor), h.reclaim_before, Some(h.after_batch)),
+            None => (None, None, None),
+        };
         let reclaimer = Reclaimer {
             log: Arc::clone(&log),
             disk: Arc::clone(&disk),
@@ -122,6 +141,7 @@ impl Flusher {
             reclaimer,
             batch_bytes,
             after_batch,
+            reclaim_before,
         }
     }
 
@@ -149,6 +169,12 @@ impl Flusher {
 
     fn run(&self) {
         let disk = &*self.disk;
+        if let Some(before) = self.reclaim_before {
+            let _quiet = self.log.hold_flusher();
+            while disk.oldest_region().is_some_and(|r| r.id < before)
+                && self.reclaimer.reclaim_oldest()
+            {}
+        }
         // A smaller configured capacity than the files on disk: shrink now.
         while disk.used() > disk.capacity() && self.reclaimer.reclaim_oldest() {}
         let limit = self.batch_bytes.min(disk.max_batch_len());

@@ -167,6 +167,9 @@ pub fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>
         println!("{}", row.line());
         rows.push(row);
     }
+    for &entries in &args.follow_entries {
+        rows.extend(index::follow_case(&store_dir, entries, engine)?);
+    }
     if args.reopen_entries > 0 {
         let row = index::reopen_case(&store_dir, args.reopen_entries, engine)?;
         println!("{}", row.line());

@@ -358,6 +358,11 @@ impl DiskTier {
         self.regions.read().unwrap().get(&id).cloned()
     }
 
+    /// The id the next new region will get.
+    pub(crate) fn next_region_id(&self) -> u32 {
+        self.writer.lock().unwrap().next_region
+    }
+
     /// This open's incarnation (in the names of the files it creates).
     pub(crate) fn incarnation(&self) -> u64 {
         self.incarnation

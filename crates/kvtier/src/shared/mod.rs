@@ -7,8 +7,10 @@
 mod checkpoint;
 mod dir;
 mod follow;
+mod gc;
 
 pub(crate) use checkpoint::CheckpointWriter;
 pub(crate) use dir::SharedDir;
 pub use follow::SharedWriter;
 pub(crate) use follow::{FollowCounters, Follower};
+pub use gc::{collect_dead_writers, CollectedWriter, Collection};

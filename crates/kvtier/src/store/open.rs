@@ -47,7 +47,8 @@ impl Store {
             &config.data_dir,
             &config.data_dir.join(crate::disk::REGION_DIR),
         )?;
-        let node_id = identity.node_id;
+        // Collecting a dead writer's log: write as that writer.
+        let node_id = config.adopt_writer.clone().unwrap_or(identity.node_id);
         // With a shared directory, its secret keys every digest (every
         // node must compute the digests other nodes' records hold) and this
         // node's log lives in its writer directory there.
@@ -234,10 +235,17 @@ impl Store {
                     Arc::clone(&inner.index),
                     Arc::clone(&inner.counters),
                     inner.config.flush_batch_bytes,
-                    inner.follower.as_ref().map(|_| Arc::clone(&shared_floor)),
                     inner.checkpoints.as_ref().map(|writer| {
                         let writer = Arc::clone(writer);
-                        Box::new(move || writer.after_batch()) as crate::flusher::AfterBatch
+                        crate::flusher::SharedHooks {
+                            floor: Arc::clone(&shared_floor),
+                            reclaim_before: inner
+                                .config
+                                .adopt_writer
+                                .as_ref()
+                                .map(|_| disk.next_region_id()),
+                            after_batch: Box::new(move || writer.after_batch()),
+                        }
                     }),
                 )
                 .spawn()?,

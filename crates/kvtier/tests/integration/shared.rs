@@ -435,3 +435,97 @@ fn a_starting_node_loads_the_newest_checkpoint_and_the_records_after_it() {
     assert_eq!(c.store().stats().shared_checkpoint_entries, 398);
     check(&c);
 }
+
+/// A dead writer's log is collected by `collect_dead_writers`: its regions
+/// go (every node then misses its blocks), its removals that another log
+/// may still need are kept, a live writer is left alone.
+#[test]
+fn a_dead_writers_log_is_collected_and_its_needed_removals_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let mut c = Node::start(dir.path(), "c", 64 * MIB);
+    let b_keys: Vec<Vec<u8>> = (0..50).map(key).collect();
+    let values: Vec<Vec<u8>> = b_keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
+    for r in b.store().batch_put(&b_keys, &values) {
+        r.unwrap();
+    }
+    c.store()
+        .put(b"c-owned", value_for(b"c-owned", 1, 9_000))
+        .unwrap();
+    c.store().flush().unwrap();
+    b.store().follow_shared_now();
+    // B removes a block of C's log, then B is gone for good.
+    assert!(b.store().remove(b"c-owned").unwrap());
+    let b_node = b.store().node_id().to_string();
+    drop(b.store.take());
+    c.store().follow_shared_now();
+    assert_eq!(c.store().prefix_len(&b_keys), 50);
+    let scratch = dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let shared = dir.path().join("shared");
+    // Too recent: left alone.
+    let done =
+        kvtier::collect_dead_writers(&shared, std::time::Duration::from_secs(3600), &scratch)
+            .unwrap();
+    assert!(
+        done.iter().all(|w| w.outcome == kvtier::Collection::Recent),
+        "{done:?}"
+    );
+    let done = kvtier::collect_dead_writers(&shared, std::time::Duration::ZERO, &scratch).unwrap();
+    let of = |node: &str| {
+        done.iter()
+            .find(|w| w.node == node)
+            .unwrap()
+            .outcome
+            .clone()
+    };
+    assert_eq!(of(c.store().node_id()), kvtier::Collection::Alive);
+    match of(&b_node) {
+        kvtier::Collection::Collected {
+            regions,
+            kept_removals,
+            directory_removed,
+            ..
+        } => {
+            assert!(regions >= 1);
+            assert_eq!(
+                kept_removals, 1,
+                "B's removal of a block in C's log is kept"
+            );
+            assert!(
+                !directory_removed,
+                "the kept removal lives in B's directory"
+            );
+        }
+        other => panic!("B's log was not collected: {other:?}"),
+    }
+    c.store().follow_shared_now();
+    assert_eq!(
+        c.store().prefix_len(&b_keys),
+        0,
+        "B's blocks are gone everywhere"
+    );
+    assert_eq!(read(c.store(), b"c-owned"), None);
+    c.restart();
+    assert_eq!(
+        read(c.store(), b"c-owned"),
+        None,
+        "the kept removal still wins"
+    );
+    // Both nodes gone: a second collection takes both logs; whatever it
+    // keeps, nothing removed comes back.
+    drop(c.store.take());
+    let done = kvtier::collect_dead_writers(&shared, std::time::Duration::ZERO, &scratch).unwrap();
+    assert_eq!(done.len(), 2, "{done:?}");
+    assert!(
+        done.iter()
+            .all(|w| matches!(w.outcome, kvtier::Collection::Collected { .. })),
+        "{done:?}"
+    );
+    b.restart();
+    c.restart();
+    for node in [&b, &c] {
+        assert_eq!(read(node.store(), b"c-owned"), None);
+        assert_eq!(node.store().prefix_len(&b_keys), 0);
+    }
+}

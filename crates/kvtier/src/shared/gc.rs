@@ -1,0 +1,158 @@
+//! Collecting the logs of writers that died for good (docs/design.md,
+//! "Dead writers"): a dead node's log stays readable by every node; this
+//! reclaims it, as its writer would have, under the writer's own lock.
+//! The collector opens a store *as that writer* (`Config::adopt_writer`),
+//! which recovers its log and follows every other writer like any node,
+//! then reclaims every region the log had, oldest first, with the shared
+//! reclaim rules (values dropped; removals another log may still need are
+//! rewritten). A log left with nothing is removed with its directory.
+
+use crate::config::Config;
+use crate::error::{ErrorKind, Result};
+use crate::shared::checkpoint::CHECKPOINT_DIR;
+use crate::shared::dir::{SharedDir, WRITER_LOCK_FILE};
+use crate::store::Store;
+use std::fs;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+/// What `collect_dead_writers` did with one writer directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectedWriter {
+    pub node: String,
+    /// Seconds since its log last changed (its newest file's mtime).
+    pub idle_seconds: u64,
+    pub outcome: Collection,
+}
+
+/// See [`CollectedWriter`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Collection {
+    /// Changed more recently than the threshold: left alone.
+    Recent,
+    /// A process holds its writer lock: alive, left alone.
+    Alive,
+    /// Its regions were reclaimed: how many, and the bytes its log shrank
+    /// by; removals kept
+    /// because another writer's log may still hold a put they removed;
+    /// whether the writer directory itself went (nothing was left).
+    Collected {
+        regions: u64,
+        bytes: u64,
+        kept_removals: u64,
+        directory_removed: bool,
+    },
+    Failed(String),
+}
+
+/// Reclaims the log of every writer of `shared_dir` that has not changed
+/// for `older_than` and whose writer lock nobody holds. `scratch` holds the
+/// collector's throwaway data directories (removed after).
+pub fn collect_dead_writers(
+    shared_dir: &Path,
+    older_than: Duration,
+    scratch: &Path,
+) -> Result<Vec<CollectedWriter>> {
+    let writers = SharedDir::other_writers(shared_dir, "").map_err(|e| {
+        crate::Error::io(
+            format!("listing the writers of {}", shared_dir.display()),
+            e,
+        )
+    })?;
+    let mut out = Vec::new();
+    for (node, dir) in writers {
+        let idle = idle_for(&dir);
+        let idle_seconds = idle.as_secs();
+        let outcome = if idle < older_than {
+            Collection::Recent
+        } else if lock_is_held(&dir) {
+            Collection::Alive
+        } else {
+            match collect(shared_dir, &node, &dir, scratch) {
+                Ok(done) => done,
+                Err(e) if e.kind() == ErrorKind::Locked => Collection::Alive,
+                Err(e) => Collection::Failed(e.to_string()),
+            }
+        };
+        out.push(CollectedWriter {
+            node,
+            idle_seconds,
+            outcome,
+        });
+    }
+    Ok(out)
+}
+
+fn collect(shared_dir: &Path, node: &str, dir: &Path, scratch: &Path) -> Result<Collection> {
+    let (_, bytes_before) = region_files(dir);
+    let data_dir = scratch.join(format!("collect-{node}"));
+    let _ = fs::remove_dir_all(&data_dir);
+    let mut config = Config::new(&data_dir)
+        .memory_capacity(16 << 20)
+        .disk_capacity(1 << 50)
+        .shared_dir(shared_dir);
+    config.adopt_writer = Some(node.to_string());
+    let store = Store::open(config)?;
+    let kept_before = store.stats().carried_entries;
+    // Closing joins the flusher, which reclaimed every region first.
+    store.close()?;
+    let after = store.stats();
+    let kept_removals = after.carried_entries - kept_before;
+    let regions = after.reclaimed_regions;
+    drop(store);
+    let _ = fs::remove_dir_all(&data_dir);
+    let (regions_after, bytes_after) = region_files(dir);
+    let directory_removed = regions_after == 0 && fs::remove_dir_all(dir).is_ok();
+    Ok(Collection::Collected {
+        regions,
+        bytes: bytes_before.saturating_sub(bytes_after),
+        kept_removals,
+        directory_removed,
+    })
+}
+
+/// Region files of a writer directory and their bytes.
+fn region_files(dir: &Path) -> (u64, u64) {
+    let Ok(listing) = fs::read_dir(dir.join(crate::disk::REGION_DIR)) else {
+        return (0, 0);
+    };
+    listing
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "kvr"))
+        .fold((0, 0), |(n, bytes), e| {
+            (n + 1, bytes + e.metadata().map_or(0, |m| m.len()))
+        })
+}
+
+/// How long since anything of the writer's log changed.
+fn idle_for(dir: &Path) -> Duration {
+    let mut newest = fs::metadata(dir).and_then(|m| m.modified()).ok();
+    for sub in [crate::disk::REGION_DIR, CHECKPOINT_DIR] {
+        if let Ok(listing) = fs::read_dir(dir.join(sub)) {
+            for item in listing.flatten() {
+                if let Ok(modified) = item.metadata().and_then(|m| m.modified()) {
+                    newest = newest.max(Some(modified));
+                }
+            }
+        }
+    }
+    if let Ok(modified) = fs::metadata(dir.join(crate::disk::HEAD_FILE)).and_then(|m| m.modified())
+    {
+        newest = newest.max(Some(modified));
+    }
+    newest
+        .and_then(|t| SystemTime::now().duration_since(t).ok())
+        .unwrap_or(Duration::ZERO)
+}
+
+/// Whether a process holds the writer's lock now.
+fn lock_is_held(dir: &Path) -> bool {
+    let Ok(file) = fs::File::open(dir.join(WRITER_LOCK_FILE)) else {
+        return false;
+    };
+    // SAFETY: flock on a descriptor this function owns; released when the
+    // file closes at return.
+    let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    !taken
+}
