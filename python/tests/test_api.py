@@ -213,6 +213,30 @@ def test_reopen_keeps_flushed_values(tmp_path):
         assert s.stats()["disk_entries"] == 2
 
 
+def test_shared_dir_makes_one_nodes_blocks_another_nodes_disk_hits(tmp_path):
+    """Two embedded stores (two nodes) with their own data directories and
+    one shared directory: blocks flushed by one are read by the other from
+    the shared files, verified."""
+    import time
+
+    shared = str(tmp_path / "shared")
+    opts = dict(memory="16MiB", disk="64MiB", shared_dir=shared)
+    with kvtier.Store(str(tmp_path / "b"), **opts) as b, kvtier.Store(str(tmp_path / "c"), **opts) as c:
+        values = [bytes([i]) * 20_000 for i in range(1, 9)]
+        keys = [f"block-{i}" for i in range(8)]
+        assert b.batch_put_from(keys, values) == [0] * 8
+        b.flush()
+        deadline = time.monotonic() + 10
+        while not all(c.batch_is_exist(keys)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(c.batch_is_exist(keys))
+        assert [c.get(k) for k in keys] == values
+        stats = c.stats()
+        assert stats["shared_dir"] is True
+        assert stats["shared_reads"] == 8
+        assert stats["shared_writers"] == 1
+
+
 def test_recovery_findings_reach_python_logging_and_stats(tmp_path, caplog):
     """What recovery decides is visible to the embedded store's user: a
     quarantined region file and a region whose header was damaged come out
