@@ -31,6 +31,11 @@ pub struct ClusterArgs {
     /// members whose listeners speak TLS. Default: KVTIER_TLS_CA, else none.
     #[arg(long, env = "KVTIER_TLS_CA")]
     pub peer_ca: Option<std::path::PathBuf>,
+    /// With --shared-dir: seconds a writer of the shared directory that is
+    /// no longer a member must have left its log unchanged before a member
+    /// collects it (docs/design.md, "Dead writers"). Default: 300.
+    #[arg(long, default_value_t = 300.0)]
+    pub adopt_after: f64,
 }
 
 /// Where etcd is and how to reach it safely.

@@ -391,6 +391,16 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         server_config.tenants =
             kvtier_server::read_tenants(&path).map_err(|e| format!("the tenants file: {e}"))?;
     }
+    let adopter = match (&node, store.config().configured_shared_dir()) {
+        (Some(node), Some(shared)) => Some(spawn_adopter(
+            Arc::clone(&node.view),
+            shared.to_path_buf(),
+            data_dir.join("adopt-scratch"),
+            seconds(Some(args.cluster.adopt_after), "adopt_after")?.unwrap_or_default(),
+            Arc::clone(&stop),
+        )?),
+        _ => None,
+    };
     let server = Server::new(Arc::clone(&store), server_config)?;
     let server_stop = server.stop_flag();
     let stop_seen = Arc::clone(&stop);
@@ -441,6 +451,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
     })?;
     let _ = watcher.join();
+    if let Some(adopter) = adopter {
+        let _ = adopter.join();
+    }
     if let Some(node) = node {
         node.leave();
     }
@@ -464,4 +477,68 @@ fn note_shared_memory_pages() {
             );
         }
     }
+}
+
+/// Cluster mode with a shared directory: collects the logs of writers that
+/// are no longer members and have been idle for `grace` (docs/design.md,
+/// "Dead writers"). Membership (etcd's leases) says who is dead; the
+/// writer's lock on the shared file system lets one collector at a time
+/// in. Never acts on an empty or stale view.
+fn spawn_adopter(
+    view: Arc<kvtier_wire::cluster::ClusterView>,
+    shared: PathBuf,
+    scratch: PathBuf,
+    grace: std::time::Duration,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let every = (grace / 4).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(30),
+    );
+    std::thread::Builder::new()
+        .name("kvtier-adopter".into())
+        .spawn(move || {
+            let mut next = std::time::Instant::now() + every;
+            while !stop.load(Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                if std::time::Instant::now() < next {
+                    continue;
+                }
+                next = std::time::Instant::now() + every;
+                let members = view.members();
+                let fresh = view
+                    .view_age()
+                    .is_some_and(|age| age < std::time::Duration::from_secs(30));
+                if members.is_empty() || !fresh {
+                    continue;
+                }
+                let live: std::collections::HashSet<String> =
+                    members.iter().map(|m| m.id.clone()).collect();
+                if kvtier::private_files::create_dir(&scratch).is_err() {
+                    continue;
+                }
+                match kvtier::collect_dead_writers_where(&shared, grace, &scratch, |node| {
+                    !live.contains(node)
+                }) {
+                    Ok(done) => {
+                        for writer in done {
+                            match writer.outcome {
+                                kvtier::Collection::Collected { regions, bytes, kept_removals, directory_removed } => tracing::warn!(
+                                    writer = %writer.node,
+                                    regions,
+                                    bytes,
+                                    kept_removals,
+                                    directory_removed,
+                                    "collected the log of a writer that left the cluster"
+                                ),
+                                kvtier::Collection::Failed(why) => tracing::warn!(writer = %writer.node, %why, "could not collect the log of a writer that left the cluster; will retry"),
+                                kvtier::Collection::Recent | kvtier::Collection::Alive => {}
+                            }
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "looking for dead writers in the shared directory"),
+                }
+                let _ = std::fs::remove_dir_all(&scratch);
+            }
+        })
 }

@@ -1095,3 +1095,74 @@ fn made_up_namespaces_do_not_pile_up_peer_connections() {
     let mut own = Client::connect_with(&b.tcp_url(), options()).unwrap();
     own.flush().unwrap();
 }
+
+/// Cluster mode over a shared directory: puts land on the node that got
+/// them (nothing is forwarded), every member reads every member's flushed
+/// blocks from the shared files, and when a member dies for good a
+/// surviving member collects its log (etcd says who is dead; the writer's
+/// lock on the file system lets one collector in).
+#[test]
+fn members_share_a_directory_and_collect_a_dead_members_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 3);
+    let shared = dir.path().join("shared");
+    let shared = shared.display().to_string();
+    let extra = ["--shared-dir", &shared, "--adopt-after", "1"];
+    let a = node(&dir.path().join("a"), &etcd, &extra);
+    let c = node(&dir.path().join("c"), &etcd, &extra);
+    let mut b = node(&dir.path().join("b"), &etcd, &extra);
+    wait_for_members(&[&a, &b, &c], 3, Duration::from_secs(30));
+    let b_id = b.stats()["cluster"]["node_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let keys = keys(300);
+    let mut on_b = Client::connect_with(&b.tcp_url(), options()).unwrap();
+    put_all(&mut on_b, &keys);
+    on_b.flush().unwrap();
+    let stat = |s: &ServerProcess, name: &str| s.stats()["store"][name].as_u64().unwrap();
+    assert_eq!(
+        stat(&b, "puts"),
+        300,
+        "every put stays on the node that got it"
+    );
+    assert_eq!(stat(&a, "puts") + stat(&c, "puts"), 0);
+    for reader in [&a, &c] {
+        let mut client = Client::connect_with(&reader.tcp_url(), options()).unwrap();
+        let started = Instant::now();
+        while client.prefix_len(&keys).unwrap() < keys.len() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "B's blocks never showed"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (hits, misses, wrong, _) = read_all(&mut client, &keys);
+        assert_eq!((hits, misses, wrong), (300, 0, 0));
+        assert_eq!(forwarded_requests(reader), 0, "nothing is forwarded");
+    }
+    assert!(stat(&a, "shared_reads") >= 300);
+    b.signal(libc::SIGKILL);
+    b.wait();
+    let b_dir = Path::new(&shared).join("nodes").join(&b_id);
+    let started = Instant::now();
+    while b_dir.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no member collected the dead member's log"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!(
+        "dead member's log collected {:.1} s after its kill (lease {LEASE_TTL} s, adopt-after 1 s)",
+        started.elapsed().as_secs_f64()
+    );
+    let mut on_a = Client::connect_with(&a.tcp_url(), options()).unwrap();
+    let started = Instant::now();
+    while on_a.prefix_len(&keys[..1]).unwrap() > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (hits, _, wrong, _) = read_all(&mut on_a, &keys);
+    assert_eq!((hits, wrong), (0, 0));
+}

@@ -68,7 +68,9 @@ pub mod private_files {
         check_dir, check_socket_dir, create_dir, open_secret, DIR_MODE, FILE_MODE,
     };
 }
-pub use shared::{collect_dead_writers, CollectedWriter, Collection, SharedWriter};
+pub use shared::{
+    collect_dead_writers, collect_dead_writers_where, CollectedWriter, Collection, SharedWriter,
+};
 pub use stats::{StatValue, Stats};
 pub use store::{
     NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,

@@ -54,6 +54,17 @@ pub fn collect_dead_writers(
     older_than: Duration,
     scratch: &Path,
 ) -> Result<Vec<CollectedWriter>> {
+    collect_dead_writers_where(shared_dir, older_than, scratch, |_| true)
+}
+
+/// [`collect_dead_writers`] over the writers `consider` accepts (cluster
+/// mode: those that are not live members).
+pub fn collect_dead_writers_where(
+    shared_dir: &Path,
+    older_than: Duration,
+    scratch: &Path,
+    consider: impl Fn(&str) -> bool,
+) -> Result<Vec<CollectedWriter>> {
     let writers = SharedDir::other_writers(shared_dir, "").map_err(|e| {
         crate::Error::io(
             format!("listing the writers of {}", shared_dir.display()),
@@ -62,6 +73,9 @@ pub fn collect_dead_writers(
     })?;
     let mut out = Vec::new();
     for (node, dir) in writers {
+        if !consider(&node) {
+            continue;
+        }
         let idle = idle_for(&dir);
         let idle_seconds = idle.as_secs();
         let outcome = if idle < older_than {

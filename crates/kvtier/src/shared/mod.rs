@@ -13,4 +13,4 @@ pub(crate) use checkpoint::CheckpointWriter;
 pub(crate) use dir::SharedDir;
 pub use follow::SharedWriter;
 pub(crate) use follow::{FollowCounters, Follower};
-pub use gc::{collect_dead_writers, CollectedWriter, Collection};
+pub use gc::{collect_dead_writers, collect_dead_writers_where, CollectedWriter, Collection};
