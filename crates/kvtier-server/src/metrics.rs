@@ -596,15 +596,6 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_polls")],
     },
     StoreFamily {
-        name: "kvtier_shared_follow_age_milliseconds",
-        help: "Milliseconds since the last pass over the other writers' logs began \
-               (the staleness of this node's view of them, plus the file system's caches).",
-        bytes: false,
-        counter: false,
-        label: None,
-        members: &[("", "shared_follow_age_ms")],
-    },
-    StoreFamily {
         name: "kvtier_shared_reads",
         help: "Disk hits served from other writers' files.",
         bytes: false,
@@ -635,7 +626,13 @@ const STORE_FAMILIES: &[StoreFamily] = &[
 /// (visible in `/stats`, fixed for the process's life) and the policy's
 /// own cost, which the admin page shows as a share of time.
 #[cfg(test)]
-const STATS_NOT_EXPORTED: &[&str] = &["policy_ns", "io_depth", "read_piece"];
+const STATS_NOT_EXPORTED: &[&str] = &[
+    "policy_ns",
+    "io_depth",
+    "read_piece",
+    // Exported in seconds, as kvtier_shared_follow_age_seconds.
+    "shared_follow_age_ms",
+];
 
 fn family_unlabelled(
     e: &mut DescriptorEncoder,
@@ -882,6 +879,15 @@ impl Collector for ServerCollector {
                 )?,
             }
         }
+        gauge(
+            &mut e,
+            "kvtier_shared_follow_age",
+            "Seconds since the last pass over the other writers' logs of the shared directory \
+             began (this node's staleness about them, before the file system's own caches); \
+             0 without one.",
+            Some(&seconds),
+            fields.get("shared_follow_age_ms").copied().unwrap_or(0) as f64 / 1000.0,
+        )?;
         gauge(
             &mut e,
             "kvtier_start_time",
