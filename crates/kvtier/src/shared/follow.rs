@@ -112,6 +112,12 @@ pub(crate) struct Follower {
     /// so the reclaimer rewrites it instead of dropping it.
     floor: Arc<AtomicU64>,
     stop: (Mutex<bool>, Condvar),
+    /// One pass at a time (the thread's and `Store::follow_shared_now`'s):
+    /// a region first seen by two passes at once must get one handle.
+    passes: Mutex<()>,
+    /// Set by a pass that could not read some writer's directory or file:
+    /// its floor is then unknown, and 0 (keep every removal) is used.
+    pass_incomplete: std::sync::atomic::AtomicBool,
 }
 
 impl Follower {
@@ -124,7 +130,8 @@ impl Follower {
         own_tombstones: HashMap<u128, u64>,
         floor: Arc<AtomicU64>,
     ) -> Follower {
-        floor.store(u64::MAX, Ordering::Release);
+        // Unknown until a pass completes: keep every removal meanwhile.
+        floor.store(0, Ordering::Release);
         Follower {
             root: root.to_path_buf(),
             own: own.to_string(),
@@ -142,6 +149,8 @@ impl Follower {
             counters: FollowCounters::default(),
             floor,
             stop: (Mutex::new(false), Condvar::new()),
+            passes: Mutex::new(()),
+            pass_incomplete: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -213,6 +222,8 @@ impl Follower {
     /// (with their index entries). Errors (a file system hiccup) are
     /// logged and retried next pass; they never stop the follower.
     pub fn poll(&self) {
+        let _one_pass = self.passes.lock().unwrap_or_else(|p| p.into_inner());
+        self.pass_incomplete.store(false, Ordering::Relaxed);
         let began = SystemTime::now();
         self.counters.last_pass_unix_ms.store(
             began
@@ -266,6 +277,9 @@ impl Follower {
                 stuck += u64::from(region.stuck);
             }
         }
+        if self.pass_incomplete.load(Ordering::Relaxed) {
+            floor = 0;
+        }
         self.floor.store(floor, Ordering::Release);
         self.counters
             .writers
@@ -294,6 +308,7 @@ impl Follower {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
             Err(e) => {
                 tracing::warn!(dir = %region_dir.display(), error = %e, "cannot list another writer's regions; will retry");
+                self.pass_incomplete.store(true, Ordering::Relaxed);
                 return;
             }
         };
@@ -378,6 +393,7 @@ impl Follower {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "cannot open another writer's region; will retry");
+                self.pass_incomplete.store(true, Ordering::Relaxed);
                 return;
             }
         };
