@@ -434,17 +434,29 @@ impl Index {
 
     /// Forgets every disk copy in `region` (gone); entries left in no tier
     /// are removed. Takes each shard's lock once. Returns how many.
-    /// Calls `f` with every entry, one shard locked at a time (so writers
-    /// of other shards go on meanwhile).
-    pub fn visit(&self, mut f: impl FnMut(KeyDigest, &Entry)) {
+    /// What `pick` makes of every entry, handed to `sink` a shard at a
+    /// time: each shard is locked only while `pick` copies out of it, never
+    /// while `sink` runs (which may write to a file).
+    pub fn visit_by_shard<T>(
+        &self,
+        mut pick: impl FnMut(KeyDigest, &Entry) -> Option<T>,
+        mut sink: impl FnMut(Vec<T>),
+    ) {
         for shard in self.shards.iter() {
-            let shard = shard.lock().unwrap();
-            for (key, entry) in &shard.map {
-                f(
-                    KeyDigest(u128::from(key.high) << 64 | u128::from(key.low)),
-                    entry,
-                );
-            }
+            let picked: Vec<T> = {
+                let shard = shard.lock().unwrap();
+                shard
+                    .map
+                    .iter()
+                    .filter_map(|(key, entry)| {
+                        pick(
+                            KeyDigest(u128::from(key.high) << 64 | u128::from(key.low)),
+                            entry,
+                        )
+                    })
+                    .collect()
+            };
+            sink(picked);
         }
     }
 

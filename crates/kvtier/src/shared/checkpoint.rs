@@ -426,21 +426,27 @@ impl CheckpointWriter {
             tombstones: &tombstones,
         };
         let path = write(&self.dir, &self.secret, &of, |sink| {
-            self.index.visit(|digest, entry| {
-                let Some(loc) = entry.disk() else { return };
-                if loc.region() >= OTHERS_BASE {
-                    return;
-                }
-                count += 1;
-                sink(CheckpointEntry {
-                    digest,
-                    seq: entry.seq(),
-                    checksum: entry.checksum(),
-                    region: loc.region(),
-                    page: loc.page(),
-                    len: entry.value_len(),
-                });
-            });
+            // Copied out a shard at a time: no shard lock is held while the
+            // checkpoint file is written.
+            self.index.visit_by_shard(
+                |digest, entry| {
+                    let loc = entry.disk()?;
+                    (loc.region() < OTHERS_BASE).then(|| CheckpointEntry {
+                        digest,
+                        seq: entry.seq(),
+                        checksum: entry.checksum(),
+                        region: loc.region(),
+                        page: loc.page(),
+                        len: entry.value_len(),
+                    })
+                },
+                |entries| {
+                    count += entries.len() as u64;
+                    for entry in entries {
+                        sink(entry);
+                    }
+                },
+            );
         })?;
         tracing::debug!(path = %path.display(), entries = count, tombstones = tombstones.len(), elapsed_ms = started.elapsed().as_millis() as u64, "wrote an index checkpoint");
         *self.last.lock().unwrap() = (Instant::now(), batches);
