@@ -229,7 +229,7 @@ fn new_node_id() -> Result<String> {
         .collect())
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))

@@ -8,6 +8,7 @@
 //! Layout (little endian): a 32-byte header, the covered regions, the
 //! entries, the removals, a 32-byte footer of counts, a 32-byte MAC.
 
+use crate::disk::format::{u32_at, u64_at};
 use crate::disk::{DiskTier, OTHERS_BASE};
 use crate::error::{Error, Result};
 use crate::index::Index;
@@ -167,9 +168,7 @@ pub fn write(
         let _ = fs::remove_file(&tmp);
         return Err(Error::io(format!("writing {}", path.display()), e));
     }
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))?;
+    crate::data_dir::sync_dir(dir)?;
     // Older checkpoints of this writer: the new one covers what they did.
     for (_, older) in list(dir, node).into_iter().filter(|(_, p)| *p != path) {
         let _ = fs::remove_file(older);
@@ -321,14 +320,6 @@ impl MacWriter {
             self.error = Some(e);
         }
     }
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
 fn u128_at(b: &[u8], at: usize) -> u128 {

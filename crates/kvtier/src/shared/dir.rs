@@ -101,7 +101,7 @@ fn settle_identity(root: &Path, node_id: &str) -> Result<KeySecret> {
             fs::create_dir_all(root.join(NODES_DIR)).map_err(|e| {
                 Error::io(format!("creating {}", root.join(NODES_DIR).display()), e)
             })?;
-            sync_dir(root)?;
+            data_dir::sync_dir(root)?;
             let text = fs::read_to_string(&format_path)
                 .map_err(|e| Error::io(format!("reading {}", format_path.display()), e))?;
             check_format(root, &text)?;
@@ -239,12 +239,6 @@ fn host_name() -> String {
     } else {
         "an unknown host".to_string()
     }
-}
-
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))
 }
 
 #[cfg(test)]
