@@ -119,6 +119,7 @@ pub struct Config {
     pub(crate) shared_dir: Option<PathBuf>,
     pub(crate) shared_poll: Duration,
     pub(crate) shared_checkpoint_interval: Duration,
+    pub(crate) shared_index_share: bool,
     /// `shared::collect_dead_writers`: write this (dead) writer's log of the
     /// shared directory instead of the data directory's node's, and
     /// reclaim every region it had at open.
@@ -175,6 +176,7 @@ impl Config {
             shared_dir: None,
             shared_poll: Duration::from_millis(200),
             shared_checkpoint_interval: Duration::from_secs(60),
+            shared_index_share: false,
             adopt_writer: None,
             #[cfg(feature = "test-util")]
             engine_wrapper: None,
@@ -342,6 +344,24 @@ impl Config {
         self
     }
 
+    /// With a shared directory: index only a share of the other writers'
+    /// entries (the bounded mode, for shared directories past what one
+    /// node's index holds: docs/design.md, "The bounded index"). Which
+    /// share is given later by `Store::set_index_share` (a cluster member
+    /// sets it from the member list; a member asks the share's owner for
+    /// the rest); until then no other writer's entry is indexed. This
+    /// node's own log is always indexed whole. Default: false (every
+    /// writer's entries are indexed on every node).
+    pub fn shared_index_share(mut self, bounded: bool) -> Self {
+        self.shared_index_share = bounded;
+        self
+    }
+
+    /// Whether the bounded index mode is on (`shared_index_share`).
+    pub fn configured_shared_index_share(&self) -> bool {
+        self.shared_index_share
+    }
+
     /// The shared directory, if the log lives on one.
     pub fn configured_shared_dir(&self) -> Option<&Path> {
         self.shared_dir.as_deref()
@@ -430,6 +450,12 @@ impl Config {
                 "read_piece {} must be a multiple of 4096 from 4 KiB to 64 MiB",
                 self.read_piece
             )));
+        }
+        if self.shared_index_share && self.shared_dir.is_none() {
+            return Err(Error::invalid(
+                "shared_index_share bounds the index of a shared directory's other writers: it \
+                 needs shared_dir",
+            ));
         }
         if self.shared_dir.is_some() {
             if !self.disk_enabled() {

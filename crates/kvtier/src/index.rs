@@ -468,6 +468,12 @@ impl Index {
     /// gone (one pass over the index for any number of regions); returns
     /// how many.
     pub fn clear_regions(&self, doomed: impl Fn(u32) -> bool) -> u64 {
+        self.clear_disk_where(|region, _| doomed(region))
+    }
+
+    /// `clear_regions` by region and key digest: drops the disk location
+    /// of every entry for which `doomed(region, digest)` holds.
+    pub fn clear_disk_where(&self, doomed: impl Fn(u32, KeyDigest) -> bool) -> u64 {
         let mut cleared = 0;
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap();
@@ -476,10 +482,8 @@ impl Index {
                 .iter()
                 .filter_map(|(key, entry)| {
                     let loc = entry.disk?;
-                    doomed(loc.region()).then(|| {
-                        let digest = KeyDigest(u128::from(key.high) << 64 | u128::from(key.low));
-                        (digest, entry.seq(), loc)
-                    })
+                    let digest = KeyDigest(u128::from(key.high) << 64 | u128::from(key.low));
+                    doomed(loc.region(), digest).then(|| (digest, entry.seq(), loc))
                 })
                 .collect();
             for (digest, seq, loc) in hits {

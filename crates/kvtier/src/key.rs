@@ -41,6 +41,14 @@ impl KeyDigest {
     pub(crate) fn low(self) -> u64 {
         self.0 as u64
     }
+
+    /// The key's hash for dividing a shared directory's index between
+    /// nodes (`Store::set_index_share`): the same on every node of one
+    /// shared directory (they share the key secret), unknown to anyone
+    /// without it.
+    pub fn share_hash(self) -> u64 {
+        (self.0 >> 64) as u64 ^ self.0 as u64
+    }
 }
 
 /// The secret every digest of one data directory is keyed with. Generated

@@ -109,6 +109,12 @@ pub struct Stats {
     /// Reads of other writers' files that failed (a file reclaimed or
     /// replaced under the read): each was a miss.
     pub shared_read_failures: u64,
+    /// Bounded index mode (`Config::shared_index_share`): on, other
+    /// writers' put entries passed over as another node's share, and the
+    /// times a new share made this node read their records again.
+    pub shared_index_share: bool,
+    pub shared_outside_share: u64,
+    pub shared_share_rereads: u64,
 }
 
 /// One field of [`Stats`], for serialisers that need no per-field code.
@@ -215,6 +221,18 @@ impl Stats {
             (
                 "shared_read_failures",
                 StatValue::Count(self.shared_read_failures),
+            ),
+            (
+                "shared_index_share",
+                StatValue::Flag(self.shared_index_share),
+            ),
+            (
+                "shared_outside_share",
+                StatValue::Count(self.shared_outside_share),
+            ),
+            (
+                "shared_share_rereads",
+                StatValue::Count(self.shared_share_rereads),
             ),
         ]
     }

@@ -22,13 +22,28 @@ use crate::write_log::WriteLog;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 /// A tombstone's origin: another writer's region (its handle), or this
 /// node's own log (`OWN`), whose tombstones are kept until the store
 /// closes.
 const OWN: u32 = u32::MAX;
+
+/// Which keys (by `KeyDigest::share_hash`) this node indexes of the
+/// other writers' logs in the bounded mode (`Config::shared_index_share`).
+pub type IndexShare = Arc<dyn Fn(u64) -> bool + Send + Sync>;
+
+/// The bounded mode's current share (`None` until one is given).
+#[derive(Default)]
+struct ShareSlot(RwLock<Option<IndexShare>>);
+
+impl std::fmt::Debug for ShareSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let given = self.0.read().map(|s| s.is_some()).unwrap_or(false);
+        f.debug_struct("ShareSlot").field("given", &given).finish()
+    }
+}
 
 /// What one other writer's log looks like from here.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,6 +108,11 @@ pub(crate) struct FollowCounters {
     pub checkpoint_entries: AtomicU64,
     /// Milliseconds since the Unix epoch when the last pass began.
     pub last_pass_unix_ms: AtomicU64,
+    /// Bounded mode: put entries of other writers passed over (another
+    /// node's share), and the times a new share made this node read every
+    /// other writer's records again.
+    pub outside_share: AtomicU64,
+    pub share_rereads: AtomicU64,
 }
 
 /// Follows every other writer of one shared directory into this node's
@@ -118,6 +138,13 @@ pub(crate) struct Follower {
     /// Set by a pass that could not read some writer's directory or file:
     /// its floor is then unknown, and 0 (keep every removal) is used.
     pass_incomplete: std::sync::atomic::AtomicBool,
+    /// The bounded mode's share: `None` indexes every writer's entries
+    /// (the default mode); `Some(None)`, bounded with no share given yet,
+    /// indexes none of theirs.
+    share: Option<ShareSlot>,
+    /// Set when the share changed: the next pass drops entries outside
+    /// the new share and reads every other writer's records again.
+    reread: std::sync::atomic::AtomicBool,
 }
 
 impl Follower {
@@ -129,6 +156,7 @@ impl Follower {
         log: Arc<WriteLog>,
         own_tombstones: HashMap<u128, u64>,
         floor: Arc<AtomicU64>,
+        bounded: bool,
     ) -> Follower {
         // Unknown until a pass completes: keep every removal meanwhile.
         floor.store(0, Ordering::Release);
@@ -151,7 +179,65 @@ impl Follower {
             stop: (Mutex::new(false), Condvar::new()),
             passes: Mutex::new(()),
             pass_incomplete: std::sync::atomic::AtomicBool::new(false),
+            share: bounded.then(ShareSlot::default),
+            reread: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Bounded mode: index from now on only the other writers' keys
+    /// `share` accepts (by `KeyDigest::share_hash`). The next pass drops
+    /// the entries outside it and reads every other writer's records
+    /// again for the keys it adds. Whether the mode is on.
+    pub fn set_share(&self, share: IndexShare) -> bool {
+        let Some(slot) = &self.share else {
+            return false;
+        };
+        *slot.0.write().unwrap() = Some(share);
+        self.reread.store(true, Ordering::Release);
+        true
+    }
+
+    /// Whether this node indexes `digest` of another writer's log.
+    fn owns(&self, digest: KeyDigest) -> bool {
+        match &self.share {
+            None => true,
+            Some(slot) => slot
+                .0
+                .read()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|share| share(digest.share_hash())),
+        }
+    }
+
+    /// A new share: entries and removals outside it go, and every followed
+    /// region is read from its first batch again at this pass (its
+    /// handle kept, so entries inside the share stay readable meanwhile).
+    fn begin_reread(&self) {
+        self.counters.share_rereads.fetch_add(1, Ordering::Relaxed);
+        let dropped = self
+            .index
+            .clear_disk_where(|region, digest| region >= OTHERS_BASE && !self.owns(digest));
+        let mut state = self.state.lock().unwrap();
+        let tombstones: Vec<u128> = state
+            .tombstones
+            .iter()
+            .filter(|(digest, (_, origin))| *origin != OWN && !self.owns(KeyDigest(**digest)))
+            .map(|(digest, _)| *digest)
+            .collect();
+        for digest in tombstones {
+            state.tombstones.remove(&digest);
+        }
+        for log in state.writers.values_mut() {
+            for region in log.regions.values_mut() {
+                region.scanned_to = PAGE_SIZE;
+                region.len = 0;
+            }
+        }
+        tracing::info!(
+            dropped,
+            "the index share changed; reading the other writers' records again"
+        );
     }
 
     /// A removal this node logged (called under the key's index shard
@@ -224,6 +310,9 @@ impl Follower {
     pub fn poll(&self) {
         let _one_pass = self.passes.lock().unwrap_or_else(|p| p.into_inner());
         self.pass_incomplete.store(false, Ordering::Relaxed);
+        if self.reread.swap(false, Ordering::AcqRel) {
+            self.begin_reread();
+        }
         let began = SystemTime::now();
         self.counters.last_pass_unix_ms.store(
             began
@@ -514,6 +603,10 @@ impl Follower {
 
     /// Per key the highest sequence number wins, a tombstone on a tie.
     fn apply_put(&self, digest: KeyDigest, seq: u64, checksum: u64, loc: DiskLoc, len: u32) {
+        if !self.owns(digest) {
+            self.counters.outside_share.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let mut shard = self.index.lock(digest);
         let current = shard.get(digest).map(Entry::seq);
         let removed_after = self
@@ -532,6 +625,11 @@ impl Follower {
     /// Remembers a removal (from `origin`, a region handle) and drops an
     /// entry it outranks.
     fn apply_tombstone(&self, origin: u32, digest: KeyDigest, seq: u64) {
+        if !self.owns(digest) {
+            // Another node's share: its entry is not indexed here, and
+            // that node keeps the removal.
+            return;
+        }
         let mut shard = self.index.lock(digest);
         let current = shard.get(digest).map(Entry::seq);
         {

@@ -167,6 +167,12 @@ impl Store {
         self.default_view().get(key)
     }
 
+    /// `key`'s hash for the bounded index in the default namespace; see
+    /// [`NamespacedStore::share_hash`].
+    pub fn share_hash(&self, key: impl AsRef<[u8]>) -> u64 {
+        self.default_view().share_hash(key)
+    }
+
     /// Length of the value under `key`, without reading it.
     pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
         self.default_view().value_len(key)
@@ -334,6 +340,32 @@ impl Store {
     pub fn follow_shared_now(&self) {
         if let Some(follower) = &self.inner.follower {
             follower.poll();
+        }
+    }
+
+    /// Bounded index mode (`Config::shared_index_share`): index from now
+    /// on only the other writers' keys whose `NamespacedStore::share_hash`
+    /// `share` accepts; the rest is another node's to index and answer.
+    /// The next follow pass drops the entries outside the share and reads
+    /// every other writer's records again for the keys it adds (call
+    /// `follow_shared_now` to wait for it). This node's own log stays
+    /// indexed whole. `InvalidArgument` unless the bounded mode is on.
+    pub fn set_index_share(
+        &self,
+        share: impl Fn(u64) -> bool + Send + Sync + 'static,
+    ) -> Result<()> {
+        let bounded = self
+            .inner
+            .follower
+            .as_ref()
+            .is_some_and(|f| f.set_share(Arc::new(share)));
+        if bounded {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "set_index_share needs a shared directory in the bounded index mode \
+                 (Config::shared_index_share)",
+            ))
         }
     }
 
@@ -523,6 +555,9 @@ impl Inner {
             }),
             shared_reads: Counters::get(&c.shared_reads),
             shared_read_failures: Counters::get(&c.shared_read_failures),
+            shared_index_share: self.config.shared_index_share,
+            shared_outside_share: self.follow_count(|f| &f.outside_share),
+            shared_share_rereads: self.follow_count(|f| &f.share_rereads),
         }
     }
 }

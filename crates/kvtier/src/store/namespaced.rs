@@ -171,6 +171,13 @@ impl NamespacedStore {
         }
     }
 
+    /// `key`'s hash for the bounded index of a shared directory (see
+    /// `Store::set_index_share`): which node indexes it is a function of
+    /// this number alone.
+    pub fn share_hash(&self, key: impl AsRef<[u8]>) -> u64 {
+        self.namespace.digest(key.as_ref()).share_hash()
+    }
+
     /// Length of the value under `key`, without reading it.
     pub fn value_len(&self, key: impl AsRef<[u8]>) -> Result<Option<usize>> {
         self.inner.check_open()?;

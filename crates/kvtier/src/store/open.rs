@@ -177,6 +177,7 @@ impl Store {
                     Arc::clone(&log),
                     own_tombstones,
                     Arc::clone(&shared_floor),
+                    config.shared_index_share,
                 ));
                 // Every other writer's log is indexed before the store
                 // answers (their records are the meta persisted with

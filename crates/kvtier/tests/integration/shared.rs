@@ -436,6 +436,81 @@ fn a_starting_node_loads_the_newest_checkpoint_and_the_records_after_it() {
     check(&c);
 }
 
+/// The bounded index: a node indexes only the other writers' keys its
+/// share accepts, from checkpoints and from records alike, and a new share
+/// drops what left it and reads the records again for what joined it,
+/// with removals issued here (for keys outside the old share) still
+/// winning.
+#[test]
+fn a_bounded_node_indexes_its_share_and_reads_again_when_it_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Node::start(dir.path(), "b", 64 * MIB);
+    let keys: Vec<Vec<u8>> = (0..300).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 2, 5_000)).collect();
+    // The first 200 reach C through B's checkpoint, the rest as records.
+    for r in b.store().batch_put(&keys[..200], &values[..200]) {
+        r.unwrap();
+    }
+    b.store().write_checkpoint().unwrap();
+    for r in b.store().batch_put(&keys[200..], &values[200..]) {
+        r.unwrap();
+    }
+    b.store().flush().unwrap();
+    let c_data = dir.path().join("c");
+    let c =
+        open(Node::config(&c_data, &dir.path().join("shared"), 64 * MIB).shared_index_share(true));
+    assert_eq!(c.stats().shared_checkpoints_loaded, 1);
+    // No share given yet: none of B's entries.
+    assert_eq!(c.stats().entries, 0);
+    assert_eq!(read(&c, &keys[0]), None);
+    let even = |h: u64| h % 2 == 0;
+    let in_even: Vec<bool> = keys.iter().map(|k| even(c.share_hash(k))).collect();
+    let evens = in_even.iter().filter(|e| **e).count();
+    assert!(
+        evens > 100 && evens < 200,
+        "{evens} of 300 in the even share"
+    );
+    c.set_index_share(even).unwrap();
+    c.follow_shared_now();
+    for ((k, v), mine) in keys.iter().zip(&values).zip(&in_even) {
+        assert_eq!(read(&c, k).as_ref(), mine.then_some(v), "share {mine}");
+    }
+    assert_eq!(c.stats().entries, evens as u64);
+    assert!(c.stats().shared_outside_share >= (300 - evens) as u64);
+    // Removes: one through B of a key in the share, one through C of a key
+    // outside it (C indexes no entry for it, but logs the removal).
+    let even_key = keys
+        .iter()
+        .zip(&in_even)
+        .find(|(_, e)| **e)
+        .unwrap()
+        .0
+        .clone();
+    let odd_key = keys
+        .iter()
+        .zip(&in_even)
+        .find(|(_, e)| !**e)
+        .unwrap()
+        .0
+        .clone();
+    b.store().remove(&even_key).unwrap();
+    c.remove(&odd_key).unwrap();
+    c.follow_shared_now();
+    assert_eq!(read(&c, &even_key), None);
+    // The share flips: the even entries go, the odd ones are read again
+    // from B's records, and C's own removal still wins.
+    c.set_index_share(move |h| !even(h)).unwrap();
+    c.follow_shared_now();
+    for ((k, v), mine) in keys.iter().zip(&values).zip(&in_even) {
+        let expected = (!mine && *k != odd_key).then_some(v);
+        assert_eq!(read(&c, k).as_ref(), expected, "share {}", !mine);
+    }
+    assert_eq!(c.stats().entries, (300 - evens - 1) as u64);
+    assert_eq!(c.stats().shared_share_rereads, 2);
+    // Without the bounded mode the share cannot be set.
+    assert!(b.store().set_index_share(even).is_err());
+}
+
 /// A dead writer's log is collected by `collect_dead_writers`: its regions
 /// go (every node then misses its blocks), its removals that another log
 /// may still need are kept, a live writer is left alone.
