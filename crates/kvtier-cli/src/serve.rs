@@ -15,7 +15,7 @@ use std::sync::Arc;
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, io_depth, read_piece, eviction, shared_dir, shared_poll,
+    /// region_size, io_engine, io_depth, read_piece, eviction, shared_dir, shared_poll, shared_index,
     /// auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
@@ -91,6 +91,13 @@ pub struct ServeArgs {
     /// Default: 0.2.
     #[arg(long)]
     pub shared_poll: Option<f64>,
+    /// Which of the other nodes' blocks in --shared-dir this node indexes:
+    /// `all`, or `share` (the bounded mode, needs --cluster: a share of
+    /// them by the member list, asking the member whose share holds a key
+    /// for the rest; for shared directories past what one node's memory
+    /// indexes: docs/design.md, "The bounded index"). Default: all.
+    #[arg(long)]
+    pub shared_index: Option<String>,
     #[command(flatten)]
     pub cluster: crate::cluster::ClusterArgs,
 }
@@ -111,6 +118,7 @@ struct FileConfig {
     eviction: Option<String>,
     shared_dir: Option<PathBuf>,
     shared_poll: Option<f64>,
+    shared_index: Option<String>,
     auth_token: Option<String>,
     max_frame: Option<String>,
     max_batch: Option<u32>,
@@ -261,6 +269,26 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(every) = seconds(args.shared_poll.or(file.shared_poll), "shared_poll")? {
         config = config.shared_poll(every);
     }
+    match args
+        .shared_index
+        .as_deref()
+        .or(file.shared_index.as_deref())
+    {
+        None | Some("all") => {}
+        Some("share") => {
+            if args.cluster.cluster.is_none() {
+                return Err(
+                    "--shared-index share divides the index between cluster members: \
+                            it needs --cluster"
+                        .into(),
+                );
+            }
+            config = config.shared_index_share(true);
+        }
+        Some(other) => {
+            return Err(format!("--shared-index must be `all` or `share`, not {other:?}").into())
+        }
+    }
     // TCP always needs a token: without one given, the data directory
     // keeps a generated one (0600) for the clients of this host to read.
     let mut token_file = None;
@@ -401,6 +429,14 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         )?),
         _ => None,
     };
+    let share_keeper = match &node {
+        Some(node) if store.config().configured_shared_index_share() => Some(spawn_share_keeper(
+            Arc::clone(&node.view),
+            Arc::clone(&store),
+            Arc::clone(&stop),
+        )?),
+        _ => None,
+    };
     let server = Server::new(Arc::clone(&store), server_config)?;
     let server_stop = server.stop_flag();
     let stop_seen = Arc::clone(&stop);
@@ -454,6 +490,9 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(adopter) = adopter {
         let _ = adopter.join();
     }
+    if let Some(keeper) = share_keeper {
+        let _ = keeper.join();
+    }
     if let Some(node) = node {
         node.leave();
     }
@@ -477,6 +516,60 @@ fn note_shared_memory_pages() {
             );
         }
     }
+}
+
+/// The bounded index mode: gives the store its share of the other
+/// writers' keys whenever the member list changes (the keys whose
+/// `index_share_owner` is this node, the owner every member's router asks).
+/// Never from an empty or stale view, or one without this node: the share
+/// held stays (a stale share costs misses, not wrong bytes).
+fn spawn_share_keeper(
+    view: Arc<kvtier_wire::cluster::ClusterView>,
+    store: Arc<kvtier::Store>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("kvtier-share".into())
+        .spawn(move || {
+            // Members (id, capacity) of the share given last.
+            let mut given: Option<Vec<(String, u64)>> = None;
+            while !stop.load(Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                let members = view.members();
+                let me = view.me().id;
+                let fresh = view
+                    .view_age()
+                    .is_some_and(|age| age < std::time::Duration::from_secs(30));
+                if members.is_empty() || !fresh || !members.iter().any(|m| m.id == me) {
+                    continue;
+                }
+                let mut now: Vec<(String, u64)> =
+                    members.iter().map(|m| (m.id.clone(), m.capacity)).collect();
+                now.sort();
+                if given.as_ref() == Some(&now) {
+                    continue;
+                }
+                let share_members = Arc::clone(&members);
+                let share_me = me.clone();
+                let set = store.set_index_share(move |hash| {
+                    kvtier_wire::cluster::index_share_owner(hash, &share_members)
+                        .is_some_and(|m| m.id == share_me)
+                });
+                match set {
+                    Ok(()) => {
+                        tracing::info!(
+                            members = now.len(),
+                            "the index share follows the member list"
+                        );
+                        given = Some(now);
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot set the index share");
+                        return;
+                    }
+                }
+            }
+        })
 }
 
 /// Cluster mode with a shared directory: collects the logs of writers that

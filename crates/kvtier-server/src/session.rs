@@ -403,12 +403,21 @@ impl State<'_> {
         // With a shared directory every node's index covers every node's
         // flushed blocks and reads them from the file system, and a put
         // belongs in the node that computed it (docs/cluster.md, "Shared
-        // storage"): nothing is forwarded.
-        let shares_storage = shared.store.config().configured_shared_dir().is_some();
-        let router = match (&shared.peers, local_only || shares_storage) {
-            (Some(peers), false) => {
-                Router::new(peers, namespace.name()).map(|r| r.with_local(store))
-            }
+        // storage"): nothing is forwarded. In its bounded index mode a
+        // node indexes a share of the other writers' keys, and a read it
+        // misses asks the member whose share holds the key.
+        let config = shared.store.config();
+        let shares_storage = config.configured_shared_dir().is_some();
+        let by_share = shares_storage && config.configured_shared_index_share();
+        let router = match (&shared.peers, local_only || (shares_storage && !by_share)) {
+            (Some(peers), false) => Router::new(peers, namespace.name()).map(|r| {
+                let r = r.with_local(store);
+                if by_share {
+                    r.by_index_share()
+                } else {
+                    r
+                }
+            }),
             _ => None,
         };
         let backend: &dyn KvBackend = match &router {
@@ -700,6 +709,18 @@ impl State<'_> {
 
 /// Whether `request` is a data request with a key some other member owns.
 fn crosses_members(router: &Router<'_>, request: &Request<'_>) -> bool {
+    let read = matches!(
+        request,
+        Request::BatchGet { .. }
+            | Request::BatchExists { .. }
+            | Request::PrefixLen { .. }
+            | Request::BatchGetShm { .. }
+            | Request::BatchGetShmSegments { .. }
+    );
+    if router.reads_by_index_share() && !read {
+        // Writes stay on the node that computed them.
+        return false;
+    }
     let keys: Vec<&[u8]> = match request {
         Request::BatchPut { items, .. } => items.iter().map(|i| i.0).collect(),
         Request::BatchGet { items } => items.iter().map(|i| i.0).collect(),

@@ -401,9 +401,20 @@ fn sweep(
     mut point: impl FnMut(Shape, u64, &mut Measurement) -> io::Result<()>,
 ) -> io::Result<Shape> {
     let mut best = None;
+    // KVTIER_BENCH_SWEEP_TRACE=1 prints every point (to see a file
+    // system's read shape, not just its best point).
+    let trace = std::env::var_os("KVTIER_BENCH_SWEEP_TRACE").is_some();
     for shape in sweep_shapes(data) {
         let mut m = Measurement::new();
         point(shape, point_bytes(shape, budget), &mut m)?;
+        if trace {
+            eprintln!(
+                "sweep {} KiB x {}: {:.0} MB/s",
+                shape.size >> 10,
+                shape.depth,
+                m.mb_per_s()
+            );
+        }
         if best.is_none_or(|(_, rate)| m.mb_per_s() > rate) {
             best = Some((shape, m.mb_per_s()));
         }

@@ -18,7 +18,7 @@ pub use direct::{DirectRouting, ServerView};
 pub use peers::{PeerStats, Peers};
 
 use kvtier::{NamespacedStore, PutOptions};
-use kvtier_wire::cluster::{key_hash, owners, Member};
+use kvtier_wire::cluster::{index_share_owner, key_hash, owners, Member};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -40,6 +40,10 @@ pub struct Router<'a> {
     members: Arc<Vec<Member>>,
     me: String,
     replicas: usize,
+    /// The bounded index of a shared directory (`by_index_share`): reads
+    /// look here, then at the member whose index share holds the key;
+    /// everything else stays here.
+    by_share: bool,
 }
 
 /// Keys (by index) bound for one target.
@@ -81,6 +85,7 @@ impl<'a> Router<'a> {
             me: peers.view.me().id,
             replicas: peers.view.replicas(),
             members,
+            by_share: false,
         })
     }
 
@@ -90,13 +95,48 @@ impl<'a> Router<'a> {
         self
     }
 
+    /// A member of a shared directory in the bounded index mode
+    /// (docs/cluster.md, "Shared storage"): every node reads every flushed
+    /// block from the file system, but indexes only its share of the
+    /// other writers' keys. A read looks in this node's store first (its
+    /// own log, its share, its memory), then asks the member whose share
+    /// holds the key (`index_share_owner` of the store's `share_hash`).
+    /// Puts, removes and flushes never leave this node. Needs `with_local`.
+    pub fn by_index_share(mut self) -> Router<'a> {
+        self.by_share = true;
+        self
+    }
+
+    /// Whether this router reads by the index share (`by_index_share`).
+    pub fn reads_by_index_share(&self) -> bool {
+        self.by_share
+    }
+
+    /// The member whose index share holds `key`, as a target.
+    fn share_owner(&self, key: &[u8]) -> Target {
+        let hash = here(self.local).share_hash(key);
+        match index_share_owner(hash, &self.members) {
+            Some(m) if m.id != self.me => Target::Remote(
+                self.members
+                    .iter()
+                    .position(|x| x.id == m.id)
+                    .expect("an owner is a member"),
+            ),
+            _ => Target::Local,
+        }
+    }
+
     /// This node's store, for a member's router.
     pub fn local(&self) -> Option<&'a NamespacedStore> {
         self.local
     }
 
-    /// A key's owners in rank order.
+    /// A key's owners in rank order (by the index share: this node alone,
+    /// which takes every put and remove).
     fn owners(&self, key: &[u8]) -> Vec<Target> {
+        if self.by_share {
+            return vec![Target::Local];
+        }
         let hash = key_hash(self.namespace, key);
         owners(hash, &self.members, self.replicas)
             .into_iter()
@@ -118,6 +158,12 @@ impl<'a> Router<'a> {
     /// Where a read of `key` looks, in order: this node first if it owns
     /// the key (no hop), then the others by rank.
     fn read_order(&self, key: &[u8]) -> Vec<Target> {
+        if self.by_share {
+            return match self.share_owner(key) {
+                Target::Local => vec![Target::Local],
+                owner => vec![Target::Local, owner],
+            };
+        }
         let mut order = self.owners(key);
         order.sort_by_key(|t| *t != Target::Local);
         order
@@ -125,12 +171,17 @@ impl<'a> Router<'a> {
 
     /// Whether a read of `key` looks here first (this node owns it).
     pub fn reads_here_first(&self, key: &[u8]) -> bool {
-        self.owners(key).contains(&Target::Local)
+        self.read_order(key).first() == Some(&Target::Local)
     }
 
     /// Whether this node alone owns every key: then the plain local path
     /// serves the request.
     pub fn all_local<K: AsRef<[u8]>>(&self, keys: &[K]) -> bool {
+        if self.by_share {
+            return keys
+                .iter()
+                .all(|k| self.share_owner(k.as_ref()) == Target::Local);
+        }
         keys.iter()
             .all(|k| self.owners(k.as_ref()) == [Target::Local])
     }

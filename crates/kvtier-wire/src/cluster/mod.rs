@@ -5,7 +5,7 @@
 
 mod placement;
 
-pub use placement::{key_hash, owners};
+pub use placement::{index_share_owner, key_hash, owners};
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

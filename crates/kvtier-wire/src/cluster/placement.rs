@@ -40,6 +40,24 @@ pub fn owners(key: u64, members: &[Member], replicas: usize) -> Vec<&Member> {
     scored.into_iter().take(replicas).map(|(_, m)| m).collect()
 }
 
+/// The member that indexes a key of a shared directory in the bounded
+/// index mode: the best-scoring member for the key's share hash (the
+/// store's `share_hash`, not `key_hash`: the followed records carry digests,
+/// not placement hashes), without `owners`' allocation (a node asks it for
+/// every record entry it follows). `owners(hash, members, 1)`'s answer.
+pub fn index_share_owner(share_hash: u64, members: &[Member]) -> Option<&Member> {
+    let mut best: Option<(f64, &Member)> = None;
+    for member in members {
+        let s = score(share_hash, member);
+        let better =
+            best.is_none_or(|(top, holder)| s > top || (s == top && member.id < holder.id));
+        if better {
+            best = Some((s, member));
+        }
+    }
+    best.map(|(_, m)| m)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -62,6 +80,21 @@ mod tests {
             counts[members.iter().position(|m| m.id == owner.id).unwrap()] += 1;
         }
         counts.iter().map(|&c| c as f64 / keys as f64).collect()
+    }
+
+    #[test]
+    fn the_index_share_owner_is_the_first_owner() {
+        let members: Vec<Member> = (0..5)
+            .map(|i| member(&format!("node-{i}"), (i + 1) << 30))
+            .collect();
+        for k in 0..5_000u64 {
+            let hash = xxh3_64(&k.to_le_bytes());
+            assert_eq!(
+                index_share_owner(hash, &members).map(|m| &m.id),
+                Some(&owners(hash, &members, 1)[0].id)
+            );
+        }
+        assert!(index_share_owner(1, &[]).is_none());
     }
 
     #[test]

@@ -605,6 +605,7 @@ impl Follower {
     fn apply_put(&self, digest: KeyDigest, seq: u64, checksum: u64, loc: DiskLoc, len: u32) {
         if !self.owns(digest) {
             self.counters.outside_share.fetch_add(1, Ordering::Relaxed);
+            self.outranks_unshared(digest, seq, false);
             return;
         }
         let mut shard = self.index.lock(digest);
@@ -622,12 +623,29 @@ impl Follower {
         shard.insert(digest, Entry::new(seq, checksum, None, Some(loc), len));
     }
 
+    /// A put (or removal) of another writer for a key outside this node's
+    /// share still outranks the entry this node may hold of it from its
+    /// own log (indexed whole): that entry goes, so a read here asks the
+    /// share's owner, which holds the newer state, instead of answering
+    /// with a value removed or replaced elsewhere.
+    fn outranks_unshared(&self, digest: KeyDigest, seq: u64, tombstone: bool) {
+        let mut shard = self.index.lock(digest);
+        let outranked = shard
+            .get(digest)
+            .map(Entry::seq)
+            .is_some_and(|current| current < seq || (tombstone && current == seq));
+        if outranked {
+            shard.remove(digest);
+        }
+    }
+
     /// Remembers a removal (from `origin`, a region handle) and drops an
     /// entry it outranks.
     fn apply_tombstone(&self, origin: u32, digest: KeyDigest, seq: u64) {
         if !self.owns(digest) {
-            // Another node's share: its entry is not indexed here, and
-            // that node keeps the removal.
+            // Another node's share: that node indexes the key and keeps
+            // the removal.
+            self.outranks_unshared(digest, seq, true);
             return;
         }
         let mut shard = self.index.lock(digest);

@@ -497,6 +497,19 @@ fn a_bounded_node_indexes_its_share_and_reads_again_when_it_changes() {
     c.remove(&odd_key).unwrap();
     c.follow_shared_now();
     assert_eq!(read(&c, &even_key), None);
+    // C's own log is indexed whole, and a removal through B of a key C put
+    // outside its share still wins there.
+    let own_key = (1000..).map(key).find(|k| !even(c.share_hash(k))).unwrap();
+    c.put(&own_key, &value_for(&own_key, 2, 5_000)).unwrap();
+    c.flush().unwrap();
+    assert!(read(&c, &own_key).is_some());
+    b.store().follow_shared_now();
+    b.store().remove(&own_key).unwrap();
+    c.follow_shared_now();
+    assert!(
+        read(&c, &own_key).is_none(),
+        "a removal elsewhere outranks an own entry"
+    );
     // The share flips: the even entries go, the odd ones are read again
     // from B's records, and C's own removal still wins.
     c.set_index_share(move |h| !even(h)).unwrap();
