@@ -1166,3 +1166,70 @@ fn members_share_a_directory_and_collect_a_dead_members_log() {
     let (hits, _, wrong, _) = read_all(&mut on_a, &keys);
     assert_eq!((hits, wrong), (0, 0));
 }
+
+/// The bounded index mode (`--shared-index share`): each member indexes
+/// only its share of the other writers' blocks (the index of a directory
+/// past one node's memory), a read it misses asks the member whose share
+/// holds the key, every block reads right through every member, and a
+/// removal through any member wins on all of them.
+#[test]
+fn members_in_the_bounded_index_mode_share_the_index_and_ask_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 3);
+    let shared = dir.path().join("shared");
+    let shared = shared.display().to_string();
+    let extra = ["--shared-dir", &shared, "--shared-index", "share"];
+    let a = node(&dir.path().join("a"), &etcd, &extra);
+    let b = node(&dir.path().join("b"), &etcd, &extra);
+    let c = node(&dir.path().join("c"), &etcd, &extra);
+    wait_for_members(&[&a, &b, &c], 3, Duration::from_secs(30));
+    let keys = keys(300);
+    let mut on_b = Client::connect_with(&b.tcp_url(), options()).unwrap();
+    put_all(&mut on_b, &keys);
+    on_b.flush().unwrap();
+    let stat = |s: &ServerProcess, name: &str| s.stats()["store"][name].as_u64().unwrap();
+    assert_eq!(stat(&b, "puts"), 300, "puts stay on the node that got them");
+    for reader in [&a, &c] {
+        let mut client = Client::connect_with(&reader.tcp_url(), options()).unwrap();
+        let started = Instant::now();
+        while client.prefix_len(&keys).unwrap() < keys.len() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "B's blocks never showed"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (hits, misses, wrong, _) = read_all(&mut client, &keys);
+        assert_eq!((hits, misses, wrong), (300, 0, 0));
+        assert_eq!(reader.stats()["store"]["shared_index_share"], true);
+    }
+    // Each of A and C indexes its share of B's blocks, not all of them
+    // (B indexes its own log whole); what is outside a share was asked of
+    // its owner.
+    let (in_a, in_c) = (stat(&a, "entries"), stat(&c, "entries"));
+    assert!(
+        in_a > 0 && in_c > 0 && in_a + in_c < 300,
+        "A {in_a}, C {in_c}"
+    );
+    assert!(stat(&a, "shared_outside_share") > 0);
+    assert!(forwarded_requests(&a) > 0 && forwarded_requests(&c) > 0);
+    println!("bounded index: A holds {in_a}, C {in_c} of B's 300 blocks");
+    // Removes through A: misses through every member.
+    let mut on_a = Client::connect_with(&a.tcp_url(), options()).unwrap();
+    for key in &keys[..30] {
+        on_a.remove(key).unwrap();
+    }
+    for reader in [&a, &b, &c] {
+        let mut client = Client::connect_with(&reader.tcp_url(), options()).unwrap();
+        let started = Instant::now();
+        while client.batch_exists(&keys[..30]).unwrap().iter().any(|e| *e) {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "a removal never reached a member"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (hits, misses, wrong, _) = read_all(&mut client, &keys);
+        assert_eq!((hits, misses, wrong), (270, 30, 0));
+    }
+}

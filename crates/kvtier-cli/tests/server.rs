@@ -1138,3 +1138,22 @@ fn a_put_frame_read_value_by_value_is_checked_as_a_whole() {
     // The skipped and refused values' bytes were dropped, not kept.
     assert_eq!(good.stats().unwrap()["store"]["entries"], 3);
 }
+
+/// `--shared-index` takes `all` or `share`, and `share` (the bounded
+/// index, divided by the member list) needs cluster mode: each refusal
+/// names what to change.
+#[test]
+fn the_bounded_shared_index_needs_cluster_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared").display().to_string();
+    let alone = ServerProcess::try_start(
+        &dir.path().join("a"),
+        &["--shared-dir", &shared, "--shared-index", "share"],
+    );
+    assert!(alone.contains("needs --cluster"), "{alone}");
+    let unknown = ServerProcess::try_start(
+        &dir.path().join("b"),
+        &["--shared-dir", &shared, "--shared-index", "some"],
+    );
+    assert!(unknown.contains("`all` or `share`"), "{unknown}");
+}
