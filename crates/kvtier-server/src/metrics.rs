@@ -613,6 +613,24 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_read_failures")],
     },
     StoreFamily {
+        name: "kvtier_shared_outside_share",
+        help: "Bounded index mode: other writers' put entries passed over as another \
+               member's share of the index.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "shared_outside_share")],
+    },
+    StoreFamily {
+        name: "kvtier_shared_share_rereads",
+        help: "Bounded index mode: times a new share (the member list changed) made this \
+               node read the other writers' records again.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "shared_share_rereads")],
+    },
+    StoreFamily {
         name: "kvtier_eviction_policy",
         help: "Bytes the eviction policy's queues and simulations occupy.",
         bytes: true,
