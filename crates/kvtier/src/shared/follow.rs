@@ -156,7 +156,6 @@ impl Follower {
         log: Arc<WriteLog>,
         own_tombstones: HashMap<u128, u64>,
         floor: Arc<AtomicU64>,
-        bounded: bool,
     ) -> Follower {
         // Unknown until a pass completes: keep every removal meanwhile.
         floor.store(0, Ordering::Release);
@@ -179,9 +178,16 @@ impl Follower {
             stop: (Mutex::new(false), Condvar::new()),
             passes: Mutex::new(()),
             pass_incomplete: std::sync::atomic::AtomicBool::new(false),
-            share: bounded.then(ShareSlot::default),
+            share: None,
             reread: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The bounded mode (`Config::shared_index_share`) when `bounded`:
+    /// none of the other writers' entries until `set_share` gives a share.
+    pub fn bounded(mut self, bounded: bool) -> Follower {
+        self.share = bounded.then(ShareSlot::default);
+        self
     }
 
     /// Bounded mode: index from now on only the other writers' keys

@@ -105,7 +105,13 @@ fn collect(shared_dir: &Path, node: &str, dir: &Path, scratch: &Path) -> Result<
     let mut config = Config::new(&data_dir)
         .memory_capacity(16 << 20)
         .disk_capacity(1 << 50)
-        .shared_dir(shared_dir);
+        .shared_dir(shared_dir)
+        // The bounded index with no share: the collector indexes none of
+        // the other writers' entries (its reclaim carries no values in a
+        // shared directory and keeps only the dead writer's own removals;
+        // the floor comes from their records all the same), so it needs
+        // the memory of the dead writer's log alone, at any scale.
+        .shared_index_share(true);
     config.adopt_writer = Some(node.to_string());
     let store = Store::open(config)?;
     let kept_before = store.stats().carried_entries;

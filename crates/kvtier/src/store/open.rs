@@ -169,16 +169,18 @@ impl Store {
         let shared_floor = Arc::new(AtomicU64::new(u64::MAX));
         let follower = match (&shared, &disk) {
             (Some(shared), Some(disk)) => {
-                let follower = Arc::new(Follower::new(
-                    &shared.root,
-                    &node_id,
-                    Arc::clone(disk),
-                    Arc::clone(&index),
-                    Arc::clone(&log),
-                    own_tombstones,
-                    Arc::clone(&shared_floor),
-                    config.shared_index_share,
-                ));
+                let follower = Arc::new(
+                    Follower::new(
+                        &shared.root,
+                        &node_id,
+                        Arc::clone(disk),
+                        Arc::clone(&index),
+                        Arc::clone(&log),
+                        own_tombstones,
+                        Arc::clone(&shared_floor),
+                    )
+                    .bounded(config.shared_index_share),
+                );
                 // Every other writer's log is indexed before the store
                 // answers (their records are the meta persisted with
                 // their data).

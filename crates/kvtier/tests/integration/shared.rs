@@ -500,7 +500,7 @@ fn a_bounded_node_indexes_its_share_and_reads_again_when_it_changes() {
     // C's own log is indexed whole, and a removal through B of a key C put
     // outside its share still wins there.
     let own_key = (1000..).map(key).find(|k| !even(c.share_hash(k))).unwrap();
-    c.put(&own_key, &value_for(&own_key, 2, 5_000)).unwrap();
+    c.put(&own_key, value_for(&own_key, 2, 5_000)).unwrap();
     c.flush().unwrap();
     assert!(read(&c, &own_key).is_some());
     b.store().follow_shared_now();
