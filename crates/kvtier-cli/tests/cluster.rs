@@ -1128,17 +1128,7 @@ fn members_share_a_directory_and_collect_a_dead_members_log() {
     );
     assert_eq!(stat(&a, "puts") + stat(&c, "puts"), 0);
     for reader in [&a, &c] {
-        let mut client = Client::connect_with(&reader.tcp_url(), options()).unwrap();
-        let started = Instant::now();
-        while client.prefix_len(&keys).unwrap() < keys.len() {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "B's blocks never showed"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let (hits, misses, wrong, _) = read_all(&mut client, &keys);
-        assert_eq!((hits, misses, wrong), (300, 0, 0));
+        reads_every_block_once_followed(reader, &keys);
         assert_eq!(forwarded_requests(reader), 0, "nothing is forwarded");
     }
     assert!(stat(&a, "shared_reads") >= 300);
@@ -1167,6 +1157,22 @@ fn members_share_a_directory_and_collect_a_dead_members_log() {
     assert_eq!((hits, wrong), (0, 0));
 }
 
+/// Waits (20 s at most) until `reader` finds every key, then reads them
+/// all: every one a hit with its own bytes.
+fn reads_every_block_once_followed(reader: &ServerProcess, keys: &[Vec<u8>]) {
+    let mut client = Client::connect_with(&reader.tcp_url(), options()).unwrap();
+    let started = Instant::now();
+    while client.prefix_len(keys).unwrap() < keys.len() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the other node's blocks never showed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (hits, misses, wrong, _) = read_all(&mut client, keys);
+    assert_eq!((hits, misses, wrong), (keys.len(), 0, 0));
+}
+
 /// The bounded index mode (`--shared-index share`): each member indexes
 /// only its share of the other writers' blocks (the index of a directory
 /// past one node's memory), a read it misses asks the member whose share
@@ -1190,17 +1196,7 @@ fn members_in_the_bounded_index_mode_share_the_index_and_ask_each_other() {
     let stat = |s: &ServerProcess, name: &str| s.stats()["store"][name].as_u64().unwrap();
     assert_eq!(stat(&b, "puts"), 300, "puts stay on the node that got them");
     for reader in [&a, &c] {
-        let mut client = Client::connect_with(&reader.tcp_url(), options()).unwrap();
-        let started = Instant::now();
-        while client.prefix_len(&keys).unwrap() < keys.len() {
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "B's blocks never showed"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let (hits, misses, wrong, _) = read_all(&mut client, &keys);
-        assert_eq!((hits, misses, wrong), (300, 0, 0));
+        reads_every_block_once_followed(reader, &keys);
         assert_eq!(reader.stats()["store"]["shared_index_share"], true);
     }
     // Each of A and C indexes its share of B's blocks, not all of them
