@@ -39,8 +39,7 @@ def test_stores_cascade_and_a_cleared_primary_is_filled_back_with_the_same_bytes
     assert kvtier_server.stats()["store"]["puts"] >= 6
     # The primary forgets everything and its memory is wiped: only kvtier
     # holds the chunks now.
-    m.reset_cache()
-    vt.primary(m)[:] = 0
+    vt.reset_primary(m)
     assert vt.load(m, ks) == [True] * 6
     assert tier.get_tier_stats()["loaded"] == 6
     # Never stored: a miss, nothing promoted.
@@ -74,7 +73,7 @@ def test_the_server_stopped_is_a_miss_and_failed_jobs_never_a_hang(kvtier_server
     m, tier = tiered
     ks = vt.keys(2, salt="before-stop")
     vt.store(m, ks)
-    m.reset_cache()
+    vt.reset_primary(m)
     kvtier_server.stop()
     try:
         req = ReqContext(req_id="while-stopped")

@@ -67,6 +67,18 @@ def settle(m, timeout: float = 20.0) -> None:
         step(m)
 
 
+def reset_primary(m) -> None:
+    """What vLLM does on sleep or a weight update: the primary tier forgets
+    every chunk (kvtier keeps them), and its memory is wiped here so only
+    kvtier can fill it back. From vLLM 0.33 on, promotions are held after a
+    reset until the workers confirm no late write is in flight
+    (`on_reset_flushed`, which the scheduler calls then)."""
+    m.reset_cache()
+    if hasattr(m, "on_reset_flushed"):
+        m.on_reset_flushed()
+    primary(m)[:] = 0
+
+
 def store(m, ks: list[bytes], req_id: str = "writer") -> None:
     """What the GPU worker and the scheduler do for a stored request: the
     chunks land in the primary region, then cascade to the tiers."""
