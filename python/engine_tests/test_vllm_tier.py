@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
+from kvtier import Client
 from kvtier.integrations.vllm_tier import KvtierSecondaryTier
 
 import vllm_tier_manager as vt
@@ -60,7 +62,6 @@ def test_a_failed_load_is_reported_and_leaves_the_primary_alone(kvtier_server, t
     assert (row == 0xAB).all(), "a failed load wrote into the primary region"
     # A value of another size under the key: failed, never a short chunk.
     short = vt.keys(1, salt="short")
-    from kvtier import Client
     with Client(kvtier_server.url, namespace=tier.namespace) as c:
         assert c.put(short[0], b"x" * 100) == 0
     tier.submit_load(TransferJob(job_id=10_002, keys=short, chunk_ids=np.array([3], dtype=np.int32),
@@ -90,7 +91,6 @@ def test_the_server_stopped_is_a_miss_and_failed_jobs_never_a_hang(kvtier_server
     finally:
         kvtier_server.start()
     # Back: the chunks stored before the stop load (the disk tier kept them).
-    import time
     time.sleep(tier.lookup_ttl)
     assert vt.load(m, ks) == [True, True]
 

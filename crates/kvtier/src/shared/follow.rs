@@ -225,15 +225,9 @@ impl Follower {
             .index
             .clear_disk_where(|region, digest| region >= OTHERS_BASE && !self.owns(digest));
         let mut state = self.state.lock().unwrap();
-        let tombstones: Vec<u128> = state
+        state
             .tombstones
-            .iter()
-            .filter(|(digest, (_, origin))| *origin != OWN && !self.owns(KeyDigest(**digest)))
-            .map(|(digest, _)| *digest)
-            .collect();
-        for digest in tombstones {
-            state.tombstones.remove(&digest);
-        }
+            .retain(|digest, (_, origin)| *origin == OWN || self.owns(KeyDigest(*digest)));
         for log in state.writers.values_mut() {
             for region in log.regions.values_mut() {
                 region.scanned_to = PAGE_SIZE;
