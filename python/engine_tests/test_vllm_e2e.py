@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import kvtier
 
 SCRIPT = pathlib.Path(__file__).with_name("vllm_engine_run.py")
@@ -18,9 +20,9 @@ BLOCKS = 6
 class Engine:
     """A vLLM engine process running `steps` (see vllm_engine_run.py)."""
 
-    def __init__(self, model: str, url: str, steps: list[str]):
+    def __init__(self, model: str, url: str, steps: list[str], async_loads: bool = True):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        args = json.dumps({"model": model, "url": url, "prompt": PROMPT, "steps": steps})
+        args = json.dumps({"model": model, "url": url, "prompt": PROMPT, "steps": steps, "async_loads": async_loads})
         self.process = subprocess.Popen(
             [sys.executable, str(SCRIPT), args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env=env,
@@ -50,9 +52,11 @@ def same_output(a: dict, b: dict) -> bool:
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
-def test_a_kvtier_hit_matches_a_local_hit_exactly_and_wrong_kv_would_show(kvtier_server, tiny_llama):
+@pytest.mark.parametrize("async_loads", [True, False], ids=["async", "sync"])
+def test_a_kvtier_hit_matches_a_local_hit_exactly_and_wrong_kv_would_show(kvtier_server, tiny_llama, async_loads):
     engine = Engine(tiny_llama, kvtier_server.url,
-                    ["run", "run", "reset", "run", "keys", "pause", "reset", "run", "pause", "reset", "run"])
+                    ["run", "run", "reset", "run", "keys", "pause", "reset", "run", "pause", "reset", "run"],
+                    async_loads=async_loads)
     cold, local, hit, keys = engine.result(), engine.result(), engine.result(), engine.result()
     assert cold["cached"] == 0
     assert local["cached"] == BLOCKS * 32, local

@@ -4,8 +4,11 @@ that writes each block's KV as a function of its block hash, so every load
 is checked byte for byte against what that block must hold."""
 
 import copy
+import math
 import os
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -34,10 +37,10 @@ try:  # vLLM 0.33 moved the planner out of kv_cache_utils and made the groups ex
 except ImportError:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
@@ -64,11 +67,13 @@ def distributed():
     yield
 
 
-def make_config(model_path: str, url: str, dtype: str = "float32", batched_tokens: int = 64) -> VllmConfig:
+def make_config(model_path: str, url: str, dtype: str = "float32", batched_tokens: int = 64,
+                async_loads: bool = True, hybrid: bool = False) -> VllmConfig:
     model = ModelConfig(model=model_path, dtype=dtype, skip_tokenizer_init=True, max_model_len=1024)
     transfer = KVTransferConfig(
         kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"kvtier_url": url},
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kvtier_url": url, "async_loads": async_loads},
     )
     # The scheduler and the KV tensors live on the CPU here; naming the
     # device lets the official (CUDA) wheel build its config without a GPU.
@@ -79,21 +84,48 @@ def make_config(model_path: str, url: str, dtype: str = "float32", batched_token
         kv_transfer_config=transfer,
     )
     config.cache_config.kv_cache_layout = "LBHNC"
+    if hybrid:
+        # vLLM keeps the hybrid manager on for connectors that declare
+        # SupportsHMA on a GPU; this CPU build turns it off for every model,
+        # so the scheduler-level tests turn it back on.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        config.cache_config.mamba_cache_mode = "align"
     return config
+
+
+def attention_spec(config: VllmConfig, window: int | None = None):
+    model = config.model_config
+    shape = dict(block_size=BS, num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+                 head_size=model.get_head_size(), dtype=model.dtype)
+    return SlidingWindowSpec(**shape, sliding_window=window) if window else FullAttentionSpec(**shape)
+
+
+def state_spec(config: VllmConfig):
+    """A Mamba-style state group: a conv and an SSM state per block, padded
+    to the attention page as vLLM's hybrid allocator requires."""
+    page = attention_spec(config).page_size_bytes
+    return MambaSpec(block_size=BS, shapes=((3, 96), (4, 16, 32)), dtypes=(torch.float32, torch.float32),
+                     page_size_padded=page, mamba_cache_mode="align")
 
 
 class Harness:
     """A scheduler and a worker-side connector over real KV tensors."""
 
-    def __init__(self, config: VllmConfig, num_blocks: int = 64):
+    def __init__(self, config: VllmConfig, num_blocks: int = 64, specs: dict | None = None):
         model = config.model_config
-        self.spec = FullAttentionSpec(block_size=BS, num_kv_heads=model.get_num_kv_heads(config.parallel_config),
-                                      head_size=model.get_head_size(), dtype=model.dtype)
-        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_num_layers(config.parallel_config))]
-        kv_config = get_kv_cache_configs(config, [{name: self.spec for name in self.layers}],
-                                         [num_blocks * self.spec.page_size_bytes * len(self.layers)])[0]
+        if specs is None:
+            specs = {f"model.layers.{i}.self_attn.attn": attention_spec(config)
+                     for i in range(model.get_num_layers(config.parallel_config))}
+        self.specs = specs
+        self.layers = list(specs)
+        page = max(s.page_size_bytes for s in specs.values())
+        kv_config = get_kv_cache_configs(config, [specs], [num_blocks * page * len(self.layers)])[0]
+        self.kv_config = kv_config
         config.cache_config.num_gpu_blocks = kv_config.num_blocks
         self.caches = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        # Per layer: its group, and a [blocks, ...] view whose [b] is its part of block b.
+        self.group_of = {name: g for g, group in enumerate(kv_config.kv_cache_groups) for name in group.layer_names}
+        self.views = {name: self._view(name) for name in self.layers}
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config,
                                    structured_output_manager=StructuredOutputManager(config), block_size=BS,
                                    log_stats=True)
@@ -103,9 +135,25 @@ class Harness:
         init_none_hash(self.hash_fn)
         self.before_load = None  # a hook run between schedule() and the loads
         self.invalid_reports: list[set[int]] = []
+        self.failed_reports: list[set[str]] = []
         # Per request: tokens counted as computed when first scheduled
         # (vLLM's local hit plus kvtier's).
         self.first_computed: dict[str, int] = {}
+
+    def _view(self, name: str) -> torch.Tensor:
+        cache = self.caches[name]
+        if cache.dim() > 1:
+            return cache
+        # A state layer gets the raw buffer: its page of each block.
+        tensor = next(t for t in self.kv_config.kv_cache_tensors if name in t.layers)
+        spec = self.specs[name]
+        return torch.as_strided(cache.view(torch.uint8), (self.kv_config.num_blocks, spec.real_page_size_bytes),
+                                (tensor.block_stride, 1),
+                                tensor.offset + tensor.layers.index(name) * tensor.layer_stride)
+
+    def kind(self, name: str) -> str:
+        spec = self.specs[name]
+        return "state" if isinstance(spec, MambaSpec) else "window" if isinstance(spec, SlidingWindowSpec) else "full"
 
     @property
     def connector(self) -> KvtierConnector:
@@ -118,10 +166,18 @@ class Harness:
         return request
 
     def truth(self, block_hash: bytes, layer: int) -> torch.Tensor:
-        """What a block's KV must be: a function of its hash (its prefix)."""
+        """What a block's part of a layer must be: a function of its hash
+        (its prefix)."""
         seed = int.from_bytes(bytes(block_hash)[:7], "little") ^ layer
-        shape = self.caches[self.layers[0]].shape[1:]
-        return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=self.spec.dtype)
+        view = self.views[self.layers[layer]]
+        generator = torch.Generator().manual_seed(seed)
+        if view.dtype.is_floating_point:
+            return torch.randn(view.shape[1:], generator=generator, dtype=view.dtype)
+        shape = (*view.shape[1:-1], view.shape[-1] * view.element_size())
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).view(view.dtype)
+
+    def block_ids(self, req_id: str, name: str) -> list[int]:
+        return self.scheduler.kv_cache_manager.get_block_ids(req_id)[self.group_of[name]]
 
     def step(self):
         out = self.scheduler.schedule()
@@ -136,19 +192,39 @@ class Harness:
         for i, name in enumerate(self.layers):
             w.wait_for_layer_load(name)
             # The forward pass: blocks completed by this step's tokens
-            # (schedule() has already counted them as computed).
+            # (schedule() has already counted them as computed); a state
+            # layer keeps only the state at the step's end, in its block
+            # when the step ends on a block boundary (vLLM's "align" mode).
             for req_id, n in out.num_scheduled_tokens.items():
                 request = requests[req_id]
                 done_before = (request.num_computed_tokens - n) // BS
-                done_after = min(request.num_computed_tokens, request.num_tokens) // BS
-                block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-                for j in range(done_before, min(done_after, len(request.block_hashes))):
-                    self.caches[name][block_ids[j]] = self.truth(request.block_hashes[j], i)
-            w.save_kv_layer(name, self.caches[name], None)
+                computed = min(request.num_computed_tokens, request.num_tokens)
+                done_after = min(computed // BS, len(request.block_hashes))
+                ids = self.block_ids(req_id, name)
+                start = request.num_computed_tokens - n
+                if self.kind(name) == "state" and start and start % BS == 0 and start // BS <= len(ids):
+                    # The step starts from the state at its first token: it
+                    # must be the one of the prefix before it.
+                    j = start // BS - 1
+                    assert torch.equal(self.views[name][ids[j]], self.truth(request.block_hashes[j], i)), (
+                        f"{req_id} starts from a wrong state in {name} (block {j})"
+                    )
+                if self.kind(name) == "state":
+                    blocks = [done_after - 1] if computed % BS == 0 and done_after > done_before else []
+                else:
+                    blocks = range(done_before, done_after)
+                for j in blocks:
+                    assert ids[j] != 0, f"{req_id} block {j} of {name} is the null block"
+                    self.views[name][ids[j]] = self.truth(request.block_hashes[j], i)
+            if self.kind(name) != "state":  # state layers have no per-layer hook in vLLM
+                w.save_kv_layer(name, self.caches[name], None)
         w.wait_for_save()
+        results = w.get_transfer_results(out.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
         if invalid:
             self.invalid_reports.append(invalid)
+        if results.failed_recving:
+            self.failed_reports.append(set(results.failed_recving))
         w.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -157,43 +233,68 @@ class Harness:
             sampled.append([7] if request.num_computed_tokens >= request.num_tokens else [])
         result = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: k for k, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=results.finished_recving, failed_recving=results.failed_recving,
+                invalid_block_ids=invalid,
+            ),
         )
         self.scheduler.update_from_output(out, result)
         self.verify()
+        if not req_ids:
+            time.sleep(0.002)  # only loads in flight: let them run
         return out
 
     def verify(self) -> None:
-        """Every block vLLM counts as computed holds that block's KV."""
+        """Every block vLLM counts as computed, and will read, holds that
+        block's KV: every block of full attention, the blocks inside the
+        window of a sliding window, the block at the end of a state group."""
         for req_id, request in self.scheduler.requests.items():
-            if request.is_finished():
+            if request.is_finished() or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            full = min(request.num_computed_tokens // BS, len(request.block_hashes), len(block_ids))
-            for j in range(full):
-                for i, name in enumerate(self.layers):
-                    assert torch.equal(self.caches[name][block_ids[j]], self.truth(request.block_hashes[j], i)), (
-                        f"{req_id} block {j} layer {i} holds the wrong KV"
+            computed = request.num_computed_tokens
+            for i, name in enumerate(self.layers):
+                ids = self.block_ids(req_id, name)
+                full = min(computed // BS, len(request.block_hashes), len(ids))
+                kind = self.kind(name)
+                if kind == "state":
+                    # The state vLLM resumes from is the one at the last
+                    # block boundary it counts as computed.
+                    blocks = [full - 1] if full and computed % BS == 0 and request.num_output_tokens == 0 else []
+                elif kind == "window":
+                    window = math.ceil((self.specs[name].sliding_window - 1) / BS)
+                    blocks = range(max(0, full - window), full)
+                else:
+                    blocks = range(full)
+                for j in blocks:
+                    assert torch.equal(self.views[name][ids[j]], self.truth(request.block_hashes[j], i)), (
+                        f"{req_id} block {j} layer {name} holds the wrong KV"
                     )
 
-    def run_all(self, limit: int = 200) -> None:
+    def run_all(self, limit: int = 2000) -> None:
         for _ in range(limit):
             if not self.scheduler.has_requests():
                 return
             self.step()
         raise AssertionError("requests did not finish")
 
+    def loads_of(self, out) -> list:
+        meta = out.kv_connector_metadata
+        return meta.loads + meta.async_loads
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+
 
 def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 1009 + i * 37) % 500 + 1 for i in range(n)]
 
 
-@pytest.fixture
-def harness(kvtier_server, tiny_llama):
-    h = Harness(make_config(tiny_llama, kvtier_server.url))
+@pytest.fixture(params=["async", "sync"])
+def harness(request, kvtier_server, tiny_llama):
+    h = Harness(make_config(tiny_llama, kvtier_server.url, async_loads=request.param == "async"))
     yield h
-    h.worker.shutdown()
-    h.connector.shutdown()
+    h.shutdown()
 
 
 def test_full_and_partial_prefix_hits_with_chunked_prefill(harness, kvtier_server):
@@ -206,10 +307,9 @@ def test_full_and_partial_prefix_hits_with_chunked_prefill(harness, kvtier_serve
     # Full hit: 6 blocks from kvtier, the last 8 tokens computed.
     harness.add("b", list(a))
     out = harness.step()
-    assert harness.first_computed["b"] == 192
-    loads = out.kv_connector_metadata.loads
-    assert [len(t.keys) for t in loads] == [6]
+    assert [len(t.keys) for t in harness.loads_of(out)] == [6]
     harness.run_all()
+    assert harness.first_computed["b"] == 192
     assert kvtier_server.op("batch_get_shm_segments")["keys"] == 6
     assert harness.scheduler.reset_prefix_cache()
 
@@ -234,8 +334,7 @@ def test_preemption_and_resume_reload_from_kvtier(harness):
     # Preempt everything and drop vLLM's own cache: resuming must load.
     assert harness.scheduler.reset_prefix_cache(reset_running_requests=True)
     out = harness.step()
-    assert out.scheduled_cached_reqs.resumed_req_ids or out.scheduled_new_reqs
-    assert sum(len(t.keys) for t in out.kv_connector_metadata.loads) > 0
+    assert sum(len(t.keys) for t in harness.loads_of(out)) > 0
     harness.run_all()
     assert not harness.invalid_reports
 
@@ -249,7 +348,7 @@ def test_a_block_gone_before_its_load_is_recomputed_not_used(harness, kvtier_ser
     victim = {}
 
     def remove_block_two(out):
-        loads = out.kv_connector_metadata.loads
+        loads = harness.loads_of(out)
         if loads and not victim:
             victim["key"], victim["block"] = loads[0].keys[2], loads[0].block_ids[2]
             with kvtier.Client(kvtier_server.url, namespace=namespace) as client:
@@ -263,16 +362,75 @@ def test_a_block_gone_before_its_load_is_recomputed_not_used(harness, kvtier_ser
     harness.run_all()
     assert harness.invalid_reports == [{victim["block"]}]
     assert harness.worker.stats()["load_errors"] == 1
+    if harness.worker._worker.async_loads:
+        # Scheduled once the load is in: blocks before the failed one
+        # loaded, the rest recomputed.
+        assert harness.first_computed["b"] == 64
 
 
 def test_finished_requests_leave_no_state(harness):
     for k in range(3):
         harness.add(f"r{k}", prompt(10 + k, 150))
     harness.run_all()
+    assert harness.scheduler.reset_prefix_cache()
+    for k in range(3):
+        harness.add(f"again{k}", prompt(10 + k, 150))  # hits: loads, then saves nothing new
+    harness.run_all()
+    assert all(harness.first_computed[f"again{k}"] == 128 for k in range(3))
     side = harness.connector._scheduler
-    assert side.tracked == {} and side.allocated == {}
+    assert side.tracked == {} and side.allocated == {} and side.loading == {} and side.looked_up == {}
+    assert not side.sync_loads and not side.async_pending
     worker = harness.worker._worker
     assert worker.load is None and not worker.load_plan and not worker.save_copied
+    assert worker.pending_loads() == 0
+
+
+def test_an_async_load_spans_steps_while_others_compute_and_an_abort_mid_load_leaks_nothing(
+    kvtier_server, tiny_llama
+):
+    h = Harness(make_config(tiny_llama, kvtier_server.url))
+    free_at_start = h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    a = prompt(20, 200)
+    h.add("a", a)
+    h.run_all()
+    assert h.scheduler.reset_prefix_cache()
+    # Hold the load thread: the load is queued behind this until released.
+    gate = threading.Event()
+    worker = h.worker._worker
+    worker.load_executor.submit(gate.wait)
+    h.add("b", list(a))
+    h.add("c", prompt(21, 150))  # nothing stored: computed meanwhile
+    steps_waiting = 0
+    for _ in range(20):
+        h.step()
+        if h.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            steps_waiting += 1
+        if "c" not in h.scheduler.requests:
+            break
+    assert "c" not in h.scheduler.requests, "c did not finish while b's load was held"
+    assert steps_waiting >= 3 and h.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    gate.set()
+    h.run_all()
+    assert h.first_computed["b"] == 192 and not h.invalid_reports
+
+    # An abort while the load is in flight: vLLM keeps the blocks until the
+    # load is reported, then frees them; nothing is left anywhere.
+    assert h.scheduler.reset_prefix_cache()
+    gate = threading.Event()
+    worker.load_executor.submit(gate.wait)
+    h.add("d", list(a))
+    h.step()
+    assert h.scheduler.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    h.scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    gate.set()
+    for _ in range(200):
+        h.step()
+        if worker.pending_loads() == 0 and not h.scheduler.requests:
+            break
+    assert worker.pending_loads() == 0 and not h.scheduler.requests
+    assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_at_start
+    assert h.connector._scheduler.loading == {} and h.connector._scheduler.tracked == {}
+    h.shutdown()
 
 
 def test_keys_differ_across_dtype_and_tensor_parallel_rank(kvtier_server, tiny_llama):
@@ -297,8 +455,143 @@ def test_keys_differ_across_dtype_and_tensor_parallel_rank(kvtier_server, tiny_l
     other = Harness(bf16)
     request = Request("x", a, SamplingParams(max_tokens=1), None,
                       block_hasher=get_request_block_hasher(BS, other.hash_fn))
-    assert h.connector.get_num_new_matched_tokens(request, 0) == (192, False)
+    assert h.connector.get_num_new_matched_tokens(request, 0) == (192, True)
     assert other.connector.get_num_new_matched_tokens(request, 0) == (0, False)
     for x in (h, other):
-        x.worker.shutdown()
-        x.connector.shutdown()
+        x.shutdown()
+
+
+# Hybrid models: several KV cache groups, as vLLM's own planner builds them.
+
+
+def hybrid_harness(server, model: str, second: str) -> Harness:
+    config = make_config(model, server.url, hybrid=True)
+    other = attention_spec(config, window=64) if second == "window" else state_spec(config)
+    specs = {"l0": attention_spec(config), "l1": other, "l2": attention_spec(config), "l3": other}
+    h = Harness(config, num_blocks=96, specs=specs)
+    groups = h.kv_config.kv_cache_groups
+    assert [g.layer_names for g in groups] == [["l0", "l2"], ["l1", "l3"]], groups
+    return h
+
+
+def namespace_of(h: Harness) -> str:
+    return connector_namespace(h.scheduler.vllm_config, 0, 0, h.connector._scheduler.groups)
+
+
+def lookup(h: Harness, tokens: list[int]) -> int:
+    request = Request("probe", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BS, h.hash_fn))
+    hit, is_async = h.connector.get_num_new_matched_tokens(request, 0)
+    h.connector._scheduler.looked_up.clear()
+    assert is_async == (hit > 0)
+    return hit
+
+
+def group_key(h: Harness, tokens: list[int], group: int, block: int) -> bytes:
+    request = Request("keys", tokens, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BS, h.hash_fn))
+    return bytes([group]) + bytes(request.block_hashes[block])
+
+
+def test_hybrid_sliding_window_loads_the_window_and_hits_as_far_as_every_group_can(kvtier_server, tiny_llama):
+    h = hybrid_harness(kvtier_server, tiny_llama, "window")
+    a = prompt(30, 200)
+    h.add("a", a)
+    h.run_all()
+    # One value per block per group: 6 full-attention blocks, 6 window blocks.
+    assert kvtier_server.op("batch_put_shm_segments")["keys"] == 12
+    assert h.scheduler.reset_prefix_cache()
+    h.add("b", list(a))
+    out = h.step()
+    (load,) = h.loads_of(out)
+    # All 6 full-attention blocks; of the window group only the 2 blocks
+    # inside the 64-token window before the hit's end.
+    assert [load.groups.count(0), load.groups.count(1)] == [6, 2]
+    h.run_all()
+    assert h.first_computed["b"] == 192 and not h.failed_reports and not h.invalid_reports
+
+    # Partial hits: a window block missing at the end shortens the hit to
+    # where the window group has its blocks; a full-attention block missing
+    # shortens it to before that block.
+    namespace = namespace_of(h)
+    with kvtier.Client(kvtier_server.url, namespace=namespace) as client:
+        assert lookup(h, a) == 192
+        assert client.remove(group_key(h, a, 1, 5)) == 0
+        assert lookup(h, a) == 160  # window group: blocks 3, 4 for a hit ending at block 5
+        assert client.remove(group_key(h, a, 1, 3)) == 0
+        assert lookup(h, a) == 96  # blocks 1, 2 for a hit ending at block 3
+        assert client.remove(group_key(h, a, 0, 1)) == 0
+        assert lookup(h, a) == 32  # full attention stops at block 1; block 0 of both groups is there
+    assert h.scheduler.reset_prefix_cache()
+    h.add("c", list(a))
+    h.run_all()
+    assert h.first_computed["c"] == 32
+    h.shutdown()
+
+
+def test_hybrid_state_group_loads_the_state_at_the_hit_and_only_boundaries_that_hold_one(kvtier_server, tiny_llama):
+    h = hybrid_harness(kvtier_server, tiny_llama, "state")
+    a = prompt(31, 200)
+    h.add("a", a)
+    h.run_all()  # 64-token chunks: the state is kept at 64, 128 and 192 tokens
+    assert kvtier_server.op("batch_put_shm_segments")["keys"] == 6 + 3
+    assert h.scheduler.reset_prefix_cache()
+    h.add("b", list(a))
+    out = h.step()
+    (load,) = h.loads_of(out)
+    assert [load.groups.count(0), load.groups.count(1)] == [6, 1]
+    h.run_all()
+    assert h.first_computed["b"] == 192 and not h.failed_reports
+    # A prompt sharing 5 blocks: no state was kept after block 5 (160
+    # tokens), so the hit ends at the last state before it (128).
+    assert lookup(h, a[:160] + prompt(32, 100)) == 128
+    h.shutdown()
+
+
+def test_hybrid_failed_load_recomputes_the_whole_request(kvtier_server, tiny_llama):
+    h = hybrid_harness(kvtier_server, tiny_llama, "window")
+    a = prompt(33, 200)
+    h.add("a", a)
+    h.run_all()
+    assert h.scheduler.reset_prefix_cache()
+    namespace = namespace_of(h)
+
+    def remove_a_window_block(out):
+        loads = h.loads_of(out)
+        if loads and h.before_load is not None:
+            h.before_load = None
+            victim = loads[0].groups.index(1)
+            with kvtier.Client(kvtier_server.url, namespace=namespace) as client:
+                assert client.remove(loads[0].keys[victim]) == 0
+            for name in ("l1", "l3"):
+                h.views[name][loads[0].block_ids[victim]] = float("nan")
+
+    h.before_load = remove_a_window_block
+    h.add("b", list(a))
+    h.run_all()
+    # vLLM cannot place a block id of several groups: the request is
+    # reported failed, recomputed from the start, and not looked up again.
+    assert h.failed_reports == [{"b"}] and not h.invalid_reports
+    assert h.first_computed["b"] == 0
+    assert h.connector._scheduler.load_failed == set()
+    h.shutdown()
+
+
+def test_hybrid_keys_differ_across_groups_and_models(kvtier_server, tiny_llama):
+    window = hybrid_harness(kvtier_server, tiny_llama, "window")
+    state = hybrid_harness(kvtier_server, tiny_llama, "state")
+    plain = Harness(make_config(tiny_llama, kvtier_server.url))
+    names = {namespace_of(x) for x in (window, state, plain)}
+    assert len(names) == 3
+    a = prompt(34, 200)
+    window.add("a", a)
+    window.run_all()
+    with kvtier.Client(kvtier_server.url, namespace=namespace_of(window)) as client:
+        full = [group_key(window, a, 0, j) for j in range(6)]
+        sliding = [group_key(window, a, 1, j) for j in range(6)]
+        assert client.batch_is_exist(full) == [1] * 6 and client.batch_is_exist(sliding) == [1] * 6
+        assert not set(full) & set(sliding)
+    # The same prompt is a miss for another model layout and a plain model.
+    assert lookup(state, a) == 0 and lookup(plain, a) == 0 and lookup(window, a) == 192
+    for x in (window, state, plain):
+        x.shutdown()

@@ -12,25 +12,37 @@ How it works (``docs/integrations.md`` has the whole story):
 - Keys are vLLM's own block hashes (``request.block_hashes``: they already
   cover the tokens, the cache salt, LoRA and multimodal inputs), stored in a
   namespace naming the model, KV dtype, block size, parallel rank and the
-  value layout, so blocks of incompatible engines never meet.
-- One value per block per rank: the block's KV of every layer, in the
-  logical ``[H, N, C]`` order of vLLM's per-layer view, layer after layer. The
-  worker copies blocks between vLLM's KV cache and a staging area in
-  kvtier's shared memory (one memcpy on CPU; a device-to-host DMA into
+  value layout, so blocks of incompatible engines never meet. A hybrid
+  model (several KV cache groups: full attention beside sliding-window
+  attention or a Mamba-style state) gets one value per block per group,
+  the group's index in front of the hash and every group's geometry in the
+  namespace.
+- One value per block per rank (per group): the block's KV of every layer
+  of the group, in the logical ``[H, N, C]`` order of vLLM's per-layer view
+  (the raw page for state layers, which have no such view), layer after
+  layer. The worker copies blocks between vLLM's KV cache and a staging area
+  in kvtier's shared memory (one memcpy on CPU; a device-to-host DMA into
   CUDA-registered shared memory on GPU), and the server gathers or scatters
   the layers itself (multi-buffer calls), so no other copy is made.
-- The scheduler asks ``prefix_len`` how many leading blocks the store has
-  beyond vLLM's local hit; the worker loads them before attention needs them
-  (one batch per step, waited for per layer) and saves every newly filled
-  prompt block once its layers are computed. A block that fails to load
-  (evicted meanwhile, or corrupt on disk: kvtier verifies every read) is
-  reported to vLLM, which recomputes it with ``kv_load_failure_policy
-  = "recompute"``; its memory is never filled with unverified bytes.
+- The scheduler asks the store how many leading tokens beyond vLLM's local
+  hit it can restore in every group (``prefix_len`` for full attention; for
+  a sliding window only the blocks inside the window of the hit's end, for
+  a state group only the block at the hit's end, as vLLM's own prefix cache
+  decides). By default loads are **asynchronous**: vLLM parks the request
+  while a background thread fills its blocks, across as many steps as it
+  takes, and reports it through ``get_finished``; ``"async_loads": false``
+  loads inside the step instead (one batch, waited for per layer). Every
+  newly filled prompt block is saved once its layers are computed. A block
+  that fails to load (evicted meanwhile, or corrupt on disk: kvtier verifies
+  every read) is reported to vLLM, which recomputes it with
+  ``kv_load_failure_policy = "recompute"``; its memory is never filled with
+  unverified bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,10 +53,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url, staging_segments
+from ._common import connect, namespace_for, resolve_url
+
+try:  # vLLM >= 0.32: failures of a whole asynchronous load, by request.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM: per-block reports only
+    KVConnectorTransferResults = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,21 +76,122 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.vllm")
 
 DEFAULT_STAGING_SIZE = 256 << 20
+# vLLM's block pool hands out block 0 as its null block: the placeholder a
+# sliding-window or state group keeps where a block left the window. Nothing
+# is ever loaded into it or saved from it.
+NULL_BLOCK_ID = 0
 
 
 @dataclass
 class BlockTransfer:
-    """Blocks of one request to move this step: ``keys[i]`` <-> ``block_ids[i]``."""
+    """Blocks of one request to move: ``keys[i]`` <-> ``block_ids[i]`` of KV
+    cache group ``groups[i]`` (an index into the connector's groups)."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    groups: list[int] = field(default_factory=list)
+    # A block the hit needs has no real block to go to: fail the whole load.
+    broken: bool = False
+
+    def group(self, i: int) -> int:
+        return self.groups[i] if self.groups else 0
 
 
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
+    async_loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group as kvtier stores it."""
+
+    index: int  # vLLM's KV cache group id
+    kind: str  # "full", "window" or "state"
+    block_size: int  # tokens per block of this group
+    stride: int  # hash blocks (``request.block_hashes`` entries) per block
+    window_blocks: int  # blocks a sliding-window hit needs (window kind)
+    prefix: bytes  # in front of every key: b"" with one group
+    layers: tuple[str, ...]
+    describe: str  # what changes the group's bytes, for the namespace
+
+    def key(self, hashes, block: int) -> bytes:
+        # A chained hash names its whole prefix: the last hash block inside
+        # this group's block names the block.
+        return self.prefix + bytes(hashes[(block + 1) * self.stride - 1])
+
+    def blocks_of(self, hashes) -> int:
+        return len(hashes) // self.stride
+
+
+def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> list[CacheGroup]:
+    """The groups a hit must restore: vLLM's prefix-cacheable transfer
+    groups (one full-attention group for a plain model)."""
+    block_size = vllm_config.cache_config.block_size
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    hash_size = getattr(kv_cache_config, "hash_block_size", None) or block_size
+    if len(groups) <= 1:
+        # A plain model: keys and namespace as kvtier has always stored
+        # them, layers in the order vLLM registers them.
+        spec = groups[0].kv_cache_spec if groups else None
+        size = getattr(spec, "block_size", block_size)
+        kind, window = _kind(spec, size) if spec is not None else ("full", 0)
+        return [CacheGroup(0, kind, size, _stride(0, size, hash_size), window, b"", (), "")]
+    wanted = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    if wanted is None:
+        wanted = tuple(range(len(groups)))
+    out = []
+    for index in wanted:
+        spec = groups[index].kv_cache_spec
+        size = spec.block_size
+        kind, window = _kind(spec, size)
+        layers = tuple(groups[index].layer_names)
+        describe = (
+            f"{type(spec).__name__}:{kind}:{size}:{getattr(spec, 'sliding_window', '')}:"
+            f"{spec.page_size_bytes}:{','.join(layers)}"
+        )
+        out.append(CacheGroup(index, kind, size, _stride(index, size, hash_size), window, bytes([index]), layers,
+                              describe))
+    return out
+
+
+def _stride(index: int, size: int, hash_size: int) -> int:
+    if size % hash_size:
+        raise ValueError(
+            f"kvtier: KV cache group {index} has {size}-token blocks, not a multiple of vLLM's "
+            f"{hash_size}-token block hashes"
+        )
+    return size // hash_size
+
+
+def _kind(spec: Any, block_size: int) -> tuple[str, int]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    if per_layer:
+        # One kind of cache with layers of different shapes.
+        spec = next(iter(per_layer.values()))
+    if isinstance(spec, SlidingWindowSpec):
+        # The blocks holding the window's last ``sliding_window - 1`` tokens
+        # before the hit's end: what vLLM's sliding-window cache needs.
+        return "window", max(1, math.ceil((spec.sliding_window - 1) / block_size))
+    if isinstance(spec, MambaSpec):
+        if getattr(spec, "mamba_cache_mode", "align") == "none":
+            raise ValueError(
+                "kvtier: a Mamba-style state group without prefix caching (mamba_cache_mode 'none') "
+                "keeps no per-block states to store; enable vLLM's prefix caching (mamba_cache_mode 'align')"
+            )
+        # The state after the hit's last block lives in that block.
+        return "state", 0
+    if isinstance(spec, FullAttentionSpec):
+        return "full", 0
+    raise ValueError(
+        f"kvtier: KV cache group of kind {type(spec).__name__} is not supported (full attention, "
+        "sliding-window attention and Mamba-style state groups are)"
+    )
 
 
 def _parallel_layout(vllm_config: VllmConfig) -> tuple[int, int, bool]:
@@ -80,34 +199,40 @@ def _parallel_layout(vllm_config: VllmConfig) -> tuple[int, int, bool]:
     return parallel.tensor_parallel_size, parallel.pipeline_parallel_size, vllm_config.model_config.use_mla
 
 
-def connector_namespace(vllm_config: VllmConfig, tp_rank: int, pp_rank: int) -> str:
+def connector_namespace(
+    vllm_config: VllmConfig, tp_rank: int, pp_rank: int, groups: list[CacheGroup] | None = None
+) -> str:
     """The namespace of one rank's blocks: everything that changes their
     bytes or meaning. MLA caches are the same on every TP rank, so they
-    share one namespace (and rank 0 writes it)."""
+    share one namespace (and rank 0 writes it). A hybrid model's namespace
+    names every group's kind, geometry and layers; a plain model's is the
+    one kvtier has always used, so its stored blocks stay valid."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     tp, pp, mla = _parallel_layout(vllm_config)
     dtype = str(model.dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else cache.cache_dtype
     rank = f"pp{pp_rank}of{pp}-" + ("mla" if mla else f"tp{tp_rank}of{tp}")
-    return namespace_for(
-        "vllm",
-        {
-            "model": model.model,
-            "revision": getattr(model, "revision", None),
-            "dtype": dtype,
-            "block_size": cache.block_size,
-            "rank": rank,
-            "layers": model.get_num_layers(parallel),
-            "kv_heads": model.get_num_kv_heads(parallel),
-            "head_size": model.get_head_size(),
-            "mla": mla,
-            "value_layout": "layers x logical [H, N, C] of the per-layer view",
-        },
-    )
+    fields = {
+        "model": model.model,
+        "revision": getattr(model, "revision", None),
+        "dtype": dtype,
+        "block_size": cache.block_size,
+        "rank": rank,
+        "layers": model.get_num_layers(parallel),
+        "kv_heads": model.get_num_kv_heads(parallel),
+        "head_size": model.get_head_size(),
+        "mla": mla,
+        "value_layout": "layers x logical [H, N, C] of the per-layer view",
+    }
+    if groups is not None and any(g.prefix for g in groups):
+        fields["groups"] = [g.describe for g in groups]
+        fields["value_layout"] = "per group: layers x logical [H, N, C] view, or the raw page of a viewless layer"
+        fields["kv_cache_layout"] = str(getattr(cache, "kv_cache_layout", ""))
+    return namespace_for("vllm", fields)
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector interface over kvtier; the scheduler half or the
     worker half, by role."""
 
@@ -120,6 +245,15 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._url = resolve_url(extra.get("kvtier_url"))
+        groups = cache_groups(vllm_config, kv_cache_config)
+        async_loads = _flag(extra.get("async_loads", True))
+        hybrid = any(g.prefix for g in groups)
+        if hybrid and not async_loads:
+            # vLLM takes per-block load failures of one group only; a hybrid
+            # model's failed load is reported for the whole request, which
+            # only an asynchronous load can do.
+            logger.warning("kvtier: a hybrid model loads asynchronously; async_loads=false is ignored")
+            async_loads = True
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
             logger.warning(
@@ -130,28 +264,41 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(vllm_config, self._url, extra)
+            self._scheduler = _SchedulerSide(vllm_config, self._url, extra, groups, async_loads)
         else:
-            self._worker = _WorkerSide(vllm_config, self._url, extra)
+            self._worker = _WorkerSide(vllm_config, kv_cache_config, self._url, extra, groups, async_loads)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._scheduler is not None:
+            self._scheduler.load_failed.update(getattr(connector_output, "failed_recving", None) or ())
 
     # Scheduler side.
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        matched = self._scheduler.matched_tokens(request, num_computed_tokens)
+        return matched, self._scheduler.async_loads and matched > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, num_external_tokens)
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves finish inside their step, and vLLM keeps the blocks of a
+        # request whose load is in flight until the load is reported: no
+        # block outlives the request on kvtier's account.
         if self._scheduler is not None:
             self._scheduler.forget(request.request_id)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def reset_cache(self) -> bool | None:
         # kvtier is shared by every engine on the host; one engine's prefix
@@ -170,6 +317,7 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierConnectorMetadata)
+        self._worker.start_async_loads(meta.async_loads)
         self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -191,6 +339,18 @@ class KvtierConnector(KVConnectorBase_V1):
             assert isinstance(meta, KvtierConnectorMetadata)
             self._worker.finish_saves(meta.saves)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done, _failed = self._worker.take_finished_loads()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        if self._worker is None or KVConnectorTransferResults is None:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self._worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -211,64 +371,159 @@ class _Tracked:
     """Scheduler-side state of a running request."""
 
     request: Request
-    block_ids: list[int]
-    # Leading blocks known to be in the store or already saved.
-    saved_blocks: int
+    # Per group (in the connector's group order): the request's block ids,
+    # and how many leading blocks are known to be stored or already saved.
+    block_ids: list[list[int]]
+    saved_blocks: list[int]
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, url: str, extra: dict[str, Any]):
-        self.block_size = vllm_config.cache_config.block_size
-        self.save_decode_blocks = bool(extra.get("save_decode_blocks", False))
+    def __init__(
+        self, vllm_config: VllmConfig, url: str, extra: dict[str, Any], groups: list[CacheGroup], async_loads: bool
+    ):
+        self.groups = groups
+        self.async_loads = async_loads
+        self.save_decode_blocks = _flag(extra.get("save_decode_blocks", False))
+        # A hit ends where every group's blocks end.
+        self.align = math.lcm(*(g.block_size for g in groups))
+        self.hash_size = groups[0].block_size // groups[0].stride
         tp, pp, mla = _parallel_layout(vllm_config)
         tp_ranks = [0] if mla else list(range(tp))
         # A block is usable only if every rank has its part.
         self.clients = [
-            connect(url, connector_namespace(vllm_config, t, p)) for p in range(pp) for t in tp_ranks
+            connect(url, connector_namespace(vllm_config, t, p, groups)) for p in range(pp) for t in tp_ranks
         ]
-        # Requests allocated since the last step, with their external tokens.
+        # Per request: the local hit a lookup was made for (tokens), until
+        # its blocks are allocated.
+        self.looked_up: dict[str, int] = {}
+        # Requests allocated since the last step: external tokens, and the
+        # synchronous load planned for them.
         self.allocated: dict[str, tuple[Request, int]] = {}
+        self.sync_loads: list[BlockTransfer] = []
+        self.async_pending: list[BlockTransfer] = []
+        # Requests whose asynchronous load was planned: tokens it covers.
+        self.loading: dict[str, int] = {}
         self.tracked: dict[str, _Tracked] = {}
-        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0}
+        # Requests whose asynchronous load failed as a whole (hybrid models).
+        self.load_failed: set[str] = set()
+        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "async_loads": 0}
+
+    # Lookup.
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        bs = self.block_size
-        # At least one token must be left for vLLM to compute.
-        usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs)
-        first = num_computed_tokens // bs
-        if usable <= first:
+        self.looked_up.pop(request.request_id, None)
+        if request.request_id in self.load_failed:
+            # Its load failed as a whole: recompute rather than try again.
             return 0
-        keys = [bytes(h) for h in request.block_hashes[first:usable]]
+        hashes = request.block_hashes
+        # At least one token must be left for vLLM to compute.
+        limit = min(len(hashes) * self.hash_size, request.num_tokens - 1)
+        high = limit // self.align * self.align
+        if high <= num_computed_tokens or any(num_computed_tokens % g.block_size for g in self.groups):
+            return 0
         self.counters["lookups"] += 1
         try:
-            hit = min(c.prefix_len(keys) for c in self.clients)
+            hit = self._longest_hit(hashes, num_computed_tokens, high)
         except KvtierError as e:
             self.counters["lookup_errors"] += 1
             logger.warning("kvtier: lookup failed, treating as a miss: %s", e)
             return 0
-        matched = max(0, (first + hit) * bs - num_computed_tokens)
+        matched = max(0, hit - num_computed_tokens)
+        if matched:
+            self.looked_up[request.request_id] = num_computed_tokens
         self.counters["hit_tokens"] += matched
         return matched
 
-    def after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        self.allocated[request.request_id] = (request, num_external_tokens)
+    def _longest_hit(self, hashes, computed: int, high: int) -> int:
+        """The longest prefix (tokens, a multiple of every group's block)
+        every group can restore: full-attention groups need every block past
+        the local hit, a sliding window the blocks inside the window before
+        the hit's end, a state group the block at the hit's end."""
+        bound = high
+        for g in self.groups:
+            if g.kind != "full":
+                continue
+            first = computed // g.block_size
+            keys = [g.key(hashes, j) for j in range(first, bound // g.block_size)]
+            if keys:
+                n = min(c.prefix_len(keys) for c in self.clients)
+                bound = min(bound, (first + n) * g.block_size)
+        bound = bound // self.align * self.align
+        if bound <= computed:
+            return computed
+        present: dict[int, tuple[int, list[bool]]] = {}
+        for g in self.groups:
+            if g.kind == "full":
+                continue
+            first = computed // g.block_size
+            keys = [g.key(hashes, j) for j in range(first, bound // g.block_size)]
+            answers = [c.batch_is_exist(keys) for c in self.clients]
+            present[g.index] = (first, [all(a[j] == 1 for a in answers) for j in range(len(keys))])
+        end = bound
+        while end > computed:
+            if all(self._restorable(g, present, end) for g in self.groups if g.kind != "full"):
+                return end
+            end -= self.align
+        return computed
+
+    @staticmethod
+    def _restorable(g: CacheGroup, present: dict[int, tuple[int, list[bool]]], end_tokens: int) -> bool:
+        first, bits = present[g.index]
+        end = end_tokens // g.block_size
+        # Blocks before the local hit are in vLLM's own cache already.
+        start = max(first, end - g.window_blocks) if g.kind == "window" else end - 1
+        return all(bits[j - first] for j in range(start, end))
+
+    def _load_plan(self, request: Request, block_ids: tuple[list[int], ...], start: int, end: int) -> BlockTransfer:
+        """What a hit of tokens ``[start, end)`` loads, group by group."""
+        transfer = BlockTransfer(request.request_id, [], [], [])
+        hashes = request.block_hashes
+        for gi, g in enumerate(self.groups):
+            ids = block_ids[g.index]
+            lo, hi = start // g.block_size, end // g.block_size
+            if g.kind == "window":
+                lo = max(lo, hi - g.window_blocks)
+            elif g.kind == "state":
+                lo = hi - 1
+            for j in range(lo, hi):
+                if j >= len(ids) or ids[j] == NULL_BLOCK_ID:
+                    logger.error("kvtier: request %s has no block for group %d block %d; recomputing it",
+                                 request.request_id, g.index, j)
+                    transfer.broken = True
+                    continue
+                transfer.keys.append(g.key(hashes, j))
+                transfer.block_ids.append(ids[j])
+                transfer.groups.append(gi)
+        return transfer
+
+    # Allocation and the per-step plan.
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        computed = self.looked_up.pop(req_id, None)
+        if num_external_tokens <= 0 or computed is None:
+            # Nothing to load (or a request's second call, once its
+            # asynchronous load is in).
+            self.allocated[req_id] = (request, 0)
+            return
+        plan = self._load_plan(request, blocks.get_block_ids(), computed, computed + num_external_tokens)
+        if self.async_loads:
+            self.async_pending.append(plan)
+            self.loading[req_id] = computed + num_external_tokens
+            self.counters["async_loads"] += 1
+        else:
+            self.sync_loads.append(plan)
+            self.allocated[req_id] = (request, num_external_tokens)
 
     def build_meta(self, out: SchedulerOutput) -> KvtierConnectorMetadata:
-        meta = KvtierConnectorMetadata()
-        bs = self.block_size
+        meta = KvtierConnectorMetadata(loads=self.sync_loads, async_loads=self.async_pending)
+        self.sync_loads, self.async_pending = [], []
         for new in out.scheduled_new_reqs:
             request, external = self.allocated.pop(new.req_id, (None, 0))
             if request is None:
                 continue
-            block_ids = list(new.block_ids[0])
-            computed = new.num_computed_tokens
-            self._add_load(meta, request, block_ids, computed, external)
-            # Blocks loaded from the store need no save; vLLM's own prefix
-            # hits may not be in the store, so those are offered again
-            # (the server skips what it has).
-            tracked = _Tracked(request, block_ids, computed // bs if external else 0)
-            self.tracked[new.req_id] = tracked
-            self._add_save(meta, tracked, computed + out.num_scheduled_tokens.get(new.req_id, 0))
+            tracked = self._track(new.req_id, request, new.block_ids, new.num_computed_tokens, external)
+            self._add_save(meta, tracked, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self.tracked.get(req_id)
@@ -280,78 +535,154 @@ class _SchedulerSide:
                 request = request or (tracked.request if tracked else None)
                 if request is None:
                     continue
-                block_ids = list(new_ids[0]) if new_ids is not None else []
-                self._add_load(meta, request, block_ids, computed, external)
-                saved = max(tracked.saved_blocks if tracked else 0, computed // bs if external else 0)
-                tracked = _Tracked(request, block_ids, saved)
-                self.tracked[req_id] = tracked
+                previous = tracked.saved_blocks if tracked else None
+                tracked = self._track(req_id, request, new_ids or (), computed, external)
+                if previous is not None:
+                    tracked.saved_blocks = [max(a, b) for a, b in zip(previous, tracked.saved_blocks)]
             elif tracked is None:
                 continue
             elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
+                for gi, g in enumerate(self.groups):
+                    tracked.block_ids[gi].extend(new_ids[g.index])
             self._add_save(meta, tracked, computed + out.num_scheduled_tokens.get(req_id, 0))
         for req_id in out.finished_req_ids:
             self.forget(req_id)
         return meta
 
-    def _add_load(self, meta, request, block_ids, computed: int, external: int) -> None:
-        if external <= 0:
-            return
-        bs = self.block_size
-        start, end = (computed - external) // bs, computed // bs
-        meta.loads.append(
-            BlockTransfer(
-                request.request_id,
-                [bytes(h) for h in request.block_hashes[start:end]],
-                block_ids[start:end],
-            )
+    def _track(self, req_id: str, request: Request, block_ids, computed: int, external: int) -> _Tracked:
+        # Blocks loaded from the store need no save; vLLM's own prefix hits
+        # may not be in the store, so those are offered again (the server
+        # skips what it has).
+        loaded = self.loading.pop(req_id, None) is not None
+        known = computed if (external or loaded) else 0
+        tracked = _Tracked(
+            request,
+            [list(block_ids[g.index]) if len(block_ids) > g.index else [] for g in self.groups],
+            [known // g.block_size for g in self.groups],
         )
+        self.tracked[req_id] = tracked
+        return tracked
 
     def _add_save(self, meta, tracked: _Tracked, computed_after_step: int) -> None:
         request = tracked.request
+        hashes = request.block_hashes
         limit = request.num_tokens if self.save_decode_blocks else request.num_prompt_tokens
-        full = min(computed_after_step, limit) // self.block_size
-        full = min(full, len(request.block_hashes), len(tracked.block_ids))
-        if full <= tracked.saved_blocks:
-            return
-        start = tracked.saved_blocks
-        meta.saves.append(
-            BlockTransfer(
-                request.request_id,
-                [bytes(h) for h in request.block_hashes[start:full]],
-                tracked.block_ids[start:full],
-            )
-        )
-        tracked.saved_blocks = full
+        done_tokens = min(computed_after_step, limit)
+        transfer = BlockTransfer(request.request_id, [], [], [])
+        for gi, g in enumerate(self.groups):
+            ids = tracked.block_ids[gi]
+            done = min(done_tokens // g.block_size, g.blocks_of(hashes), len(ids))
+            start = tracked.saved_blocks[gi]
+            if done <= start:
+                continue
+            if g.kind == "state":
+                # Only the state at the step's end exists (in its block),
+                # and only if the step ends on a block boundary.
+                blocks = [done - 1] if computed_after_step == done * g.block_size else []
+            else:
+                blocks = range(start, done)
+            for j in blocks:
+                if ids[j] != NULL_BLOCK_ID:
+                    transfer.keys.append(g.key(hashes, j))
+                    transfer.block_ids.append(ids[j])
+                    transfer.groups.append(gi)
+            tracked.saved_blocks[gi] = done
+        if transfer.keys:
+            meta.saves.append(transfer)
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
         self.allocated.pop(req_id, None)
+        self.looked_up.pop(req_id, None)
+        self.loading.pop(req_id, None)
+        self.load_failed.discard(req_id)
 
     def close(self) -> None:
         for c in self.clients:
             c.close()
 
 
-class _WorkerSide:
-    """Moves blocks between vLLM's KV cache and the store through a staging
-    area of kvtier shared memory laid out ``[layer][slot][block bytes]``."""
+@dataclass
+class _Segment:
+    """One tensor of one layer, whose ``tensor[block]`` is a block's part."""
 
-    def __init__(self, vllm_config: VllmConfig, url: str, extra: dict[str, Any]):
+    layer: str
+    tensor: torch.Tensor
+    nbytes: int  # bytes per block
+
+
+class _Staging:
+    """A region of kvtier shared memory blocks pass through, laid out per
+    group as ``[segment][slot][segment bytes]`` (so one layer's blocks are
+    contiguous, for one copy per layer)."""
+
+    def __init__(self, buffer, offset: int, size: int, groups: list[list[_Segment]]):
+        raw = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.base = buffer.ptr + offset
+        share = size // len(groups)
+        self.slots: list[int] = []
+        self.offsets: list[list[int]] = []  # per group, per segment: offset in the region
+        self.views: list[list[torch.Tensor]] = []
+        cursor = 0
+        for segments in groups:
+            unit = sum(_align(s.nbytes) for s in segments)
+            slots = share // unit
+            if slots == 0:
+                raise ValueError(
+                    f"kvtier: staging_size {size} is too small: one block of a group is {unit} bytes "
+                    f"and {len(groups)} group(s) share the staging area"
+                )
+            self.slots.append(slots)
+            offsets, views = [], []
+            for s in segments:
+                length = _align(s.nbytes) * slots
+                offsets.append(cursor)
+                region = raw[offset + cursor: offset + cursor + s.nbytes * slots]
+                views.append(region.view(s.tensor.dtype).view(slots, *s.tensor.shape[1:]))
+                cursor += length
+            self.offsets.append(offsets)
+            self.views.append(views)
+
+    def segments(self, group: int, slot: int, sizes: list[int]) -> tuple[list[int], list[int]]:
+        return [self.base + off + slot * size for off, size in zip(self.offsets[group], sizes)], list(sizes)
+
+
+def _align(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+class _WorkerSide:
+    """Moves blocks between vLLM's KV cache and the store through staging
+    areas of kvtier shared memory: one for saves and in-step loads, one for
+    asynchronous loads (they run while the step's saves use the other)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig | None,
+        url: str,
+        extra: dict[str, Any],
+        groups: list[CacheGroup],
+        async_loads: bool,
+    ):
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
         self.url = url
-        self.staging_size = _size(extra.get("staging_size", DEFAULT_STAGING_SIZE))
+        self.groups = groups
+        self.async_loads = async_loads
+        self.hybrid = any(g.prefix for g in groups)
+        # Regions start on cache lines (and on every dtype's alignment).
+        self.staging_size = _size(extra.get("staging_size", DEFAULT_STAGING_SIZE)) // 64 * 64
         tp_rank = get_tensor_model_parallel_rank()
         pp_rank = get_pp_group().rank_in_group
         _, _, mla = _parallel_layout(vllm_config)
-        self.namespace = connector_namespace(vllm_config, tp_rank, pp_rank)
+        self.namespace = connector_namespace(vllm_config, tp_rank, pp_rank, groups)
         # MLA ranks hold identical caches: one writes, all read.
         self.saves_enabled = not mla or tp_rank == 0
         self.client = None
         self.layers: list[str] = []
-        self.caches: dict[str, torch.Tensor] = {}
         self.counters = {
             "loaded_blocks": 0,
             "loaded_bytes": 0,
@@ -361,9 +692,15 @@ class _WorkerSide:
             "save_errors": 0,
         }
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-transfer")
+        self.load_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
         self.load_errors: set[int] = set()
         self.lock = threading.Lock()
-        # This step's load: its future, what it moved, which layers are in.
+        # Asynchronous loads: in flight, and finished since vLLM last asked
+        # (request id -> failed block ids).
+        self.async_in_flight: set[str] = set()
+        self.async_done: dict[str, set[int]] = {}
+        self.load_stream = None
+        # This step's in-step load: its future, what it moved, which layers are in.
         self.load: Future | None = None
         self.load_plan: list[tuple[int, BlockTransfer]] = []
         self.load_ok: list[bool] = []
@@ -371,138 +708,276 @@ class _WorkerSide:
         self.save: Future | None = None
         self.save_copied: set[str] = set()
 
+    # Layout.
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self.vllm_config.model_config
-        parallel = self.vllm_config.parallel_config
-        expected = (model.get_num_kv_heads(parallel), self.vllm_config.cache_config.block_size)
-        for name, cache in kv_caches.items():
-            if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
-                raise ValueError(
-                    f"kvtier: layer {name}: expected vLLM's per-layer [blocks, heads, tokens, content] "
-                    f"KV tensor, got {type(cache).__name__} {getattr(cache, 'shape', '')}"
-                )
-            if not model.use_mla and tuple(cache.shape[1:3]) != expected:
-                raise ValueError(
-                    f"kvtier: layer {name} has shape {tuple(cache.shape)}, not [blocks, {expected[0]}, "
-                    f"{expected[1]}, content]: this vLLM's KV layout is not one kvtier knows"
-                )
-        self.layers = list(kv_caches)
-        self.caches = dict(kv_caches)
-        first = kv_caches[self.layers[0]]
-        self.block_shape = tuple(first.shape[1:])
-        self.dtype = first.dtype
-        self.device = first.device
-        self.layer_bytes = first[0].numel() * first.element_size()
-        for name in self.layers:
-            c = kv_caches[name]
-            if tuple(c.shape[1:]) != self.block_shape or c.dtype != self.dtype:
-                raise ValueError(f"kvtier: layer {name} differs from layer {self.layers[0]} in shape or dtype")
-        block_bytes = self.layer_bytes * len(self.layers)
-        self.slots = max(1, self.staging_size // block_bytes)
-        size = self.slots * block_bytes
-        self.client = connect(self.url, self.namespace, shm_size=size)
-        self.staging_buffer = self.client.alloc_buffer(size)
-        raw = torch.frombuffer(self.staging_buffer, dtype=torch.uint8)
-        self.staging = raw.view(self.dtype).view(len(self.layers), self.slots, *self.block_shape)
+        first_tensor = next(iter(kv_caches.values()))
+        self.device = first_tensor.device
+        self.segments: list[list[_Segment]] = []  # per group
+        self.layer_group: dict[str, int] = {}
+        group_layers = [g.layers or tuple(kv_caches) for g in self.groups]
+        for gi, names in enumerate(group_layers):
+            segments = []
+            for name in names:
+                spec = self._spec(gi, name)
+                cache = kv_caches.get(name)
+                if cache is None:
+                    raise ValueError(f"kvtier: vLLM registered no KV cache for layer {name}")
+                view = self._layer_view(name, cache, spec)
+                if not model.use_mla and getattr(spec, "num_kv_heads", None) is not None and view.dim() == 4:
+                    expected = (spec.num_kv_heads, spec.block_size)
+                    if tuple(view.shape[1:3]) != expected:
+                        raise ValueError(
+                            f"kvtier: layer {name} has shape {tuple(view.shape)}, not [blocks, {expected[0]}, "
+                            f"{expected[1]}, content]: this vLLM's KV layout is not one kvtier knows"
+                        )
+                segments.append(_Segment(name, view, view[0].numel() * view.element_size()))
+                self.layer_group[name] = gi
+            first = segments[0]
+            for s in segments:
+                if not self.hybrid and (tuple(s.tensor.shape[1:]) != tuple(first.tensor.shape[1:])
+                                        or s.tensor.dtype != first.tensor.dtype):
+                    raise ValueError(f"kvtier: layer {s.layer} differs from layer {first.layer} in shape or dtype")
+            self.segments.append(segments)
+        self.layers = [s.layer for segments in self.segments for s in segments]
+        self.sizes = [[s.nbytes for s in segments] for segments in self.segments]
+        self.unit_bytes = [sum(sizes) for sizes in self.sizes]
+        regions = 2 if self.async_loads else 1
+        total = self.staging_size * regions
+        self.client = connect(self.url, self.namespace, shm_size=total)
+        self.staging_buffer = self.client.alloc_buffer(total)
+        self.staging = _Staging(self.staging_buffer, 0, self.staging_size, self.segments)
+        self.load_staging = (
+            _Staging(self.staging_buffer, self.staging_size, self.staging_size, self.segments)
+            if self.async_loads else None
+        )
         if self.device.type == "cuda":
             # Device-to-host copies land straight in the memory the server reads.
-            rc = torch.cuda.cudart().cudaHostRegister(self.staging_buffer.ptr, size, 0)
+            rc = torch.cuda.cudart().cudaHostRegister(self.staging_buffer.ptr, total, 0)
             if int(rc) != 0:
                 raise RuntimeError(f"kvtier: cudaHostRegister of the staging buffer failed ({rc})")
+            self.load_stream = torch.cuda.Stream(device=self.device)
         logger.info(
-            "kvtier: %d layers, %d bytes per block, %d staging slots, namespace %s",
-            len(self.layers), block_bytes, self.slots, self.namespace,
+            "kvtier: %d group(s), %d layers, bytes per block %s, staging slots %s, %s loads, namespace %s",
+            len(self.groups), len(self.layers), self.unit_bytes, self.staging.slots,
+            "asynchronous" if self.async_loads else "in-step", self.namespace,
         )
 
-    def _segments(self, count: int) -> tuple[list[list[int]], list[list[int]]]:
-        layers = len(self.layers)
-        per_layer = self.slots * self.layer_bytes
-        return staging_segments(
-            self.staging_buffer.ptr,
-            [layer * per_layer for layer in range(layers)],
-            self.layer_bytes,
-            [self.layer_bytes] * layers,
-            count,
+    def _spec(self, gi: int, layer: str):
+        groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or []
+        index = self.groups[gi].index
+        spec = groups[index].kv_cache_spec if index < len(groups) else None
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        return per_layer.get(layer, spec) if per_layer else spec
+
+    def _layer_view(self, name: str, cache: torch.Tensor, spec) -> torch.Tensor:
+        """A ``[blocks, ...]`` tensor whose ``[b]`` is layer ``name``'s part
+        of block ``b``: vLLM's per-layer view, or for a layer without one
+        (state layers get the raw backing buffer) its page in that buffer."""
+        if isinstance(cache, torch.Tensor) and cache.dim() >= 2 and (
+            spec is None or getattr(spec, "has_layer_views", True)
+        ):
+            return cache
+        config = self.kv_cache_config
+        for tensor in getattr(config, "kv_cache_tensors", None) or []:
+            if name in tensor.layers and hasattr(tensor, "block_stride"):
+                if not isinstance(cache, torch.Tensor) or cache.dim() != 1:
+                    break
+                page = getattr(spec, "real_page_size_bytes", None) or spec.page_size_bytes
+                blocks = config.num_blocks_of(tensor) if hasattr(config, "num_blocks_of") else config.num_blocks
+                start = cache.storage_offset() + tensor.offset + tensor.layers.index(name) * tensor.layer_stride
+                return torch.as_strided(cache.view(torch.uint8), (blocks, page), (tensor.block_stride, 1), start)
+        raise ValueError(
+            f"kvtier: layer {name}: expected vLLM's per-layer [blocks, heads, tokens, content] KV tensor "
+            f"or a raw state buffer with its placement, got {type(cache).__name__} {getattr(cache, 'shape', '')}"
         )
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
-    # Loads.
+    # Moving a batch of units (a group's block each) through a staging area.
+
+    def _chunks(self, plan: list[tuple[int, BlockTransfer]], staging: _Staging):
+        """The plan cut into batches that fit the staging area, each unit
+        with its slot in its group's part."""
+        used = [0] * len(self.groups)
+        chunk: list[tuple[int, BlockTransfer, int]] = []
+        for i, t in plan:
+            g = t.group(i)
+            if used[g] == staging.slots[g]:
+                yield chunk
+                used, chunk = [0] * len(self.groups), []
+            chunk.append((i, t, used[g]))
+            used[g] += 1
+        if chunk:
+            yield chunk
+
+    def _pointers(self, chunk, staging: _Staging) -> tuple[list[list[int]], list[list[int]]]:
+        ptrs, sizes = [], []
+        for i, t, slot in chunk:
+            g = t.group(i)
+            p, s = staging.segments(g, slot, self.sizes[g])
+            ptrs.append(p)
+            sizes.append(s)
+        return ptrs, sizes
+
+    def _fetch(self, chunk, staging: _Staging) -> list[bool]:
+        keys = [t.keys[i] for i, t, _ in chunk]
+        ptrs, sizes = self._pointers(chunk, staging)
+        try:
+            got = self.client.batch_get_into_multi_buffers(keys, ptrs, sizes)
+        except KvtierError as e:
+            logger.warning("kvtier: load of %d blocks failed, vLLM recomputes them: %s", len(keys), e)
+            got = [errors.IO] * len(keys)
+        ok = [g == self.unit_bytes[t.group(i)] and not t.broken for g, (i, t, _) in zip(got, chunk)]
+        good_bytes = sum(self.unit_bytes[t.group(i)] for good, (i, t, _) in zip(ok, chunk) if good)
+        bad = len(ok) - sum(ok)
+        with self.lock:
+            self.counters["load_errors"] += bad
+            self.counters["loaded_blocks"] += len(ok) - bad
+            self.counters["loaded_bytes"] += good_bytes
+        if bad:
+            logger.warning("kvtier: %d of %d blocks missing or corrupt, vLLM recomputes them", bad, len(keys))
+        return ok
+
+    def _inject_segment(self, gi: int, k: int, chunk, ok: list[bool], staging: _Staging) -> None:
+        picked = [(t.block_ids[i], slot) for good, (i, t, slot) in zip(ok, chunk) if good and t.group(i) == gi]
+        if not picked:
+            return
+        tensor = self.segments[gi][k].tensor
+        view = staging.views[gi][k]
+        ids = self._index([b for b, _ in picked])
+        slots = [s for _, s in picked]
+        source = view[: len(slots)] if slots == list(range(len(slots))) else view[torch.tensor(slots)]
+        tensor.index_copy_(0, ids, source.to(self.device, non_blocking=True))
+
+    def _inject_layer(self, layer: str, chunk, ok, staging: _Staging) -> None:
+        gi = self.layer_group[layer]
+        for k, s in enumerate(self.segments[gi]):
+            if s.layer == layer:
+                self._inject_segment(gi, k, chunk, ok, staging)
+
+    def _inject_all(self, chunk, ok, staging: _Staging) -> None:
+        for gi, segments in enumerate(self.segments):
+            for k in range(len(segments)):
+                self._inject_segment(gi, k, chunk, ok, staging)
+
+    def _copy_out_layer(self, layer: str, chunk, staging: _Staging) -> None:
+        gi = self.layer_group[layer]
+        picked = [(t.block_ids[i], slot) for i, t, slot in chunk if t.group(i) == gi]
+        if not picked:
+            return
+        ids = self._index([b for b, _ in picked])
+        for k, s in enumerate(self.segments[gi]):
+            if s.layer != layer:
+                continue
+            # A chunk's units of one group take its slots 0..n-1 in order.
+            dest = staging.views[gi][k][: len(picked)]
+            if self.device.type == "cuda":
+                dest.copy_(s.tensor.index_select(0, ids), non_blocking=True)
+            else:
+                torch.index_select(s.tensor, 0, ids, out=dest)
+
+    # Asynchronous loads.
+
+    def start_async_loads(self, loads: list[BlockTransfer]) -> None:
+        for transfer in loads:
+            with self.lock:
+                if transfer.req_id in self.async_in_flight:
+                    logger.error("kvtier: a second load for request %s while one is in flight", transfer.req_id)
+                # Marked before the job can finish (and unmark it).
+                self.async_in_flight.add(transfer.req_id)
+            self.load_executor.submit(self._load_async, transfer)
+
+    def _load_async(self, transfer: BlockTransfer) -> None:
+        assert self.load_staging is not None
+        failed: set[int] = set()
+        plan = [(i, transfer) for i in range(len(transfer.keys))]
+        try:
+            for chunk in self._chunks(plan, self.load_staging):
+                ok = self._fetch(chunk, self.load_staging)
+                failed.update(t.block_ids[i] for good, (i, t, _) in zip(ok, chunk) if not good)
+                if self.load_stream is not None:
+                    with torch.cuda.stream(self.load_stream):
+                        self._inject_all(chunk, ok, self.load_staging)
+                    self.load_stream.synchronize()
+                else:
+                    self._inject_all(chunk, ok, self.load_staging)
+        except Exception:  # noqa: BLE001 - a failed load must still be reported, as failed
+            logger.exception("kvtier: asynchronous load of request %s failed; vLLM recomputes it", transfer.req_id)
+            failed.update(transfer.block_ids)
+        if transfer.broken and not failed:
+            failed.update(transfer.block_ids or [NULL_BLOCK_ID])
+        with self.lock:
+            self.async_done[transfer.req_id] = failed
+            self.async_in_flight.discard(transfer.req_id)
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous load finished since the last call,
+        and those of them that failed. A plain model's failed blocks go to
+        ``take_load_errors`` now, so vLLM hears of them no later than of
+        the request; a hybrid model's failure is the whole request's (vLLM
+        cannot place a block id of several groups)."""
+        with self.lock:
+            done, self.async_done = self.async_done, {}
+            failed = {r for r, bad in done.items() if bad}
+            if not self.hybrid:
+                for bad in done.values():
+                    self.load_errors.update(bad)
+                failed = set()
+        return set(done), failed
+
+    # In-step loads.
 
     def start_loads(self, loads: list[BlockTransfer]) -> None:
         self._abandon_load()
         plan = [(i, t) for t in loads for i in range(len(t.keys))]
         if not plan:
             return
-        if len(plan) <= self.slots:
+        chunks = list(self._chunks(plan, self.staging))
+        if len(chunks) == 1:
             # One batch, waited for by the first layer that needs it.
-            self.load_plan = plan
-            self.load = self.executor.submit(self._fetch, plan)
+            self.load_plan = chunks[0]
+            self.load = self.executor.submit(self._fetch, chunks[0], self.staging)
             return
         # More than the staging area holds: chunk by chunk, all layers each.
-        for start in range(0, len(plan), self.slots):
-            chunk = plan[start:start + self.slots]
-            ok = self._fetch(chunk)
-            self._inject_all(chunk, ok)
-
-    def _fetch(self, plan: list[tuple[int, BlockTransfer]]) -> list[bool]:
-        keys = [t.keys[i] for i, t in plan]
-        ptrs, sizes = self._segments(len(plan))
-        want = self.layer_bytes * len(self.layers)
-        try:
-            got = self.client.batch_get_into_multi_buffers(keys, ptrs, sizes)
-        except KvtierError as e:
-            logger.warning("kvtier: load of %d blocks failed, vLLM recomputes them: %s", len(keys), e)
-            got = [errors.IO] * len(keys)
-        ok = [g == want for g in got]
-        bad = [t.block_ids[i] for (i, t), good in zip(plan, ok) if not good]
-        with self.lock:
-            self.load_errors.update(bad)
-            self.counters["load_errors"] += len(bad)
-            self.counters["loaded_blocks"] += len(keys) - len(bad)
-            self.counters["loaded_bytes"] += (len(keys) - len(bad)) * want
-        if bad:
-            logger.warning("kvtier: %d of %d blocks missing or corrupt, vLLM recomputes them", len(bad), len(keys))
-        return ok
-
-    def _inject(self, layer: int, plan, ok: list[bool]) -> None:
-        slots = [s for s, good in enumerate(ok) if good]
-        if not slots:
-            return
-        cache = self.caches[self.layers[layer]]
-        ids = self._index([plan[s][1].block_ids[plan[s][0]] for s in slots])
-        if len(slots) == len(plan):
-            source = self.staging[layer, : len(plan)]
-        else:
-            source = self.staging[layer, torch.tensor(slots, dtype=torch.long)]
-        cache.index_copy_(0, ids, source.to(self.device, non_blocking=True))
-
-    def _inject_all(self, plan, ok: list[bool]) -> None:
-        for layer in range(len(self.layers)):
-            self._inject(layer, plan, ok)
+        for chunk in chunks:
+            ok = self._fetch(chunk, self.staging)
+            self._report(chunk, ok)
+            self._inject_all(chunk, ok, self.staging)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+
+    def _report(self, chunk, ok: list[bool]) -> None:
+        with self.lock:
+            self.load_errors.update(t.block_ids[i] for good, (i, t, _) in zip(ok, chunk) if not good)
 
     def wait_layer(self, layer_name: str) -> None:
         if self.load is None or layer_name in self.injected:
             return
         if not self.load_ok:
             self.load_ok = self.load.result()
-        self._inject(self.layers.index(layer_name), self.load_plan, self.load_ok)
-        self.injected.add(layer_name)
+            self._report(self.load_plan, self.load_ok)
+        if layer_name in self.layer_group:
+            self._inject_layer(layer_name, self.load_plan, self.load_ok, self.staging)
+            self.injected.add(layer_name)
         if len(self.injected) == len(self.layers):
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             self.load, self.load_plan, self.load_ok = None, [], []
+            self.injected.clear()
 
     def _abandon_load(self) -> None:
-        """A load whose layers were not all waited for (vLLM skipped the
-        per-layer hook): what was not injected is reported for recompute."""
+        """An in-step load whose layers were not all waited for (vLLM
+        skipped the per-layer hook): what was not injected is reported for
+        recompute."""
         if self.load is not None:
-            ok = self.load_ok or self.load.result()
+            if not self.load_ok:
+                self.load_ok = self.load.result()
+                self._report(self.load_plan, self.load_ok)
             if len(self.injected) < len(self.layers):
-                missed = {t.block_ids[i] for (i, t), good in zip(self.load_plan, ok) if good}
+                missed = {t.block_ids[i] for good, (i, t, _) in zip(self.load_ok, self.load_plan) if good}
                 logger.warning("kvtier: %d loaded blocks were never waited for; vLLM recomputes them", len(missed))
                 with self.lock:
                     self.load_errors.update(missed)
@@ -516,59 +991,65 @@ class _WorkerSide:
 
     # Saves.
 
-    def _save_plan(self, saves: list[BlockTransfer]) -> list[tuple[int, BlockTransfer]]:
-        return [(i, t) for t in saves for i in range(len(t.keys))] if self.saves_enabled else []
-
-    def _copy_out(self, layer: int, plan) -> None:
-        cache = self.caches[self.layers[layer]]
-        ids = self._index([t.block_ids[i] for i, t in plan])
-        dest = self.staging[layer, : len(plan)]
-        if self.device.type == "cuda":
-            dest.copy_(cache.index_select(0, ids), non_blocking=True)
-        else:
-            torch.index_select(cache, 0, ids, out=dest)
+    def _save_chunks(self, saves: list[BlockTransfer]) -> list:
+        if not self.saves_enabled:
+            return []
+        return list(self._chunks([(i, t) for t in saves for i in range(len(t.keys))], self.staging))
 
     def save_layer(self, layer_name: str, saves: list[BlockTransfer]) -> None:
-        plan = self._save_plan(saves)
-        if not plan or len(plan) > self.slots or layer_name in self.save_copied:
+        if not saves or layer_name in self.save_copied or layer_name not in self.layer_group:
+            return
+        chunks = self._save_chunks(saves)
+        if len(chunks) != 1:
             return
         # This layer's KV for the step is written: copy it out now.
-        self._copy_out(self.layers.index(layer_name), plan)
+        self._copy_out_layer(layer_name, chunks[0], self.staging)
         self.save_copied.add(layer_name)
         if len(self.save_copied) == len(self.layers):
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-            self.save = self.executor.submit(self._store, plan)
+            self.save = self.executor.submit(self._store, chunks[0])
 
-    def _store(self, plan) -> None:
-        keys = [t.keys[i] for i, t in plan]
-        ptrs, sizes = self._segments(len(plan))
+    def _store(self, chunk) -> None:
+        keys = [t.keys[i] for i, t, _ in chunk]
+        ptrs, sizes = self._pointers(chunk, self.staging)
         try:
             codes = self.client.batch_put_from_multi_buffers(keys, ptrs, sizes, skip_existing=True)
         except KvtierError as e:
             codes = [errors.IO] * len(keys)
             logger.warning("kvtier: saving %d blocks failed: %s", len(keys), e)
-        stored = sum(1 for c in codes if c == errors.OK)
+        stored = [c == errors.OK for c in codes]
         with self.lock:
-            self.counters["saved_blocks"] += stored
-            self.counters["saved_bytes"] += stored * self.layer_bytes * len(self.layers)
-            self.counters["save_errors"] += len(codes) - stored
-        if stored != len(codes):
-            logger.warning("kvtier: %d of %d blocks not saved (codes %s)", len(codes) - stored, len(codes), sorted(set(codes)))
+            self.counters["saved_blocks"] += sum(stored)
+            self.counters["saved_bytes"] += sum(
+                self.unit_bytes[t.group(i)] for good, (i, t, _) in zip(stored, chunk) if good
+            )
+            self.counters["save_errors"] += len(codes) - sum(stored)
+        if not all(stored):
+            logger.warning("kvtier: %d of %d blocks not saved (codes %s)", len(codes) - sum(stored), len(codes),
+                           sorted(set(codes)))
 
     def finish_saves(self, saves: list[BlockTransfer]) -> None:
         self._abandon_load()
-        plan = self._save_plan(saves)
         try:
+            chunks = self._save_chunks(saves)
             if self.save is not None:
                 self.save.result()
-            elif plan:
+            elif len(chunks) == 1 and self.save_copied:
+                # Some layers took no per-layer call (state layers have
+                # none): copy them now, then store.
+                for layer in self.layers:
+                    if layer not in self.save_copied:
+                        self._copy_out_layer(layer, chunks[0], self.staging)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                self._store(chunks[0])
+            else:
                 # Layers not copied as they completed (more blocks than the
                 # staging area holds, or no per-layer call): chunk by chunk.
-                for start in range(0, len(plan), self.slots):
-                    chunk = plan[start:start + self.slots]
-                    for layer in range(len(self.layers)):
-                        self._copy_out(layer, chunk)
+                for chunk in chunks:
+                    for layer in self.layers:
+                        self._copy_out_layer(layer, chunk, self.staging)
                     if self.device.type == "cuda":
                         torch.cuda.current_stream().synchronize()
                     self._store(chunk)
@@ -576,10 +1057,22 @@ class _WorkerSide:
             self.save = None
             self.save_copied.clear()
 
+    def pending_loads(self) -> int:
+        """Asynchronous loads in flight or not yet reported to vLLM."""
+        with self.lock:
+            return len(self.async_in_flight) + len(self.async_done)
+
     def close(self) -> None:
+        self.load_executor.shutdown(wait=True)
         self.executor.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def _size(value: int | str) -> int:
