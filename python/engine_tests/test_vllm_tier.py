@@ -117,3 +117,25 @@ def test_keys_of_another_model_do_not_meet(kvtier_server, tiered):
         assert vt.load(other, ks) == [False, False]
     finally:
         other.shutdown()
+
+
+def test_a_hybrid_model_keeps_one_value_per_block_per_group(kvtier_server):
+    """vLLM's offload key carries the KV cache group: the same block hash
+    in two groups is two values, and a plain model's namespace never meets
+    a hybrid one's."""
+    hybrid = vt.manager(kvtier_server.url, groups=2)
+    plain = vt.manager(kvtier_server.url)
+    try:
+        full, window = vt.keys(3, salt="hybrid", group=0), vt.keys(3, salt="hybrid", group=1)
+        assert not set(full) & set(window)
+        vt.store(hybrid, full + window)
+        assert hybrid.secondary_tiers[0].get_tier_stats()["stored"] == 6
+        vt.reset_primary(hybrid)
+        # Each group's chunk comes back with its own bytes (the pattern is
+        # a function of the whole key, group included).
+        assert vt.load(hybrid, window + full) == [True] * 6
+        assert hybrid.secondary_tiers[0].namespace != plain.secondary_tiers[0].namespace
+        assert vt.load(plain, full) == [False] * 3
+    finally:
+        hybrid.shutdown()
+        plain.shutdown()

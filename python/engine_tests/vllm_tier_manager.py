@@ -24,9 +24,12 @@ BLOCK_BYTES = 16384  # one worker's KV bytes per block; one block per chunk
 TIER = {"type": "KvtierSecondaryTier", "module_path": "kvtier.integrations.vllm_tier"}
 
 
-def manager(url: str, chunks: int = 8, model: str = "tiny-test-model"):
+def manager(url: str, chunks: int = 8, model: str = "tiny-test-model", groups: int = 1):
+    """A manager for a model of ``groups`` KV cache groups (a hybrid model
+    when more than one: full attention and sliding-window layers, say)."""
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",), group_id=0),),
+        groups=tuple(OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"layers.{g}",), group_id=g)
+                     for g in range(groups)),
         worker_kv_bytes_per_block=BLOCK_BYTES,
         enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": chunks * BLOCK_BYTES,
@@ -41,8 +44,8 @@ def manager(url: str, chunks: int = 8, model: str = "tiny-test-model"):
     return TieringOffloadingSpec(config).get_manager()
 
 
-def keys(n: int, salt: str = "") -> list[bytes]:
-    return [make_offload_key(hashlib.sha256(f"{salt}block-{i}".encode()).digest(), 0) for i in range(n)]
+def keys(n: int, salt: str = "", group: int = 0) -> list[bytes]:
+    return [make_offload_key(hashlib.sha256(f"{salt}block-{i}".encode()).digest(), group) for i in range(n)]
 
 
 def pattern(key: bytes) -> np.ndarray:
