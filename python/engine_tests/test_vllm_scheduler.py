@@ -45,7 +45,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier.integrations.vllm import KvtierConnector, connector_namespace  # noqa: E402
+from kvtier.integrations.vllm import KvtierConnector, LoadCosts, connector_namespace  # noqa: E402
 
 BS = 32
 
@@ -73,7 +73,9 @@ def make_config(model_path: str, url: str, dtype: str = "float32", batched_token
     transfer = KVTransferConfig(
         kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvtier_url": url, "async_loads": async_loads},
+        # The stand-in forward pass costs nothing like a model's: loads
+        # must not be judged against it (test_load_costs covers the rule).
+        kv_connector_extra_config={"kvtier_url": url, "async_loads": async_loads, "skip_slow_loads": False},
     )
     # The scheduler and the KV tensors live on the CPU here; naming the
     # device lets the official (CUDA) wheel build its config without a GPU.
@@ -595,3 +597,26 @@ def test_hybrid_keys_differ_across_groups_and_models(kvtier_server, tiny_llama):
     assert lookup(state, a) == 0 and lookup(plain, a) == 0 and lookup(window, a) == 192
     for x in (window, state, plain):
         x.shutdown()
+
+
+def test_load_costs_skip_a_hit_slower_than_recompute_but_probe_now_and_then():
+    costs = LoadCosts(enabled=True)
+    # No verdict before enough of both measurements.
+    assert not costs.slower_than_recompute(tokens=320, blocks=10)
+    t = 100.0
+    for k in range(4):
+        # Prefill steps of 256 tokens, 0.256 s each: 1 ms per token.
+        costs.step(256, [(f"r{k}", 10)], now=t)
+        t += 0.256
+        # Loads of 10 blocks taking 0.5 s: 50 ms per block.
+        costs.loads_finished([f"r{k}"], now=t + 0.244)
+    costs.step(0, [], now=t)
+    assert costs.load_samples == 4 and costs.step_samples >= 3
+    assert math.isclose(costs.token_s, 0.001, rel_tol=1e-6)
+    # 10 blocks (0.5 s) against 320 tokens (0.32 s): skipped, but one in
+    # PROBE_EVERY is loaded anyway to keep the estimate current.
+    verdicts = [costs.slower_than_recompute(tokens=320, blocks=10) for _ in range(LoadCosts.PROBE_EVERY)]
+    assert verdicts.count(False) == 1 and verdicts[-1] is False
+    # 1000 tokens (1 s) against the same load: loaded.
+    assert not costs.slower_than_recompute(tokens=1000, blocks=10)
+    assert not LoadCosts(enabled=False).slower_than_recompute(tokens=1, blocks=1000)

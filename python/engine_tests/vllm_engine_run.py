@@ -23,7 +23,10 @@ def main():
         kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvtier_url": args["url"], "async_loads": args.get("async_loads", True)},
+        # A tiny model computes faster than most loads: keep every hit, the
+        # point here is the bytes (the cost rule has its own test).
+        kv_connector_extra_config={"kvtier_url": args["url"], "async_loads": args.get("async_loads", True),
+                                   "skip_slow_loads": False},
     )
     llm = LLM(
         model=args["model"], skip_tokenizer_init=True, dtype="float32", block_size=32,

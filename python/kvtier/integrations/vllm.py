@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -271,6 +272,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         if self._scheduler is not None:
             self._scheduler.load_failed.update(getattr(connector_output, "failed_recving", None) or ())
+            self._scheduler.costs.loads_finished(getattr(connector_output, "finished_recving", None) or ())
 
     # Scheduler side.
 
@@ -366,6 +368,66 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return dict(side.counters) if side is not None else {}
 
 
+class LoadCosts:
+    """Whether loading a hit would take longer than computing it, from what
+    this engine measured: seconds per block of its asynchronous loads (from
+    the step that starts one to the step that hears it finished) and tokens
+    per second of its prefill steps. A slow tier (a shared file system over
+    a slow link, a busy disk) or a small model can make a hit slower than
+    recompute; such hits are skipped (``slow_hits_skipped``), except one in
+    ``PROBE_EVERY``, which keeps the load estimate current."""
+
+    ALPHA = 0.2  # weight of a new measurement
+    MIN_SAMPLES = 3
+    PROBE_EVERY = 16
+    PREFILL_STEP_TOKENS = 64  # steps smaller than this are decode steps
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.block_s: float | None = None
+        self.token_s: float | None = None
+        self.load_samples = 0
+        self.step_samples = 0
+        self.skipped = 0
+        self.started: dict[str, tuple[float, int]] = {}
+        self.last_step: tuple[float, int] | None = None
+
+    @classmethod
+    def _mix(cls, old: float | None, new: float) -> float:
+        return new if old is None else (1 - cls.ALPHA) * old + cls.ALPHA * new
+
+    def step(self, scheduled_tokens: int, loads: list[tuple[str, int]], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.last_step is not None:
+            then, tokens = self.last_step
+            if tokens >= self.PREFILL_STEP_TOKENS and now > then:
+                self.token_s = self._mix(self.token_s, (now - then) / tokens)
+                self.step_samples += 1
+        self.last_step = (now, scheduled_tokens) if scheduled_tokens else None
+        for req_id, blocks in loads:
+            if blocks:
+                self.started[req_id] = (now, blocks)
+
+    def loads_finished(self, req_ids, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for req_id in req_ids:
+            started = self.started.pop(req_id, None)
+            if started is not None:
+                self.block_s = self._mix(self.block_s, (now - started[0]) / started[1])
+                self.load_samples += 1
+
+    def slower_than_recompute(self, tokens: int, blocks: int) -> bool:
+        if not self.enabled or self.load_samples < self.MIN_SAMPLES or self.step_samples < self.MIN_SAMPLES:
+            return False
+        if blocks * self.block_s <= tokens * self.token_s:
+            return False
+        self.skipped += 1
+        return self.skipped % self.PROBE_EVERY != 0
+
+    def forget(self, req_id: str) -> None:
+        self.started.pop(req_id, None)
+
+
 @dataclass
 class _Tracked:
     """Scheduler-side state of a running request."""
@@ -406,7 +468,8 @@ class _SchedulerSide:
         self.tracked: dict[str, _Tracked] = {}
         # Requests whose asynchronous load failed as a whole (hybrid models).
         self.load_failed: set[str] = set()
-        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "async_loads": 0}
+        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "async_loads": 0, "slow_hits_skipped": 0}
+        self.costs = LoadCosts(enabled=self.async_loads and _flag(extra.get("skip_slow_loads", True)))
 
     # Lookup.
 
@@ -429,6 +492,9 @@ class _SchedulerSide:
             logger.warning("kvtier: lookup failed, treating as a miss: %s", e)
             return 0
         matched = max(0, hit - num_computed_tokens)
+        if matched and self.costs.slower_than_recompute(matched, self._blocks_to_load(num_computed_tokens, hit)):
+            self.counters["slow_hits_skipped"] += 1
+            return 0
         if matched:
             self.looked_up[request.request_id] = num_computed_tokens
         self.counters["hit_tokens"] += matched
@@ -465,6 +531,13 @@ class _SchedulerSide:
                 return end
             end -= self.align
         return computed
+
+    def _blocks_to_load(self, start: int, end: int) -> int:
+        count = 0
+        for g in self.groups:
+            lo, hi = start // g.block_size, end // g.block_size
+            count += min(hi - lo, g.window_blocks) if g.kind == "window" else 1 if g.kind == "state" else hi - lo
+        return count
 
     @staticmethod
     def _restorable(g: CacheGroup, present: dict[int, tuple[int, list[bool]]], end_tokens: int) -> bool:
@@ -518,6 +591,7 @@ class _SchedulerSide:
     def build_meta(self, out: SchedulerOutput) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self.sync_loads, async_loads=self.async_pending)
         self.sync_loads, self.async_pending = [], []
+        self.costs.step(sum(out.num_scheduled_tokens.values()), [(t.req_id, len(t.keys)) for t in meta.async_loads])
         for new in out.scheduled_new_reqs:
             request, external = self.allocated.pop(new.req_id, (None, 0))
             if request is None:
@@ -596,6 +670,7 @@ class _SchedulerSide:
         self.looked_up.pop(req_id, None)
         self.loading.pop(req_id, None)
         self.load_failed.discard(req_id)
+        self.costs.forget(req_id)
 
     def close(self) -> None:
         for c in self.clients:
