@@ -774,6 +774,11 @@ class _WorkerSide:
         # (request id -> failed block ids).
         self.async_in_flight: set[str] = set()
         self.async_done: dict[str, set[int]] = {}
+        # Fetched rounds waiting for the engine's thread to copy them in,
+        # and the failed blocks of requests still loading.
+        self.async_ready: list = []
+        self.async_failed: dict[str, set[int]] = {}
+        self.closing = False
         self.load_stream = None
         # This step's in-step load: its future, what it moved, which layers are in.
         self.load: Future | None = None
@@ -966,27 +971,55 @@ class _WorkerSide:
             self.load_executor.submit(self._load_async, transfer)
 
     def _load_async(self, transfer: BlockTransfer) -> None:
+        """The load thread's part: fetch each round of blocks into the load
+        staging area (one call, the GIL released), hand it to the engine's
+        thread, which copies it into vLLM's cache at its next
+        ``get_finished``, and wait for that before the next round reuses the
+        area. The engine's thread does the copies because it holds the GIL
+        almost always: a thread of many short Python calls would wait for
+        the GIL at each (5 ms a switch), which measured slower than the copy."""
         assert self.load_staging is not None
-        failed: set[int] = set()
         plan = [(i, transfer) for i in range(len(transfer.keys))]
-        try:
-            for chunk in self._chunks(plan, self.load_staging):
-                ok = self._fetch(chunk, self.load_staging)
-                failed.update(t.block_ids[i] for good, (i, t, _) in zip(ok, chunk) if not good)
+        chunks = list(self._chunks(plan, self.load_staging)) or [[]]
+        for n, chunk in enumerate(chunks):
+            try:
+                ok = self._fetch(chunk, self.load_staging) if chunk else []
+            except Exception:  # noqa: BLE001 - a failed load must still be reported, as failed
+                logger.exception("kvtier: asynchronous load of request %s failed; vLLM recomputes it",
+                                 transfer.req_id)
+                ok = [False] * len(chunk)
+            copied = threading.Event()
+            with self.lock:
+                self.async_ready.append((transfer, chunk, ok, n == len(chunks) - 1, copied))
+            while not copied.wait(0.5):
+                if self.closing:
+                    return
+
+    def _copy_in_ready(self) -> None:
+        """On the engine's thread: copy fetched rounds into vLLM's cache and
+        record finished requests (with the blocks that failed)."""
+        with self.lock:
+            ready, self.async_ready = self.async_ready, []
+        for transfer, chunk, ok, last, copied in ready:
+            failed = self.async_failed.setdefault(transfer.req_id, set())
+            failed.update(t.block_ids[i] for good, (i, t, _) in zip(ok, chunk) if not good)
+            try:
                 if self.load_stream is not None:
                     with torch.cuda.stream(self.load_stream):
                         self._inject_all(chunk, ok, self.load_staging)
                     self.load_stream.synchronize()
                 else:
                     self._inject_all(chunk, ok, self.load_staging)
-        except Exception:  # noqa: BLE001 - a failed load must still be reported, as failed
-            logger.exception("kvtier: asynchronous load of request %s failed; vLLM recomputes it", transfer.req_id)
-            failed.update(transfer.block_ids)
-        if transfer.broken and not failed:
-            failed.update(transfer.block_ids or [NULL_BLOCK_ID])
-        with self.lock:
-            self.async_done[transfer.req_id] = failed
-            self.async_in_flight.discard(transfer.req_id)
+            except Exception:  # noqa: BLE001 - reported as failed, recomputed
+                logger.exception("kvtier: copying loaded blocks of request %s failed", transfer.req_id)
+                failed.update(t.block_ids[i] for i, t, _ in chunk)
+            copied.set()
+            if last:
+                if transfer.broken and not failed:
+                    failed.update(transfer.block_ids or [NULL_BLOCK_ID])
+                with self.lock:
+                    self.async_done[transfer.req_id] = self.async_failed.pop(transfer.req_id)
+                    self.async_in_flight.discard(transfer.req_id)
 
     def take_finished_loads(self) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous load finished since the last call,
@@ -994,6 +1027,7 @@ class _WorkerSide:
         ``take_load_errors`` now, so vLLM hears of them no later than of
         the request; a hybrid model's failure is the whole request's (vLLM
         cannot place a block id of several groups)."""
+        self._copy_in_ready()
         with self.lock:
             done, self.async_done = self.async_done, {}
             failed = {r for r, bad in done.items() if bad}
@@ -1017,6 +1051,7 @@ class _WorkerSide:
             self.load = self.executor.submit(self._fetch, chunks[0], self.staging)
             return
         # More than the staging area holds: chunk by chunk, all layers each.
+        self._wait_save()
         for chunk in chunks:
             ok = self._fetch(chunk, self.staging)
             self._report(chunk, ok)
@@ -1071,12 +1106,20 @@ class _WorkerSide:
             return []
         return list(self._chunks([(i, t) for t in saves for i in range(len(t.keys))], self.staging))
 
+    def _wait_save(self) -> None:
+        """The previous step's put reads the staging area: wait for it
+        before writing there again."""
+        if self.save is not None:
+            save, self.save = self.save, None
+            save.result()
+
     def save_layer(self, layer_name: str, saves: list[BlockTransfer]) -> None:
         if not saves or layer_name in self.save_copied or layer_name not in self.layer_group:
             return
         chunks = self._save_chunks(saves)
         if len(chunks) != 1:
             return
+        self._wait_save()
         # This layer's KV for the step is written: copy it out now.
         self._copy_out_layer(layer_name, chunks[0], self.staging)
         self.save_copied.add(layer_name)
@@ -1105,12 +1148,16 @@ class _WorkerSide:
                            sorted(set(codes)))
 
     def finish_saves(self, saves: list[BlockTransfer]) -> None:
+        """The step's end. A put started after the last layer keeps running
+        into the next step (vLLM's cache is already copied out, so nothing
+        it reads can change); the next use of the staging area waits for it."""
         self._abandon_load()
         try:
             chunks = self._save_chunks(saves)
-            if self.save is not None:
-                self.save.result()
+            if self.save_copied and len(self.save_copied) == len(self.layers):
+                pass  # this step's put is running
             elif len(chunks) == 1 and self.save_copied:
+                self._wait_save()
                 # Some layers took no per-layer call (state layers have
                 # none): copy them now, then store.
                 for layer in self.layers:
@@ -1119,9 +1166,10 @@ class _WorkerSide:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
                 self._store(chunks[0])
-            else:
+            elif chunks:
                 # Layers not copied as they completed (more blocks than the
                 # staging area holds, or no per-layer call): chunk by chunk.
+                self._wait_save()
                 for chunk in chunks:
                     for layer in self.layers:
                         self._copy_out_layer(layer, chunk, self.staging)
@@ -1129,7 +1177,6 @@ class _WorkerSide:
                         torch.cuda.current_stream().synchronize()
                     self._store(chunk)
         finally:
-            self.save = None
             self.save_copied.clear()
 
     def pending_loads(self) -> int:
@@ -1138,7 +1185,12 @@ class _WorkerSide:
             return len(self.async_in_flight) + len(self.async_done)
 
     def close(self) -> None:
+        self.closing = True
+        with self.lock:
+            for *_, copied in self.async_ready:
+                copied.set()
         self.load_executor.shutdown(wait=True)
+        self._wait_save()
         self.executor.shutdown(wait=True)
         if self.client is not None:
             self.client.close()
