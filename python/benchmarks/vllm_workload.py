@@ -6,7 +6,7 @@ connector that runs on this machine, in one run.
     ENGINES_PY=$(scripts/engine-venv | tail -n 1)
     $ENGINES_PY python/benchmarks/vllm_workload.py [--json out.json]
     $ENGINES_PY python/benchmarks/vllm_workload.py --smoke   # CI: small, untimed checks
-    PEERS=$(scripts/bench-peers | tail -n 1)                # Mooncake Store, LMCache
+    PEERS=$(scripts/peer-stores | tail -n 1)                # Mooncake Store, LMCache
     $ENGINES_PY python/benchmarks/vllm_workload.py --peers "$PEERS"
 
 The workload: ``--users`` conversations share one system prompt; each turn
@@ -171,7 +171,7 @@ class Mooncake:
     def __init__(self, peers: str, directory: pathlib.Path):
         master = pathlib.Path(peers) / "mooncake" / "mooncake_master"
         if not master.exists():
-            raise RuntimeError(f"no mooncake_master in {peers} (scripts/bench-peers installs it)")
+            raise RuntimeError(f"no mooncake_master in {peers} (scripts/peer-stores installs it)")
         self.rpc, self.http = free_port(), free_port()
         libs = [str(pathlib.Path(peers) / "mooncake_transfer_engine_non_cuda.libs"), str(master.parent)]
         env = {**os.environ, "LD_LIBRARY_PATH": ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])}
@@ -300,6 +300,9 @@ def run_mode(mode: str, args, scratch: pathlib.Path, model: str, requests, block
     kvtier = None
     try:
         if mode.startswith("kvtier"):
+            # Every run starts from an empty store (a repeat must not hit
+            # what the previous one left on disk).
+            shutil.rmtree(scratch / f"kvtier-{mode}", ignore_errors=True)
             kvtier = Kvtier(scratch / f"kvtier-{mode}", "4GiB")
             services.append(kvtier)
             extra = {"kvtier_url": kvtier.url}
@@ -310,7 +313,7 @@ def run_mode(mode: str, args, scratch: pathlib.Path, model: str, requests, block
             spec["restart_each_turn"] = mode == "kvtier-disk"
         elif mode == "mooncake":
             if not args.peers:
-                raise RuntimeError("not installed: pass --peers (scripts/bench-peers installs the "
+                raise RuntimeError("not installed: pass --peers (scripts/peer-stores installs the "
                                    "mooncake-transfer-engine-non-cuda wheel)")
             mooncake = Mooncake(args.peers, scratch)
             services.append(mooncake)
@@ -321,7 +324,7 @@ def run_mode(mode: str, args, scratch: pathlib.Path, model: str, requests, block
             spec["connector"] = {"kv_connector": "MooncakeStoreConnector", "kv_connector_extra_config": {}}
         elif mode == "lmcache":
             if not args.peers:
-                raise RuntimeError("not installed: pass --peers (scripts/bench-peers installs the lmcache wheel)")
+                raise RuntimeError("not installed: pass --peers (scripts/peer-stores installs the lmcache wheel)")
             server = LMCacheServer(args.peers, scratch)
             services.append(server)
             env["PYTHONPATH"] = args.peers
@@ -387,6 +390,20 @@ def summarize(mode: str, result: dict, baseline: dict | None) -> dict:
     return summary
 
 
+def merge(summaries: list[dict]) -> dict:
+    """The median of every figure over the repeats (each repeat's modes ran
+    back to back, so ratios within a repeat are the ones to trust), with
+    the per-run TTFT p50 and requests per second kept."""
+    merged = dict(summaries[-1])
+    for key, value in summaries[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[key] = statistics.median(s[key] for s in summaries)
+    merged["runs"] = len(summaries)
+    merged["ttft_p50_s_runs"] = [s["ttft_p50_s"] for s in summaries]
+    merged["requests_per_s_runs"] = [s["requests_per_s"] for s in summaries]
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--users", type=int, default=8)
@@ -401,7 +418,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--peers", help="a directory holding the peer wheels (scripts/bench-peers)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every mode (medians are reported)")
+    parser.add_argument("--peers", help="a directory holding the peer wheels (scripts/peer-stores)")
     parser.add_argument("--smoke", action="store_true", help="a small run with checks (CI)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
@@ -422,24 +440,31 @@ def main() -> None:
         print(f"{len(requests)} requests, working set {working} blocks, vLLM's cache {blocks} blocks", flush=True)
         report = {"workload": {k: getattr(args, k) for k in (
             "users", "turns", "system_tokens", "user_tokens", "reply_tokens", "generate", "kv_fraction",
-            "layers", "hidden")}, "working_set_blocks": working, "vllm_kv_blocks": blocks, "modes": {},
+            "layers", "hidden", "repeat")}, "working_set_blocks": working, "vllm_kv_blocks": blocks, "modes": {},
             "not_run": {}}
-        raw = {}
-        for mode in args.modes.split(","):
-            started = time.monotonic()
-            try:
-                raw[mode] = run_mode(mode, args, scratch, str(scratch / "model"), requests, blocks)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, with its error
-                report["not_run"][mode] = str(e)
-                print(f"{mode}: did not run: {e}", flush=True)
-                continue
-            summary = summarize(mode, raw[mode], raw.get("recompute"))
-            report["modes"][mode] = summary
-            print(f"{mode}: TTFT p50 {summary['ttft_p50_s'] * 1000:.1f} ms, p95 {summary['ttft_p95_s'] * 1000:.1f} ms, "
+        runs: dict[str, list[dict]] = {}
+        modes = args.modes.split(",")
+        for repeat in range(args.repeat):
+            raw = {}
+            for mode in modes:
+                if mode in report["not_run"]:
+                    continue
+                started = time.monotonic()
+                try:
+                    raw[mode] = run_mode(mode, args, scratch, str(scratch / "model"), requests, blocks)
+                except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, with its error
+                    report["not_run"][mode] = str(e)
+                    print(f"{mode}: did not run: {e}", flush=True)
+                    continue
+                summary = summarize(mode, raw[mode], raw.get("recompute"))
+                runs.setdefault(mode, []).append(summary)
+                print(f"run {repeat} {mode}: TTFT p50 {summary['ttft_p50_s'] * 1000:.1f} ms, p95 {summary['ttft_p95_s'] * 1000:.1f} ms, "
                   f"{summary['requests_per_s']:.2f} req/s, cached {summary['cached_token_share']:.0%}, "
                   f"slower hits {summary.get('hits_slower_than_recompute', '-')}, "
                   f"agreement {summary.get('first_token_agreement', '-')} "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
+        for mode, summaries in runs.items():
+            report["modes"][mode] = merge(summaries)
         print(json.dumps(report, indent=2))
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
