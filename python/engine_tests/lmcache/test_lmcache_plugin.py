@@ -157,3 +157,42 @@ def test_delete_and_bad_input(adapter, kvtier_server):
             KvtierL2Connector(kvtier_url=kvtier_server.url, unknown_option=1)
     finally:
         connector.close()
+
+
+def test_lmcaches_server_starts_with_kvtier_as_its_l2(kvtier_server, tmp_path):
+    """The real `lmcache server` with the documented --l2-adapter JSON: it
+    builds the kvtier connector (which connects at once) and serves."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    adapter = {"type": "native_plugin", "module_path": "kvtier.integrations.lmcache",
+               "class_name": "KvtierL2Connector", "adapter_params": {"kvtier_url": kvtier_server.url}}
+    log = tmp_path / "lmcache-server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
+             "--l1-size-gb", "1", "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"},
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                assert server.poll() is None, log.read_text()[-3000:]
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    time.sleep(0.3)
+            else:
+                raise AssertionError("lmcache server never listened:\n" + log.read_text()[-3000:])
+            text = log.read_text()
+            assert "kvtier.integrations.lmcache.KvtierL2Connector" in text, text[-3000:]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
