@@ -14,9 +14,10 @@ per-key results)`` completions. Here each call runs on a small thread pool
 eventfd when it is done, so LMCache's event loop never blocks on kvtier.
 
 Keys: LMCache names an object ``model@rank@group@chunk_hash[@salt]``; every
-(model, rank) gets its own kvtier namespace (``lmcache/<model>/<digest>``,
-the digest covering model and rank), and the key inside it is the group,
-the chunk hash and the salt. Values are the object's bytes as LMCache's L1
+model gets its own kvtier namespace (``lmcache/<model>/<digest>``), and the
+key inside it is the rank, the group, the chunk hash and the salt. (Not a
+namespace per rank: a namespace is a connection, and LMCache's own
+``bench l2`` gives every key its own rank.) Values are the object's bytes as LMCache's L1
 holds them; a load succeeds only when the stored value has exactly the
 object's size (kvtier verifies every byte it returns).
 
@@ -39,9 +40,9 @@ from ._common import connect, namespace_for, resolve_url
 
 logger = logging.getLogger("kvtier.lmcache")
 
-# Distinct (model, rank) namespaces kept connected at once; the least
-# recently used beyond this is closed (and reopened when used again).
-MAX_NAMESPACES = 64
+# Distinct model namespaces kept connected at once; the least recently
+# used beyond this is closed (and reopened when used again).
+MAX_NAMESPACES = 16
 # Most keys one submitted batch may carry (LMCache batches by request; a
 # larger batch is refused rather than buffered without bound).
 MAX_BATCH_KEYS = 65536
@@ -62,7 +63,7 @@ class KvtierL2Connector:
         self.timeout = float(timeout)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
-        self._clients: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._clients: OrderedDict[str, Any] = OrderedDict()
         self._completions: list[tuple[int, bool, str, list[bool] | None]] = []
         self._next_id = 1
         self._closed = False
@@ -144,26 +145,28 @@ class KvtierL2Connector:
             os.eventfd_write(self._efd, 1)
 
     def _by_namespace(self, keys: list[str]):
-        """Keys grouped by their (model, rank) client: (client, indices,
-        kvtier keys) per group."""
-        groups: dict[tuple[str, int], tuple[list[int], list[bytes]]] = {}
+        """Keys grouped by their model's client: (client, indices, kvtier
+        keys) per model."""
+        groups: dict[str, tuple[list[int], list[bytes]]] = {}
         for i, key in enumerate(keys):
-            model, rank, rest = _parse(key)
-            indices, inner = groups.setdefault((model, rank), ([], []))
+            model, rest = _parse(key)
+            indices, inner = groups.setdefault(model, ([], []))
             indices.append(i)
             inner.append(rest)
-        return [(self._client(model, rank), indices, inner) for (model, rank), (indices, inner) in groups.items()]
+        return [(self._client(model), indices, inner) for model, (indices, inner) in groups.items()]
 
-    def _client(self, model: str, rank: int):
+    def _client(self, model: str):
         with self._lock:
-            client = self._clients.get((model, rank))
+            client = self._clients.get(model)
             if client is not None:
-                self._clients.move_to_end((model, rank))
+                self._clients.move_to_end(model)
                 return client
-        namespace = namespace_for("lmcache", {"model": model, "rank": f"kv{rank}"})
-        client = connect(self.url, namespace, timeout=self.timeout)
+        client = connect(self.url, namespace_for("lmcache", {"model": model}), timeout=self.timeout)
         with self._lock:
-            self._clients[(model, rank)] = client
+            if model in self._clients:  # another thread connected meanwhile
+                client.close()
+                return self._clients[model]
+            self._clients[model] = client
             while len(self._clients) > MAX_NAMESPACES:
                 _, old = self._clients.popitem(last=False)
                 old.close()
@@ -217,9 +220,9 @@ class KvtierL2Connector:
             return dict(self.counters)
 
 
-def _parse(key: str) -> tuple[str, int, bytes]:
+def _parse(key: str) -> tuple[str, bytes]:
     """LMCache's ``model@rank_hex@group_hex@chunk_hash_hex[@salt]`` as
-    (model, rank, the key inside the namespace)."""
+    (model, the key inside the model's namespace)."""
     parts = key.split("@")
     if len(parts) not in (4, 5):
         raise ValueError(f"kvtier lmcache: not an LMCache object key: {key[:200]!r}")
@@ -229,11 +232,12 @@ def _parse(key: str) -> tuple[str, int, bytes]:
         rank, group, chunk = int(rank_hex, 16), int(group_hex, 16), bytes.fromhex(chunk_hex)
     except ValueError as e:
         raise ValueError(f"kvtier lmcache: malformed LMCache object key {key[:200]!r}: {e}") from None
-    # Group and salt are length-prefixed so no two (group, hash, salt)
-    # triples share bytes.
+    # Fixed-width rank and group, a length-prefixed hash, then the salt: no
+    # two (rank, group, hash, salt) tuples share bytes.
     salt_bytes = salt.encode()
-    if len(chunk) > 255 or 5 + len(chunk) + len(salt_bytes) > MAX_KEY_LEN:
+    if len(chunk) > 255 or 9 + len(chunk) + len(salt_bytes) > MAX_KEY_LEN:
         raise ValueError(f"kvtier lmcache: key {key[:200]!r} is longer than kvtier keys may be ({MAX_KEY_LEN} bytes)")
-    if not 0 <= group < 1 << 32 or rank < 0:
+    if not 0 <= group < 1 << 32 or not 0 <= rank < 1 << 32:
         raise ValueError(f"kvtier lmcache: malformed LMCache object key {key[:200]!r}: group or rank out of range")
-    return model, rank, group.to_bytes(4, "big") + len(chunk).to_bytes(1, "big") + chunk + salt_bytes
+    inner = rank.to_bytes(4, "big") + group.to_bytes(4, "big") + len(chunk).to_bytes(1, "big") + chunk + salt_bytes
+    return model, inner
