@@ -1,0 +1,197 @@
+"""LMCache's own L2 benchmark (`lmcache bench l2`: store, lookup and load
+of batches of objects through an L2 adapter) with kvtier's native plugin
+beside LMCache's `fs`, `fs_native`, `raw_block` and `mooncake_store`
+adapters, on this machine, in one run. Run by `scripts/lmcache-l2-bench`.
+
+Every adapter gets the same objects (``--num-keys`` per submit of
+``--data-size-kb`` each, ``--rounds`` rounds, every loaded byte verified by
+LMCache's bench), its own fresh directory, file or service, and runs once
+per repeat; the repeats interleave the adapters and the table shows
+medians. kvtier runs as `kvtier serve` over its Unix socket; `fs` and
+`fs_native` write files under a scratch directory on the same disk,
+`raw_block` a preallocated file with O_DIRECT, `mooncake_store` a local
+`mooncake_master` over TCP. An adapter that cannot run is reported with
+its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+ADAPTERS = ("kvtier", "fs", "fs_native", "raw_block", "mooncake_store")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, process: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} never listened on {port}")
+
+
+def adapter_spec(name: str, work: pathlib.Path, peers: str, args, services: list) -> dict:
+    """The adapter's JSON, starting what it needs."""
+    if name == "kvtier":
+        binary = os.environ.get("KVTIER_BIN") or str(REPO / "target" / "release" / "kvtier")
+        data = work / "kvtier"
+        server = subprocess.Popen([binary, "serve", "--data-dir", str(data), "--memory", "2GiB", "--disk", "8GiB",
+                                   "--listen", "off", "--admin", "off"], stdout=subprocess.PIPE, text=True)
+        line = server.stdout.readline()
+        if not line.startswith("kvtier serving"):
+            raise RuntimeError(f"kvtier serve did not start: {line}")
+        services.append(lambda: (server.send_signal(signal.SIGTERM), server.wait(timeout=60)))
+        return {"type": "native_plugin", "module_path": "kvtier.integrations.lmcache",
+                "class_name": "KvtierL2Connector", "adapter_params": {"kvtier_url": f"unix://{data / 'kvtier.sock'}"}}
+    if name == "fs":
+        return {"type": "fs", "base_path": str(work / "fs")}
+    if name == "fs_native":
+        return {"type": "fs_native", "base_path": str(work / "fs_native")}
+    if name == "raw_block":
+        path = work / "raw_block.img"
+        total = args.rounds_total_bytes * 2 + (512 << 20)
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, total)
+        slot = (args.data_size_kb * 1024 + 4096 + 4095) // 4096 * 4096
+        return {"type": "raw_block", "device_path": str(path), "slot_bytes": slot, "use_odirect": True,
+                "io_engine": "io_uring"}
+    if name == "mooncake_store":
+        master = pathlib.Path(peers) / "mooncake" / "mooncake_master"
+        rpc, http = free_port(), free_port()
+        libs = [str(pathlib.Path(peers) / "mooncake_transfer_engine_non_cuda.libs"), str(master.parent)]
+        env = {**os.environ, "LD_LIBRARY_PATH": ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])}
+        log = open(work / "mooncake_master.log", "w")
+        process = subprocess.Popen([str(master), f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+                                    "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}"],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        services.append(lambda: (process.terminate(), process.wait(timeout=60), log.close()))
+        wait_port(rpc, process, "mooncake_master")
+        return {"type": "mooncake_store", "local_hostname": "127.0.0.1",
+                "metadata_server": f"http://127.0.0.1:{http}/metadata", "master_server_address": f"127.0.0.1:{rpc}",
+                "protocol": "tcp", "device_name": "", "global_segment_size": 2 << 30,
+                "local_buffer_size": 512 << 20}
+    raise ValueError(name)
+
+
+def run_one(name: str, scratch: pathlib.Path, peers: str, args, repeat: int) -> dict:
+    work = scratch / f"{name}-{repeat}"
+    work.mkdir(parents=True)
+    services: list = []
+    try:
+        spec = adapter_spec(name, work, peers, args, services)
+        out = work / "result.json"
+        env = {**os.environ, "PYTHONPATH": peers + os.pathsep + str(REPO / "python"), "LMCACHE_DISABLE_BANNER": "1"}
+        libs = [str(pathlib.Path(peers) / "mooncake_transfer_engine_non_cuda.libs")]
+        env["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
+        command = [sys.executable, "-m", "lmcache.cli.main", "bench", "l2", "--l2-adapter", json.dumps(spec),
+                   "--num-keys", str(args.num_keys), "--data-size-kb", str(args.data_size_kb),
+                   "--rounds", str(args.rounds), "--warmup-rounds", "1", "--in-flight", str(args.in_flight),
+                   "--lookup-max-hit-rate", "1.0", "--no-skip-verify", "--format", "json", "--output", str(out), "-q"]
+        if name == "raw_block":
+            command += ["--l1-align-bytes", "4096"]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if run.returncode != 0 or not out.exists():
+            lines = [ln for ln in (run.stdout + run.stderr).splitlines()
+                     if ("Error" in ln or "Failed" in ln) and " INFO" not in ln]
+            raise RuntimeError(f"exited {run.returncode}: " + (lines[-1] if lines else run.stderr[-800:]))
+        return json.loads(out.read_text())
+    finally:
+        for stop in services:
+            try:
+                stop()
+            except Exception as e:  # noqa: BLE001 - reported, the result stands
+                print(f"{name}: stopping a service: {e}", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def figures(result: dict) -> dict:
+    """Per operation: MB/s (store, load), p50 round ms, keys found."""
+    ops = {}
+    for op in (result.get("metrics") or {}).values():
+        if isinstance(op, dict) and "operation" in op:
+            ops[op["operation"].lower()] = op
+    if not ops:
+        raise RuntimeError(f"no operations in lmcache's output: {str(result)[:500]}")
+    return {
+        "store_mb_s": ops["store"]["throughput_avg_mbps"],
+        "load_mb_s": ops["load"]["throughput_avg_mbps"],
+        "store_p50_ms": ops["store"]["duration_p50_ms"],
+        "lookup_p50_ms": ops["lookup"]["duration_p50_ms"],
+        "load_p50_ms": ops["load"]["duration_p50_ms"],
+        "lookup_found": ops["lookup"]["total_success"],
+        "loaded": ops["load"]["total_success"],
+        "keys": ops["load"]["total_keys"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", required=True, help="scripts/peer-stores' directory")
+    parser.add_argument("--adapters", default=",".join(ADAPTERS))
+    parser.add_argument("--num-keys", type=int, default=32)
+    parser.add_argument("--data-size-kb", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--in-flight", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    args.rounds_total_bytes = (args.rounds + 1) * args.in_flight * args.num_keys * args.data_size_kb * 1024
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-lmcache-l2-", dir=os.environ.get("KVTIER_BENCH_DIR")))
+    runs: dict[str, list[dict]] = {}
+    errors: dict[str, str] = {}
+    try:
+        for repeat in range(args.repeat):
+            for name in args.adapters.split(","):
+                if name in errors:
+                    continue
+                try:
+                    f = figures(run_one(name, scratch, args.peers, args, repeat))
+                except Exception as e:  # noqa: BLE001 - an adapter that cannot run is reported
+                    errors[name] = str(e)
+                    print(f"{name}: did not run: {e}", flush=True)
+                    continue
+                runs.setdefault(name, []).append(f)
+                print(f"run {repeat} {name}: store {f['store_mb_s']:.0f} MB/s, load {f['load_mb_s']:.0f} MB/s, "
+                      f"lookup p50 {f['lookup_p50_ms']:.2f} ms, loaded {f['loaded']}/{f['keys']}", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    table = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} | {"runs": rs}
+             for name, rs in runs.items()}
+    report = {"num_keys": args.num_keys, "data_size_kb": args.data_size_kb, "rounds": args.rounds,
+              "in_flight": args.in_flight, "repeat": args.repeat, "adapters": table, "not_run": errors}
+    print("| adapter | store MB/s | load MB/s | store round p50 (ms) | lookup round p50 (ms) | load round p50 (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, t in table.items():
+        print(f"| {name} | {t['store_mb_s']:.0f} | {t['load_mb_s']:.0f} | {t['store_p50_ms']:.1f} | "
+              f"{t['lookup_p50_ms']:.2f} | {t['load_p50_ms']:.1f} |")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    incomplete = [n for n, t in table.items() if any(r["loaded"] != r["keys"] for r in t["runs"])]
+    if incomplete:
+        raise SystemExit(f"adapters that did not load every key back: {incomplete}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
