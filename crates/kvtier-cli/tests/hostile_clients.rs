@@ -223,10 +223,14 @@ fn trickling_clients_are_dropped_on_schedule() {
         );
     }
     let stats = server.stats();
-    assert!(
-        stats["server"]["connections_timed_out"].as_u64().unwrap() >= 2,
-        "{stats}"
-    );
+    let timed_out = stats["server"]["connections_timed_out"].as_u64().unwrap();
+    let malformed = stats["server"]["protocol_errors"].as_u64().unwrap();
+    // The frame trickler sends payload bytes: only its deadline drops it.
+    // The pre-hello one is dropped by its deadline too, unless the machine
+    // stalls the server for the ~5 s its trickled bytes take to fill a
+    // 24-byte header (CI once did, every test running beside it): then it is
+    // dropped as a malformed hello. Dropped either way, and counted.
+    assert!(timed_out >= 1 && timed_out + malformed >= 2, "{stats}");
     verified_round_trip(&mut bystander, "after-trickle");
 }
 
