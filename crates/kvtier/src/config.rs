@@ -112,6 +112,8 @@ pub struct Config {
     pub(crate) flush: FlushPolicy,
     pub(crate) flush_batch_bytes: u64,
     pub(crate) put_wait: Duration,
+    /// Where block events go (`Config::events`); `None`: none are made.
+    pub(crate) events: Option<std::sync::Arc<crate::events::EventSink>>,
     pub(crate) time_policy: bool,
     pub(crate) namespace: String,
     /// A directory on a file system every node mounts (docs/design.md,
@@ -171,6 +173,7 @@ impl Config {
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
             put_wait: Duration::from_secs(5),
+            events: None,
             time_policy: false,
             namespace: String::new(),
             shared_dir: None,
@@ -297,6 +300,13 @@ impl Config {
     /// fails with `NoSpace`. Default: 5 s.
     pub fn put_wait(mut self, wait: Duration) -> Self {
         self.put_wait = wait;
+        self
+    }
+
+    /// Announce block changes into `sink` (see [`crate::BlockEvent`] for
+    /// when each is made). Default: none (no event is built).
+    pub fn events(mut self, sink: std::sync::Arc<crate::events::EventSink>) -> Self {
+        self.events = Some(sink);
         self
     }
 

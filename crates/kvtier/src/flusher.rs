@@ -12,6 +12,7 @@
 use crate::disk::format::{self, RecordEntry, RecordKind};
 use crate::disk::{DiskTier, PendingBatch, ReadOutcome, RecoveredEntry, Region, ValueRead};
 use crate::error::{Error, Result};
+use crate::events::{BlockEvent, EventSink, Medium};
 use crate::index::Index;
 use crate::io::AlignedBuf;
 use crate::key::{value_checksum, KeyDigest};
@@ -85,6 +86,8 @@ pub(crate) struct Flusher {
     /// Collecting a dead writer's log: every region below this id (all it
     /// had at open) is reclaimed before anything else.
     reclaim_before: Option<u32>,
+    /// `Config::events`: a value is announced once its batch is durable.
+    events: Option<Arc<EventSink>>,
 }
 
 /// See `Flusher::after_batch`.
@@ -121,6 +124,7 @@ impl Flusher {
         counters: Arc<Counters>,
         batch_bytes: u64,
         shared: Option<SharedHooks>,
+        events: Option<Arc<EventSink>>,
     ) -> Self {
         let (shared_floor, reclaim_before, after_batch) = match shared {
             Some(h) => (Some(h.floor), h.reclaim_before, Some(h.after_batch)),
@@ -132,6 +136,7 @@ impl Flusher {
             index: Arc::clone(&index),
             counters: Arc::clone(&counters),
             shared_floor,
+            events: events.clone(),
         };
         Flusher {
             log,
@@ -142,6 +147,7 @@ impl Flusher {
             batch_bytes,
             after_batch,
             reclaim_before,
+            events,
         }
     }
 
@@ -227,7 +233,7 @@ impl Flusher {
                         key: key.to_vec(),
                     });
                     batch.values.push(slot.padded_bytes());
-                    written_puts.push((*digest, *seq, checksum, slot));
+                    written_puts.push((*digest, *seq, checksum, slot, key));
                 }
                 QueuedWrite::Tombstone { digest, key, seq } => batch.entries.push(RecordEntry {
                     kind: RecordKind::Tombstone,
@@ -245,11 +251,20 @@ impl Flusher {
         let first_seq = self.log.next_seq();
         let outcome = match disk.write_batch(&mut batch, first_seq) {
             Ok(locs) => {
-                for ((digest, seq, checksum, slot), loc) in written_puts.iter().zip(locs) {
-                    self.index
+                for ((digest, seq, checksum, slot, key), loc) in written_puts.iter().zip(locs) {
+                    let current = self
+                        .index
                         .lock(*digest)
                         .set_disk(*digest, *seq, loc, *checksum);
                     slot.set_evictable();
+                    if let (true, Some(events)) = (current, &self.events) {
+                        // Durable and still this key's value: announced.
+                        events.emit(BlockEvent::Stored {
+                            medium: Medium::Storage,
+                            digest: *digest,
+                            qualified: key.to_vec().into_boxed_slice(),
+                        });
+                    }
                 }
                 Counters::add(&self.counters.flushed_batches, 1);
                 if let Some(after) = &self.after_batch {
@@ -300,6 +315,8 @@ pub(crate) struct Reclaimer {
     /// sequence number in any other writer's followed region (see
     /// `shared::Follower`).
     shared_floor: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// `Config::events`: a disk copy dropped is announced.
+    events: Option<Arc<EventSink>>,
 }
 
 impl Reclaimer {
@@ -360,6 +377,8 @@ impl Reclaimer {
             } else {
                 shard.clear_disk(entry.digest, entry.seq, recovered.loc);
                 dropped += 1;
+                drop(shard);
+                self.removed_from_disk(entry.digest);
             }
         }
         if !kept_tombstones.is_empty() {
@@ -390,7 +409,10 @@ impl Reclaimer {
             // Records that no longer read (damaged since they were indexed)
             // still have index entries pointing here: sweep them, so that
             // `exists` and `prefix_len` never count a region that is gone.
-            let swept = self.index.clear_region(region.id);
+            let swept = self.index.clear_disk_where_each(
+                |r, _| r == region.id,
+                |digest| self.removed_from_disk(digest),
+            );
             if swept > 0 {
                 tracing::warn!(region = region.id, entries = swept, "dropped index entries of a reclaimed region whose records could not all be read");
             }
@@ -401,6 +423,15 @@ impl Reclaimer {
         Counters::add(&self.counters.reclaimed_entries, dropped);
         Counters::add(&self.counters.carried_entries, carried);
         true
+    }
+
+    fn removed_from_disk(&self, digest: KeyDigest) {
+        if let Some(events) = &self.events {
+            events.emit(BlockEvent::Removed {
+                medium: Medium::Storage,
+                digest,
+            });
+        }
     }
 
     /// Reads, verifies and rewrites second-chance entries at the log head.

@@ -460,10 +460,6 @@ impl Index {
         }
     }
 
-    pub fn clear_region(&self, region: u32) -> u64 {
-        self.clear_regions(|r| r == region)
-    }
-
     /// Drops the disk location of every entry in a region `doomed` says is
     /// gone (one pass over the index for any number of regions); returns
     /// how many.
@@ -474,6 +470,16 @@ impl Index {
     /// `clear_regions` by region and key digest: drops the disk location
     /// of every entry for which `doomed(region, digest)` holds.
     pub fn clear_disk_where(&self, doomed: impl Fn(u32, KeyDigest) -> bool) -> u64 {
+        self.clear_disk_where_each(doomed, |_| {})
+    }
+
+    /// `clear_disk_where`, calling `cleared` with each digest it applied to
+    /// (outside the shard's lock).
+    pub fn clear_disk_where_each(
+        &self,
+        doomed: impl Fn(u32, KeyDigest) -> bool,
+        mut on_cleared: impl FnMut(KeyDigest),
+    ) -> u64 {
         let mut cleared = 0;
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap();
@@ -486,11 +492,15 @@ impl Index {
                     doomed(loc.region(), digest).then(|| (digest, entry.seq(), loc))
                 })
                 .collect();
+            let mut applied = Vec::new();
             for (digest, seq, loc) in hits {
                 if shard.clear_disk(digest, seq, loc) {
                     cleared += 1;
+                    applied.push(digest);
                 }
             }
+            drop(shard);
+            applied.into_iter().for_each(&mut on_cleared);
         }
         cleared
     }

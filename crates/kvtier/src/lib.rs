@@ -30,6 +30,7 @@ mod config;
 mod data_dir;
 mod disk;
 mod error;
+mod events;
 mod flusher;
 mod foreign;
 mod index;
@@ -52,11 +53,12 @@ pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::{DiskLocation, RecoveryReport};
 pub use error::{Error, ErrorKind, Result};
+pub use events::{BlockEvent, EventSink, Medium};
 pub use foreign::ForeignSegments;
 pub use io::AlignedBuf;
 pub use key::{
-    validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret, Namespace,
-    ValueChecksum, MAX_KEY_LEN, MAX_NAMESPACE_LEN,
+    split_qualified, validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret,
+    Namespace, ValueChecksum, MAX_KEY_LEN, MAX_NAMESPACE_LEN,
 };
 pub use prefix::{block_keys, BlockKey};
 pub use size::{format_size, parse_size};

@@ -250,6 +250,7 @@ impl Store {
                             after_batch: Box::new(move || writer.after_batch()),
                         }
                     }),
+                    inner.config.events.clone(),
                 )
                 .spawn()?,
             ),

@@ -5,6 +5,7 @@
 use super::{Inner, PutOptions, PutTier};
 use crate::config::FlushPolicy;
 use crate::error::{Error, Result};
+use crate::events::{BlockEvent, Medium};
 use crate::foreign::Source;
 use crate::index::Entry;
 use crate::key::{validate_key, KeyDigest, Namespace, ValueChecksum};
@@ -124,6 +125,15 @@ impl Inner {
         drop(replaced);
         self.timed(|| self.eviction.lock().unwrap().insert(&slot));
         Counters::add(&self.counters.puts, 1);
+        if !to_disk {
+            // Durable only in memory: it can be served from now on. A
+            // write-through value is announced by the flusher, once on disk.
+            self.emit(|| BlockEvent::Stored {
+                medium: Medium::Memory,
+                digest,
+                qualified: ns.qualify(key),
+            });
+        }
         if to_disk && self.config.flush == FlushPolicy::WriteThrough {
             self.wake_flusher(false);
         }
@@ -169,9 +179,18 @@ impl Inner {
             return false;
         };
         let digest = slot.digest();
-        if self.index.lock(digest).drop_mem(digest, &slot) {
+        let mut shard = self.index.lock(digest);
+        if shard.drop_mem(digest, &slot) {
             Counters::add(&self.counters.evictions, 1);
+            if shard.get(digest).is_none() {
+                // Its last copy: this node no longer holds the block.
+                self.emit(|| BlockEvent::Removed {
+                    medium: Medium::Memory,
+                    digest,
+                });
+            }
         }
+        drop(shard);
         drop(queues);
         drop(slot);
         true
@@ -202,6 +221,10 @@ impl Inner {
             })
         })?;
         let was_present = removed.is_some();
+        let medium = match &removed {
+            Some(entry) if entry.disk().is_some() => Medium::Storage,
+            _ => Medium::Memory,
+        };
         drop(removed);
         if was_present {
             Counters::add(&self.counters.removes, 1);
@@ -209,7 +232,18 @@ impl Inner {
         if self.disk.is_some() {
             self.wait_durable(seq, seq)?;
         }
+        if was_present {
+            // After the removal is durable: announced, it holds.
+            self.emit(|| BlockEvent::Removed { medium, digest });
+        }
         Ok(was_present)
+    }
+
+    /// Hands an event to the configured sink; builds none without one.
+    pub(super) fn emit(&self, event: impl FnOnce() -> BlockEvent) {
+        if let Some(sink) = &self.config.events {
+            sink.emit(event());
+        }
     }
 
     /// Queues a tombstone for a qualified key the index no longer holds

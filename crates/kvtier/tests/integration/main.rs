@@ -8,6 +8,7 @@ mod common;
 mod corruption;
 mod crash;
 mod directory_damage;
+mod events;
 mod full_disk;
 mod io_faults;
 mod model;
