@@ -47,6 +47,57 @@ def backend(kind: str, layout: str, url: str, tp_rank: int = 0, tp_size: int = 1
     return storage, pool
 
 
+def sidecar_pools(kind: str, kv_pool) -> dict:
+    """Real v2 sidecar host pools on CPU, by SGLang pool name: for MHA a
+    sliding-window KV pool (its own geometry, indices shared with the KV
+    pool) and a Mamba state pool (its own slots, one per page); for MLA a
+    second MLA-shaped pool (a draft model's, replicated across ranks) and
+    the Mamba pool (per rank)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    pools = {}
+    if kind == "mha":
+        swa = MHATokenToKVPool(1024, PAGE, torch.float32, 1, 16, 2, "cpu", False, start_layer=0, end_layer=1)
+        pools["swa"] = MHATokenToKVPoolHost(swa.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE,
+                                            kv_pool.layout, pin_memory=False, device_capacity_tokens=swa.size,
+                                            start_layer=0, end_layer=1)
+    else:
+        draft = MLATokenToKVPool(1024, PAGE, torch.float32, 32, 16, 1, "cpu", False, start_layer=0, end_layer=0)
+        pools["draft"] = MLATokenToKVPoolHost(draft.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE,
+                                              kv_pool.layout, pin_memory=False, device_capacity_tokens=draft.size,
+                                              start_layer=0, end_layer=0, target_layer_num=1)
+    state = MambaStateBufferInfo(temporal=torch.zeros(2, 32, 4, 8), conv=(torch.zeros(2, 32, 3, 24),))
+    pools["mamba"] = MambaPoolHost(state, 2, 0, device_capacity=32, pin_memory=False, device="cpu",
+                                   layout="page_first")
+    return pools
+
+
+def hybrid_backend(kind: str, layout: str, url: str, tp_rank: int = 0, tp_size: int = 1,
+                   staging_size: int | None = None):
+    storage, pool = backend(kind, layout, url, tp_rank=tp_rank, tp_size=tp_size, staging_size=staging_size)
+    sidecars = sidecar_pools(kind, pool)
+    for name, sidecar in sidecars.items():
+        storage.register_mem_host_pool_v2(sidecar, name)
+    return storage, pool, sidecars
+
+
+def pool_page_bytes(pool, indices: torch.Tensor) -> bytes:
+    """A pool's bytes of the pages at `indices`, as its own page
+    description (get_page_buffer_meta) lists them."""
+    import ctypes
+
+    ptrs, sizes = pool.get_page_buffer_meta(indices)
+    return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
+
+
+def fill_randomly(pool, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    buffers = pool.get_hybrid_pool_buffer() if hasattr(pool, "get_hybrid_pool_buffer") else [pool.kv_buffer]
+    for b in buffers:
+        b.copy_(torch.randn(b.shape, generator=generator, dtype=torch.float32).to(b.dtype))
+
+
 def tokens(pages: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
@@ -57,7 +108,29 @@ def page_bytes(pool, pages: list[int]) -> bytes:
     return pool.kv_buffer.index_select(dim, tokens(pages)).contiguous().numpy().tobytes()
 
 
-if __name__ == "__main__":
+def v2_transfers(kind: str, keys: list[str], pages: list[int], slots: list[int]):
+    """PoolTransfers of the sidecars for `keys`: pages share the KV pool's
+    token indices; Mamba states take one slot per key."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+    name = "swa" if kind == "mha" else "draft"
+    return [PoolTransfer(name=name, host_indices=tokens(pages), keys=list(keys)),
+            PoolTransfer(name="mamba", host_indices=torch.tensor(slots), keys=list(keys))]
+
+
+if __name__ == "__main__" and json.loads(sys.argv[1]).get("v2"):
+    # Another process: load every pool's pages another backend saved.
+    args = json.loads(sys.argv[1])
+    storage, pool, sidecars = hybrid_backend(args["kind"], args["layout"], args["url"], tp_rank=args.get("tp_rank", 0),
+                                             tp_size=args.get("tp_size", 1))
+    got = storage.batch_get_v2(v2_transfers(args["kind"], args["keys"], args["pages"], args["slots"]))
+    digests = {name: hashlib.sha256(pool_page_bytes(p, tokens(args["pages"]) if name != "mamba"
+                                                    else torch.tensor(args["slots"]))).hexdigest()
+               for name, p in sidecars.items()}
+    ok_kv = storage.batch_get_v1(args["keys"], tokens(args["pages"]))
+    digests["kv"] = hashlib.sha256(page_bytes(pool, args["pages"])).hexdigest()
+    print(json.dumps({"ok": {str(k): v for k, v in got.items()}, "ok_kv": ok_kv, "sha256": digests}))
+elif __name__ == "__main__":
     # Another process: load pages another backend instance saved.
     args = json.loads(sys.argv[1])
     storage, pool = backend(args["kind"], args["layout"], args["url"], tp_rank=args.get("tp_rank", 0),
