@@ -25,9 +25,10 @@ def kvtier_binary() -> str:
 class KvtierServer:
     """`kvtier serve` on a data directory, Unix socket only, restartable."""
 
-    def __init__(self, data_dir: pathlib.Path, memory: str = "256MiB", disk: str = "1GiB"):
+    def __init__(self, data_dir: pathlib.Path, memory: str = "256MiB", disk: str = "1GiB", extra=()):
         self.data_dir = data_dir
         self.memory, self.disk = memory, disk
+        self.extra = list(extra)
         self.process = None
         self.start()
 
@@ -38,12 +39,18 @@ class KvtierServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [kvtier_binary(), "serve", "--data-dir", str(self.data_dir), "--memory", self.memory,
-             "--disk", self.disk, "--listen", "off", "--admin", "127.0.0.1:0"],
+             "--disk", self.disk, "--listen", "off", "--admin", "127.0.0.1:0", *self.extra],
             stdout=subprocess.PIPE, env={**os.environ, "RUST_LOG": "warn"}, text=True,
         )
         line = self.process.stdout.readline()
         assert line.startswith("kvtier serving"), line
+        self.line = line
         self.admin = next(p for p in line.replace(",", " ").split() if p.startswith("http://"))
+
+    def kill(self) -> None:
+        """SIGKILL: nothing is flushed or closed."""
+        self.process.kill()
+        self.process.wait(timeout=60)
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)

@@ -15,7 +15,8 @@ use std::sync::Arc;
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, io_depth, read_piece, eviction, shared_dir, shared_poll, shared_index,
+    /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_poll,
+    /// shared_index, kv_events, kv_events_replay, kv_events_topic,
     /// auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
@@ -98,6 +99,24 @@ pub struct ServeArgs {
     /// indexes: docs/design.md, "The bounded index"). Default: all.
     #[arg(long)]
     pub shared_index: Option<String>,
+    /// Publish block events for cache-aware routers on this ZeroMQ PUB
+    /// address (`tcp://HOST:PORT`), in vLLM's KV-event format
+    /// (docs/integrations.md, "KV events"). Default: off.
+    #[arg(long)]
+    pub kv_events: Option<String>,
+    /// The ROUTER address answering replay requests for missed event
+    /// batches (`tcp://HOST:PORT`). Default: off.
+    #[arg(long)]
+    pub kv_events_replay: Option<String>,
+    /// Topic prefix of the events; a batch's topic is
+    /// `<prefix>@<namespace>`. Default: kv@<node id>.
+    #[arg(long)]
+    pub kv_events_topic: Option<String>,
+    /// When write-through values reach the disk: `write-through` (as soon
+    /// as possible) or `on-demand` (on flush, a durable put, pool pressure
+    /// or close). Default: write-through.
+    #[arg(long)]
+    pub flush: Option<String>,
     #[command(flatten)]
     pub cluster: crate::cluster::ClusterArgs,
 }
@@ -119,6 +138,10 @@ struct FileConfig {
     shared_dir: Option<PathBuf>,
     shared_poll: Option<f64>,
     shared_index: Option<String>,
+    kv_events: Option<String>,
+    kv_events_replay: Option<String>,
+    kv_events_topic: Option<String>,
+    flush: Option<String>,
     auth_token: Option<String>,
     max_frame: Option<String>,
     max_batch: Option<u32>,
@@ -164,6 +187,18 @@ fn address(text: &str, what: &str) -> Result<Option<SocketAddr>, String> {
     text.parse()
         .map(Some)
         .map_err(|e| format!("{what} {text:?}: {e}"))
+}
+
+/// A ZeroMQ TCP endpoint (`tcp://HOST:PORT`, or `HOST:PORT`).
+fn zmq_address(text: &str, what: &str) -> Result<SocketAddr, String> {
+    let bare = text.strip_prefix("tcp://").unwrap_or(text);
+    if bare.contains("://") {
+        return Err(format!("{what} {text:?}: only tcp:// endpoints are served"));
+    }
+    std::net::ToSocketAddrs::to_socket_addrs(bare)
+        .map_err(|e| format!("{what} {text:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{what} {text:?}: resolves to no address"))
 }
 
 fn size(text: &Option<String>, what: &str) -> Result<Option<u64>, String> {
@@ -402,9 +437,56 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         limits.peer_timeout = t;
     }
 
+    match args.flush.as_deref().or(file.flush.as_deref()) {
+        None | Some("write-through") => {}
+        Some("on-demand") => config = config.flush_policy(kvtier::FlushPolicy::OnDemand),
+        Some(other) => {
+            return Err(format!("flush {other:?}: expected write-through or on-demand").into())
+        }
+    }
+    let events_at = args.kv_events.as_deref().or(file.kv_events.as_deref());
+    let events = match events_at {
+        Some(at) => {
+            let publish = zmq_address(at, "kv_events")?;
+            let replay = args
+                .kv_events_replay
+                .as_deref()
+                .or(file.kv_events_replay.as_deref())
+                .map(|r| zmq_address(r, "kv_events_replay"))
+                .transpose()?;
+            // Sized for bursts of a few seconds of puts; see KvEventsConfig.
+            let (sink, rx) = kvtier::EventSink::channel(1 << 18);
+            config = config.events(Arc::clone(&sink));
+            Some((publish, replay, sink, rx))
+        }
+        None if args.kv_events_replay.is_some() || file.kv_events_replay.is_some() => {
+            return Err("kv_events_replay needs kv_events".into())
+        }
+        None => None,
+    };
+
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     signal_waiter(Arc::clone(&stop))?;
     let store = Arc::new(Store::open(config)?);
+    let publisher = match events {
+        Some((publish, replay, sink, rx)) => {
+            let mut events =
+                kvtier_server::kv_events::KvEventsConfig::new(publish, store.node_id());
+            events.replay = replay;
+            if let Some(topic) = args
+                .kv_events_topic
+                .clone()
+                .or(file.kv_events_topic.clone())
+            {
+                events.topic = topic;
+            }
+            let publisher = kvtier_server::kv_events::KvEventPublisher::start(events, sink, rx)
+                .map_err(|e| format!("kv events on {publish}: {e}"))?;
+            Some(Arc::new(publisher))
+        }
+        None => None,
+    };
+    server_config.kv_events = publisher.clone();
     let stats = store.stats();
     let mut node = crate::cluster::prepare(
         &args.cluster,
@@ -468,6 +550,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
         }
         if let Some(path) = &token_file {
             parts.push(format!("TCP token in {}", path.display()));
+        }
+        if let Some(p) = &publisher {
+            parts.push(format!("kv events tcp://{}", p.publish_addr()));
+            if let Some(replay) = p.replay_addr() {
+                parts.push(format!("replay tcp://{replay}"));
+            }
         }
         if let Some(node) = &node {
             let me = node.view.me();

@@ -13,6 +13,7 @@
 
 mod admin;
 mod handlers;
+pub mod kv_events;
 pub mod limits;
 mod metrics;
 mod session;
@@ -70,6 +71,8 @@ pub struct ServerConfig {
     /// admin endpoint asks for the server's token on loopback too.
     /// Default: none.
     pub tenants: Vec<Tenant>,
+    /// The KV-event publisher, shown on /stats. Default: none.
+    pub kv_events: Option<Arc<kv_events::KvEventPublisher>>,
 }
 
 impl Default for ServerConfig {
@@ -85,6 +88,7 @@ impl Default for ServerConfig {
             peer_tls_ca: None,
             admin_allowed_hosts: Vec::new(),
             tenants: Vec::new(),
+            kv_events: None,
         }
     }
 }

@@ -228,6 +228,14 @@ impl Admin {
                     None => serde_json::json!({ "enabled": false, "members": [] }),
                 };
                 json["shared_storage"] = shared_storage_json(&shared.store);
+                json["kv_events"] = match &shared.config.kv_events {
+                    Some(events) => {
+                        let mut j = serde_json::to_value(events.stats()).unwrap_or_default();
+                        j["enabled"] = true.into();
+                        j
+                    }
+                    None => serde_json::json!({ "enabled": false }),
+                };
                 json_reply(&json)
             }
             "/stats/history" => json_reply(&self.history.lock().unwrap().json()),

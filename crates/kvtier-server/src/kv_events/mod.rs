@@ -1,0 +1,705 @@
+//! KV events for cache-aware routers (llm-d's KV cache indexer, Dynamo's
+//! router, Mooncake Conductor): the store's block events, published in
+//! vLLM's format (`vllm/distributed/kv_events.py`) over ZeroMQ.
+//!
+//! - A PUB socket sends each batch as `[topic, seq (u64 big-endian),
+//!   msgpack KVEventBatch]`; the topic is `<topic prefix>@<namespace>`, so
+//!   a router can subscribe to one engine's namespace or to the whole node.
+//! - A ROUTER socket answers replay requests (`[b"", start seq]`) with
+//!   every batch still kept from `start` on, then `[b"", b"", -1, b""]`,
+//!   as vLLM's publisher does: a subscriber that sees a gap in the
+//!   sequence numbers fills it from here.
+//! - Block hashes are the keys exactly as the engine put them; media are
+//!   vLLM's: `CPU` for the memory pool, `STORAGE` for the disk tier.
+//!
+//! The data path never waits: the store's events go through a bounded
+//! channel (`kvtier::EventSink`), every subscriber has a bounded queue,
+//! and a batch that does not fit one is dropped for that subscriber only
+//! (a gap it can replay). Events the store's channel dropped cannot be
+//! replayed; the publisher then sends `AllBlocksCleared`, so a router
+//! forgets this node rather than keeps a view that may be wrong, and
+//! relearns from the events that follow. The first batch after a start
+//! is `AllBlocksCleared` too: blocks from before a restart are not
+//! announced again.
+
+mod msgpack;
+mod zmtp;
+
+pub use msgpack::{encode_batch, WireEvent};
+
+use kvtier::{split_qualified, BlockEvent, EventSink, Medium};
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The replay end marker: sequence number -1.
+const END_SEQ: [u8; 8] = [0xff; 8];
+/// Most subscriptions one subscriber holds, and most bytes of one.
+const MAX_FILTERS: usize = 256;
+const MAX_FILTER_LEN: usize = 1024;
+
+/// How events are published; every field has a documented default.
+#[derive(Debug, Clone)]
+pub struct KvEventsConfig {
+    /// The PUB socket's address.
+    pub publish: SocketAddr,
+    /// The ROUTER socket answering replay requests. Default: none.
+    pub replay: Option<SocketAddr>,
+    /// The topic prefix; a batch's topic is `<prefix>@<namespace>`.
+    /// Default: `kv@<node>` (the node's id or host name).
+    pub topic: String,
+    /// Most connections on each socket. Default: 64.
+    pub max_connections: usize,
+    /// Batches queued for one subscriber before it misses some. Default:
+    /// 10 000.
+    pub subscriber_queue: usize,
+    /// Batches kept for replay. Default: 10 000.
+    pub replay_batches: usize,
+    /// Most events in one batch. Default: 1024.
+    pub max_batch_events: usize,
+    /// How long events gather before a batch goes out. Default: 10 ms.
+    pub batch_interval: Duration,
+    /// Blocks whose keys are remembered for their removal. Default: 2^22
+    /// (about 100 bytes each); a block announced past it is never
+    /// announced removed.
+    pub tracked_blocks: usize,
+    /// Seconds a peer may take for the ZMTP handshake, and a stalled
+    /// subscriber's write may block before it is dropped. Default: 5 s.
+    pub peer_timeout: Duration,
+}
+
+impl KvEventsConfig {
+    pub fn new(publish: SocketAddr, node: &str) -> Self {
+        KvEventsConfig {
+            publish,
+            replay: None,
+            topic: format!("kv@{node}"),
+            max_connections: 64,
+            subscriber_queue: 10_000,
+            replay_batches: 10_000,
+            max_batch_events: 1024,
+            batch_interval: Duration::from_millis(10),
+            tracked_blocks: 1 << 22,
+            peer_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the publisher has done, for /stats and the metrics.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct KvEventStats {
+    pub batches: u64,
+    pub events: u64,
+    /// Events the store's channel dropped (each resets routers' views).
+    pub store_dropped: u64,
+    /// Batches a slow subscriber missed (replayable).
+    pub subscriber_dropped: u64,
+    pub subscribers: usize,
+    pub replay_requests: u64,
+    /// Removals not announced: the block was never announced (or no
+    /// longer tracked).
+    pub unannounced_removals: u64,
+}
+
+#[derive(Debug)]
+struct Published {
+    seq: u64,
+    topic: Vec<u8>,
+    payload: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Subscriber {
+    tx: SyncSender<Arc<Published>>,
+    filters: Mutex<Vec<Vec<u8>>>,
+    alive: AtomicBool,
+}
+
+impl Subscriber {
+    fn wants(&self, topic: &[u8]) -> bool {
+        self.filters
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|f| topic.starts_with(f))
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    stop: AtomicBool,
+    subscribers: Mutex<Vec<Arc<Subscriber>>>,
+    ring: Mutex<VecDeque<Arc<Published>>>,
+    connections: AtomicUsize,
+    replay_connections: AtomicUsize,
+    batches: AtomicU64,
+    events: AtomicU64,
+    subscriber_dropped: AtomicU64,
+    replay_requests: AtomicU64,
+    unannounced_removals: AtomicU64,
+}
+
+/// The running publisher: stops (its threads exit) when dropped or when
+/// the store that feeds it closes.
+#[derive(Debug)]
+pub struct KvEventPublisher {
+    publish_addr: SocketAddr,
+    replay_addr: Option<SocketAddr>,
+    shared: Arc<Shared>,
+    sink: Arc<EventSink>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl KvEventPublisher {
+    /// Binds the sockets and starts publishing what `rx` (the store's
+    /// `EventSink` reader) delivers.
+    pub fn start(
+        config: KvEventsConfig,
+        sink: Arc<EventSink>,
+        rx: Receiver<BlockEvent>,
+    ) -> io::Result<Self> {
+        let publish = TcpListener::bind(config.publish)?;
+        let publish_addr = publish.local_addr()?;
+        let replay = config.replay.map(TcpListener::bind).transpose()?;
+        let replay_addr = replay.as_ref().map(|l| l.local_addr()).transpose()?;
+        let shared = Arc::new(Shared::default());
+        let config = Arc::new(config);
+        let mut threads = Vec::new();
+        {
+            let (shared, config) = (Arc::clone(&shared), Arc::clone(&config));
+            threads.push(spawn("kvtier-events-pub", move || {
+                accept_loop(publish, &shared, &config, false)
+            })?);
+        }
+        if let Some(replay) = replay {
+            let (shared, config) = (Arc::clone(&shared), Arc::clone(&config));
+            threads.push(spawn("kvtier-events-replay", move || {
+                accept_loop(replay, &shared, &config, true)
+            })?);
+        }
+        {
+            let (shared, config, sink) =
+                (Arc::clone(&shared), Arc::clone(&config), Arc::clone(&sink));
+            threads.push(spawn("kvtier-events", move || {
+                Batcher::new(&shared, &config, &sink).run(rx)
+            })?);
+        }
+        Ok(KvEventPublisher {
+            publish_addr,
+            replay_addr,
+            shared,
+            sink,
+            threads,
+        })
+    }
+
+    pub fn publish_addr(&self) -> SocketAddr {
+        self.publish_addr
+    }
+
+    pub fn replay_addr(&self) -> Option<SocketAddr> {
+        self.replay_addr
+    }
+
+    pub fn stats(&self) -> KvEventStats {
+        let s = &self.shared;
+        KvEventStats {
+            batches: s.batches.load(Ordering::Relaxed),
+            events: s.events.load(Ordering::Relaxed),
+            store_dropped: self.sink.dropped(),
+            subscriber_dropped: s.subscriber_dropped.load(Ordering::Relaxed),
+            subscribers: s.subscribers.lock().unwrap().len(),
+            replay_requests: s.replay_requests.load(Ordering::Relaxed),
+            unannounced_removals: s.unannounced_removals.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for KvEventPublisher {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(name.into()).spawn(f)
+}
+
+fn medium_name(m: Medium) -> &'static str {
+    match m {
+        Medium::Memory => "CPU",
+        Medium::Storage => "STORAGE",
+    }
+}
+
+/// Turns the store's events into numbered, encoded batches.
+struct Batcher<'a> {
+    shared: &'a Shared,
+    config: &'a KvEventsConfig,
+    sink: &'a EventSink,
+    /// Announced blocks: digest to (qualified key, medium), for removals.
+    tracked: HashMap<u128, (Box<[u8]>, Medium)>,
+    next_seq: u64,
+    seen_dropped: u64,
+}
+
+impl<'a> Batcher<'a> {
+    fn new(shared: &'a Shared, config: &'a KvEventsConfig, sink: &'a EventSink) -> Self {
+        Batcher {
+            shared,
+            config,
+            sink,
+            tracked: HashMap::new(),
+            next_seq: 0,
+            seen_dropped: 0,
+        }
+    }
+
+    fn run(mut self, rx: Receiver<BlockEvent>) {
+        // Whatever a router knew of this node before this start is void.
+        self.publish(
+            self.config.topic.as_bytes().to_vec(),
+            vec![WireEvent::AllBlocksCleared],
+        );
+        let mut pending: Vec<BlockEvent> = Vec::new();
+        let mut first_at = None::<Instant>;
+        loop {
+            if self.shared.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let wait = match first_at {
+                Some(at) => self.config.batch_interval.saturating_sub(at.elapsed()),
+                None => Duration::from_millis(100),
+            };
+            let closed = match rx.recv_timeout(wait) {
+                Ok(e) => {
+                    first_at.get_or_insert_with(Instant::now);
+                    pending.push(e);
+                    pending.extend(rx.try_iter().take(self.config.max_batch_events * 4));
+                    false
+                }
+                Err(RecvTimeoutError::Timeout) => false,
+                Err(RecvTimeoutError::Disconnected) => true,
+            };
+            let due = first_at.is_some_and(|at| at.elapsed() >= self.config.batch_interval);
+            if due || closed || pending.len() >= self.config.max_batch_events {
+                self.flush(std::mem::take(&mut pending));
+                first_at = None;
+            }
+            if closed {
+                return;
+            }
+        }
+    }
+
+    fn flush(&mut self, events: Vec<BlockEvent>) {
+        let dropped = self.sink.dropped();
+        if dropped > self.seen_dropped {
+            // Some change went unannounced: have routers forget this node.
+            self.seen_dropped = dropped;
+            self.tracked.clear();
+            self.publish(
+                self.config.topic.as_bytes().to_vec(),
+                vec![WireEvent::AllBlocksCleared],
+            );
+        }
+        // Consecutive events of one namespace form a batch (its topic);
+        // consecutive events of one kind and medium, one event.
+        let mut namespace: Option<Vec<u8>> = None;
+        let mut batch: Vec<WireEvent> = Vec::new();
+        let mut count = 0usize;
+        for event in events {
+            let Some((ns, key, stored, medium)) = self.resolve(event) else {
+                continue;
+            };
+            if namespace.as_deref() != Some(&ns[..]) || count >= self.config.max_batch_events {
+                if let Some(ns) = namespace.take() {
+                    self.publish_ns(&ns, std::mem::take(&mut batch));
+                }
+                namespace = Some(ns);
+                count = 0;
+            }
+            count += 1;
+            let name = medium_name(medium);
+            match (batch.last_mut(), stored) {
+                (
+                    Some(WireEvent::BlockStored {
+                        block_hashes,
+                        medium,
+                    }),
+                    true,
+                ) if *medium == name => block_hashes.push(key),
+                (
+                    Some(WireEvent::BlockRemoved {
+                        block_hashes,
+                        medium,
+                    }),
+                    false,
+                ) if *medium == name => block_hashes.push(key),
+                (_, true) => batch.push(WireEvent::BlockStored {
+                    block_hashes: vec![key],
+                    medium: name,
+                }),
+                (_, false) => batch.push(WireEvent::BlockRemoved {
+                    block_hashes: vec![key],
+                    medium: name,
+                }),
+            }
+        }
+        if let Some(ns) = namespace {
+            self.publish_ns(&ns, batch);
+        }
+    }
+
+    /// (namespace, key, stored?, medium) of an event worth publishing.
+    fn resolve(&mut self, event: BlockEvent) -> Option<(Vec<u8>, Vec<u8>, bool, Medium)> {
+        match event {
+            BlockEvent::Stored {
+                medium,
+                digest,
+                qualified,
+            } => {
+                let (ns, key) = split_qualified(&qualified)?;
+                let out = (ns.to_vec(), key.to_vec(), true, medium);
+                if self.tracked.len() < self.config.tracked_blocks
+                    || self.tracked.contains_key(&digest.0)
+                {
+                    self.tracked.insert(digest.0, (qualified, medium));
+                }
+                Some(out)
+            }
+            BlockEvent::Removed { medium, digest } => {
+                let Some((qualified, announced)) = self.tracked.remove(&digest.0) else {
+                    self.shared
+                        .unannounced_removals
+                        .fetch_add(1, Ordering::Relaxed);
+                    return None;
+                };
+                if announced != medium {
+                    // E.g. the memory copy of a block announced on disk:
+                    // it is still announced where it was.
+                    self.tracked.insert(digest.0, (qualified, announced));
+                    return None;
+                }
+                let (ns, key) = split_qualified(&qualified)?;
+                Some((ns.to_vec(), key.to_vec(), false, medium))
+            }
+        }
+    }
+
+    fn publish_ns(&mut self, namespace: &[u8], events: Vec<WireEvent>) {
+        let mut topic = self.config.topic.as_bytes().to_vec();
+        topic.push(b'@');
+        topic.extend_from_slice(namespace);
+        self.publish(topic, events);
+    }
+
+    fn publish(&mut self, topic: Vec<u8>, events: Vec<WireEvent>) {
+        if events.is_empty() {
+            return;
+        }
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let n: usize = events
+            .iter()
+            .map(|e| match e {
+                WireEvent::BlockStored { block_hashes, .. }
+                | WireEvent::BlockRemoved { block_hashes, .. } => block_hashes.len(),
+                WireEvent::AllBlocksCleared => 1,
+            })
+            .sum();
+        let published = Arc::new(Published {
+            seq: self.next_seq,
+            topic,
+            payload: encode_batch(ts, &events),
+        });
+        self.next_seq += 1;
+        {
+            let mut ring = self.shared.ring.lock().unwrap();
+            while ring.len() >= self.config.replay_batches.max(1) {
+                ring.pop_front();
+            }
+            ring.push_back(Arc::clone(&published));
+        }
+        let mut subscribers = self.shared.subscribers.lock().unwrap();
+        subscribers.retain(|s| s.alive.load(Ordering::Acquire));
+        for s in subscribers.iter() {
+            if !s.wants(&published.topic) {
+                continue;
+            }
+            match s.tx.try_send(Arc::clone(&published)) {
+                Ok(()) => {}
+                Err(TrySendError::Full(_)) => {
+                    self.shared
+                        .subscriber_dropped
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Err(TrySendError::Disconnected(_)) => s.alive.store(false, Ordering::Release),
+            }
+        }
+        self.shared.batches.fetch_add(1, Ordering::Relaxed);
+        self.shared.events.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+/// Decrements a connection count when a connection's thread ends.
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    shared: &Arc<Shared>,
+    config: &Arc<KvEventsConfig>,
+    replay: bool,
+) {
+    if let Err(e) = listener.set_nonblocking(true) {
+        tracing::error!(error = %e, "kv events: cannot poll the listener; not accepting");
+        return;
+    }
+    while !shared.stop.load(Ordering::Acquire) {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "kv events: accept failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let count = if replay {
+            &shared.replay_connections
+        } else {
+            &shared.connections
+        };
+        if count.fetch_add(1, Ordering::AcqRel) >= config.max_connections {
+            count.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(
+                max = config.max_connections,
+                "kv events: connection refused at the limit"
+            );
+            continue;
+        }
+        let (shared, config) = (Arc::clone(shared), Arc::clone(config));
+        let started = spawn("kvtier-events-peer", move || {
+            let count = if replay {
+                &shared.replay_connections
+            } else {
+                &shared.connections
+            };
+            let _slot = Slot(count);
+            let result = if replay {
+                serve_replay(stream, &shared, &config)
+            } else {
+                serve_subscriber(stream, &shared, &config)
+            };
+            if let Err(e) = result {
+                tracing::debug!(error = %e, "kv events: peer dropped");
+            }
+        });
+        if let Err(e) = started {
+            tracing::warn!(error = %e, "kv events: cannot start a peer thread");
+        }
+    }
+}
+
+fn serve_subscriber(
+    mut stream: TcpStream,
+    shared: &Shared,
+    config: &KvEventsConfig,
+) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(config.peer_timeout))?;
+    stream.set_write_timeout(Some(config.peer_timeout))?;
+    zmtp::handshake(&mut stream, "PUB", &["SUB", "XSUB"])?;
+    let (tx, rx) = sync_channel::<Arc<Published>>(config.subscriber_queue.max(1));
+    let subscriber = Arc::new(Subscriber {
+        tx,
+        filters: Mutex::new(Vec::new()),
+        alive: AtomicBool::new(true),
+    });
+    shared
+        .subscribers
+        .lock()
+        .unwrap()
+        .push(Arc::clone(&subscriber));
+    // Subscriptions (and pings) arrive on their own thread; this one
+    // writes.
+    let mut reader = stream.try_clone()?;
+    reader.set_read_timeout(None)?;
+    let (pongs_tx, pongs_rx) = sync_channel::<Vec<u8>>(4);
+    let listener = Arc::clone(&subscriber);
+    let reading = spawn("kvtier-events-sub", move || {
+        let _ = read_subscriptions(&mut reader, &listener, &pongs_tx);
+        listener.alive.store(false, Ordering::Release);
+        let _ = reader.shutdown(Shutdown::Both);
+    })?;
+    let mut out = Vec::new();
+    let result = loop {
+        if shared.stop.load(Ordering::Acquire) || !subscriber.alive.load(Ordering::Acquire) {
+            break Ok(());
+        }
+        out.clear();
+        for pong in pongs_rx.try_iter() {
+            out.extend_from_slice(&pong);
+        }
+        match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(p) => {
+                put_batch(&mut out, &p, false);
+                for p in rx.try_iter().take(64) {
+                    put_batch(&mut out, &p, false);
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break Ok(()),
+        }
+        if !out.is_empty() {
+            if let Err(e) = stream.write_all(&out) {
+                break Err(e);
+            }
+        }
+    };
+    subscriber.alive.store(false, Ordering::Release);
+    let _ = stream.shutdown(Shutdown::Both);
+    let _ = reading.join();
+    result
+}
+
+fn put_batch(out: &mut Vec<u8>, p: &Published, delimited: bool) {
+    let seq = p.seq.to_be_bytes();
+    if delimited {
+        zmtp::put_message(out, &[b"", &p.topic, &seq, &p.payload]);
+    } else {
+        zmtp::put_message(out, &[&p.topic, &seq, &p.payload]);
+    }
+}
+
+fn read_subscriptions(
+    r: &mut TcpStream,
+    subscriber: &Subscriber,
+    pongs: &SyncSender<Vec<u8>>,
+) -> io::Result<()> {
+    loop {
+        let (subscribe, topic) = match zmtp::read_frame(r, MAX_FILTER_LEN + 16)? {
+            zmtp::Frame::Message { body, .. } => match body.split_first() {
+                Some((1, topic)) => (true, topic.to_vec()),
+                Some((0, topic)) => (false, topic.to_vec()),
+                // A PUB ignores anything else a subscriber says.
+                _ => continue,
+            },
+            zmtp::Frame::Command(body) => {
+                if let Some(pong) = zmtp::pong_for(&body)? {
+                    let _ = pongs.try_send(pong);
+                    continue;
+                }
+                match zmtp::split_command(&body)? {
+                    (b"SUBSCRIBE", topic) => (true, topic.to_vec()),
+                    (b"CANCEL", topic) => (false, topic.to_vec()),
+                    _ => continue,
+                }
+            }
+        };
+        let mut filters = subscriber.filters.lock().unwrap();
+        if subscribe {
+            if filters.len() >= MAX_FILTERS {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("more than {MAX_FILTERS} subscriptions"),
+                ));
+            }
+            filters.push(topic);
+        } else if let Some(at) = filters.iter().position(|f| *f == topic) {
+            filters.remove(at);
+        }
+    }
+}
+
+fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(config.peer_timeout))?;
+    stream.set_write_timeout(Some(config.peer_timeout))?;
+    zmtp::handshake(&mut stream, "ROUTER", &["DEALER", "REQ", "ROUTER"])?;
+    // Between requests a client may idle; the handshake deadline is over.
+    stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // One request: at most 4 frames of at most 64 bytes.
+        let mut frames: Vec<Vec<u8>> = Vec::new();
+        loop {
+            match zmtp::read_frame(&mut stream, 64)? {
+                zmtp::Frame::Message { more, body } => {
+                    frames.push(body);
+                    if !more {
+                        break;
+                    }
+                    if frames.len() >= 4 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "a replay request of more than 4 frames",
+                        ));
+                    }
+                }
+                zmtp::Frame::Command(body) => {
+                    if let Some(pong) = zmtp::pong_for(&body)? {
+                        stream.write_all(&pong)?;
+                    }
+                }
+            }
+        }
+        let (delimited, start) = match &frames[..] {
+            [empty, start] if empty.is_empty() && start.len() == 8 => (true, start),
+            [start] if start.len() == 8 => (false, start),
+            _ => {
+                tracing::debug!(
+                    frames = frames.len(),
+                    "kv events: malformed replay request ignored"
+                );
+                continue;
+            }
+        };
+        let start = u64::from_be_bytes(start[..].try_into().expect("8 bytes"));
+        shared.replay_requests.fetch_add(1, Ordering::Relaxed);
+        let kept: Vec<Arc<Published>> = shared
+            .ring
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|p| p.seq >= start)
+            .cloned()
+            .collect();
+        let mut out = Vec::new();
+        for p in &kept {
+            put_batch(&mut out, p, delimited);
+            if out.len() >= 1 << 20 {
+                stream.write_all(&out)?;
+                out.clear();
+            }
+        }
+        if delimited {
+            zmtp::put_message(&mut out, &[b"", b"", &END_SEQ, b""]);
+        } else {
+            zmtp::put_message(&mut out, &[b"", &END_SEQ, b""]);
+        }
+        stream.write_all(&out)?;
+    }
+}

@@ -1,0 +1,303 @@
+//! The part of ZMTP 3 (ZeroMQ's wire protocol, rfc.zeromq.org/spec/23 and
+//! /37) a PUB socket and a ROUTER socket need, with the NULL mechanism:
+//! the 64-byte greeting, READY with the socket type, frames, SUB's
+//! subscriptions, PING/PONG. Written here rather than linking libzmq: the
+//! two sockets are small, and every length a peer sends is checked
+//! against a limit before anything is allocated for it.
+
+use std::io::{self, Read, Write};
+
+pub const GREETING_LEN: usize = 64;
+const FLAG_MORE: u8 = 0x01;
+const FLAG_LONG: u8 = 0x02;
+const FLAG_COMMAND: u8 = 0x04;
+
+/// Our greeting: version 3.0 (so peers subscribe with messages, the form
+/// every ZMTP 3 peer accepts), NULL mechanism, not as-server.
+pub fn greeting() -> [u8; GREETING_LEN] {
+    let mut g = [0u8; GREETING_LEN];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[11] = 0;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+fn invalid(why: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why.into())
+}
+
+/// Checks a peer's greeting: ZMTP 3.x with the NULL mechanism.
+pub fn check_greeting(g: &[u8; GREETING_LEN]) -> io::Result<()> {
+    if g[0] != 0xff || g[9] & 1 != 1 {
+        return Err(invalid("not a ZMTP 3 greeting"));
+    }
+    if g[10] < 3 {
+        return Err(invalid(format!(
+            "ZMTP {}.{} is too old (3 needed)",
+            g[10], g[11]
+        )));
+    }
+    let mechanism = &g[12..32];
+    if &mechanism[..4] != b"NULL" || mechanism[4..].iter().any(|&b| b != 0) {
+        return Err(invalid("only the NULL security mechanism is offered"));
+    }
+    Ok(())
+}
+
+/// One frame as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    Command(Vec<u8>),
+    Message { more: bool, body: Vec<u8> },
+}
+
+/// Reads one frame whose body is at most `max_len` bytes.
+pub fn read_frame(r: &mut impl Read, max_len: usize) -> io::Result<Frame> {
+    let mut flags = [0u8; 1];
+    r.read_exact(&mut flags)?;
+    let flags = flags[0];
+    if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
+        return Err(invalid(format!(
+            "reserved frame flag bits set: {flags:#04x}"
+        )));
+    }
+    let len = if flags & FLAG_LONG != 0 {
+        let mut n = [0u8; 8];
+        r.read_exact(&mut n)?;
+        u64::from_be_bytes(n)
+    } else {
+        let mut n = [0u8; 1];
+        r.read_exact(&mut n)?;
+        u64::from(n[0])
+    };
+    if len > max_len as u64 {
+        return Err(invalid(format!(
+            "a {len}-byte frame (at most {max_len} accepted)"
+        )));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body)?;
+    if flags & FLAG_COMMAND != 0 {
+        if flags & FLAG_MORE != 0 {
+            return Err(invalid("a command frame with MORE set"));
+        }
+        return Ok(Frame::Command(body));
+    }
+    Ok(Frame::Message {
+        more: flags & FLAG_MORE != 0,
+        body,
+    })
+}
+
+/// Appends one frame to `out`.
+pub fn put_frame(out: &mut Vec<u8>, body: &[u8], more: bool, command: bool) {
+    let mut flags = 0;
+    if more {
+        flags |= FLAG_MORE;
+    }
+    if command {
+        flags |= FLAG_COMMAND;
+    }
+    if body.len() > 255 {
+        out.push(flags | FLAG_LONG);
+        out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    } else {
+        out.push(flags);
+        out.push(body.len() as u8);
+    }
+    out.extend_from_slice(body);
+}
+
+/// Appends a multipart message.
+pub fn put_message(out: &mut Vec<u8>, parts: &[&[u8]]) {
+    for (i, part) in parts.iter().enumerate() {
+        put_frame(out, part, i + 1 < parts.len(), false);
+    }
+}
+
+/// A command's name and data, checked.
+pub fn split_command(body: &[u8]) -> io::Result<(&[u8], &[u8])> {
+    let (&n, rest) = body
+        .split_first()
+        .ok_or_else(|| invalid("an empty command"))?;
+    if rest.len() < usize::from(n) {
+        return Err(invalid("a command name longer than its frame"));
+    }
+    Ok(rest.split_at(usize::from(n)))
+}
+
+fn ready(socket_type: &str) -> Vec<u8> {
+    let mut body = Vec::new();
+    body.push(5);
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    body.extend_from_slice(socket_type.as_bytes());
+    let mut out = Vec::new();
+    put_frame(&mut out, &body, false, true);
+    out
+}
+
+/// The socket type a READY command's properties name.
+pub fn ready_socket_type(body: &[u8]) -> io::Result<String> {
+    let (name, mut props) = split_command(body)?;
+    if name != b"READY" {
+        return Err(invalid(format!(
+            "expected READY, got {}",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    let mut socket_type = None;
+    while !props.is_empty() {
+        let (&n, rest) = props.split_first().expect("not empty");
+        let n = usize::from(n);
+        if rest.len() < n + 4 {
+            return Err(invalid("a READY property runs past its frame"));
+        }
+        let (prop, rest) = rest.split_at(n);
+        let (len, rest) = rest.split_at(4);
+        let len = u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+        if rest.len() < len {
+            return Err(invalid("a READY property value runs past its frame"));
+        }
+        let (value, rest) = rest.split_at(len);
+        if prop.eq_ignore_ascii_case(b"Socket-Type") {
+            socket_type = Some(String::from_utf8_lossy(value).into_owned());
+        }
+        props = rest;
+    }
+    socket_type.ok_or_else(|| invalid("READY without a Socket-Type"))
+}
+
+/// Most bytes of a handshake command (READY with a few properties).
+const MAX_COMMAND: usize = 4096;
+
+/// Greets a peer and exchanges READY as `ours`; the peer must be one of
+/// `accepted` (ZMTP's socket-type compatibility). Returns its type.
+pub fn handshake<S: Read + Write>(s: &mut S, ours: &str, accepted: &[&str]) -> io::Result<String> {
+    s.write_all(&greeting())?;
+    let mut theirs = [0u8; GREETING_LEN];
+    s.read_exact(&mut theirs)?;
+    check_greeting(&theirs)?;
+    s.write_all(&ready(ours))?;
+    let Frame::Command(body) = read_frame(s, MAX_COMMAND)? else {
+        return Err(invalid("the peer sent a message before READY"));
+    };
+    let peer = ready_socket_type(&body)?;
+    if !accepted.iter().any(|a| a.eq_ignore_ascii_case(&peer)) {
+        let mut error = Vec::new();
+        let reason = format!("a {ours} socket does not talk to {peer}");
+        let mut body = vec![5];
+        body.extend_from_slice(b"ERROR");
+        body.push(reason.len().min(255) as u8);
+        body.extend_from_slice(&reason.as_bytes()[..reason.len().min(255)]);
+        put_frame(&mut error, &body, false, true);
+        let _ = s.write_all(&error);
+        return Err(invalid(reason));
+    }
+    Ok(peer)
+}
+
+/// The reply to a PING command, if `body` is one (ZMTP 3.1 heartbeats).
+pub fn pong_for(body: &[u8]) -> io::Result<Option<Vec<u8>>> {
+    let (name, data) = split_command(body)?;
+    if name != b"PING" {
+        return Ok(None);
+    }
+    // TTL (2 bytes), then up to 16 bytes of context the PONG echoes.
+    let context = data.get(2..).unwrap_or(&[]);
+    let context = &context[..context.len().min(16)];
+    let mut pong = vec![4];
+    pong.extend_from_slice(b"PONG");
+    pong.extend_from_slice(context);
+    let mut out = Vec::new();
+    put_frame(&mut out, &pong, false, true);
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_short_and_long() {
+        let mut out = Vec::new();
+        put_message(&mut out, &[b"topic", &[9u8; 300], b""]);
+        let mut r = &out[..];
+        assert_eq!(
+            read_frame(&mut r, 1024).unwrap(),
+            Frame::Message {
+                more: true,
+                body: b"topic".to_vec()
+            }
+        );
+        assert_eq!(
+            read_frame(&mut r, 1024).unwrap(),
+            Frame::Message {
+                more: true,
+                body: vec![9u8; 300]
+            }
+        );
+        assert_eq!(
+            read_frame(&mut r, 1024).unwrap(),
+            Frame::Message {
+                more: false,
+                body: vec![]
+            }
+        );
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn a_frame_over_the_limit_is_refused_before_allocating() {
+        let mut bytes = vec![FLAG_LONG];
+        bytes.extend_from_slice(&u64::MAX.to_be_bytes());
+        let err = read_frame(&mut &bytes[..], 1 << 20).unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
+        let err = read_frame(&mut &[0x40u8, 0][..], 16).unwrap_err();
+        assert!(err.to_string().contains("reserved"), "{err}");
+    }
+
+    #[test]
+    fn ready_properties_are_bounds_checked() {
+        let frame = ready("SUB");
+        let mut r = &frame[..];
+        let Frame::Command(body) = read_frame(&mut r, 4096).unwrap() else {
+            panic!("not a command")
+        };
+        assert_eq!(ready_socket_type(&body).unwrap(), "SUB");
+        for cut in 0..body.len() {
+            // Every truncation is an error, never a panic.
+            assert!(ready_socket_type(&body[..cut]).is_err());
+        }
+        let mut lying = body.clone();
+        let at = 1 + 5 + 1 + 11;
+        lying[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(ready_socket_type(&lying).is_err());
+    }
+
+    #[test]
+    fn greetings_other_than_zmtp3_null_are_refused() {
+        assert!(check_greeting(&greeting()).is_ok());
+        let mut old = greeting();
+        old[10] = 2;
+        assert!(check_greeting(&old).is_err());
+        let mut plain = greeting();
+        plain[12..17].copy_from_slice(b"PLAIN");
+        assert!(check_greeting(&plain).is_err());
+    }
+
+    #[test]
+    fn a_ping_gets_a_pong_with_its_context() {
+        let mut ping = vec![4];
+        ping.extend_from_slice(b"PING");
+        ping.extend_from_slice(&[0, 10]);
+        ping.extend_from_slice(b"ctx");
+        let pong = pong_for(&ping).unwrap().unwrap();
+        assert_eq!(&pong[2..], b"\x04PONGctx");
+        assert!(pong_for(b"\x05READY").unwrap().is_none());
+    }
+}
