@@ -98,6 +98,19 @@ def fill_randomly(pool, seed: int) -> None:
         b.copy_(torch.randn(b.shape, generator=generator, dtype=torch.float32).to(b.dtype))
 
 
+def in_another_process(args: dict) -> dict:
+    """Runs this file's __main__ in a fresh interpreter (another engine
+    process) and returns the JSON it prints."""
+    import pathlib
+    import subprocess
+
+    here = pathlib.Path(__file__).parent
+    out = subprocess.run([sys.executable, str(here / "sglang_pools.py"), json.dumps(args)], capture_output=True,
+                         text=True, timeout=300, cwd=here)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def tokens(pages: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import msgspec
-import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 

@@ -3,11 +3,8 @@ SGLang's real factory, real KV host pools (MHA, MLA) and real sidecar host
 pools (sliding-window KV, a draft model's MLA pool, Mamba state), against a
 real `kvtier serve`."""
 
+import ctypes
 import hashlib
-import json
-import pathlib
-import subprocess
-import sys
 import threading
 import uuid
 
@@ -16,10 +13,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 import kvtier
-from sglang_pools import (PAGE, fill_randomly, hybrid_backend, page_bytes, pool_page_bytes, tokens,
+from sglang_pools import (fill_randomly, hybrid_backend, in_another_process, page_bytes, pool_page_bytes, tokens,
                           v2_transfers)
 
-HERE = pathlib.Path(__file__).parent
 LAYOUTS = [("mha", "layer_first"), ("mha", "page_first"), ("mla", "page_first"), ("mla", "layer_first")]
 
 
@@ -117,10 +113,7 @@ def test_another_process_reads_every_pool(kvtier_server, kind, layout):
         # Another tensor-parallel rank: the MLA pools are one value for all
         # ranks, the Mamba state is per rank (this one wrote rank 0's).
         args.update(tp_rank=1, tp_size=2)
-    out = subprocess.run([sys.executable, str(HERE / "sglang_pools.py"), json.dumps(args)], capture_output=True,
-                         text=True, timeout=300, cwd=HERE)
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = in_another_process(args)
     assert result["ok_kv"] == [True] * 5
     assert result["sha256"]["kv"] == hashlib.sha256(page_bytes(pool, pages)).hexdigest()
     for name, p in sidecars.items():
@@ -213,5 +206,4 @@ def test_sets_and_gets_from_two_threads_do_not_mix_their_bytes(kvtier_server):
         for keys, pages in written[::5]:
             for key, page in zip(keys, pages):
                 ptrs, sizes = pool.get_page_buffer_meta(tokens([page]))
-                import ctypes
                 assert client.get(key) == b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
