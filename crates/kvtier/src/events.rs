@@ -63,7 +63,7 @@ impl EventSink {
 
     /// Hands an event to the reader without waiting; a full channel (or a
     /// reader that is gone) drops it and counts the drop.
-    pub(crate) fn emit(&self, event: BlockEvent) {
+    pub fn emit(&self, event: BlockEvent) {
         match self.tx.try_send(event) {
             Ok(()) => {
                 self.sent.fetch_add(1, Ordering::Relaxed);

@@ -58,8 +58,14 @@ pub struct KvEventsConfig {
     /// Batches queued for one subscriber before it misses some. Default:
     /// 10 000.
     pub subscriber_queue: usize,
+    /// Bytes of batches queued for one subscriber (with
+    /// `subscriber_queue`, whichever is reached first). Default: 16 MiB.
+    pub subscriber_bytes: usize,
     /// Batches kept for replay. Default: 10 000.
     pub replay_batches: usize,
+    /// Bytes of batches kept for replay (with `replay_batches`, whichever
+    /// is reached first). Default: 64 MiB.
+    pub replay_bytes: usize,
     /// Most events in one batch. Default: 1024.
     pub max_batch_events: usize,
     /// How long events gather before a batch goes out. Default: 10 ms.
@@ -81,7 +87,9 @@ impl KvEventsConfig {
             topic: format!("kv@{node}"),
             max_connections: 64,
             subscriber_queue: 10_000,
+            subscriber_bytes: 16 << 20,
             replay_batches: 10_000,
+            replay_bytes: 64 << 20,
             max_batch_events: 1024,
             batch_interval: Duration::from_millis(10),
             tracked_blocks: 1 << 22,
@@ -113,11 +121,19 @@ struct Published {
     payload: Vec<u8>,
 }
 
+impl Published {
+    fn size(&self) -> usize {
+        self.topic.len() + self.payload.len() + 64
+    }
+}
+
 #[derive(Debug)]
 struct Subscriber {
     tx: SyncSender<Arc<Published>>,
     filters: Mutex<Vec<Vec<u8>>>,
     alive: AtomicBool,
+    /// Bytes of the batches in `tx` not yet written.
+    queued_bytes: AtomicUsize,
 }
 
 impl Subscriber {
@@ -134,7 +150,8 @@ impl Subscriber {
 struct Shared {
     stop: AtomicBool,
     subscribers: Mutex<Vec<Arc<Subscriber>>>,
-    ring: Mutex<VecDeque<Arc<Published>>>,
+    /// Kept batches and their bytes.
+    ring: Mutex<(VecDeque<Arc<Published>>, usize)>,
     connections: AtomicUsize,
     replay_connections: AtomicUsize,
     batches: AtomicU64,
@@ -424,10 +441,17 @@ impl<'a> Batcher<'a> {
         });
         self.next_seq += 1;
         {
-            let mut ring = self.shared.ring.lock().unwrap();
-            while ring.len() >= self.config.replay_batches.max(1) {
-                ring.pop_front();
+            let mut guard = self.shared.ring.lock().unwrap();
+            let (ring, bytes) = &mut *guard;
+            while !ring.is_empty()
+                && (ring.len() >= self.config.replay_batches.max(1)
+                    || *bytes + published.size() > self.config.replay_bytes)
+            {
+                if let Some(old) = ring.pop_front() {
+                    *bytes -= old.size();
+                }
             }
+            *bytes += published.size();
             ring.push_back(Arc::clone(&published));
         }
         let mut subscribers = self.shared.subscribers.lock().unwrap();
@@ -436,8 +460,17 @@ impl<'a> Batcher<'a> {
             if !s.wants(&published.topic) {
                 continue;
             }
+            let size = published.size();
+            if s.queued_bytes.load(Ordering::Acquire) + size > self.config.subscriber_bytes {
+                self.shared
+                    .subscriber_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             match s.tx.try_send(Arc::clone(&published)) {
-                Ok(()) => {}
+                Ok(()) => {
+                    s.queued_bytes.fetch_add(size, Ordering::AcqRel);
+                }
                 Err(TrySendError::Full(_)) => {
                     self.shared
                         .subscriber_dropped
@@ -534,6 +567,7 @@ fn serve_subscriber(
         tx,
         filters: Mutex::new(Vec::new()),
         alive: AtomicBool::new(true),
+        queued_bytes: AtomicUsize::new(0),
     });
     shared
         .subscribers
@@ -562,10 +596,13 @@ fn serve_subscriber(
         }
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(p) => {
+                let mut taken = p.size();
                 put_batch(&mut out, &p, false);
                 for p in rx.try_iter().take(64) {
+                    taken += p.size();
                     put_batch(&mut out, &p, false);
                 }
+                subscriber.queued_bytes.fetch_sub(taken, Ordering::AcqRel);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break Ok(()),
@@ -683,6 +720,7 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
             .ring
             .lock()
             .unwrap()
+            .0
             .iter()
             .filter(|p| p.seq >= start)
             .cloned()
@@ -701,5 +739,136 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
             zmtp::put_message(&mut out, &[b"", &END_SEQ, b""]);
         }
         stream.write_all(&out)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvtier::KeyDigest;
+
+    fn qualified(ns: &str, key: &[u8]) -> Box<[u8]> {
+        let mut q = vec![ns.len() as u8];
+        q.extend_from_slice(ns.as_bytes());
+        q.extend_from_slice(key);
+        q.into_boxed_slice()
+    }
+
+    fn stored(ns: &str, key: &[u8], digest: u128, medium: Medium) -> BlockEvent {
+        BlockEvent::Stored {
+            medium,
+            digest: KeyDigest(digest),
+            qualified: qualified(ns, key),
+        }
+    }
+
+    /// Runs a batcher over what `sink` holds: once the sink (the only
+    /// sender) is dropped, it publishes the rest and returns.
+    fn run(config: KvEventsConfig, sink: Arc<EventSink>, rx: Receiver<BlockEvent>) -> Shared {
+        let shared = Shared::default();
+        drop(sink);
+        let counts = EventSink::channel(1).0;
+        Batcher::new(&shared, &config, &counts).run(rx);
+        shared
+    }
+
+    fn batches(shared: &Shared) -> Vec<(u64, String, Vec<u8>)> {
+        shared
+            .ring
+            .lock()
+            .unwrap()
+            .0
+            .iter()
+            .map(|p| {
+                (
+                    p.seq,
+                    String::from_utf8(p.topic.clone()).unwrap(),
+                    p.payload.clone(),
+                )
+            })
+            .collect()
+    }
+
+    fn contains(payload: &[u8], needle: &[u8]) -> usize {
+        payload
+            .windows(needle.len())
+            .filter(|w| *w == needle)
+            .count()
+    }
+
+    #[test]
+    fn events_become_numbered_batches_per_namespace_and_removals_need_an_announcement() {
+        let (sink, rx) = EventSink::channel(64);
+        sink.emit(stored("a", b"k1", 1, Medium::Memory));
+        sink.emit(stored("a", b"k2", 2, Medium::Memory));
+        sink.emit(BlockEvent::Removed {
+            medium: Medium::Memory,
+            digest: KeyDigest(1),
+        });
+        // Never announced: not published.
+        sink.emit(BlockEvent::Removed {
+            medium: Medium::Storage,
+            digest: KeyDigest(77),
+        });
+        // Announced on disk; a memory copy's removal does not retract it.
+        sink.emit(stored("b", b"k3", 3, Medium::Storage));
+        sink.emit(BlockEvent::Removed {
+            medium: Medium::Memory,
+            digest: KeyDigest(3),
+        });
+        let shared = run(
+            KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1"),
+            sink,
+            rx,
+        );
+        let got = batches(&shared);
+        let topics: Vec<(u64, &str)> = got.iter().map(|(s, t, _)| (*s, t.as_str())).collect();
+        assert_eq!(topics, [(0, "kv@n1"), (1, "kv@n1@a"), (2, "kv@n1@b")]);
+        assert_eq!(contains(&got[0].2, b"AllBlocksCleared"), 1);
+        // One BlockStored event for both keys, then one BlockRemoved.
+        assert_eq!(contains(&got[1].2, b"BlockStored"), 1);
+        assert_eq!(contains(&got[1].2, b"BlockRemoved"), 1);
+        assert_eq!(contains(&got[1].2, b"k1"), 2);
+        assert_eq!(contains(&got[2].2, b"BlockRemoved"), 0);
+        assert_eq!(contains(&got[2].2, b"STORAGE"), 1);
+        assert_eq!(shared.unannounced_removals.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn events_the_store_dropped_reset_the_routers_view() {
+        let (sink, rx) = EventSink::channel(2);
+        for i in 0..5u128 {
+            sink.emit(stored("a", format!("k{i}").as_bytes(), i, Medium::Memory));
+        }
+        assert_eq!(sink.dropped(), 3);
+        let shared = Shared::default();
+        let config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let batcher = Batcher::new(&shared, &config, &sink);
+        let events: Vec<BlockEvent> = rx.try_iter().collect();
+        let mut batcher = batcher;
+        batcher.flush(events);
+        let got = batches(&shared);
+        // AllBlocksCleared first, then what did arrive.
+        assert_eq!(got.len(), 2);
+        assert_eq!(contains(&got[0].2, b"AllBlocksCleared"), 1);
+        assert_eq!(contains(&got[1].2, b"BlockStored"), 1);
+        // Only once per drop episode.
+        batcher.flush(vec![stored("a", b"later", 99, Medium::Memory)]);
+        assert_eq!(batches(&shared).len(), 3);
+    }
+
+    #[test]
+    fn the_replay_ring_is_bounded_by_bytes() {
+        let shared = Shared::default();
+        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        config.replay_bytes = 4096;
+        let (sink, _rx) = EventSink::channel(1);
+        let mut batcher = Batcher::new(&shared, &config, &sink);
+        for i in 0..200u128 {
+            batcher.flush(vec![stored("a", &[i as u8; 200], i, Medium::Memory)]);
+        }
+        let ring = shared.ring.lock().unwrap();
+        assert!(ring.1 <= 4096 && ring.1 == ring.0.iter().map(|p| p.size()).sum::<usize>());
+        assert_eq!(ring.0.back().unwrap().seq, 199);
     }
 }
