@@ -1,13 +1,14 @@
-"""What publishing KV events costs batch puts: two `kvtier serve`
-processes, identical but for `--kv-events` (the second with a pyzmq
-subscriber draining every batch, as a router would), fed the same batch
-puts in alternating rounds from this one process.
+"""What publishing KV events costs batch puts: four `kvtier serve`
+processes, identical but for `--kv-events` on two of them (each with a
+pyzmq subscriber draining every batch, as a router would), fed the same
+batch puts in rotating rounds from this one process.
 
     python python/benchmarks/kv_events_cost.py [--rounds 11] [--json out.json] [--smoke]
 
-Each round puts `--batch` values of `--value` bytes (new keys) through
-kvtier shared memory, `--per-round` times; a round's rate is its bytes over
-its time. Reports the median rate of each server and their ratio. Memory
+Each round puts `--batch` values of `--value` bytes through kvtier shared
+memory, `--per-round` times (the same keys every round); a round's rate is its bytes over
+its time. Reports the median rate of each kind and their ratio;
+`--control` runs all four without events (the ratio noise alone gives). Memory
 only (the fastest put, where a per-put cost shows most) unless --disk.
 Run in the engines' environment (pyzmq): scripts/engine-venv.
 """
@@ -61,61 +62,80 @@ def drain(endpoint: str, stop: threading.Event, counts: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--per-round", type=int, default=8)
+    ap.add_argument("--per-round", type=int, default=32)
     ap.add_argument("--value", type=int, default=64 << 10)
-    ap.add_argument("--memory", default="4GiB")
+    ap.add_argument("--memory", default="1GiB")
     ap.add_argument("--disk", default="0")
     ap.add_argument("--json")
     ap.add_argument("--smoke", action="store_true", help="3 small rounds; checks that events flowed, times nothing")
+    ap.add_argument("--no-subscriber", action="store_true", help="publish to nobody (the publisher's own cost)")
+    ap.add_argument("--control", action="store_true",
+                    help="no server publishes: the ratio noise alone gives (the floor)")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.per_round, args.memory = 3, 2, "512MiB"
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-events-bench-"))
-    plain, plain_url, _ = serve(tmp / "plain", args.memory, args.disk, events=False)
-    evented, evented_url, pub = serve(tmp / "events", args.memory, args.disk, events=True)
+    # Four servers started plain, events, events, plain: whatever the start
+    # order does to a server (where its pool lands) falls on both kinds.
+    kinds = ["plain", "events", "events", "plain"]
+    servers = []
     stop, counts = threading.Event(), {"batches": 0}
-    subscriber = threading.Thread(target=drain, args=(pub, stop, counts), daemon=True)
-    subscriber.start()
     try:
+        for n, kind in enumerate(kinds):
+            events = kind == "events" and not args.control
+            process, url, pub = serve(tmp / f"s{n}", args.memory, args.disk, events=events)
+            servers.append((kind, process, url))
+            if pub is not None and not args.no_subscriber:
+                threading.Thread(target=drain, args=(pub, stop, counts), daemon=True).start()
         size = args.batch * args.value
-        clients = {name: Client(url, namespace="bench/kv-events", shm_size=size)
-                   for name, url in (("plain", plain_url), ("events", evented_url))}
-        staging = {name: c.alloc_buffer(size) for name, c in clients.items()}
-        for name, buf in staging.items():
+        clients = [Client(url, namespace="bench/kv-events", shm_size=size) for _, _, url in servers]
+        staging = [c.alloc_buffer(size) for c in clients]
+        for buf in staging:
             memoryview(buf)[:] = os.urandom(size)
         rates = {"plain": [], "events": []}
+        per_server = [[] for _ in servers]
         for r in range(args.rounds):
-            for name in ("plain", "events") if r % 2 == 0 else ("events", "plain"):
-                client, buf = clients[name], staging[name]
+            # Every server in every position over the rounds.
+            order = list(range(len(servers)))
+            order = order[r % len(order):] + order[:r % len(order)]
+            if r % 2:
+                order.reverse()
+            for n in order:
+                client, buf = clients[n], staging[n]
                 ptrs = [[buf.ptr + i * args.value] for i in range(args.batch)]
                 sizes = [[args.value]] * args.batch
                 started = time.perf_counter()
                 for j in range(args.per_round):
-                    keys = [f"r{r}-{j}-{i}" for i in range(args.batch)]
+                    # The same keys every round: overwrites keep the pool's
+                    # use flat, and each put is announced again all the same.
+                    keys = [f"{j}-{i}" for i in range(args.batch)]
                     codes = client.batch_put_from_multi_buffers(keys, ptrs, sizes)
                     assert all(c == 0 for c in codes), codes[:4]
                 elapsed = time.perf_counter() - started
-                rates[name].append(size * args.per_round / elapsed / 1e6)
+                rates[servers[n][0]].append(size * args.per_round / elapsed / 1e6)
+                per_server[n].append(size * args.per_round / elapsed / 1e6)
         time.sleep(0.5)
         result = {
             "value_bytes": args.value, "batch": args.batch, "puts_per_round": args.batch * args.per_round,
-            "rounds": args.rounds, "disk": args.disk,
+            "rounds": args.rounds, "servers": kinds, "disk": args.disk,
             "plain_MBps": statistics.median(rates["plain"]),
             "events_MBps": statistics.median(rates["events"]),
             "rounds_MBps": rates,
+            "server_median_MBps": [statistics.median(r) for r in per_server],
             "subscriber_batches": counts["batches"],
         }
         result["events_vs_plain"] = result["events_MBps"] / result["plain_MBps"]
         print(json.dumps(result, indent=2))
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        if counts["batches"] == 0:
+        result["control"] = args.control
+        if counts["batches"] == 0 and not (args.control or args.no_subscriber):
             sys.exit("the subscriber received no event batch: the events path did not run")
     finally:
         stop.set()
-        for p in (plain, evented):
+        for _, p, _ in servers:
             p.terminate()
             p.wait(timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@
 //! never waits on a reader: events go through a bounded channel, and one
 //! that does not fit is counted in [`EventSink::dropped`] and lost.
 
-use crate::key::KeyDigest;
+use crate::key::{KeyDigest, Namespace, MAX_KEY_LEN, MAX_NAMESPACE_LEN};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -24,7 +24,66 @@ pub enum Medium {
     Storage,
 }
 
+/// The longest qualified key: length byte, namespace, key.
+pub const MAX_QUALIFIED_LEN: usize = 1 + MAX_NAMESPACE_LEN + MAX_KEY_LEN;
+
+/// A qualified key held inline, so that making an event allocates nothing
+/// on the put path (and nothing is freed on another thread).
+#[derive(Clone)]
+pub struct QualifiedKey {
+    len: u16,
+    bytes: [u8; MAX_QUALIFIED_LEN],
+}
+
+impl QualifiedKey {
+    /// `None` if `qualified` is longer than any qualified key can be.
+    pub fn new(qualified: &[u8]) -> Option<Self> {
+        let mut key = QualifiedKey {
+            len: u16::try_from(qualified.len()).ok()?,
+            bytes: [0; MAX_QUALIFIED_LEN],
+        };
+        key.bytes
+            .get_mut(..qualified.len())?
+            .copy_from_slice(qualified);
+        Some(key)
+    }
+
+    pub(crate) fn of(ns: &Namespace, key: &[u8]) -> Self {
+        let prefix = ns.prefix();
+        let mut q = QualifiedKey {
+            len: (prefix.len() + key.len()) as u16,
+            bytes: [0; MAX_QUALIFIED_LEN],
+        };
+        q.bytes[..prefix.len()].copy_from_slice(prefix);
+        q.bytes[prefix.len()..prefix.len() + key.len()].copy_from_slice(key);
+        q
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl PartialEq for QualifiedKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for QualifiedKey {}
+
+impl std::fmt::Debug for QualifiedKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("QualifiedKey")
+            .field(&String::from_utf8_lossy(self.as_bytes()))
+            .finish()
+    }
+}
+
 /// One change to the set of blocks this store can serve.
+// The key is inline on purpose (see `QualifiedKey`): events are moved by
+// value through a preallocated channel, never boxed.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BlockEvent {
     /// The block under `qualified` (namespace and key, see
@@ -32,7 +91,7 @@ pub enum BlockEvent {
     Stored {
         medium: Medium,
         digest: KeyDigest,
-        qualified: Box<[u8]>,
+        qualified: QualifiedKey,
     },
     /// The block `digest` is no longer held in `medium`. The key is not
     /// carried: the index keeps digests only, and a reader that announced

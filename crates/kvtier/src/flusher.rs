@@ -12,7 +12,7 @@
 use crate::disk::format::{self, RecordEntry, RecordKind};
 use crate::disk::{DiskTier, PendingBatch, ReadOutcome, RecoveredEntry, Region, ValueRead};
 use crate::error::{Error, Result};
-use crate::events::{BlockEvent, EventSink, Medium};
+use crate::events::{BlockEvent, EventSink, Medium, QualifiedKey};
 use crate::index::Index;
 use crate::io::AlignedBuf;
 use crate::key::{value_checksum, KeyDigest};
@@ -257,12 +257,13 @@ impl Flusher {
                         .lock(*digest)
                         .set_disk(*digest, *seq, loc, *checksum);
                     slot.set_evictable();
-                    if let (true, Some(events)) = (current, &self.events) {
+                    let announce = current.then(|| QualifiedKey::new(key)).flatten();
+                    if let (Some(qualified), Some(events)) = (announce, &self.events) {
                         // Durable and still this key's value: announced.
                         events.emit(BlockEvent::Stored {
                             medium: Medium::Storage,
                             digest: *digest,
-                            qualified: key.to_vec().into_boxed_slice(),
+                            qualified,
                         });
                     }
                 }

@@ -146,6 +146,11 @@ impl Namespace {
         ))
     }
 
+    /// The namespace's length byte and name: a qualified key's start.
+    pub(crate) fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+
     /// The qualified key a batch record stores: the namespace's length byte
     /// and name, then the key.
     pub fn qualify(&self, key: &[u8]) -> Box<[u8]> {

@@ -32,10 +32,12 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{
+    sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError,
+};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The replay end marker: sequence number -1.
 const END_SEQ: [u8; 8] = [0xff; 8];
@@ -68,7 +70,8 @@ pub struct KvEventsConfig {
     pub replay_bytes: usize,
     /// Most events in one batch. Default: 1024.
     pub max_batch_events: usize,
-    /// How long events gather before a batch goes out. Default: 10 ms.
+    /// How long events gather before a batch goes out (the publisher
+    /// polls the store's channel this often). Default: 50 ms.
     pub batch_interval: Duration,
     /// Blocks whose keys are remembered for their removal. Default: 2^22
     /// (about 100 bytes each); a block announced past it is never
@@ -91,7 +94,7 @@ impl KvEventsConfig {
             replay_batches: 10_000,
             replay_bytes: 64 << 20,
             max_batch_events: 1024,
-            batch_interval: Duration::from_millis(10),
+            batch_interval: Duration::from_millis(50),
             tracked_blocks: 1 << 22,
             peer_timeout: Duration::from_secs(5),
         }
@@ -257,13 +260,44 @@ fn medium_name(m: Medium) -> &'static str {
     }
 }
 
+/// Key digests are keyed BLAKE3 output, already uniform: the tracked map
+/// uses their low 64 bits as the hash rather than hashing them again.
+#[derive(Debug, Default, Clone, Copy)]
+struct DigestHash;
+
+#[derive(Debug, Default)]
+struct DigestHasher(u64);
+
+impl std::hash::BuildHasher for DigestHash {
+    type Hasher = DigestHasher;
+    fn build_hasher(&self) -> DigestHasher {
+        DigestHasher(0)
+    }
+}
+
+impl std::hash::Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(word);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+}
+
 /// Turns the store's events into numbered, encoded batches.
 struct Batcher<'a> {
     shared: &'a Shared,
     config: &'a KvEventsConfig,
     sink: &'a EventSink,
     /// Announced blocks: digest to (qualified key, medium), for removals.
-    tracked: HashMap<u128, (Box<[u8]>, Medium)>,
+    tracked: HashMap<u128, (Box<[u8]>, Medium), DigestHash>,
     next_seq: u64,
     seen_dropped: u64,
 }
@@ -274,7 +308,7 @@ impl<'a> Batcher<'a> {
             shared,
             config,
             sink,
-            tracked: HashMap::new(),
+            tracked: HashMap::default(),
             next_seq: 0,
             seen_dropped: 0,
         }
@@ -286,30 +320,31 @@ impl<'a> Batcher<'a> {
             self.config.topic.as_bytes().to_vec(),
             vec![WireEvent::AllBlocksCleared],
         );
-        let mut pending: Vec<BlockEvent> = Vec::new();
-        let mut first_at = None::<Instant>;
+        // Polled, never waited on: a receiver blocked in the channel would
+        // make every put wake it (a futex call and a context switch per
+        // block on the data path); a poll every batch interval costs the
+        // puts nothing.
+        let interval = self.config.batch_interval.max(Duration::from_millis(1));
         loop {
             if self.shared.stop.load(Ordering::Acquire) {
                 return;
             }
-            let wait = match first_at {
-                Some(at) => self.config.batch_interval.saturating_sub(at.elapsed()),
-                None => Duration::from_millis(100),
-            };
-            let closed = match rx.recv_timeout(wait) {
-                Ok(e) => {
-                    first_at.get_or_insert_with(Instant::now);
-                    pending.push(e);
-                    pending.extend(rx.try_iter().take(self.config.max_batch_events * 4));
-                    false
+            std::thread::sleep(interval);
+            let mut pending: Vec<BlockEvent> = Vec::new();
+            let closed = loop {
+                match rx.try_recv() {
+                    Ok(e) => {
+                        pending.push(e);
+                        if pending.len() >= self.config.max_batch_events {
+                            self.flush(std::mem::take(&mut pending));
+                        }
+                    }
+                    Err(TryRecvError::Empty) => break false,
+                    Err(TryRecvError::Disconnected) => break true,
                 }
-                Err(RecvTimeoutError::Timeout) => false,
-                Err(RecvTimeoutError::Disconnected) => true,
             };
-            let due = first_at.is_some_and(|at| at.elapsed() >= self.config.batch_interval);
-            if due || closed || pending.len() >= self.config.max_batch_events {
-                self.flush(std::mem::take(&mut pending));
-                first_at = None;
+            if !pending.is_empty() {
+                self.flush(pending);
             }
             if closed {
                 return;
@@ -334,18 +369,22 @@ impl<'a> Batcher<'a> {
         let mut batch: Vec<WireEvent> = Vec::new();
         let mut count = 0usize;
         for event in events {
-            let Some((ns, key, stored, medium)) = self.resolve(event) else {
+            let Some((digest, qualified, stored, medium)) = self.resolve(event) else {
                 continue;
             };
-            if namespace.as_deref() != Some(&ns[..]) || count >= self.config.max_batch_events {
-                if let Some(ns) = namespace.take() {
-                    self.publish_ns(&ns, std::mem::take(&mut batch));
+            let Some((ns, key)) = split_qualified(&qualified) else {
+                continue;
+            };
+            if namespace.as_deref() != Some(ns) || count >= self.config.max_batch_events {
+                if let Some(done) = namespace.take() {
+                    self.publish_ns(&done, std::mem::take(&mut batch));
                 }
-                namespace = Some(ns);
+                namespace = Some(ns.to_vec());
                 count = 0;
             }
             count += 1;
             let name = medium_name(medium);
+            let key = key.to_vec();
             match (batch.last_mut(), stored) {
                 (
                     Some(WireEvent::BlockStored {
@@ -370,29 +409,27 @@ impl<'a> Batcher<'a> {
                     medium: name,
                 }),
             }
+            if stored
+                && (self.tracked.len() < self.config.tracked_blocks
+                    || self.tracked.contains_key(&digest))
+            {
+                self.tracked.insert(digest, (qualified, medium));
+            }
         }
         if let Some(ns) = namespace {
             self.publish_ns(&ns, batch);
         }
     }
 
-    /// (namespace, key, stored?, medium) of an event worth publishing.
-    fn resolve(&mut self, event: BlockEvent) -> Option<(Vec<u8>, Vec<u8>, bool, Medium)> {
+    /// (digest, qualified key, stored?, medium) of an event worth
+    /// publishing.
+    fn resolve(&mut self, event: BlockEvent) -> Option<(u128, Box<[u8]>, bool, Medium)> {
         match event {
             BlockEvent::Stored {
                 medium,
                 digest,
                 qualified,
-            } => {
-                let (ns, key) = split_qualified(&qualified)?;
-                let out = (ns.to_vec(), key.to_vec(), true, medium);
-                if self.tracked.len() < self.config.tracked_blocks
-                    || self.tracked.contains_key(&digest.0)
-                {
-                    self.tracked.insert(digest.0, (qualified, medium));
-                }
-                Some(out)
-            }
+            } => Some((digest.0, qualified.as_bytes().into(), true, medium)),
             BlockEvent::Removed { medium, digest } => {
                 let Some((qualified, announced)) = self.tracked.remove(&digest.0) else {
                     self.shared
@@ -406,8 +443,7 @@ impl<'a> Batcher<'a> {
                     self.tracked.insert(digest.0, (qualified, announced));
                     return None;
                 }
-                let (ns, key) = split_qualified(&qualified)?;
-                Some((ns.to_vec(), key.to_vec(), false, medium))
+                Some((digest.0, qualified, false, medium))
             }
         }
     }
@@ -745,13 +781,13 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvtier::KeyDigest;
+    use kvtier::{KeyDigest, QualifiedKey};
 
-    fn qualified(ns: &str, key: &[u8]) -> Box<[u8]> {
+    fn qualified(ns: &str, key: &[u8]) -> QualifiedKey {
         let mut q = vec![ns.len() as u8];
         q.extend_from_slice(ns.as_bytes());
         q.extend_from_slice(key);
-        q.into_boxed_slice()
+        QualifiedKey::new(&q).unwrap()
     }
 
     fn stored(ns: &str, key: &[u8], digest: u128, medium: Medium) -> BlockEvent {

@@ -5,7 +5,7 @@
 use super::{Inner, PutOptions, PutTier};
 use crate::config::FlushPolicy;
 use crate::error::{Error, Result};
-use crate::events::{BlockEvent, Medium};
+use crate::events::{BlockEvent, Medium, QualifiedKey};
 use crate::foreign::Source;
 use crate::index::Entry;
 use crate::key::{validate_key, KeyDigest, Namespace, ValueChecksum};
@@ -131,7 +131,7 @@ impl Inner {
             self.emit(|| BlockEvent::Stored {
                 medium: Medium::Memory,
                 digest,
-                qualified: ns.qualify(key),
+                qualified: QualifiedKey::of(ns, key),
             });
         }
         if to_disk && self.config.flush == FlushPolicy::WriteThrough {

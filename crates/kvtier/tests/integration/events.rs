@@ -18,7 +18,7 @@ fn stored_keys(events: &[BlockEvent], medium: Medium) -> Vec<Vec<u8>> {
                 medium: m,
                 qualified,
                 ..
-            } if *m == medium => Some(split_qualified(qualified).unwrap().1.to_vec()),
+            } if *m == medium => Some(split_qualified(qualified.as_bytes()).unwrap().1.to_vec()),
             _ => None,
         })
         .collect()
@@ -32,7 +32,10 @@ fn held(events: &[BlockEvent]) -> HashMap<u128, Vec<u8>> {
             BlockEvent::Stored {
                 digest, qualified, ..
             } => {
-                held.insert(digest.0, split_qualified(qualified).unwrap().1.to_vec());
+                held.insert(
+                    digest.0,
+                    split_qualified(qualified.as_bytes()).unwrap().1.to_vec(),
+                );
             }
             BlockEvent::Removed { digest, .. } => {
                 assert!(
