@@ -43,7 +43,28 @@ struct Etcd {
 }
 
 impl Etcd {
+    /// Starts `n` members. A port picked free can be taken by another
+    /// test before etcd binds it (the tests run in parallel): a member
+    /// that exits at start is retried on fresh ports, up to three times.
     fn start(dir: &Path, n: usize) -> Etcd {
+        for attempt in 1..=3 {
+            let mut etcd = Etcd::start_once(dir, n);
+            match etcd.wait_healthy_or_exited(&(0..n).collect::<Vec<_>>()) {
+                Ok(()) => return etcd,
+                Err(why) if attempt < 3 => {
+                    eprintln!("etcd start attempt {attempt}: {why}; retrying on fresh ports");
+                    for i in 0..n {
+                        etcd.kill_member(i);
+                        let _ = std::fs::remove_dir_all(dir.join(&etcd.names[i]));
+                    }
+                }
+                Err(why) => panic!("{why}"),
+            }
+        }
+        unreachable!("the last attempt panics")
+    }
+
+    fn start_once(dir: &Path, n: usize) -> Etcd {
         let names: Vec<String> = (0..n).map(|i| format!("etcd{i}")).collect();
         let clients: Vec<String> = (0..n)
             .map(|_| format!("http://127.0.0.1:{}", free_port()))
@@ -61,7 +82,6 @@ impl Etcd {
         for i in 0..n {
             etcd.start_member(i);
         }
-        etcd.wait_healthy(&(0..n).collect::<Vec<_>>());
         etcd
     }
 
@@ -112,6 +132,38 @@ impl Etcd {
 
     fn endpoints(&self) -> String {
         self.clients.join(",")
+    }
+
+    /// Waits (bounded) until the given members answer as healthy; an
+    /// error names a member whose process exited (its log says why).
+    fn wait_healthy_or_exited(&mut self, members: &[usize]) -> Result<(), String> {
+        let endpoints: Vec<String> = members.iter().map(|&i| self.clients[i].clone()).collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            for &i in members {
+                if let Some(Ok(Some(status))) = self.children[i].as_mut().map(|c| c.try_wait()) {
+                    let log =
+                        std::fs::read_to_string(self.dir.join(format!("{}.log", self.names[i])))
+                            .unwrap_or_default();
+                    let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+                    return Err(format!("etcd member {i} exited ({status}): {tail}"));
+                }
+            }
+            let status = Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .args(["--endpoints", &endpoints.join(","), "endpoint", "health"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("etcdctl (apt-get install etcd-client)");
+            if status.success() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("etcd members {members:?} never became healthy"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     /// Waits (bounded) until the given members answer as healthy.

@@ -10,7 +10,7 @@
 //! never waits on a reader: events go through a bounded channel, and one
 //! that does not fit is counted in [`EventSink::dropped`] and lost.
 
-use crate::key::{KeyDigest, Namespace, MAX_KEY_LEN, MAX_NAMESPACE_LEN};
+use crate::key::{KeyDigest, Namespace};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -24,49 +24,93 @@ pub enum Medium {
     Storage,
 }
 
-/// The longest qualified key: length byte, namespace, key.
-pub const MAX_QUALIFIED_LEN: usize = 1 + MAX_NAMESPACE_LEN + MAX_KEY_LEN;
+/// Key bytes an event holds inline; longer keys are boxed.
+const INLINE_KEY: usize = 46;
 
-/// A qualified key held inline, so that making an event allocates nothing
-/// on the put path (and nothing is freed on another thread).
+#[derive(Clone)]
+enum KeyBytes {
+    Inline { len: u8, bytes: [u8; INLINE_KEY] },
+    Heap(Box<[u8]>),
+}
+
+/// A block's namespace and key as an event carries them: the namespace
+/// shared with the store's own handle (a reference count, no copy) and
+/// the key inline when short (engine block hashes are 8 to 40 bytes), so
+/// that making an event on the put path allocates nothing and the event
+/// stays small (about 100 bytes: the channel's slots stay in cache).
 #[derive(Clone)]
 pub struct QualifiedKey {
-    len: u16,
-    bytes: [u8; MAX_QUALIFIED_LEN],
+    /// The namespace's length byte and name, as in a qualified key.
+    prefix: Arc<[u8]>,
+    key: KeyBytes,
 }
 
 impl QualifiedKey {
-    /// `None` if `qualified` is longer than any qualified key can be.
+    /// From a qualified key (see [`crate::split_qualified`]); `None` if it
+    /// is not one.
     pub fn new(qualified: &[u8]) -> Option<Self> {
-        let mut key = QualifiedKey {
-            len: u16::try_from(qualified.len()).ok()?,
-            bytes: [0; MAX_QUALIFIED_LEN],
-        };
-        key.bytes
-            .get_mut(..qualified.len())?
-            .copy_from_slice(qualified);
-        Some(key)
+        let (ns, key) = crate::key::split_qualified(qualified)?;
+        Some(QualifiedKey {
+            prefix: Arc::from(&qualified[..1 + ns.len()]),
+            key: KeyBytes::of(key),
+        })
     }
 
     pub(crate) fn of(ns: &Namespace, key: &[u8]) -> Self {
-        let prefix = ns.prefix();
-        let mut q = QualifiedKey {
-            len: (prefix.len() + key.len()) as u16,
-            bytes: [0; MAX_QUALIFIED_LEN],
-        };
-        q.bytes[..prefix.len()].copy_from_slice(prefix);
-        q.bytes[prefix.len()..prefix.len() + key.len()].copy_from_slice(key);
-        q
+        QualifiedKey {
+            prefix: ns.prefix_shared(),
+            key: KeyBytes::of(key),
+        }
     }
 
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes[..usize::from(self.len)]
+    /// From a namespace prefix already shared (the flusher reuses one
+    /// across a batch) and a key.
+    pub(crate) fn with_prefix(prefix: Arc<[u8]>, key: &[u8]) -> Self {
+        QualifiedKey {
+            prefix,
+            key: KeyBytes::of(key),
+        }
+    }
+
+    /// The namespace's name.
+    pub fn namespace(&self) -> &[u8] {
+        &self.prefix[1..]
+    }
+
+    pub fn key(&self) -> &[u8] {
+        match &self.key {
+            KeyBytes::Inline { len, bytes } => &bytes[..usize::from(*len)],
+            KeyBytes::Heap(b) => b,
+        }
+    }
+
+    /// The qualified key: length byte, namespace, key.
+    pub fn to_qualified(&self) -> Box<[u8]> {
+        let mut q = Vec::with_capacity(self.prefix.len() + self.key().len());
+        q.extend_from_slice(&self.prefix);
+        q.extend_from_slice(self.key());
+        q.into()
+    }
+}
+
+impl KeyBytes {
+    fn of(key: &[u8]) -> Self {
+        if key.len() <= INLINE_KEY {
+            let mut bytes = [0; INLINE_KEY];
+            bytes[..key.len()].copy_from_slice(key);
+            KeyBytes::Inline {
+                len: key.len() as u8,
+                bytes,
+            }
+        } else {
+            KeyBytes::Heap(key.into())
+        }
     }
 }
 
 impl PartialEq for QualifiedKey {
     fn eq(&self, other: &Self) -> bool {
-        self.as_bytes() == other.as_bytes()
+        self.prefix == other.prefix && self.key() == other.key()
     }
 }
 
@@ -74,20 +118,17 @@ impl Eq for QualifiedKey {}
 
 impl std::fmt::Debug for QualifiedKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("QualifiedKey")
-            .field(&String::from_utf8_lossy(self.as_bytes()))
+        f.debug_struct("QualifiedKey")
+            .field("namespace", &String::from_utf8_lossy(self.namespace()))
+            .field("key", &String::from_utf8_lossy(self.key()))
             .finish()
     }
 }
 
 /// One change to the set of blocks this store can serve.
-// The key is inline on purpose (see `QualifiedKey`): events are moved by
-// value through a preallocated channel, never boxed.
-#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BlockEvent {
-    /// The block under `qualified` (namespace and key, see
-    /// [`crate::split_qualified`]) is held in `medium`.
+    /// The block `qualified` names is held in `medium`.
     Stored {
         medium: Medium,
         digest: KeyDigest,
@@ -147,6 +188,21 @@ impl EventSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn qualified_keys_round_trip_short_and_long() {
+        for len in [1usize, 46, 47, 256] {
+            let key: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let mut q = vec![3u8];
+            q.extend_from_slice(b"abc");
+            q.extend_from_slice(&key);
+            let k = QualifiedKey::new(&q).unwrap();
+            assert_eq!((k.namespace(), k.key()), (&b"abc"[..], &key[..]));
+            assert_eq!(&k.to_qualified()[..], &q[..]);
+        }
+        assert!(QualifiedKey::new(&[9, b'a']).is_none());
+        assert!(std::mem::size_of::<BlockEvent>() <= 112);
+    }
 
     #[test]
     fn a_full_channel_drops_and_counts_without_waiting() {

@@ -251,13 +251,17 @@ impl Flusher {
         let first_seq = self.log.next_seq();
         let outcome = match disk.write_batch(&mut batch, first_seq) {
             Ok(locs) => {
+                let mut shared_prefix = PrefixCache::default();
                 for ((digest, seq, checksum, slot, key), loc) in written_puts.iter().zip(locs) {
                     let current = self
                         .index
                         .lock(*digest)
                         .set_disk(*digest, *seq, loc, *checksum);
                     slot.set_evictable();
-                    let announce = current.then(|| QualifiedKey::new(key)).flatten();
+                    let announce = match (current, &self.events) {
+                        (true, Some(_)) => shared_prefix.key(key),
+                        _ => None,
+                    };
                     if let (Some(qualified), Some(events)) = (announce, &self.events) {
                         // Durable and still this key's value: announced.
                         events.emit(BlockEvent::Stored {
@@ -301,6 +305,27 @@ impl Flusher {
                 slot.set_evictable();
             }
         }
+    }
+}
+
+/// The namespace prefix of the last key announced, shared by the events
+/// of a batch's keys of one namespace (most batches hold one).
+#[derive(Default)]
+struct PrefixCache(Option<Arc<[u8]>>);
+
+impl PrefixCache {
+    fn key(&mut self, qualified: &[u8]) -> Option<QualifiedKey> {
+        let (ns, key) = crate::key::split_qualified(qualified)?;
+        let prefix = &qualified[..1 + ns.len()];
+        let shared = match &self.0 {
+            Some(p) if &p[..] == prefix => Arc::clone(p),
+            _ => {
+                let p: Arc<[u8]> = Arc::from(prefix);
+                self.0 = Some(Arc::clone(&p));
+                p
+            }
+        };
+        Some(QualifiedKey::with_prefix(shared, key))
     }
 }
 

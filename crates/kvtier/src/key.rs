@@ -113,7 +113,8 @@ impl std::fmt::Debug for KeySecret {
 pub struct Namespace {
     secret: Arc<KeySecret>,
     /// The namespace's length byte and name: the qualified key's prefix.
-    prefix: Box<[u8]>,
+    /// Shared, so that block events name the namespace without a copy.
+    prefix: Arc<[u8]>,
 }
 
 impl Namespace {
@@ -146,9 +147,10 @@ impl Namespace {
         ))
     }
 
-    /// The namespace's length byte and name: a qualified key's start.
-    pub(crate) fn prefix(&self) -> &[u8] {
-        &self.prefix
+    /// The namespace's length byte and name (a qualified key's start),
+    /// shared.
+    pub(crate) fn prefix_shared(&self) -> Arc<[u8]> {
+        Arc::clone(&self.prefix)
     }
 
     /// The qualified key a batch record stores: the namespace's length byte

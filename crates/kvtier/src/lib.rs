@@ -53,7 +53,7 @@ pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
 pub use disk::{DiskLocation, RecoveryReport};
 pub use error::{Error, ErrorKind, Result};
-pub use events::{BlockEvent, EventSink, Medium, QualifiedKey, MAX_QUALIFIED_LEN};
+pub use events::{BlockEvent, EventSink, Medium, QualifiedKey};
 pub use foreign::ForeignSegments;
 pub use io::AlignedBuf;
 pub use key::{

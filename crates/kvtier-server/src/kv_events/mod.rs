@@ -429,7 +429,7 @@ impl<'a> Batcher<'a> {
                 medium,
                 digest,
                 qualified,
-            } => Some((digest.0, qualified.as_bytes().into(), true, medium)),
+            } => Some((digest.0, qualified.to_qualified(), true, medium)),
             BlockEvent::Removed { medium, digest } => {
                 let Some((qualified, announced)) = self.tracked.remove(&digest.0) else {
                     self.shared

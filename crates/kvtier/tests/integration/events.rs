@@ -2,7 +2,7 @@
 //! together they describe exactly the blocks the store can serve.
 
 use crate::common::{key, open, small_config, value_for, KIB, MIB};
-use kvtier::{split_qualified, BlockEvent, Config, EventSink, FlushPolicy, Medium, Store};
+use kvtier::{BlockEvent, Config, EventSink, FlushPolicy, Medium, Store};
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 
@@ -18,7 +18,7 @@ fn stored_keys(events: &[BlockEvent], medium: Medium) -> Vec<Vec<u8>> {
                 medium: m,
                 qualified,
                 ..
-            } if *m == medium => Some(split_qualified(qualified.as_bytes()).unwrap().1.to_vec()),
+            } if *m == medium => Some(qualified.key().to_vec()),
             _ => None,
         })
         .collect()
@@ -32,10 +32,7 @@ fn held(events: &[BlockEvent]) -> HashMap<u128, Vec<u8>> {
             BlockEvent::Stored {
                 digest, qualified, ..
             } => {
-                held.insert(
-                    digest.0,
-                    split_qualified(qualified.as_bytes()).unwrap().1.to_vec(),
-                );
+                held.insert(digest.0, qualified.key().to_vec());
             }
             BlockEvent::Removed { digest, .. } => {
                 assert!(
