@@ -167,25 +167,9 @@ impl Etcd {
     }
 
     /// Waits (bounded) until the given members answer as healthy.
-    fn wait_healthy(&self, members: &[usize]) {
-        let endpoints: Vec<&str> = members.iter().map(|&i| self.clients[i].as_str()).collect();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let status = Command::new("etcdctl")
-                .env("ETCDCTL_API", "3")
-                .args(["--endpoints", &endpoints.join(","), "endpoint", "health"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .expect("etcdctl (apt-get install etcd-client)");
-            if status.success() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "etcd members {members:?} never became healthy"
-            );
-            std::thread::sleep(Duration::from_millis(200));
+    fn wait_healthy(&mut self, members: &[usize]) {
+        if let Err(why) = self.wait_healthy_or_exited(members) {
+            panic!("{why}");
         }
     }
 

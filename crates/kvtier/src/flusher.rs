@@ -258,17 +258,15 @@ impl Flusher {
                         .lock(*digest)
                         .set_disk(*digest, *seq, loc, *checksum);
                     slot.set_evictable();
-                    let announce = match (current, &self.events) {
-                        (true, Some(_)) => shared_prefix.key(key),
-                        _ => None,
-                    };
-                    if let (Some(qualified), Some(events)) = (announce, &self.events) {
-                        // Durable and still this key's value: announced.
-                        events.emit(BlockEvent::Stored {
-                            medium: Medium::Storage,
-                            digest: *digest,
-                            qualified,
-                        });
+                    // Durable and still this key's value: announced.
+                    if let (true, Some(events)) = (current, &self.events) {
+                        if let Some(qualified) = shared_prefix.key(key) {
+                            events.emit(BlockEvent::Stored {
+                                medium: Medium::Storage,
+                                digest: *digest,
+                                qualified,
+                            });
+                        }
                     }
                 }
                 Counters::add(&self.counters.flushed_batches, 1);
