@@ -19,34 +19,75 @@ pub const LOCK_FILE: &str = "LOCK";
 pub struct DirLock {
     dir: File,
     _file: File,
-    /// The directory's identity in `LIVE`.
-    id: (u64, u64),
+    _live: LiveLock,
 }
 
-/// The directories this process holds a `DirLock` on now, by (device,
-/// inode). A lock held under this process's own pid for a directory not
-/// in here belongs to a store this process already closed: its io_uring
-/// rings drop their reference to the directory asynchronously, a moment
-/// after the close.
+/// The locks this process's stores hold now, by (device, inode) of the
+/// locked file or directory. A lock held under this process's own pid
+/// that is not in here belongs to a store this process already closed:
+/// its io_uring rings drop their reference to the directory
+/// asynchronously, a moment after the close, and a child being spawned
+/// holds a copy of every descriptor from its fork until its exec closes
+/// them (the `flock` lives on that copy meanwhile).
 static LIVE: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
 
 /// How long an opener waits for a lock whose holder has exited (its
 /// io_uring writes may still be landing, see `IoEngine::hold_until_idle`)
-/// or was a store this process closed (its rings let go of the directory
-/// asynchronously).
-const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+/// or was a store this process closed (its rings, or a child between fork
+/// and exec, let go of the lock a moment later).
+pub(crate) const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Marks the lock on a file or directory as held by a live store of this
+/// process until dropped (see `LIVE`).
+#[derive(Debug)]
+pub(crate) struct LiveLock {
+    id: (u64, u64),
+}
+
+impl LiveLock {
+    pub(crate) fn register(id: (u64, u64)) -> Self {
+        LIVE.lock().unwrap().push(id);
+        LiveLock { id }
+    }
+}
+
+impl Drop for LiveLock {
+    fn drop(&mut self) {
+        let mut live = LIVE.lock().unwrap();
+        if let Some(i) = live.iter().position(|&id| id == self.id) {
+            live.swap_remove(i);
+        }
+    }
+}
+
+/// (device, inode) of an open file or directory.
+pub(crate) fn file_id(file: &File) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata()?;
+    Ok((meta.dev(), meta.ino()))
+}
+
+/// Whether process `pid` of this host has let go of the lock `id`: it
+/// exited, or it is this process and none of its stores holds the lock
+/// now (what still holds it goes away by itself: see `LIVE`).
+pub(crate) fn pid_has_let_go(pid: i32, id: (u64, u64)) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    if pid as u32 == std::process::id() {
+        return !LIVE.lock().unwrap().contains(&id);
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
 
 impl DirLock {
     pub fn acquire(data_dir: &Path) -> Result<Self> {
         let dir = File::open(data_dir)
             .map_err(|e| Error::io(format!("opening {}", data_dir.display()), e))?;
-        let id = {
-            use std::os::unix::fs::MetadataExt;
-            let meta = dir
-                .metadata()
-                .map_err(|e| Error::io(format!("reading {}", data_dir.display()), e))?;
-            (meta.dev(), meta.ino())
-        };
+        let id =
+            file_id(&dir).map_err(|e| Error::io(format!("reading {}", data_dir.display()), e))?;
         let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
         let mut waited = false;
         loop {
@@ -81,11 +122,10 @@ impl DirLock {
             .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
             .and_then(|()| file.write_all(pid.as_bytes()))
             .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-        LIVE.lock().unwrap().push(id);
         Ok(DirLock {
             dir,
             _file: file,
-            id,
+            _live: LiveLock::register(id),
         })
     }
 
@@ -96,15 +136,6 @@ impl DirLock {
     }
 }
 
-impl Drop for DirLock {
-    fn drop(&mut self) {
-        let mut live = LIVE.lock().unwrap();
-        if let Some(i) = live.iter().position(|&id| id == self.id) {
-            live.swap_remove(i);
-        }
-    }
-}
-
 /// Whether the pid `LOCK` names has let go of the directory: a process
 /// that exited (it leaves its pid there), or this process when none of its
 /// stores holds the directory now.
@@ -112,18 +143,9 @@ fn holder_has_let_go(data_dir: &Path, id: (u64, u64)) -> bool {
     let Ok(text) = std::fs::read_to_string(data_dir.join(LOCK_FILE)) else {
         return false;
     };
-    let Ok(pid) = text.trim().parse::<i32>() else {
-        return false;
-    };
-    if pid <= 0 {
-        return false;
-    }
-    if pid as u32 == std::process::id() {
-        return !LIVE.lock().unwrap().contains(&id);
-    }
-    // SAFETY: signal 0 only checks that the process exists.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    text.trim()
+        .parse::<i32>()
+        .is_ok_and(|pid| pid_has_let_go(pid, id))
 }
 
 /// Takes `flock(LOCK_EX | LOCK_NB)` on `file` (which is `path`); if another

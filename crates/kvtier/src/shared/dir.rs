@@ -12,6 +12,7 @@
 use crate::data_dir::{self, KEY_CHECK_FILE, KEY_SECRET_FILE};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::KeySecret;
+use crate::lock::{file_id, pid_has_let_go, LiveLock, DEAD_HOLDER_WAIT};
 use crate::private::FILE_MODE;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -37,7 +38,15 @@ pub struct SharedDir {
     pub writer_dir: PathBuf,
     /// Held for the store's life: a second process with the same node id
     /// (a copied data directory) must not write this log too.
-    _writer_lock: Option<File>,
+    _writer_lock: Option<WriterLock>,
+}
+
+/// The writer directory's `flock`ed lock file, registered as held by a
+/// live store of this process (`crate::lock::LiveLock`).
+#[derive(Debug)]
+struct WriterLock {
+    _file: File,
+    _live: LiveLock,
 }
 
 impl SharedDir {
@@ -186,7 +195,14 @@ fn link_into_place(root: &Path, name: &str, bytes: &[u8], node_id: &str) -> Resu
 /// `flock`s the writer directory's lock file. A file system without
 /// `flock` (some NFS setups) is run without the lock, with a warning: the
 /// node id in `data_dir` is then the only thing that keeps writers apart.
-fn lock_writer(writer_dir: &Path) -> Result<Option<File>> {
+///
+/// A lock whose holder (per the file's `pid N on HOST` line) is a process
+/// of this host that has let go of it (it exited, or it is a store this
+/// process closed: see `crate::lock::LiveLock`) is waited for, up to
+/// `DEAD_HOLDER_WAIT`: what still holds it then (a child between fork and
+/// exec, a closing ring) lets go by itself. A holder on another host is
+/// refused at once.
+fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
     let path = writer_dir.join(WRITER_LOCK_FILE);
     let mut file = OpenOptions::new()
         .read(true)
@@ -196,14 +212,28 @@ fn lock_writer(writer_dir: &Path) -> Result<Option<File>> {
         .mode(FILE_MODE)
         .open(&path)
         .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-    // SAFETY: flock on a descriptor this function owns.
-    let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if locked != 0 {
+    let id = file_id(&file).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
+    let mut waited = false;
+    loop {
+        // SAFETY: flock on a descriptor this function owns.
+        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if locked == 0 {
+            break;
+        }
         let e = std::io::Error::last_os_error();
-        return match e.raw_os_error() {
+        match e.raw_os_error() {
             Some(libc::EWOULDBLOCK) => {
                 let holder = fs::read_to_string(&path).unwrap_or_default();
-                Err(Error::new(
+                if holder_on_this_host_let_go(&holder, id) && std::time::Instant::now() < deadline {
+                    if !waited {
+                        waited = true;
+                        tracing::warn!(path = %path.display(), "the writer lock's last holder has exited or closed its store, but the lock is still held (a child process between fork and exec?); waiting for it");
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    continue;
+                }
+                return Err(Error::new(
                     ErrorKind::Locked,
                     format!(
                         "{} is held by another process ({}): another store writes this node's \
@@ -212,19 +242,35 @@ fn lock_writer(writer_dir: &Path) -> Result<Option<File>> {
                         path.display(),
                         holder.trim()
                     ),
-                ))
+                ));
             }
             Some(libc::ENOSYS | libc::EOPNOTSUPP | libc::ENOLCK) => {
                 tracing::warn!(path = %path.display(), error = %e, "the shared file system does not lock files; running without the writer lock (make sure no two nodes share a node id)");
-                Ok(None)
+                return Ok(None);
             }
-            _ => Err(Error::io(format!("locking {}", path.display()), e)),
-        };
+            _ => return Err(Error::io(format!("locking {}", path.display()), e)),
+        }
     }
     let holder = format!("pid {} on {}\n", std::process::id(), host_name());
     let _ = file.set_len(0);
     let _ = file.write_all(holder.as_bytes());
-    Ok(Some(file))
+    Ok(Some(WriterLock {
+        _file: file,
+        _live: LiveLock::register(id),
+    }))
+}
+
+/// Whether the holder line `pid N on HOST` names a process of this host
+/// that has let go of the lock `id`.
+fn holder_on_this_host_let_go(holder: &str, id: (u64, u64)) -> bool {
+    let Some((pid, host)) = holder
+        .trim()
+        .strip_prefix("pid ")
+        .and_then(|rest| rest.split_once(" on "))
+    else {
+        return false;
+    };
+    host == host_name() && pid.parse::<i32>().is_ok_and(|pid| pid_has_let_go(pid, id))
 }
 
 /// This host's name, for the lock holder's line.
@@ -280,6 +326,61 @@ mod tests {
         assert_eq!(second.kind(), ErrorKind::Locked, "{second}");
         drop(first);
         SharedDir::open(dir.path(), &id).unwrap();
+    }
+
+    /// A store of this process closed while a copy of its lock's
+    /// descriptor lives on (a child spawned by another thread holds one
+    /// from fork to exec): reopening waits for the copy to go instead of
+    /// refusing the node its own log. CI saw the refusal once.
+    #[test]
+    fn reopening_waits_for_a_lingering_copy_of_a_closed_stores_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 3);
+        let first = SharedDir::open(dir.path(), &id).unwrap().0;
+        let lock = first._writer_lock.as_ref().unwrap();
+        // SAFETY: dup of a descriptor the test owns; closed below.
+        let copy = unsafe { libc::dup(lock._file.as_raw_fd()) };
+        assert!(copy >= 0);
+        drop(first);
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            // SAFETY: the duplicate made above, closed once.
+            unsafe { libc::close(copy) };
+        });
+        SharedDir::open(dir.path(), &id).expect("the lock is free once the copy closes");
+        closer.join().unwrap();
+    }
+
+    /// Only a holder of this host is waited for, and only one that has
+    /// let go: a process of another host may be alive (nothing here can
+    /// tell), and a live store of this process keeps its lock.
+    #[test]
+    fn only_a_holder_of_this_host_that_let_go_is_waited_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 4);
+        let first = SharedDir::open(dir.path(), &id).unwrap().0;
+        let lock = first._writer_lock.as_ref().unwrap();
+        let lock_id = file_id(&lock._file).unwrap();
+        let me = std::process::id();
+        let here = host_name();
+        assert!(!holder_on_this_host_let_go(
+            &format!("pid {me} on {here}\n"),
+            lock_id
+        ));
+        drop(first);
+        assert!(holder_on_this_host_let_go(
+            &format!("pid {me} on {here}\n"),
+            lock_id
+        ));
+        assert!(!holder_on_this_host_let_go(
+            &format!("pid {me} on another-host\n"),
+            lock_id
+        ));
+        assert!(!holder_on_this_host_let_go("", lock_id));
+        assert!(!holder_on_this_host_let_go(
+            &format!("pid x on {here}"),
+            lock_id
+        ));
     }
 
     #[test]
