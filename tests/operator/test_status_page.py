@@ -1,6 +1,7 @@
 """The status page, rendered by headless Chromium: what it shows must be
 what /stats and /stats/history report."""
 
+import decimal
 import html.parser
 import http.server
 import subprocess
@@ -68,13 +69,20 @@ def lookup(stats, key):
     return value
 
 
+def to_fixed(x, digits):
+    """JavaScript's Number.prototype.toFixed: the exact binary value, a tie
+    rounded away from zero (13.25 -> "13.3"; Python's format gives "13.2")."""
+    step = decimal.Decimal(1).scaleb(-digits)
+    return str(decimal.Decimal(x).quantize(step, rounding=decimal.ROUND_HALF_UP))
+
+
 def bytes_text(n):
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
     value, unit = float(n), 0
     while abs(value) >= 1024 and unit < len(units) - 1:
         value /= 1024
         unit += 1
-    return f"{n} B" if unit == 0 else f"{value:.1f} {units[unit]}"
+    return f"{n} B" if unit == 0 else f"{to_fixed(value, 1)} {units[unit]}"
 
 
 # Values that cannot change once the traffic has stopped and been flushed.
@@ -93,7 +101,7 @@ def expected_text(value, kind):
     if kind == "bytes":
         return bytes_text(value)
     if kind == "percent":
-        return f"{value * 100:.1f}%"
+        return f"{to_fixed(value * 100, 1)}%"
     return f"{value:,}"
 
 
@@ -116,7 +124,7 @@ def test_page_shows_what_the_stats_report(server):
         assert node["text"].strip() == expected_text(value, kind), (key, node["text"], value)
     # Tier fill bars and figures.
     fill = stats["store"]["memory_bytes"] / stats["store"]["memory_capacity"]
-    assert dom.by_key["derived.memory_fill"]["text"].strip() == f"{fill * 100:.1f}%"
+    assert dom.by_key["derived.memory_fill"]["text"].strip() == f"{to_fixed(fill * 100, 1)}%"
     width = dom.by_id["memory-fill"]["attrs"]["style"].split("width:")[1].split("%")[0]
     assert abs(float(width) - min(100, fill * 100)) < 0.01, (width, fill)
     # Charts: one line per series, as many points as the history held when
