@@ -300,4 +300,116 @@ mod tests {
         assert_eq!(&pong[2..], b"\x04PONGctx");
         assert!(pong_for(b"\x05READY").unwrap().is_none());
     }
+
+    /// A peer that sends fixed bytes and swallows what it is sent.
+    struct Peer {
+        sends: io::Cursor<Vec<u8>>,
+        received: Vec<u8>,
+    }
+
+    impl Read for Peer {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.sends.read(buf)
+        }
+    }
+
+    impl Write for Peer {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.received.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What a peer may send: anything, or a good greeting then anything,
+    /// or a good greeting and a READY naming any socket type, then
+    /// anything (the parser sees every layer's bytes mutated).
+    fn peer_bytes() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        let tail = proptest::collection::vec(any::<u8>(), 0..300);
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..400),
+            tail.clone().prop_map(|t| [&greeting()[..], &t].concat()),
+            (
+                prop_oneof![
+                    Just("DEALER".to_string()),
+                    Just("SUB".to_string()),
+                    "[A-Za-z]{0,12}"
+                ],
+                tail,
+                any::<usize>(),
+                any::<u8>()
+            )
+                .prop_map(|(kind, t, at, flip)| {
+                    let mut b = [&greeting()[..], &ready(&kind), &t].concat();
+                    // One byte somewhere changed (often to itself).
+                    let at = at % b.len();
+                    b[at] ^= flip & 1;
+                    b
+                }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Any bytes read as frames: never a panic, never a body past the
+        /// limit, and every frame read encodes back to one that reads the
+        /// same.
+        #[test]
+        fn any_bytes_read_as_frames_stay_in_their_limits(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..700),
+            max_len in 0usize..300,
+        ) {
+            let mut r = &bytes[..];
+            while let Ok(frame) = read_frame(&mut r, max_len) {
+                let mut again = Vec::new();
+                match &frame {
+                    Frame::Command(body) => {
+                        proptest::prop_assert!(body.len() <= max_len);
+                        put_frame(&mut again, body, false, true);
+                    }
+                    Frame::Message { more, body } => {
+                        proptest::prop_assert!(body.len() <= max_len);
+                        put_frame(&mut again, body, *more, false);
+                    }
+                }
+                proptest::prop_assert_eq!(read_frame(&mut &again[..], max_len).unwrap(), frame);
+            }
+        }
+
+        /// A handshake with any peer: never a panic; it succeeds exactly
+        /// when the peer greeted as ZMTP 3 NULL and said READY as an
+        /// accepted type, and we never send more than greeting, READY and
+        /// one ERROR.
+        #[test]
+        fn a_handshake_with_any_peer_succeeds_only_with_an_accepted_one(bytes in peer_bytes()) {
+            let mut peer = Peer { sends: io::Cursor::new(bytes.clone()), received: Vec::new() };
+            let result = handshake(&mut peer, "PUB", &["SUB", "XSUB"]);
+            proptest::prop_assert!(peer.received.len() <= GREETING_LEN + ready("PUB").len() + 2 + 1 + 5 + 1 + 255);
+            if let Ok(kind) = result {
+                proptest::prop_assert!(kind.eq_ignore_ascii_case("SUB") || kind.eq_ignore_ascii_case("XSUB"));
+                let greeting: [u8; GREETING_LEN] = bytes[..GREETING_LEN].try_into().unwrap();
+                proptest::prop_assert!(check_greeting(&greeting).is_ok());
+            }
+        }
+
+        /// Commands of any bytes: names and properties are bounds-checked,
+        /// and a PONG echoes at most 16 bytes of context.
+        #[test]
+        fn commands_of_any_bytes_are_bounds_checked(
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+        ) {
+            if let Ok((name, data)) = split_command(&body) {
+                proptest::prop_assert_eq!(1 + name.len() + data.len(), body.len());
+                proptest::prop_assert_eq!(usize::from(body[0]), name.len());
+            }
+            if let Ok(kind) = ready_socket_type(&body) {
+                proptest::prop_assert!(kind.len() <= body.len());
+            }
+            if let Ok(Some(pong)) = pong_for(&body) {
+                proptest::prop_assert!(pong.len() <= 2 + 5 + 16);
+            }
+        }
+    }
 }
