@@ -35,7 +35,7 @@ static LIVE: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new(
 /// io_uring writes may still be landing, see `IoEngine::hold_until_idle`)
 /// or was a store this process closed (its rings, or a child between fork
 /// and exec, let go of the lock a moment later).
-pub(crate) const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+const DEAD_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Marks the lock on a file or directory as held by a live store of this
 /// process until dropped (see `LIVE`).
@@ -82,31 +82,67 @@ pub(crate) fn pid_has_let_go(pid: i32, id: (u64, u64)) -> bool {
     rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
+/// The most of a holder line read back (`LOCK` files are one short line;
+/// a damaged or planted one is not read whole).
+const MAX_HOLDER_LINE: u64 = 256;
+
+/// The holder line of lock file `path` (empty if unreadable), at most
+/// `MAX_HOLDER_LINE` bytes.
+pub(crate) fn read_holder(path: &Path) -> String {
+    use std::io::Read;
+    let mut line = Vec::new();
+    let _ = File::open(path).and_then(|f| f.take(MAX_HOLDER_LINE).read_to_end(&mut line));
+    String::from_utf8_lossy(&line).into_owned()
+}
+
+/// `flock(LOCK_EX | LOCK_NB)` on `file`.
+fn flock_exclusive(file: &File) -> std::io::Result<()> {
+    // SAFETY: flock on a descriptor the caller owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Locks `file` (which is `what`) like `flock_exclusive`, trying again
+/// every 10 ms, up to `DEAD_HOLDER_WAIT` with one warning, while it is
+/// held and `holder_let_go` says the holder has let go (see `LIVE`: what
+/// still holds the lock then goes away by itself). Returns the last
+/// `flock` error otherwise.
+pub(crate) fn flock_waiting_for_let_go(
+    file: &File,
+    what: &Path,
+    holder_let_go: impl Fn() -> bool,
+) -> std::io::Result<()> {
+    let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
+    let mut waited = false;
+    loop {
+        match flock_exclusive(file) {
+            Err(e)
+                if e.raw_os_error() == Some(libc::EWOULDBLOCK)
+                    && holder_let_go()
+                    && std::time::Instant::now() < deadline =>
+            {
+                if !waited {
+                    waited = true;
+                    tracing::warn!(path = %what.display(), "the lock's last holder has exited or closed its store, but the lock is still held (its io_uring rings, or a child process between fork and exec); waiting for it");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            result => return result,
+        }
+    }
+}
+
 impl DirLock {
     pub fn acquire(data_dir: &Path) -> Result<Self> {
         let dir = File::open(data_dir)
             .map_err(|e| Error::io(format!("opening {}", data_dir.display()), e))?;
         let id =
             file_id(&dir).map_err(|e| Error::io(format!("reading {}", data_dir.display()), e))?;
-        let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
-        let mut waited = false;
-        loop {
-            match lock_exclusive(&dir, data_dir, data_dir) {
-                Ok(()) => break,
-                Err(e)
-                    if e.kind() == ErrorKind::Locked
-                        && holder_has_let_go(data_dir, id)
-                        && std::time::Instant::now() < deadline =>
-                {
-                    if !waited {
-                        waited = true;
-                        tracing::warn!(dir = %data_dir.display(), "the data directory's last holder has exited or closed it, but its io_uring rings still hold the lock; waiting for them");
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        flock_waiting_for_let_go(&dir, data_dir, || holder_has_let_go(data_dir, id))
+            .map_err(|e| refusal(e, data_dir, data_dir))?;
         let path = data_dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
             .read(true)
@@ -116,7 +152,7 @@ impl DirLock {
             .mode(crate::private::FILE_MODE)
             .open(&path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        lock_exclusive(&file, &path, data_dir)?;
+        flock_exclusive(&file).map_err(|e| refusal(e, &path, data_dir))?;
         let pid = std::process::id().to_string();
         file.set_len(0)
             .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
@@ -140,36 +176,28 @@ impl DirLock {
 /// that exited (it leaves its pid there), or this process when none of its
 /// stores holds the directory now.
 fn holder_has_let_go(data_dir: &Path, id: (u64, u64)) -> bool {
-    let Ok(text) = std::fs::read_to_string(data_dir.join(LOCK_FILE)) else {
-        return false;
-    };
-    text.trim()
+    read_holder(&data_dir.join(LOCK_FILE))
+        .trim()
         .parse::<i32>()
         .is_ok_and(|pid| pid_has_let_go(pid, id))
 }
 
-/// Takes `flock(LOCK_EX | LOCK_NB)` on `file` (which is `path`); if another
-/// holds it, a `Locked` error naming the holder's pid as `LOCK` says it.
-fn lock_exclusive(file: &File, path: &Path, data_dir: &Path) -> Result<()> {
-    // SAFETY: flock on a file descriptor we own.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(());
-    }
-    let err = std::io::Error::last_os_error();
+/// The error for a failed `flock` of `path` (in `data_dir`): held by
+/// another, a `Locked` error naming the holder's pid as `LOCK` says it.
+fn refusal(err: std::io::Error, path: &Path, data_dir: &Path) -> Error {
     if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
-        return Err(Error::io(format!("locking {}", path.display()), err));
+        return Error::io(format!("locking {}", path.display()), err);
     }
     let lock_file = data_dir.join(LOCK_FILE);
-    let holder = std::fs::read_to_string(&lock_file).unwrap_or_default();
+    let holder = read_holder(&lock_file);
     let holder = holder.trim();
     let holder = if holder.is_empty() { "unknown" } else { holder };
-    Err(Error::new(
+    Error::new(
         ErrorKind::Locked,
         format!(
             "data directory {} is in use by another process (pid {holder}, per {})",
             data_dir.display(),
             lock_file.display()
         ),
-    ))
+    )
 }

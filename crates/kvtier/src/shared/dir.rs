@@ -12,12 +12,11 @@
 use crate::data_dir::{self, KEY_CHECK_FILE, KEY_SECRET_FILE};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::KeySecret;
-use crate::lock::{file_id, pid_has_let_go, LiveLock, DEAD_HOLDER_WAIT};
+use crate::lock::{file_id, flock_waiting_for_let_go, pid_has_let_go, read_holder, LiveLock};
 use crate::private::FILE_MODE;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 /// The format this build writes and reads.
@@ -199,9 +198,9 @@ fn link_into_place(root: &Path, name: &str, bytes: &[u8], node_id: &str) -> Resu
 /// A lock whose holder (per the file's `pid N on HOST` line) is a process
 /// of this host that has let go of it (it exited, or it is a store this
 /// process closed: see `crate::lock::LiveLock`) is waited for, up to
-/// `DEAD_HOLDER_WAIT`: what still holds it then (a child between fork and
-/// exec, a closing ring) lets go by itself. A holder on another host is
-/// refused at once.
+/// 30 s (`crate::lock::flock_waiting_for_let_go`): what still holds it
+/// then (a child between fork and exec, a closing ring) lets go by
+/// itself. A holder on another host is refused at once.
 fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
     let path = writer_dir.join(WRITER_LOCK_FILE);
     let mut file = OpenOptions::new()
@@ -213,43 +212,27 @@ fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
         .open(&path)
         .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
     let id = file_id(&file).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-    let deadline = std::time::Instant::now() + DEAD_HOLDER_WAIT;
-    let mut waited = false;
-    loop {
-        // SAFETY: flock on a descriptor this function owns.
-        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if locked == 0 {
-            break;
-        }
-        let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) => {
-                let holder = fs::read_to_string(&path).unwrap_or_default();
-                if holder_on_this_host_let_go(&holder, id) && std::time::Instant::now() < deadline {
-                    if !waited {
-                        waited = true;
-                        tracing::warn!(path = %path.display(), "the writer lock's last holder has exited or closed its store, but the lock is still held (a child process between fork and exec?); waiting for it");
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    continue;
-                }
-                return Err(Error::new(
-                    ErrorKind::Locked,
-                    format!(
-                        "{} is held by another process ({}): another store writes this node's \
-                         log (two data directories with one node-id, copied?). Give each node \
-                         its own data directory",
-                        path.display(),
-                        holder.trim()
-                    ),
-                ));
-            }
+    let locked = flock_waiting_for_let_go(&file, &path, || {
+        holder_on_this_host_let_go(&read_holder(&path), id)
+    });
+    if let Err(e) = locked {
+        return match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => Err(Error::new(
+                ErrorKind::Locked,
+                format!(
+                    "{} is held by another process ({}): another store writes this node's \
+                     log (two data directories with one node-id, copied?). Give each node \
+                     its own data directory",
+                    path.display(),
+                    read_holder(&path).trim()
+                ),
+            )),
             Some(libc::ENOSYS | libc::EOPNOTSUPP | libc::ENOLCK) => {
                 tracing::warn!(path = %path.display(), error = %e, "the shared file system does not lock files; running without the writer lock (make sure no two nodes share a node id)");
-                return Ok(None);
+                Ok(None)
             }
-            _ => return Err(Error::io(format!("locking {}", path.display()), e)),
-        }
+            _ => Err(Error::io(format!("locking {}", path.display()), e)),
+        };
     }
     let holder = format!("pid {} on {}\n", std::process::id(), host_name());
     let _ = file.set_len(0);
@@ -290,6 +273,7 @@ fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::io::AsRawFd;
 
     #[test]
     fn nodes_racing_on_an_empty_directory_settle_on_one_secret() {
