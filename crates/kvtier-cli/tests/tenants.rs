@@ -218,3 +218,66 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
         "only {limited} of tenant a's 3 bodies were refused"
     );
 }
+
+/// Prefixes are whole `/`-separated components: tenant `team1` cannot name
+/// tenant `team10`'s namespaces, and a file whose prefixes overlap (one
+/// tenant's within another's) is refused at start with the clash named.
+#[test]
+fn tenant_prefixes_are_whole_components_and_may_not_overlap() {
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    write_tenants(
+        &tenants,
+        &format!(
+            "[[tenant]]\nname = \"one\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"team1\"]\n\n\
+             [[tenant]]\nname = \"ten\"\ntoken = \"{TOKEN_B}\"\nnamespaces = [\"team10\"]\n"
+        ),
+        0o600,
+    );
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &["--tenants", tenants.to_str().unwrap()],
+    );
+    let mut ten =
+        Client::connect_with(&server.tcp_url(), as_tenant(TOKEN_B, "team10/llama")).unwrap();
+    ten.batch_put(&[b"block-0"], &[b"ten's bytes"]).unwrap()[0]
+        .as_ref()
+        .unwrap();
+    for namespace in ["team10/llama", "team10", "team1x"] {
+        let e = Client::connect_with(&server.tcp_url(), as_tenant(TOKEN_A, namespace)).unwrap_err();
+        assert!(
+            e.to_string().contains("outside tenant one"),
+            "{namespace:?}: {e}"
+        );
+    }
+    let mut one =
+        Client::connect_with(&server.tcp_url(), as_tenant(TOKEN_A, "team1/llama")).unwrap();
+    let mut buf = [0u8; 16];
+    let got = one
+        .batch_get_into(&[b"block-0"], &mut [&mut buf[..]])
+        .unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &None);
+    drop(server);
+
+    write_tenants(
+        &tenants,
+        &format!(
+            "[[tenant]]\nname = \"one\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"team1\"]\n\n\
+             [[tenant]]\nname = \"sub\"\ntoken = \"{TOKEN_B}\"\nnamespaces = [\"team1/sub/\"]\n"
+        ),
+        0o600,
+    );
+    let said = ServerProcess::try_start(
+        &dir.path().join("d2"),
+        &[
+            "--auth-token",
+            common::TEST_TOKEN,
+            "--tenants",
+            tenants.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        said.contains("overlap") && said.contains("team1/sub/"),
+        "{said}"
+    );
+}

@@ -323,7 +323,7 @@ impl Scope {
         match self {
             Scope::Full => None,
             Scope::Tenant { name, prefixes } => {
-                (!prefixes.iter().any(|p| namespace.starts_with(p.as_str()))).then(|| {
+                (!prefixes.iter().any(|p| namespace_within(p, namespace))).then(|| {
                     format!(
                         "namespace {namespace:?} is outside tenant {name}'s namespaces \
                          ({prefixes:?})"
@@ -339,9 +339,37 @@ impl Scope {
     }
 }
 
+/// Separates the components of a namespace (`vllm/llama/float16/0/...`):
+/// tenant prefixes are compared on these boundaries only.
+pub const NAMESPACE_SEPARATOR: char = '/';
+
+/// Whether `namespace` lies within the tenant prefix `prefix`, compared by
+/// whole components: `team1` and `team1/` cover `team1` and `team1/x`,
+/// never `team10` (a prefix that matched characters would hand tenant
+/// `team1` every namespace of tenant `team10`).
+pub fn namespace_within(prefix: &str, namespace: &str) -> bool {
+    let Some(rest) = namespace.strip_prefix(prefix) else {
+        return false;
+    };
+    rest.is_empty()
+        || prefix.ends_with(NAMESPACE_SEPARATOR)
+        || rest.starts_with(NAMESPACE_SEPARATOR)
+}
+
+/// Whether some namespace lies within both prefixes (one covers the
+/// other, by whole components).
+fn prefixes_overlap(a: &str, b: &str) -> bool {
+    let a = a.trim_end_matches(NAMESPACE_SEPARATOR);
+    let b = b.trim_end_matches(NAMESPACE_SEPARATOR);
+    namespace_within(a, b) || namespace_within(b, a)
+}
+
 /// The tenants file (TOML): one `[[tenant]]` table per tenant, with
 /// `name`, `token` (at least `MIN_TOKEN_LEN` bytes) and `namespaces` (the
-/// prefixes its namespaces must start with; at least one, none empty).
+/// prefixes its namespaces must start with, compared by whole
+/// `/`-separated components; at least one, none empty). Two tenants whose
+/// prefixes overlap (one within the other) are refused: one would read the
+/// other's values.
 /// Opened as a secret (no link, the server's own, no group/other rights).
 pub fn read_tenants(path: &Path) -> io::Result<Vec<Tenant>> {
     #[derive(serde::Deserialize)]
@@ -383,6 +411,23 @@ pub fn read_tenants(path: &Path) -> io::Result<Vec<Tenant>> {
                 "tenant {} (or its token) appears twice",
                 entry.name
             )));
+        }
+        for other in &tenants {
+            let clash = other.prefixes.iter().find_map(|theirs| {
+                entry
+                    .namespaces
+                    .iter()
+                    .find(|ours| prefixes_overlap(ours, theirs))
+                    .map(|ours| (ours, theirs))
+            });
+            if let Some((ours, theirs)) = clash {
+                return Err(invalid(format!(
+                    "the namespace prefixes of tenants {} ({ours:?}) and {} ({theirs:?}) \
+                     overlap: one tenant would read and remove the other's values. Give every \
+                     tenant prefixes of its own (compared by whole '/'-separated components)",
+                    entry.name, other.name
+                )));
+            }
         }
         tenants.push(Tenant {
             name: entry.name,
@@ -759,6 +804,65 @@ fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn tenant_prefixes_cover_whole_components_only() {
+        for (prefix, namespace, within) in [
+            ("team1", "team1", true),
+            ("team1", "team1/llama", true),
+            ("team1/", "team1/llama", true),
+            ("team1/", "team1", false),
+            ("team1", "team10", false),
+            ("team1", "team10/llama", false),
+            ("team1/", "team10/llama", false),
+            ("tenant-a/", "tenant-ab", false),
+            ("a/b", "a/b/c", true),
+            ("a/b", "a/bc", false),
+            ("team1", "", false),
+        ] {
+            assert_eq!(
+                namespace_within(prefix, namespace),
+                within,
+                "{prefix:?} over {namespace:?}"
+            );
+        }
+        assert!(prefixes_overlap("team1", "team1/x"));
+        assert!(prefixes_overlap("team1/", "team1"));
+        assert!(!prefixes_overlap("team1", "team10"));
+        assert!(!prefixes_overlap("team1/", "team10/"));
+    }
+
+    #[test]
+    fn a_tenants_file_with_overlapping_prefixes_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tenants.toml");
+        let write = |body: &str| {
+            std::fs::write(&path, body).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        };
+        let token_a = "token-of-team-one-0123456789";
+        let token_b = "token-of-team-ten-0123456789";
+        write(&format!(
+            "[[tenant]]\nname = \"one\"\ntoken = \"{token_a}\"\nnamespaces = [\"team1\"]\n\
+             [[tenant]]\nname = \"ten\"\ntoken = \"{token_b}\"\nnamespaces = [\"team10\"]\n"
+        ));
+        let tenants = read_tenants(&path).unwrap();
+        assert_eq!(tenants.len(), 2);
+        assert!(tenants[0]
+            .scope()
+            .refuses_namespace("team10/llama")
+            .is_some());
+        assert!(tenants[0]
+            .scope()
+            .refuses_namespace("team1/llama")
+            .is_none());
+        write(&format!(
+            "[[tenant]]\nname = \"one\"\ntoken = \"{token_a}\"\nnamespaces = [\"x/\", \"team1\"]\n\
+             [[tenant]]\nname = \"sub\"\ntoken = \"{token_b}\"\nnamespaces = [\"team1/sub\"]\n"
+        ));
+        let e = read_tenants(&path).unwrap_err().to_string();
+        assert!(e.contains("overlap") && e.contains("team1/sub"), "{e}");
+    }
 
     #[test]
     fn admin_hosts_are_loopback_names_unless_a_token_guards_the_port() {
