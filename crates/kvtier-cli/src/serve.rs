@@ -338,7 +338,10 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             .into());
         }
         None if listen.is_some() => {
-            std::fs::create_dir_all(&data_dir)
+            // Private from the start (0700, as the store creates it): a
+            // directory made with the umask's 0755 here would be "tightened"
+            // with a warning by the store a moment later.
+            kvtier::private_files::create_dir(&data_dir)
                 .map_err(|e| format!("creating {}: {e}", data_dir.display()))?;
             let (token, path) = kvtier_server::data_dir_token(&data_dir)
                 .map_err(|e| format!("the auth token in {}: {e}", data_dir.display()))?;

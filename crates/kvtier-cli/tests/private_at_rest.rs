@@ -148,3 +148,50 @@ fn shared_or_foreign_directories_planted_links_and_open_socket_dirs_are_refused(
     let server = ServerProcess::start(&data, &["--socket", socket.to_str().unwrap()]);
     Client::connect_with(&server.unix_url(), options()).unwrap();
 }
+
+/// A first start warns about nothing: the data directory (with a
+/// generated token, made before the store opens), a new shared directory
+/// and its `nodes/` folder are created private, not made with the
+/// umask's 0755 and then "tightened" with a warning. A warning on the
+/// happy path teaches operators to ignore warnings.
+#[test]
+fn a_first_start_is_private_from_the_start_and_prints_no_warning() {
+    require_root();
+    // SAFETY: umask only changes this process's file-creation mask.
+    unsafe { libc::umask(0o022) };
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    let shared = root.path().join("shared");
+    let log = root.path().join("stderr.txt");
+    let stderr = std::fs::File::create(&log).unwrap();
+    let mut server = ServerProcess::start_configured(
+        &data,
+        &[
+            "--generated-token",
+            "--shared-dir",
+            shared.to_str().unwrap(),
+        ],
+        |command| {
+            command.env("RUST_LOG", "warn").stderr(stderr);
+        },
+    );
+    // A same-user Unix peer needs no token.
+    let mut client =
+        Client::connect_with(&server.unix_url(), kvtier_client::ClientOptions::default()).unwrap();
+    client.batch_put(&[b"k"], &[b"v"]).unwrap()[0]
+        .as_ref()
+        .unwrap();
+    client.flush().unwrap();
+    drop(client);
+    server.signal(libc::SIGTERM);
+    assert!(server.wait().success());
+    for dir in [&data, &shared, &shared.join("nodes")] {
+        let mode = std::fs::metadata(dir).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{} has mode {mode:o}", dir.display());
+    }
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !said.contains("WARN") && !said.contains("ERROR"),
+        "a first start warned:\n{said}"
+    );
+}

@@ -65,6 +65,30 @@ pub fn check_dir(path: &Path) -> io::Result<bool> {
     Ok(false)
 }
 
+/// Takes group and other rights away from the directory `path` (which
+/// must be this user's: it lies inside a directory `check_dir` accepted);
+/// returns whether it had any. For folders inside a private root that an
+/// earlier release created with the umask's modes.
+pub fn tighten_dir(path: &Path) -> io::Result<bool> {
+    let meta = std::fs::symlink_metadata(path)?;
+    if !meta.is_dir() {
+        return Err(refuse(format!("{} is not a directory", path.display())));
+    }
+    if meta.uid() != euid() {
+        return Err(refuse(format!(
+            "{} is owned by uid {}, not by this process's uid {}: chown it",
+            path.display(),
+            meta.uid(),
+            euid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))?;
+        return Ok(true);
+    }
+    Ok(false)
+}
+
 /// Opens the secret `path` for reading: never through a symbolic link,
 /// and only a regular file this user owns that group and others cannot
 /// read or write (checked on the open descriptor).
@@ -150,6 +174,20 @@ mod tests {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let e = check_dir(&dir).unwrap_err();
         assert!(e.to_string().contains("written by group or others"), "{e}");
+    }
+
+    #[test]
+    fn folders_inside_a_private_root_are_tightened_whatever_their_mode() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("nodes");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(tighten_dir(&dir).unwrap());
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        assert!(!tighten_dir(&dir).unwrap(), "nothing left to take away");
+        let file = root.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(tighten_dir(&file).is_err(), "a file is not a folder");
     }
 
     #[test]

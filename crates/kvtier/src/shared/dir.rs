@@ -98,6 +98,26 @@ fn settle_identity(root: &Path, node_id: &str) -> Result<KeySecret> {
     match fs::read_to_string(&format_path) {
         Ok(text) => check_format(root, &text)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // A directory that holds writers' logs had an identity: minting
+            // a fresh one over it would make every node set its whole log
+            // aside as keyed with another secret. (Racing first nodes link
+            // the secret before anything else, and before any log exists,
+            // so a log without a secret is never theirs.)
+            if !root.join(KEY_SECRET_FILE).exists() {
+                if let Some(region) = some_writer_region(root) {
+                    return Err(Error::new(
+                        ErrorKind::Corruption,
+                        format!(
+                            "{} has no {FORMAT_FILE} and no {KEY_SECRET_FILE}, but holds \
+                             writers' logs ({}): its identity was deleted. Restore {FORMAT_FILE}, \
+                             {KEY_SECRET_FILE} and {KEY_CHECK_FILE} from a backup; a fresh \
+                             identity would make every log unreadable (nothing was changed)",
+                            root.display(),
+                            region.display()
+                        ),
+                    ));
+                }
+            }
             // First node (or racing first nodes): the secret first, so a
             // format line always names a directory that has one.
             let fresh = KeySecret::generate()?;
@@ -106,9 +126,7 @@ fn settle_identity(root: &Path, node_id: &str) -> Result<KeySecret> {
             let check = format!("{}\n", secret.check_value());
             link_into_place(root, KEY_CHECK_FILE, check.as_bytes(), node_id)?;
             link_into_place(root, FORMAT_FILE, format.as_bytes(), node_id)?;
-            fs::create_dir_all(root.join(NODES_DIR)).map_err(|e| {
-                Error::io(format!("creating {}", root.join(NODES_DIR).display()), e)
-            })?;
+            create_nodes_dir(root)?;
             data_dir::sync_dir(root)?;
             let text = fs::read_to_string(&format_path)
                 .map_err(|e| Error::io(format!("reading {}", format_path.display()), e))?;
@@ -131,9 +149,39 @@ fn settle_identity(root: &Path, node_id: &str) -> Result<KeySecret> {
             ),
         ));
     }
-    fs::create_dir_all(root.join(NODES_DIR))
-        .map_err(|e| Error::io(format!("creating {}", root.join(NODES_DIR).display()), e))?;
+    create_nodes_dir(root)?;
     Ok(secret)
+}
+
+/// Creates `nodes/` private (0700, whatever the umask), and takes group and
+/// other rights away from one an earlier release created with the umask.
+fn create_nodes_dir(root: &Path) -> Result<()> {
+    let nodes = root.join(NODES_DIR);
+    crate::private::create_dir(&nodes)
+        .map_err(|e| Error::io(format!("creating {}", nodes.display()), e))?;
+    let tightened = crate::private::tighten_dir(&nodes)
+        .map_err(|e| Error::io(format!("checking {}", nodes.display()), e))?;
+    if tightened {
+        tracing::warn!(dir = %nodes.display(), "the shared directory's nodes/ folder was open to other users; made it private (mode 700)");
+    }
+    Ok(())
+}
+
+/// A region file of some writer under `root`'s `nodes/`, if there is one
+/// (a directory that held data). Unreadable folders count as holding none.
+fn some_writer_region(root: &Path) -> Option<PathBuf> {
+    let writers = fs::read_dir(root.join(NODES_DIR)).ok()?;
+    for writer in writers.flatten() {
+        let Ok(files) = fs::read_dir(writer.path().join(crate::disk::REGION_DIR)) else {
+            continue;
+        };
+        for file in files.flatten() {
+            if crate::disk::parse_region_name(&file.file_name().to_string_lossy()).is_some() {
+                return Some(file.path());
+            }
+        }
+    }
+    None
 }
 
 fn check_format(root: &Path, text: &str) -> Result<()> {
