@@ -74,7 +74,12 @@ impl Store {
         let (disk, recovery) = if config.disk_enabled() {
             let tombstones = &mut own_tombstones;
             let checks = RecoveryChecks {
-                identity_confirmed,
+                // In a shared directory `key-check` travels with
+                // `key-secret` (both copied from another directory confirm
+                // each other), so it proves nothing about this node's own
+                // log: there a log none of whose intact records verify is
+                // refused, never set aside region by region.
+                identity_confirmed: identity_confirmed && shared.is_none(),
                 scrub_tail: !clean,
             };
             let (disk, report) = DiskTier::open(

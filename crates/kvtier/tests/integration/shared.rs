@@ -617,3 +617,84 @@ fn a_dead_writers_log_is_collected_and_its_needed_removals_kept() {
         assert_eq!(node.store().prefix_len(&b_keys), 0);
     }
 }
+
+/// The files of a node's log named with this test's helpers.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A shared identity replaced (key-secret and key-check copied from
+/// another directory) or deleted (FORMAT, key-secret and key-check gone,
+/// so a first node would mint a fresh one) is refused by a restarting
+/// node with nothing moved: before, the node set every region of its log
+/// aside as keyed with another secret and served nothing.
+#[test]
+fn a_replaced_or_deleted_shared_identity_is_refused_with_nothing_moved() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = Node::start(dir.path(), "a", 64 * MIB);
+    let keys: Vec<Vec<u8>> = (0..20).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
+    for r in a.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    a.store().flush().unwrap();
+    drop(a.store.take());
+    let shared = dir.path().join("shared");
+    let before = files_under(&shared.join("nodes"));
+    let saved: Vec<(String, Vec<u8>)> = ["FORMAT", "key-secret", "key-check"]
+        .iter()
+        .map(|f| (f.to_string(), std::fs::read(shared.join(f)).unwrap()))
+        .collect();
+    let restore = || {
+        for (name, bytes) in &saved {
+            let _ = std::fs::remove_file(shared.join(name));
+            std::fs::write(shared.join(name), bytes).unwrap();
+            std::fs::set_permissions(
+                shared.join(name),
+                std::os::unix::fs::PermissionsExt::from_mode(0o600),
+            )
+            .unwrap();
+        }
+    };
+
+    // Another directory's identity copied over this one's.
+    let other = tempfile::tempdir().unwrap();
+    let z = Node::start(other.path(), "z", 64 * MIB);
+    drop(z);
+    for name in ["key-secret", "key-check"] {
+        std::fs::remove_file(shared.join(name)).unwrap();
+        std::fs::copy(other.path().join("shared").join(name), shared.join(name)).unwrap();
+    }
+    let e = Store::open(Node::config(&a.data, &a.shared, a.capacity)).unwrap_err();
+    assert!(e.to_string().contains("verifies under"), "{e}");
+    assert_eq!(files_under(&shared.join("nodes")), before, "nothing moved");
+
+    // The identity deleted: refused, never re-minted.
+    for name in ["FORMAT", "key-secret", "key-check"] {
+        std::fs::remove_file(shared.join(name)).unwrap();
+    }
+    let e = Store::open(Node::config(&a.data, &a.shared, a.capacity)).unwrap_err();
+    assert!(e.to_string().contains("identity was deleted"), "{e}");
+    assert!(!shared.join("key-secret").exists(), "no identity minted");
+    assert_eq!(files_under(&shared.join("nodes")), before, "nothing moved");
+
+    // Restored: every block is there.
+    restore();
+    a.restart();
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(read(a.store(), k).as_deref(), Some(&v[..]));
+    }
+}
