@@ -245,6 +245,26 @@ pub struct DiskTier {
     max_region_id: u32,
     /// Other writers' regions (a shared directory), by index handle.
     others: RwLock<std::collections::HashMap<u32, Arc<Region>>>,
+    /// Asked before every batch is written: whether this log is still
+    /// this process's to write (a shared directory's writer lock). An
+    /// error fails the batch.
+    write_guard: WriteGuardSlot,
+}
+
+/// See `DiskTier::set_write_guard`.
+pub type WriteGuard = Arc<dyn Fn() -> Result<()> + Send + Sync>;
+
+#[derive(Default)]
+struct WriteGuardSlot(std::sync::OnceLock<WriteGuard>);
+
+impl std::fmt::Debug for WriteGuardSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "WriteGuard(set)"
+        } else {
+            "WriteGuard(none)"
+        })
+    }
 }
 
 /// Bytes of bounce buffers kept for reuse between reads.
@@ -323,6 +343,7 @@ impl DiskTier {
                 MAX_REGION_ID
             },
             others: RwLock::new(std::collections::HashMap::new()),
+            write_guard: WriteGuardSlot::default(),
         };
         let report = tier.recover(checks, &mut apply)?;
         Ok((tier, report))
@@ -861,6 +882,14 @@ impl DiskTier {
         Ok((out, scan.first_problem.is_none()))
     }
 
+    /// Installs the check asked before every batch (once; later calls are
+    /// ignored): with a shared directory, that this node still holds its
+    /// writer lock, so a second writer that took the lock file's name never
+    /// writes beside this one.
+    pub fn set_write_guard(&self, guard: WriteGuard) {
+        let _ = self.write_guard.0.set(guard);
+    }
+
     /// Writes one batch and makes it durable. On return, each put entry's
     /// value is at the returned location (in `entries` order, puts only).
     pub fn write_batch(
@@ -868,6 +897,9 @@ impl DiskTier {
         batch: &mut PendingBatch<'_>,
         first_seq: u64,
     ) -> Result<Vec<DiskLoc>> {
+        if let Some(guard) = self.write_guard.0.get() {
+            guard()?;
+        }
         let record_len = format::record_len(batch.entries.iter().map(|e| e.key.len()));
         let record_pages = page_round_up(record_len as u64);
         let batch_len = batch.disk_len();

@@ -16,8 +16,10 @@ use crate::lock::{file_id, flock_waiting_for_let_go, pid_has_let_go, read_holder
 use crate::private::FILE_MODE;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The format this build writes and reads.
 pub const SHARED_DIR_FORMAT: u32 = 1;
@@ -37,15 +39,123 @@ pub struct SharedDir {
     pub writer_dir: PathBuf,
     /// Held for the store's life: a second process with the same node id
     /// (a copied data directory) must not write this log too.
-    _writer_lock: Option<WriterLock>,
+    _writer_lock: Option<Arc<WriterLock>>,
 }
 
 /// The writer directory's `flock`ed lock file, registered as held by a
 /// live store of this process (`crate::lock::LiveLock`).
+///
+/// A `flock` locks an inode, not a name: once `LOCK` is unlinked (an
+/// operator clearing a "stale" lock, a collector), a second process would
+/// create and lock a new file of that name and write this log too. So the
+/// lock is checked before every batch this node writes
+/// (`WriterLock::check`): a `LOCK` gone from a directory that is still
+/// there is created again and locked (healed); a `LOCK` that is now another
+/// file, or a writer directory that vanished, stops this node's writes for
+/// good with a clear error.
 #[derive(Debug)]
-struct WriterLock {
-    _file: File,
-    _live: LiveLock,
+pub struct WriterLock {
+    path: PathBuf,
+    state: Mutex<LockState>,
+}
+
+#[derive(Debug)]
+struct LockState {
+    /// The lock files this node holds, as (device, inode): the one it
+    /// opened with, then any it created again after an unlink.
+    held: Vec<(File, (u64, u64), LiveLock)>,
+    /// Why this node stopped writing (once set, for good).
+    lost: Option<String>,
+}
+
+impl WriterLock {
+    /// Whether this node still holds the writer lock of its log (healing
+    /// an unlinked `LOCK`); an error means nothing more may be written.
+    pub fn check(&self) -> Result<()> {
+        let mut state = self.state.lock().unwrap();
+        if let Some(why) = &state.lost {
+            return Err(Error::new(ErrorKind::Locked, why.clone()));
+        }
+        let linked = match fs::symlink_metadata(&self.path) {
+            Ok(meta) => Some((meta.dev(), meta.ino())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(Error::io(format!("checking {}", self.path.display()), e)),
+        };
+        if let Some(id) = linked {
+            if state.held.iter().any(|(_, held, _)| *held == id) {
+                return Ok(());
+            }
+            let why = format!(
+                "{} is no longer the lock file this node holds (it was deleted and another \
+                 process created its own): another store may be writing this node's log. \
+                 This node stops writing it; stop the other process (two data directories \
+                 with one node id?) and restart this one",
+                self.path.display()
+            );
+            tracing::error!("{why}");
+            state.lost = Some(why.clone());
+            return Err(Error::new(ErrorKind::Locked, why));
+        }
+        let dir = self.path.parent().unwrap_or(&self.path);
+        if !dir.is_dir() {
+            let why = format!(
+                "this node's writer directory {} vanished (a collector took it for a dead \
+                 writer's, or it was deleted): this node stops writing its log; restart it",
+                dir.display()
+            );
+            tracing::error!("{why}");
+            state.lost = Some(why.clone());
+            return Err(Error::new(ErrorKind::Locked, why));
+        }
+        // Unlinked while this node holds it: take the name back before
+        // anyone else can.
+        let healed = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(FILE_MODE)
+            .open(&self.path)
+            .and_then(|file| {
+                flock_exclusive_now(&file)?;
+                let id = file_id(&file)?;
+                let mut writer = &file;
+                let _ = writer.write_all(holder_line().as_bytes());
+                Ok((file, id))
+            });
+        match healed {
+            Ok((file, id)) => {
+                tracing::warn!(path = %self.path.display(), "the writer lock file was deleted while this node held it; created and locked it again");
+                state.held.push((file, id, LiveLock::register(id)));
+                Ok(())
+            }
+            Err(e) => {
+                let why = format!(
+                    "{} was deleted while this node held it and could not be taken back \
+                     ({e}): another process may be writing this node's log. This node stops \
+                     writing it; restart it once the other is gone",
+                    self.path.display()
+                );
+                tracing::error!("{why}");
+                state.lost = Some(why.clone());
+                Err(Error::new(ErrorKind::Locked, why))
+            }
+        }
+    }
+}
+
+/// `flock(LOCK_EX | LOCK_NB)` on `file`, failing at once when held.
+fn flock_exclusive_now(file: &File) -> std::io::Result<()> {
+    // SAFETY: flock on a descriptor the caller owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The line a writer lock's holder writes into it.
+fn holder_line() -> String {
+    format!("pid {} on {}\n", std::process::id(), host_name())
 }
 
 impl SharedDir {
@@ -63,15 +173,19 @@ impl SharedDir {
         let secret = settle_identity(root, node_id)?;
         let nodes = root.join(NODES_DIR);
         let writer_dir = nodes.join(node_id);
-        crate::private::create_dir(&writer_dir)
-            .map_err(|e| Error::io(format!("creating {}", writer_dir.display()), e))?;
-        let writer_lock = lock_writer(&writer_dir)?;
+        let writer_lock = lock_writer(&writer_dir)?.map(Arc::new);
         let shared = SharedDir {
             root: root.to_path_buf(),
             writer_dir,
             _writer_lock: writer_lock,
         };
         Ok((shared, secret))
+    }
+
+    /// This node's writer lock, to check before each write (`None` on a
+    /// file system without `flock`).
+    pub fn writer_lock(&self) -> Option<Arc<WriterLock>> {
+        self._writer_lock.clone()
     }
 
     /// Every writer directory but `own`: (node id, path). Names that are
@@ -249,46 +363,75 @@ fn link_into_place(root: &Path, name: &str, bytes: &[u8], node_id: &str) -> Resu
 /// 30 s (`crate::lock::flock_waiting_for_let_go`): what still holds it
 /// then (a child between fork and exec, a closing ring) lets go by
 /// itself. A holder on another host is refused at once.
+///
+/// The lock is the file linked as `LOCK` when it is taken: a lock won on a
+/// file a collector (or an operator) unlinked meanwhile locks nothing, so
+/// the writer directory and `LOCK` are made again and the lock taken again.
 fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
+    const ATTEMPTS: u32 = 8;
     let path = writer_dir.join(WRITER_LOCK_FILE);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(FILE_MODE)
-        .open(&path)
-        .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-    let id = file_id(&file).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
-    let locked = flock_waiting_for_let_go(&file, &path, || {
-        holder_on_this_host_let_go(&read_holder(&path), id)
-    });
-    if let Err(e) = locked {
-        return match e.raw_os_error() {
-            Some(libc::EWOULDBLOCK) => Err(Error::new(
-                ErrorKind::Locked,
-                format!(
-                    "{} is held by another process ({}): another store writes this node's \
-                     log (two data directories with one node-id, copied?). Give each node \
-                     its own data directory",
-                    path.display(),
-                    read_holder(&path).trim()
-                ),
-            )),
-            Some(libc::ENOSYS | libc::EOPNOTSUPP | libc::ENOLCK) => {
-                tracing::warn!(path = %path.display(), error = %e, "the shared file system does not lock files; running without the writer lock (make sure no two nodes share a node id)");
-                Ok(None)
-            }
-            _ => Err(Error::io(format!("locking {}", path.display()), e)),
+    for _ in 0..ATTEMPTS {
+        crate::private::create_dir(writer_dir)
+            .map_err(|e| Error::io(format!("creating {}", writer_dir.display()), e))?;
+        let opened = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(FILE_MODE)
+            .open(&path);
+        let mut file = match opened {
+            Ok(file) => file,
+            // The directory went between its creation and the open.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
         };
+        let id = file_id(&file).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        let locked = flock_waiting_for_let_go(&file, &path, || {
+            holder_on_this_host_let_go(&read_holder(&path), id)
+        });
+        if let Err(e) = locked {
+            return match e.raw_os_error() {
+                Some(libc::EWOULDBLOCK) => Err(Error::new(
+                    ErrorKind::Locked,
+                    format!(
+                        "{} is held by another process ({}): another store writes this node's \
+                         log (two data directories with one node-id, copied?), or a collector \
+                         is removing it. Give each node its own data directory",
+                        path.display(),
+                        read_holder(&path).trim()
+                    ),
+                )),
+                Some(libc::ENOSYS | libc::EOPNOTSUPP | libc::ENOLCK) => {
+                    tracing::warn!(path = %path.display(), error = %e, "the shared file system does not lock files; running without the writer lock (make sure no two nodes share a node id)");
+                    Ok(None)
+                }
+                _ => Err(Error::io(format!("locking {}", path.display()), e)),
+            };
+        }
+        let still_linked =
+            fs::symlink_metadata(&path).is_ok_and(|meta| (meta.dev(), meta.ino()) == id);
+        if !still_linked {
+            continue;
+        }
+        let _ = file.set_len(0);
+        let _ = file.write_all(holder_line().as_bytes());
+        return Ok(Some(WriterLock {
+            path,
+            state: Mutex::new(LockState {
+                held: vec![(file, id, LiveLock::register(id))],
+                lost: None,
+            }),
+        }));
     }
-    let holder = format!("pid {} on {}\n", std::process::id(), host_name());
-    let _ = file.set_len(0);
-    let _ = file.write_all(holder.as_bytes());
-    Ok(Some(WriterLock {
-        _file: file,
-        _live: LiveLock::register(id),
-    }))
+    Err(Error::new(
+        ErrorKind::Locked,
+        format!(
+            "{} was unlinked under this node {ATTEMPTS} times while it took the lock (a \
+             collector removing the writer directory?); try again",
+            path.display()
+        ),
+    ))
 }
 
 /// Whether the holder line `pid N on HOST` names a process of this host
@@ -321,7 +464,87 @@ fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::io::AsRawFd;
+
+    /// How many descriptors of this process have `path` open.
+    fn open_count(path: &Path) -> usize {
+        fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter(|fd| fs::read_link(fd.path()).is_ok_and(|target| target == path))
+            .count()
+    }
+
+    /// A writer lock whose file is deleted under it takes the name back at
+    /// its next check, so a second writer with the same node id is refused;
+    /// one whose name another process took first stops for good.
+    #[test]
+    fn a_deleted_writer_lock_is_healed_or_stops_the_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 5);
+        let (first, _) = SharedDir::open(dir.path(), &id).unwrap();
+        let lock = first.writer_lock().unwrap();
+        lock.check().unwrap();
+        let path = first.writer_dir.join(WRITER_LOCK_FILE);
+        fs::remove_file(&path).unwrap();
+        lock.check().expect("healed");
+        let e = SharedDir::open(dir.path(), &id).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Locked, "{e}");
+
+        // Deleted, and taken by a second writer before the first checks.
+        fs::remove_file(&path).unwrap();
+        let (second, _) = SharedDir::open(dir.path(), &id).unwrap();
+        let e = lock.check().unwrap_err();
+        assert!(e.to_string().contains("no longer the lock file"), "{e}");
+        second.writer_lock().unwrap().check().unwrap();
+        // Once stopped, stopped: even with the second writer gone.
+        drop(second);
+        assert!(lock.check().is_err());
+    }
+
+    #[test]
+    fn a_writer_whose_directory_vanished_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 6);
+        let (first, _) = SharedDir::open(dir.path(), &id).unwrap();
+        fs::remove_dir_all(&first.writer_dir).unwrap();
+        let e = first.writer_lock().unwrap().check().unwrap_err();
+        assert!(e.to_string().contains("vanished"), "{e}");
+        assert!(!first.writer_dir.exists(), "not made again behind its back");
+    }
+
+    /// A collector removes a writer directory while holding its lock, the
+    /// lock file last; a writer that opened that lock file and waited for
+    /// it finds it unlinked once it gets it, and makes its directory and
+    /// lock again instead of running on a deleted directory.
+    #[test]
+    fn a_writer_waiting_on_a_collected_directory_makes_it_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 7);
+        let (first, _) = SharedDir::open(dir.path(), &id).unwrap();
+        let writer_dir = first.writer_dir.clone();
+        let path = writer_dir.join(WRITER_LOCK_FILE);
+        drop(first);
+        // The collector's hold; the holder line names a process of this
+        // host that let go, so the writer waits for the lock.
+        let collector = File::open(&path).unwrap();
+        flock_exclusive_now(&collector).unwrap();
+        fs::create_dir_all(writer_dir.join("regions")).unwrap();
+        let root = dir.path().to_path_buf();
+        let starting = std::thread::spawn(move || SharedDir::open(&root, &id).map(|(s, _)| s));
+        while open_count(&path) < 2 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // The writer holds the doomed file open: empty the directory, the
+        // lock file last, then let go.
+        fs::remove_dir_all(writer_dir.join("regions")).unwrap();
+        fs::remove_file(&path).unwrap();
+        fs::remove_dir(&writer_dir).unwrap();
+        drop(collector);
+        let started = starting.join().unwrap().expect("the writer starts");
+        let lock = started.writer_lock().unwrap();
+        lock.check().expect("it holds the linked lock file");
+        assert!(writer_dir.is_dir());
+    }
 
     #[test]
     fn nodes_racing_on_an_empty_directory_settle_on_one_secret() {
@@ -370,8 +593,9 @@ mod tests {
         let id = format!("{:032x}", 3);
         let first = SharedDir::open(dir.path(), &id).unwrap().0;
         let lock = first._writer_lock.as_ref().unwrap();
+        let fd = lock.state.lock().unwrap().held[0].0.as_raw_fd();
         // SAFETY: dup of a descriptor the test owns; closed below.
-        let copy = unsafe { libc::dup(lock._file.as_raw_fd()) };
+        let copy = unsafe { libc::dup(fd) };
         assert!(copy >= 0);
         drop(first);
         let closer = std::thread::spawn(move || {
@@ -392,7 +616,7 @@ mod tests {
         let id = format!("{:032x}", 4);
         let first = SharedDir::open(dir.path(), &id).unwrap().0;
         let lock = first._writer_lock.as_ref().unwrap();
-        let lock_id = file_id(&lock._file).unwrap();
+        let lock_id = lock.state.lock().unwrap().held[0].1;
         let me = std::process::id();
         let here = host_name();
         assert!(!holder_on_this_host_let_go(

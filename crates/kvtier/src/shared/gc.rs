@@ -13,6 +13,7 @@ use crate::shared::checkpoint::CHECKPOINT_DIR;
 use crate::shared::dir::{SharedDir, WRITER_LOCK_FILE};
 use crate::store::Store;
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
@@ -123,13 +124,56 @@ fn collect(shared_dir: &Path, node: &str, dir: &Path, scratch: &Path) -> Result<
     drop(store);
     let _ = fs::remove_dir_all(&data_dir);
     let (regions_after, bytes_after) = region_files(dir);
-    let directory_removed = regions_after == 0 && fs::remove_dir_all(dir).is_ok();
+    let directory_removed = regions_after == 0 && remove_writer_dir(dir);
     Ok(Collection::Collected {
         regions,
         bytes: bytes_before.saturating_sub(bytes_after),
         kept_removals,
         directory_removed,
     })
+}
+
+/// Removes an emptied writer directory under its writer lock, the lock
+/// file last: a writer that starts meanwhile either takes the lock first
+/// (and the directory stays) or waits for it and then finds its lock file
+/// unlinked, and makes the directory again (`dir::lock_writer`). Removing
+/// the directory after letting go of the lock deleted the log of a writer
+/// that had just restarted. Returns whether the directory went.
+fn remove_writer_dir(dir: &Path) -> bool {
+    let lock_path = dir.join(WRITER_LOCK_FILE);
+    let Ok(lock) = fs::File::open(&lock_path) else {
+        return false;
+    };
+    // SAFETY: flock on a descriptor this function owns; released when the
+    // file closes at return.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return false; // its writer is back
+    }
+    let held = lock.metadata().map(|m| (m.dev(), m.ino())).ok();
+    let linked = fs::symlink_metadata(&lock_path)
+        .map(|m| (m.dev(), m.ino()))
+        .ok();
+    if held.is_none() || held != linked || region_files(dir).0 > 0 {
+        return false;
+    }
+    let Ok(listing) = fs::read_dir(dir) else {
+        return false;
+    };
+    for item in listing.flatten() {
+        let path = item.path();
+        if path == lock_path {
+            continue;
+        }
+        let removed = match item.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            _ => fs::remove_file(&path),
+        };
+        if let Err(e) = removed {
+            tracing::warn!(path = %path.display(), error = %e, "removing a collected writer's file; the directory stays");
+            return false;
+        }
+    }
+    fs::remove_file(&lock_path).is_ok() && fs::remove_dir(dir).is_ok()
 }
 
 /// Region files of a writer directory and their bytes.

@@ -102,6 +102,9 @@ impl Store {
         } else {
             (None, RecoveryReport::default())
         };
+        if let (Some(disk), Some(lock)) = (&disk, shared.as_ref().and_then(|s| s.writer_lock())) {
+            disk.set_write_guard(Arc::new(move || lock.check()));
+        }
         if !identity_confirmed {
             // The records (if any) verified under the secret: record it.
             crate::data_dir::write_key_check(&config.data_dir, &secret)?;

@@ -698,3 +698,70 @@ fn a_replaced_or_deleted_shared_identity_is_refused_with_nothing_moved() {
         assert_eq!(read(a.store(), k).as_deref(), Some(&v[..]));
     }
 }
+
+/// The writer lock locks an inode, so deleting `nodes/<id>/LOCK` used to
+/// admit a second store with the same node id (a copied data directory)
+/// beside the first, and both wrote one log. Now the running writer takes
+/// the name back at its next batch (the copy is refused), and a writer
+/// whose name was taken first stops writing with a clear error: the
+/// second writer's acknowledged blocks are all there after restarts.
+#[test]
+fn a_deleted_writer_lock_never_lets_two_stores_write_one_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Node::start(dir.path(), "a", 64 * MIB);
+    let lock = a
+        .shared
+        .join("nodes")
+        .join(a.store().node_id())
+        .join("LOCK");
+    let copy = dir.path().join("a-copy");
+    let copy_data = || {
+        let _ = std::fs::remove_dir_all(&copy);
+        std::process::Command::new("cp")
+            .args(["-a"])
+            .arg(&a.data)
+            .arg(&copy)
+            .status()
+            .unwrap();
+        let _ = std::fs::remove_file(copy.join("LOCK"));
+    };
+    a.store().put(b"a-0", value_for(b"a-0", 1, 9_000)).unwrap();
+    a.store().flush().unwrap();
+
+    // Deleted, then the running writer writes: it takes the name back.
+    std::fs::remove_file(&lock).unwrap();
+    a.store().put(b"a-1", value_for(b"a-1", 1, 9_000)).unwrap();
+    a.store().flush().unwrap();
+    copy_data();
+    let e = Store::open(Node::config(&copy, &a.shared, a.capacity)).unwrap_err();
+    assert_eq!(e.kind(), kvtier::ErrorKind::Locked, "{e}");
+
+    // Deleted, and a copy starts first: the first writer stops writing.
+    std::fs::remove_file(&lock).unwrap();
+    copy_data();
+    let b = open(Node::config(&copy, &a.shared, a.capacity));
+    assert_eq!(b.node_id(), a.store().node_id());
+    a.store().put(b"a-2", value_for(b"a-2", 1, 9_000)).unwrap();
+    let e = a.store().flush().unwrap_err();
+    assert!(e.to_string().contains("no longer the lock file"), "{e}");
+    let keys: Vec<Vec<u8>> = (0..32).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 2, 9_000)).collect();
+    for r in b.batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    b.flush().unwrap();
+    drop(a);
+    drop(b);
+    let b = open(Node::config(&copy, &dir.path().join("shared"), 64 * MIB));
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(
+            read(&b, k).as_deref(),
+            Some(&v[..]),
+            "an acknowledged block was lost"
+        );
+    }
+    for k in [&b"a-0"[..], b"a-1"] {
+        assert!(read(&b, k).is_some(), "the first writer's flushed block");
+    }
+    assert_eq!(b.stats().quarantined_regions, 0);
+}
