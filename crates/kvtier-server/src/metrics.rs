@@ -564,6 +564,15 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_stuck_regions")],
     },
     StoreFamily {
+        name: "kvtier_shared_clock_ahead_entries",
+        help: "Other writers' entries not indexed because their sequence numbers read more \
+               than 5 minutes ahead of this node's clock.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "shared_clock_ahead_entries")],
+    },
+    StoreFamily {
         name: "kvtier_shared_tombstones",
         help: "Removes remembered so that an older put of another writer is not indexed.",
         bytes: false,

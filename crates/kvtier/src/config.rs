@@ -133,6 +133,9 @@ pub struct Config {
     /// (the protocol before format 2), to prove the tests catch it.
     #[cfg(feature = "test-util")]
     pub(crate) skip_value_sync: bool,
+    /// Test seam: seconds added to this node's wall clock readings.
+    #[cfg(feature = "test-util")]
+    pub(crate) clock_offset_secs: i64,
 }
 
 /// A function from the io engine the disk tier built to the one it uses.
@@ -185,6 +188,8 @@ impl Config {
             engine_wrapper: None,
             #[cfg(feature = "test-util")]
             skip_value_sync: false,
+            #[cfg(feature = "test-util")]
+            clock_offset_secs: 0,
         }
     }
 
@@ -393,6 +398,14 @@ impl Config {
     #[cfg(feature = "test-util")]
     pub fn unsafe_single_sync_batches(mut self, enabled: bool) -> Self {
         self.skip_value_sync = enabled;
+        self
+    }
+
+    /// Test seam: this node's wall clock reads `secs` seconds off (a node
+    /// whose clock is wrong: a bad NTP answer, a broken RTC). Default: 0.
+    #[cfg(feature = "test-util")]
+    pub fn unsafe_clock_offset_secs(mut self, secs: i64) -> Self {
+        self.clock_offset_secs = secs;
         self
     }
 

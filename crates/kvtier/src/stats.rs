@@ -97,6 +97,9 @@ pub struct Stats {
     pub shared_stuck_regions: u64,
     /// Removes remembered so that an older put read later is not indexed.
     pub shared_tombstones: u64,
+    /// Other writers' entries not indexed because their numbers read more
+    /// than 5 minutes ahead of this node's clock (a writer's clock is wrong).
+    pub shared_clock_ahead_entries: u64,
     /// Other writers' index checkpoints loaded since open, and the entries
     /// they gave (instead of reading those writers' records).
     pub shared_checkpoints_loaded: u64,
@@ -199,6 +202,10 @@ impl Stats {
             (
                 "shared_stuck_regions",
                 StatValue::Count(self.shared_stuck_regions),
+            ),
+            (
+                "shared_clock_ahead_entries",
+                StatValue::Count(self.shared_clock_ahead_entries),
             ),
             (
                 "shared_tombstones",

@@ -126,6 +126,16 @@ struct LogState {
     dead: Option<String>,
 }
 
+/// How far ahead of this node's wall clock another writer's sequence
+/// number may read and still be adopted and indexed: 5 minutes, far above
+/// any skew NTP leaves, far below what a broken clock shows.
+pub const MAX_CLOCK_AHEAD_NANOS: u64 = 300 * 1_000_000_000;
+/// A node whose own clock reads before this (2020-01-01) or from
+/// `LATEST_PLAUSIBLE_CLOCK_NANOS` (2250-01-01, twelve years before the
+/// numbers run out at 2^63 ns) refuses to open a shared directory.
+pub const EARLIEST_PLAUSIBLE_CLOCK_NANOS: u64 = 1_577_836_800 * 1_000_000_000;
+pub const LATEST_PLAUSIBLE_CLOCK_NANOS: u64 = 8_835_984_000 * 1_000_000_000;
+
 /// See the module documentation.
 #[derive(Debug)]
 pub(crate) struct WriteLog {
@@ -140,6 +150,8 @@ pub(crate) struct WriteLog {
     /// wall clock in nanoseconds since the Unix epoch, and past every
     /// number `observe`d from other writers.
     clock: bool,
+    /// Added to wall clock readings (a test seam; 0 otherwise).
+    clock_offset_nanos: i64,
     /// Held by the flusher while it writes a batch, and by whoever needs
     /// the log still between batches (an index checkpoint).
     quiet: Mutex<()>,
@@ -174,6 +186,7 @@ impl WriteLog {
             progress: Condvar::new(),
             write_through,
             clock,
+            clock_offset_nanos: 0,
             quiet: Mutex::new(()),
         }
     }
@@ -186,10 +199,34 @@ impl WriteLog {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Sets this log's clock `secs` seconds off the wall clock (a test
+    /// seam: a node whose clock is wrong).
+    pub fn set_clock_offset(&mut self, secs: i64) {
+        self.clock_offset_nanos = secs.saturating_mul(1_000_000_000);
+    }
+
+    /// This node's wall clock in nanoseconds since the Unix epoch (0
+    /// before it).
+    pub fn wall_nanos(&self) -> u64 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        now.saturating_add_signed(self.clock_offset_nanos)
+    }
+
+    /// Whether `seq`, another writer's number, reads further ahead of this
+    /// node's wall clock than `MAX_CLOCK_AHEAD`: such a number is neither
+    /// adopted by the clock nor indexed (one node whose clock read the
+    /// year 2262 used to exhaust every other node's numbers for good).
+    pub fn ahead_of_clock(&self, seq: u64) -> bool {
+        self.clock && seq > self.wall_nanos().saturating_add(MAX_CLOCK_AHEAD_NANOS)
+    }
+
     /// Another writer's sequence number was read: later numbers of this
-    /// log outrank it (a hybrid logical clock's receive step).
+    /// log outrank it (a hybrid logical clock's receive step), unless it
+    /// reads too far ahead of this node's clock (`ahead_of_clock`).
     pub fn observe(&self, seq: u64) {
-        if !self.clock {
+        if !self.clock || self.ahead_of_clock(seq) {
             return;
         }
         let mut state = self.lock();
@@ -213,10 +250,7 @@ impl WriteLog {
         if self.clock {
             // Physical time as the floor, so numbers of writers that never
             // read each other still order as their clocks do.
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64);
-            state.next_seq = state.next_seq.max(now);
+            state.next_seq = state.next_seq.max(self.wall_nanos());
         }
         let seq = state.next_seq;
         if seq > crate::disk::format::MAX_SEQ {

@@ -113,6 +113,9 @@ pub(crate) struct FollowCounters {
     /// other writer's records again.
     pub outside_share: AtomicU64,
     pub share_rereads: AtomicU64,
+    /// Entries of other writers not indexed because their numbers read
+    /// more than `MAX_CLOCK_AHEAD_NANOS` ahead of this node's clock.
+    pub clock_ahead: AtomicU64,
 }
 
 /// Follows every other writer of one shared directory into this node's
@@ -579,6 +582,24 @@ impl Follower {
 
     /// Applies one record entry of another writer (whose region is
     /// `handle`).
+    /// Whether an entry numbered `seq` reads too far ahead of this node's
+    /// clock (counted; the first one warned about): a put is then not
+    /// indexed.
+    fn refuse_ahead_of_clock(&self, seq: u64) -> bool {
+        if !self.log.ahead_of_clock(seq) {
+            return false;
+        }
+        if self.counters.clock_ahead.fetch_add(1, Ordering::Relaxed) == 0 {
+            tracing::warn!(
+                seq,
+                "another writer's entries are numbered more than 5 minutes ahead of this \
+                 node's clock (its clock is wrong, or this one's): its puts are not indexed, its \
+                 removals still apply (shared_clock_ahead_entries)"
+            );
+        }
+        true
+    }
+
     fn apply(&self, handle: u32, batch_start: u64, entry: &RecordEntry) {
         match entry.kind {
             RecordKind::Tombstone => self.apply_tombstone(handle, entry.digest, entry.seq),
@@ -603,6 +624,9 @@ impl Follower {
 
     /// Per key the highest sequence number wins, a tombstone on a tie.
     fn apply_put(&self, digest: KeyDigest, seq: u64, checksum: u64, loc: DiskLoc, len: u32) {
+        if self.refuse_ahead_of_clock(seq) {
+            return;
+        }
         if !self.owns(digest) {
             self.counters.outside_share.fetch_add(1, Ordering::Relaxed);
             self.outranks_unshared(digest, seq, false);
@@ -642,6 +666,10 @@ impl Follower {
     /// Remembers a removal (from `origin`, a region handle) and drops an
     /// entry it outranks.
     fn apply_tombstone(&self, origin: u32, digest: KeyDigest, seq: u64) {
+        // Counted, but applied all the same: a removal is never ignored (a
+        // miss is always safe). Until this node's clock catches up with its
+        // number, the key misses here even after later puts.
+        let _ = self.refuse_ahead_of_clock(seq);
         if !self.owns(digest) {
             // Another node's share: that node indexes the key and keeps
             // the removal.

@@ -14,7 +14,7 @@ use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
 use crate::shared::{CheckpointWriter, Follower, SharedDir};
 use crate::units::{page_round_up, PAGE_SIZE};
-use crate::write_log::WriteLog;
+use crate::write_log::{WriteLog, EARLIEST_PLAUSIBLE_CLOCK_NANOS, LATEST_PLAUSIBLE_CLOCK_NANOS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
@@ -169,11 +169,29 @@ impl Store {
         }
         let write_through = config.flush == FlushPolicy::WriteThrough;
         let disk = disk.map(Arc::new);
-        let log = Arc::new(WriteLog::with_clock(
-            next_seq,
-            write_through,
-            shared.is_some(),
-        ));
+        #[cfg_attr(
+            not(feature = "test-util"),
+            expect(unused_mut, reason = "the clock seam")
+        )]
+        let mut log = WriteLog::with_clock(next_seq, write_through, shared.is_some());
+        #[cfg(feature = "test-util")]
+        log.set_clock_offset(config.clock_offset_secs);
+        if shared.is_some() {
+            let now = log.wall_nanos();
+            if !(EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {
+                return Err(Error::new(
+                    crate::ErrorKind::InvalidArgument,
+                    format!(
+                        "this host's clock reads {} s since 1970, outside 2020-2250: in a shared \
+                         directory sequence numbers follow the clock, and a clock this wrong \
+                         would order this node's writes against every other node's wrongly. \
+                         Fix the clock (NTP) and start again",
+                        now / 1_000_000_000
+                    ),
+                ));
+            }
+        }
+        let log = Arc::new(log);
         let shared_floor = Arc::new(AtomicU64::new(u64::MAX));
         let follower = match (&shared, &disk) {
             (Some(shared), Some(disk)) => {

@@ -765,3 +765,62 @@ fn a_deleted_writer_lock_never_lets_two_stores_write_one_log() {
     }
     assert_eq!(b.stats().quarantined_regions, 0);
 }
+
+/// One node whose wall clock read the year 2262 wrote one batch, and every
+/// node following it adopted its numbers: 2^63 was reached after a few
+/// puts, and every put failed ("sequence numbers exhausted"), after
+/// restarts too. Numbers more than 5 minutes ahead of a node's clock are
+/// now not adopted and such puts not indexed (counted; removals still
+/// apply), and a node whose own clock is implausible refuses to open the
+/// directory.
+#[test]
+fn a_node_whose_clock_reads_far_ahead_stops_no_other_nodes_puts() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    // A year ahead: plausible on its own, wrong against the others.
+    let ahead = dir.path().join("ahead");
+    let year = 365 * 24 * 3600;
+    let bad = open(Node::config(&ahead, &shared, 64 * MIB).unsafe_clock_offset_secs(year));
+    bad.put(b"from-the-future", value_for(b"from-the-future", 1, 9_000))
+        .unwrap();
+    bad.remove(b"b-key").unwrap();
+    bad.flush().unwrap();
+    b.store().follow_shared_now();
+    assert_eq!(b.store().stats().shared_clock_ahead_entries, 2);
+    assert_eq!(read(b.store(), b"from-the-future"), None, "not indexed");
+    let keys: Vec<Vec<u8>> = (0..64).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 4_096)).collect();
+    for r in b.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    b.store()
+        .put(b"b-key", value_for(b"b-key", 1, 4_096))
+        .unwrap();
+    b.store().flush().unwrap();
+    b.restart();
+    for r in b.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    b.store().flush().unwrap();
+    // A removal is never ignored: the far-future one shadows its key (a
+    // miss, never a resurrection) until the clocks meet.
+    assert_eq!(read(b.store(), b"b-key"), None);
+    assert!(keys.iter().all(|k| read(b.store(), k).is_some()));
+    drop(bad);
+    // A fresh node too.
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    c.store()
+        .put(b"c-key", value_for(b"c-key", 1, 4_096))
+        .unwrap();
+    c.store().flush().unwrap();
+    assert_eq!(read(c.store(), b"from-the-future"), None);
+    assert!(read(c.store(), b"c-key").is_some());
+    assert!(keys.iter().all(|k| read(c.store(), k).is_some()));
+
+    // The year 2262 (past 2^63 ns): refused at open, nothing written.
+    let e =
+        Store::open(Node::config(&ahead, &shared, 64 * MIB).unsafe_clock_offset_secs(240 * year))
+            .unwrap_err();
+    assert!(e.to_string().contains("clock"), "{e}");
+}
