@@ -130,6 +130,26 @@ pub fn open_secret(path: &Path) -> io::Result<File> {
     Ok(file)
 }
 
+/// Opens a file another process may have planted (a shared directory's
+/// other writers' files) with `options` plus `extra_flags`: never through
+/// a symbolic link, never blocking in `open` (a FIFO named as a region or a
+/// checkpoint used to hang every starting node), and only a regular file,
+/// checked on the open descriptor; blocking mode is restored after.
+pub fn open_untrusted(path: &Path, options: &OpenOptions, extra_flags: i32) -> io::Result<File> {
+    let mut options = options.clone();
+    options.custom_flags(extra_flags | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    let file = options.open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    let flags = rustix::fs::fcntl_getfl(&file)?;
+    rustix::fs::fcntl_setfl(&file, flags - rustix::fs::OFlags::NONBLOCK)?;
+    Ok(file)
+}
+
 /// Checks the directory a Unix socket is bound in: another user who may
 /// write there could remove the socket and bind one of their own in its
 /// place. Owned by this user or root, and not writable by group or others
@@ -188,6 +208,40 @@ mod tests {
         let file = root.path().join("file");
         std::fs::write(&file, b"x").unwrap();
         assert!(tighten_dir(&file).is_err(), "a file is not a folder");
+    }
+
+    #[test]
+    fn untrusted_files_are_regular_files_opened_without_blocking_or_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut read = OpenOptions::new();
+        read.read(true);
+        let file = dir.path().join("region");
+        std::fs::write(&file, b"bytes").unwrap();
+        let opened = open_untrusted(&file, &read, 0).unwrap();
+        let flags = rustix::fs::fcntl_getfl(&opened).unwrap();
+        assert!(
+            !flags.contains(rustix::fs::OFlags::NONBLOCK),
+            "blocking again"
+        );
+        // A FIFO nobody writes: refused at once, not a hang.
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let e = open_untrusted(&fifo, &read, 0).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert!(open_untrusted(&link, &read, 0).is_err(), "no links");
+        assert!(
+            open_untrusted(dir.path(), &read, 0).is_err(),
+            "no directories"
+        );
     }
 
     #[test]

@@ -201,6 +201,7 @@ impl WriteLog {
 
     /// Sets this log's clock `secs` seconds off the wall clock (a test
     /// seam: a node whose clock is wrong).
+    #[cfg(feature = "test-util")]
     pub fn set_clock_offset(&mut self, secs: i64) {
         self.clock_offset_nanos = secs.saturating_mul(1_000_000_000);
     }

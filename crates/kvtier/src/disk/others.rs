@@ -11,7 +11,6 @@ use crate::disk::format::{RecordEntry, RecordFault};
 use crate::key::KeySecret;
 use crate::units::PAGE_SIZE;
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -44,30 +43,25 @@ impl DiskTier {
     /// Opens another writer's region file for reading: O_DIRECT unless this
     /// node's `direct_io` is off or the file system refuses it.
     pub(crate) fn open_other(&self, path: &Path) -> std::io::Result<OtherFile> {
+        // Another writer's file is hostile until verified: no links, no
+        // blocking open (a FIFO), regular files only.
         let mut options = OpenOptions::new();
-        options.read(true).custom_flags(libc::O_CLOEXEC);
+        options.read(true);
+        let open = |extra| crate::private::open_untrusted(path, &options, extra);
         let mut direct = false;
         let file = if self.direct_io() {
-            let mut with_direct = options.clone();
-            with_direct.custom_flags(libc::O_CLOEXEC | libc::O_DIRECT);
-            match with_direct.open(path) {
+            match open(libc::O_DIRECT) {
                 Ok(file) => {
                     direct = true;
                     file
                 }
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => options.open(path)?,
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open(0)?,
                 Err(e) => return Err(e),
             }
         } else {
-            options.open(path)?
+            open(0)?
         };
         let meta = file.metadata()?;
-        if !meta.is_file() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("{} is not a regular file", path.display()),
-            ));
-        }
         Ok(OtherFile {
             file,
             len: meta.len(),

@@ -16,7 +16,7 @@ use crate::key::{KeyDigest, KeySecret};
 use crate::shared::Follower;
 use crate::write_log::WriteLog;
 use std::fs::{self, File, OpenOptions};
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufWriter, Read, Seek, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -199,6 +199,34 @@ pub fn list(dir: &Path, node: &str) -> Vec<(u64, PathBuf)> {
     found
 }
 
+/// Checks the MAC of the `len`-byte checkpoint `file` (from its start) in
+/// fixed pieces, allocating one piece.
+fn verify_mac_streaming(
+    file: &mut File,
+    len: u64,
+    secret: &KeySecret,
+) -> std::result::Result<(), String> {
+    const PIECE: usize = 1 << 20;
+    let body_len = len - MAC_LEN as u64;
+    let mut hasher = mac_hasher(secret);
+    let mut piece = vec![0u8; PIECE];
+    let mut left = body_len;
+    while left > 0 {
+        let n = usize::try_from(left.min(PIECE as u64)).expect("at most a piece");
+        file.read_exact(&mut piece[..n])
+            .map_err(|e| format!("changed while read ({e})"))?;
+        hasher.update(&piece[..n]);
+        left -= n as u64;
+    }
+    let mut mac = [0u8; MAC_LEN];
+    file.read_exact(&mut mac)
+        .map_err(|e| format!("changed while read ({e})"))?;
+    if hasher.finalize() != blake3::Hash::from_bytes(mac) {
+        return Err("its MAC does not verify under the shared secret".into());
+    }
+    Ok(())
+}
+
 /// Reads and verifies a checkpoint of `node`. Any fault (length, MAC,
 /// node, counts) is an error naming it; the caller then reads the log's
 /// records instead.
@@ -207,7 +235,11 @@ pub fn read(
     node: &str,
     secret: &KeySecret,
 ) -> std::result::Result<Checkpoint, String> {
-    let mut file = File::open(path).map_err(|e| e.to_string())?;
+    // Planted files are hostile: no links, no blocking open (a FIFO hung
+    // every starting node), regular files only.
+    let mut options = OpenOptions::new();
+    options.read(true);
+    let mut file = crate::private::open_untrusted(path, &options, 0).map_err(|e| e.to_string())?;
     let len = file.metadata().map_err(|e| e.to_string())?.len();
     if len > MAX_CHECKPOINT_BYTES {
         return Err(format!(
@@ -218,8 +250,17 @@ pub fn read(
     if len < min {
         return Err(format!("{len} bytes, shorter than an empty checkpoint"));
     }
+    // The MAC first, streamed in fixed pieces: nothing is allocated from a
+    // length in the file before the file proves it came from a node that
+    // holds the secret (a sparse 1.5 GiB file cost each starting node 1.5
+    // GiB of memory).
+    verify_mac_streaming(&mut file, len, secret)?;
+    file.seek(std::io::SeekFrom::Start(0))
+        .map_err(|e| e.to_string())?;
     let mut bytes = Vec::with_capacity(len as usize);
-    file.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    file.take(len)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
     if bytes.len() as u64 != len {
         return Err("changed while read".into());
     }

@@ -824,3 +824,58 @@ fn a_node_whose_clock_reads_far_ahead_stops_no_other_nodes_puts() {
             .unwrap_err();
     assert!(e.to_string().contains("clock"), "{e}");
 }
+
+/// A FIFO named as another writer's newest region and newest checkpoint
+/// hung every starting node's open (nothing ever writes it), and a sparse
+/// 1.5 GiB file named as a checkpoint cost each starting node 1.5 GiB of
+/// memory. Both are now refused or verified without blocking or
+/// allocating: the node starts and serves the writer's real blocks.
+#[test]
+fn planted_fifos_and_huge_checkpoints_neither_hang_nor_bloat_a_starting_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = Node::start(dir.path(), "w", 64 * MIB);
+    let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
+    for r in w.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    w.store().flush().unwrap();
+    let writer_dir = w.shared.join("nodes").join(w.store().node_id());
+    let node = w.store().node_id().to_string();
+    drop(w);
+    let fifo = |path: &Path| {
+        let made = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .unwrap();
+        assert!(made.success());
+    };
+    fifo(
+        &writer_dir
+            .join("regions")
+            .join(format!("{node}-ffffffffffffffff-0000fff0.kvr")),
+    );
+    let checkpoints = writer_dir.join("checkpoints");
+    std::fs::create_dir_all(&checkpoints).unwrap();
+    fifo(&checkpoints.join(format!("{node}-ffffffffffffffff-fffffffffffffff0.kvc")));
+    let sparse = std::fs::File::create(
+        checkpoints.join(format!("{node}-ffffffffffffffff-fffffffffffffff1.kvc")),
+    )
+    .unwrap();
+    sparse.set_len(1536 * MIB).unwrap();
+    drop(sparse);
+    let root = dir.path().to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let reader = Node::start(&root, "r", 64 * MIB);
+        let found: Vec<Option<Vec<u8>>> = (0..16).map(|i| read(reader.store(), &key(i))).collect();
+        let _ = tx.send(found);
+    });
+    // A bound against the hang this test is about, not a timing claim.
+    let found = rx
+        .recv_timeout(std::time::Duration::from_secs(300))
+        .expect("a starting node hung on a planted file");
+    for (got, want) in found.iter().zip(&values) {
+        assert_eq!(got.as_deref(), Some(&want[..]));
+    }
+}
