@@ -96,7 +96,7 @@ pub(crate) fn read_holder(path: &Path) -> String {
 }
 
 /// `flock(LOCK_EX | LOCK_NB)` on `file`.
-fn flock_exclusive(file: &File) -> std::io::Result<()> {
+pub(crate) fn flock_exclusive(file: &File) -> std::io::Result<()> {
     // SAFETY: flock on a descriptor the caller owns.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
         Ok(())

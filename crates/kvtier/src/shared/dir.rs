@@ -12,12 +12,13 @@
 use crate::data_dir::{self, KEY_CHECK_FILE, KEY_SECRET_FILE};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::KeySecret;
-use crate::lock::{file_id, flock_waiting_for_let_go, pid_has_let_go, read_holder, LiveLock};
+use crate::lock::{
+    file_id, flock_exclusive, flock_waiting_for_let_go, pid_has_let_go, read_holder, LiveLock,
+};
 use crate::private::FILE_MODE;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -116,7 +117,7 @@ impl WriterLock {
             .mode(FILE_MODE)
             .open(&self.path)
             .and_then(|file| {
-                flock_exclusive_now(&file)?;
+                flock_exclusive(&file)?;
                 let id = file_id(&file)?;
                 let mut writer = &file;
                 let _ = writer.write_all(holder_line().as_bytes());
@@ -140,16 +141,6 @@ impl WriterLock {
                 Err(Error::new(ErrorKind::Locked, why))
             }
         }
-    }
-}
-
-/// `flock(LOCK_EX | LOCK_NB)` on `file`, failing at once when held.
-fn flock_exclusive_now(file: &File) -> std::io::Result<()> {
-    // SAFETY: flock on a descriptor the caller owns.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -464,6 +455,7 @@ fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::io::AsRawFd;
 
     /// How many descriptors of this process have `path` open.
     fn open_count(path: &Path) -> usize {
@@ -527,7 +519,7 @@ mod tests {
         // The collector's hold; the holder line names a process of this
         // host that let go, so the writer waits for the lock.
         let collector = File::open(&path).unwrap();
-        flock_exclusive_now(&collector).unwrap();
+        flock_exclusive(&collector).unwrap();
         fs::create_dir_all(writer_dir.join("regions")).unwrap();
         let root = dir.path().to_path_buf();
         let starting = std::thread::spawn(move || SharedDir::open(&root, &id).map(|(s, _)| s));
