@@ -14,7 +14,6 @@ use crate::shared::dir::{SharedDir, WRITER_LOCK_FILE};
 use crate::store::Store;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
@@ -144,9 +143,8 @@ fn remove_writer_dir(dir: &Path) -> bool {
     let Ok(lock) = fs::File::open(&lock_path) else {
         return false;
     };
-    // SAFETY: flock on a descriptor this function owns; released when the
-    // file closes at return.
-    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    // Released when the file closes at return.
+    if crate::lock::flock_exclusive(&lock).is_err() {
         return false; // its writer is back
     }
     let held = lock.metadata().map(|m| (m.dev(), m.ino())).ok();
@@ -215,8 +213,6 @@ fn lock_is_held(dir: &Path) -> bool {
     let Ok(file) = fs::File::open(dir.join(WRITER_LOCK_FILE)) else {
         return false;
     };
-    // SAFETY: flock on a descriptor this function owns; released when the
-    // file closes at return.
-    let taken = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
-    !taken
+    // Released when the file closes at return.
+    crate::lock::flock_exclusive(&file).is_err()
 }
