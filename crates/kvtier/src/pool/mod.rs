@@ -102,9 +102,17 @@ impl PoolCore {
     /// is long enough right now.
     pub fn try_allocate(self: &Arc<Self>, len: usize, digest: KeyDigest) -> Option<PoolSlot> {
         let pages = (len as u64).div_ceil(PAGE_SIZE).max(1);
-        let page = self.allocator.lock().unwrap().allocate(pages)?;
-        self.live_entries.fetch_add(1, Ordering::Relaxed);
-        self.live_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        // The counters change under the allocator's lock, as in `drop`: a
+        // slot is counted only while it owns its pages, so `live_bytes`
+        // never reads above the capacity (a slot freed on the flusher's
+        // thread and its pages taken here before it was uncounted did).
+        let page = {
+            let mut allocator = self.allocator.lock().unwrap();
+            let page = allocator.allocate(pages)?;
+            self.live_entries.fetch_add(1, Ordering::Relaxed);
+            self.live_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            page
+        };
         Some(PoolSlot {
             core: Arc::clone(self),
             page,
@@ -242,15 +250,13 @@ impl PoolSlot {
 
 impl Drop for PoolSlot {
     fn drop(&mut self) {
-        self.core
-            .allocator
-            .lock()
-            .unwrap()
-            .free(self.page, self.pages);
+        // Uncounted before the pages are free (see `try_allocate`).
+        let mut allocator = self.core.allocator.lock().unwrap();
         self.core.live_entries.fetch_sub(1, Ordering::Relaxed);
         self.core
             .live_bytes
             .fetch_sub(self.len as u64, Ordering::Relaxed);
+        allocator.free(self.page, self.pages);
     }
 }
 
@@ -270,5 +276,52 @@ mod fork_tests {
             .expect("the pool's mapping and its flags");
         // "dc": do not copy this area on fork.
         assert!(flags.split_whitespace().any(|f| f == "dc"), "{flags}");
+    }
+}
+
+#[cfg(test)]
+mod accounting_tests {
+    use super::*;
+
+    /// Slots freed on one thread while another takes their pages: the live
+    /// counters never read above the capacity. (They did when a slot was
+    /// uncounted only after its pages were free: CI caught it in the model
+    /// test, whose flusher drops slots while the caller puts.)
+    #[test]
+    fn live_bytes_never_read_above_the_capacity() {
+        let pool = PoolCore::new(16 * PAGE_SIZE).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let churn = |pool: Arc<PoolCore>, done: Arc<AtomicBool>| {
+            std::thread::spawn(move || {
+                // Half the pool each: three workers keep it full.
+                let len = (PAGE_SIZE as usize) * 8;
+                for round in 0..50_000u32 {
+                    let slot = pool.try_allocate(len, KeyDigest(u128::from(round)));
+                    drop(slot);
+                }
+                done.store(true, Ordering::Release);
+            })
+        };
+        let workers = [
+            churn(Arc::clone(&pool), Arc::new(AtomicBool::new(false))),
+            churn(Arc::clone(&pool), Arc::new(AtomicBool::new(false))),
+            churn(Arc::clone(&pool), Arc::clone(&done)),
+        ];
+        let mut reads = 0u64;
+        while !done.load(Ordering::Acquire) {
+            let live = pool.live_bytes();
+            assert!(
+                live <= pool.capacity(),
+                "{live} bytes live in {}",
+                pool.capacity()
+            );
+            reads += 1;
+        }
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        assert!(reads > 0);
+        assert_eq!(pool.live_bytes(), 0);
+        assert_eq!(pool.live_entries(), 0);
     }
 }
