@@ -573,6 +573,15 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_clock_ahead_entries")],
     },
     StoreFamily {
+        name: "kvtier_shared_regions_behind_gap",
+        help: "Other writers' region files not followed because a region between them and \
+               their writer's head is missing.",
+        bytes: false,
+        counter: false,
+        label: None,
+        members: &[("", "shared_regions_behind_gap")],
+    },
+    StoreFamily {
         name: "kvtier_shared_tombstones",
         help: "Removes remembered so that an older put of another writer is not indexed.",
         bytes: false,

@@ -93,12 +93,25 @@ pub(crate) struct Flusher {
 /// See `Flusher::after_batch`.
 pub(crate) type AfterBatch = Box<dyn Fn() + Send>;
 
+/// Tells this node's follower of a removal the reclaimer wrote (a
+/// reclaimed put's shadow), so a put of another writer that it outranks,
+/// read later, is not indexed.
+pub(crate) struct NoteRemoval(pub Box<dyn Fn(KeyDigest, u64) + Send>);
+
+impl std::fmt::Debug for NoteRemoval {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NoteRemoval")
+    }
+}
+
 /// What a log that is one writer's of a shared directory adds to the
 /// flusher (docs/design.md, "Shared directory").
 pub(crate) struct SharedHooks {
-    /// The lowest sequence number in any other writer's followed region:
-    /// the reclaimer keeps this log's removals at or above it.
+    /// The reclaim floor (`shared::Follower`): the reclaimer keeps this
+    /// log's removals at or above it, and leaves a removal in place of a
+    /// put it drops at or above it.
     pub floor: Arc<std::sync::atomic::AtomicU64>,
+    pub note_removal: NoteRemoval,
     /// Collecting a dead writer's log: reclaim every region below this id
     /// first.
     pub reclaim_before: Option<u32>,
@@ -126,9 +139,14 @@ impl Flusher {
         shared: Option<SharedHooks>,
         events: Option<Arc<EventSink>>,
     ) -> Self {
-        let (shared_floor, reclaim_before, after_batch) = match shared {
-            Some(h) => (Some(h.floor), h.reclaim_before, Some(h.after_batch)),
-            None => (None, None, None),
+        let (shared_floor, note_removal, reclaim_before, after_batch) = match shared {
+            Some(h) => (
+                Some(h.floor),
+                Some(h.note_removal),
+                h.reclaim_before,
+                Some(h.after_batch),
+            ),
+            None => (None, None, None, None),
         };
         let reclaimer = Reclaimer {
             log: Arc::clone(&log),
@@ -136,6 +154,7 @@ impl Flusher {
             index: Arc::clone(&index),
             counters: Arc::clone(&counters),
             shared_floor,
+            note_removal,
             events: events.clone(),
         };
         Flusher {
@@ -339,6 +358,7 @@ pub(crate) struct Reclaimer {
     /// sequence number in any other writer's followed region (see
     /// `shared::Follower`).
     shared_floor: Option<Arc<std::sync::atomic::AtomicU64>>,
+    note_removal: Option<NoteRemoval>,
     /// `Config::events`: a disk copy dropped is announced.
     events: Option<Arc<EventSink>>,
 }
@@ -368,8 +388,12 @@ impl Reclaimer {
         let mut dropped = 0u64;
         // In a shared directory: no second chance for values (a copy would
         // get a new sequence number, which could outrank a remove another
-        // node issued and this one has not read yet), and tombstones that
-        // may still shadow a put in another writer's log are kept.
+        // node issued and this one has not read yet), tombstones that may
+        // still shadow a put in another writer's log are kept, and a put
+        // dropped at or above the floor leaves a tombstone at its own
+        // number: it outranked older puts of its key in other logs, and
+        // without it the older version would be the newest left (an
+        // overwrite undone by reclaim).
         let shared_floor = self
             .shared_floor
             .as_ref()
@@ -401,6 +425,19 @@ impl Reclaimer {
             } else {
                 shard.clear_disk(entry.digest, entry.seq, recovered.loc);
                 dropped += 1;
+                if shared_floor.is_some_and(|floor| entry.seq >= floor) {
+                    // Noted under the key's shard lock, as removals are.
+                    if let Some(note) = &self.note_removal {
+                        (note.0)(entry.digest, entry.seq);
+                    }
+                    kept_tombstones.push(RecordEntry {
+                        kind: RecordKind::Tombstone,
+                        value_offset: 0,
+                        value_len: 0,
+                        checksum: 0,
+                        ..entry.clone()
+                    });
+                }
                 drop(shard);
                 self.removed_from_disk(entry.digest);
             }

@@ -100,6 +100,11 @@ pub struct Stats {
     /// Other writers' entries not indexed because their numbers read more
     /// than 5 minutes ahead of this node's clock (a writer's clock is wrong).
     pub shared_clock_ahead_entries: u64,
+    /// Other writers' region files not followed because a region between
+    /// them and their writer's head is missing (their writer, restarted,
+    /// does not index them either: the missing region may have removed
+    /// their puts).
+    pub shared_regions_behind_gap: u64,
     /// Other writers' index checkpoints loaded since open, and the entries
     /// they gave (instead of reading those writers' records).
     pub shared_checkpoints_loaded: u64,
@@ -206,6 +211,10 @@ impl Stats {
             (
                 "shared_clock_ahead_entries",
                 StatValue::Count(self.shared_clock_ahead_entries),
+            ),
+            (
+                "shared_regions_behind_gap",
+                StatValue::Count(self.shared_regions_behind_gap),
             ),
             (
                 "shared_tombstones",

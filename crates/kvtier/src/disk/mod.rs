@@ -11,7 +11,7 @@ pub mod format;
 mod others;
 mod read;
 
-pub(crate) use others::scan_new_batches;
+pub(crate) use others::{first_id_past_gaps, read_other_head, scan_new_batches};
 pub(crate) use read::{Destination, ReadOutcome, ValueRead};
 
 use crate::config::{Config, IoEngineKind};
@@ -1489,7 +1489,7 @@ fn format_head(id: u32) -> String {
     )
 }
 
-fn parse_head(text: &str) -> Option<u32> {
+pub(super) fn parse_head(text: &str) -> Option<u32> {
     let text = text.strip_suffix('\n')?;
     let (line, sum) = text.rsplit_once(' ')?;
     if u64::from_str_radix(sum, 16).ok()? != xxhash_rust::xxh3::xxh3_64(line.as_bytes()) {

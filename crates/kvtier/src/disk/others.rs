@@ -152,3 +152,78 @@ pub(crate) fn scan_new_batches(
     }
     out
 }
+
+/// Another writer's `log-head` (docs/design.md, "Log head and missing
+/// regions"): the newest region id it created, `None` if the file is
+/// missing. Opened as any other writer's file is (no links, no blocking,
+/// regular files only) and read at most 256 bytes; a head that does not
+/// parse is an error (the caller then cannot tell a deleted newest region
+/// from a quiet log, and says so).
+pub(crate) fn read_other_head(writer_dir: &Path) -> std::io::Result<Option<u32>> {
+    use std::io::Read;
+    let path = writer_dir.join(super::HEAD_FILE);
+    let mut options = OpenOptions::new();
+    options.read(true);
+    let file = match crate::private::open_untrusted(&path, &options, 0) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut text = String::new();
+    file.take(256).read_to_string(&mut text)?;
+    super::parse_head(&text).map(Some).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} does not parse as a log head", path.display()),
+        )
+    })
+}
+
+/// Of a writer's region ids (its files) and its head, the ids its own
+/// recovery would index: those newer than every missing id between the
+/// oldest and the head (docs/design.md, "Log head and missing regions").
+/// A region behind a gap may hold puts the missing region's tombstones
+/// removed, so its writer, restarted, indexes none of it, and neither may
+/// a follower. Returns the lowest id indexed (`None`: no region is).
+pub(crate) fn first_id_past_gaps(ids: &[u32], head: Option<u32>) -> Option<u32> {
+    let mut sorted: Vec<u32> = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut expected = head;
+    let mut first = None;
+    for &id in sorted.iter().rev() {
+        if expected.is_some_and(|e| id < e) {
+            return first;
+        }
+        if expected.is_none_or(|e| id <= e) {
+            expected = id.checked_sub(1);
+        }
+        first = Some(id);
+    }
+    first
+}
+
+#[cfg(test)]
+mod gap_tests {
+    use super::first_id_past_gaps;
+
+    #[test]
+    fn regions_behind_a_missing_one_are_not_indexed() {
+        // Contiguous up to the head: all of them.
+        assert_eq!(first_id_past_gaps(&[3, 4, 5], Some(5)), Some(3));
+        // The head not yet rewritten for the newest region: all of them.
+        assert_eq!(first_id_past_gaps(&[3, 4, 5, 6], Some(5)), Some(3));
+        // No head (a writer of an older release, or a damaged one): the
+        // files alone.
+        assert_eq!(first_id_past_gaps(&[3, 4, 5], None), Some(3));
+        // A middle region deleted: only those after it.
+        assert_eq!(first_id_past_gaps(&[3, 5, 6], Some(6)), Some(5));
+        assert_eq!(first_id_past_gaps(&[3, 5, 6], None), Some(5));
+        // The newest region deleted: none.
+        assert_eq!(first_id_past_gaps(&[3, 4, 5], Some(7)), None);
+        assert_eq!(first_id_past_gaps(&[], Some(7)), None);
+        assert_eq!(first_id_past_gaps(&[], None), None);
+        // Id 0 at the bottom does not wrap.
+        assert_eq!(first_id_past_gaps(&[0, 1], Some(1)), Some(0));
+    }
+}

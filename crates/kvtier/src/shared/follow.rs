@@ -12,7 +12,10 @@
 //! highest sequence number wins, a tombstone on a tie.
 
 use crate::disk::format::{RecordEntry, RecordKind};
-use crate::disk::{parse_region_name, scan_new_batches, DiskTier, OTHERS_BASE, REGION_DIR};
+use crate::disk::{
+    first_id_past_gaps, parse_region_name, read_other_head, scan_new_batches, DiskTier,
+    OTHERS_BASE, REGION_DIR,
+};
 use crate::index::{DiskLoc, Entry, Index};
 use crate::key::KeyDigest;
 use crate::shared::checkpoint;
@@ -68,16 +71,24 @@ struct Followed {
     scanned_to: u64,
     /// The file's length when last opened.
     len: u64,
-    /// Lowest sequence number of any entry read from it (`u64::MAX`
-    /// before the first).
-    min_seq: u64,
+    /// Lowest sequence number of any put entry in it (`u64::MAX` while
+    /// none was read; 0 when unknown: a region first learned from an index
+    /// checkpoint, which lists only live entries, so the puts other
+    /// writers' removals shadow are not in it).
+    min_put_seq: u64,
     stuck: bool,
 }
 
 #[derive(Debug, Default)]
 struct WriterLog {
     regions: BTreeMap<u32, Followed>,
+    /// The highest sequence number read from its log. Its writer writes in
+    /// sequence order (the flusher's queue is first in, first out, retries
+    /// included), so every put it has yet to write, acknowledged or not, is
+    /// numbered above this.
     newest_seq: u64,
+    /// Its region files behind a gap at the last pass (not followed).
+    behind_gap: u64,
     last_change: Option<SystemTime>,
 }
 
@@ -116,6 +127,9 @@ pub(crate) struct FollowCounters {
     /// Entries of other writers not indexed because their numbers read
     /// more than `MAX_CLOCK_AHEAD_NANOS` ahead of this node's clock.
     pub clock_ahead: AtomicU64,
+    /// Other writers' region files not followed at the last pass because
+    /// a region between them and their writer's head is missing.
+    pub regions_behind_gap: AtomicU64,
 }
 
 /// Follows every other writer of one shared directory into this node's
@@ -129,10 +143,11 @@ pub(crate) struct Follower {
     log: Arc<WriteLog>,
     state: Mutex<FollowState>,
     pub counters: FollowCounters,
-    /// The lowest sequence number of any entry in any other writer's
-    /// region this node follows (`u64::MAX` if none): a tombstone of this
-    /// node's log at or above it may still shadow a put in another log,
-    /// so the reclaimer rewrites it instead of dropping it.
+    /// The reclaim floor (docs/design.md, "Removes and reclaim across
+    /// writers"): no other writer's log holds, or will write, a put
+    /// numbered below it. A tombstone of this node's log at or above it may
+    /// still shadow such a put, so the reclaimer rewrites it instead of
+    /// dropping it.
     floor: Arc<AtomicU64>,
     stop: (Mutex<bool>, Condvar),
     /// One pass at a time (the thread's and `Store::follow_shared_now`'s):
@@ -317,6 +332,10 @@ impl Follower {
             self.begin_reread();
         }
         let began = SystemTime::now();
+        // A writer this pass does not see yet (a new directory) can only
+        // number its puts from its clock on, so the floor never rises above
+        // this node's clock at the pass's start (within the clocks' bound).
+        let clock_at_start = self.log.wall_nanos();
         self.counters.last_pass_unix_ms.store(
             began
                 .duration_since(SystemTime::UNIX_EPOCH)
@@ -359,11 +378,20 @@ impl Follower {
                 .tombstones
                 .retain(|_, (_, origin)| !vanished.contains(origin));
         }
-        let mut floor = u64::MAX;
-        let (mut regions, mut bytes, mut stuck) = (0u64, 0u64, 0u64);
+        let mut floor = clock_at_start;
+        let (mut regions, mut bytes, mut stuck, mut behind_gap) = (0u64, 0u64, 0u64, 0u64);
         for log in state.writers.values() {
+            // Puts still on their way to this log are numbered above the
+            // newest number read from it; puts in it, at or above its
+            // regions' lowest. Regions behind a gap are not followed, so
+            // what they hold is unknown.
+            floor = floor.min(log.newest_seq.saturating_add(1));
+            if log.behind_gap > 0 {
+                floor = 0;
+            }
+            behind_gap += log.behind_gap;
             for region in log.regions.values() {
-                floor = floor.min(region.min_seq);
+                floor = floor.min(region.min_put_seq);
                 regions += 1;
                 bytes += region.len;
                 stuck += u64::from(region.stuck);
@@ -380,6 +408,9 @@ impl Follower {
         self.counters.bytes.store(bytes, Ordering::Relaxed);
         self.counters.stuck_regions.store(stuck, Ordering::Relaxed);
         self.counters
+            .regions_behind_gap
+            .store(behind_gap, Ordering::Relaxed);
+        self.counters
             .tombstones
             .store(state.tombstones.len() as u64, Ordering::Relaxed);
         drop(state);
@@ -393,6 +424,18 @@ impl Follower {
     }
 
     fn follow_writer(&self, node: &str, dir: &Path, vanished: &mut HashSet<u32>) {
+        // The head before the listing: its writer creates a region's file
+        // before it names the region in its head, so every id up to the
+        // head read here has a file in the listing unless it was deleted
+        // (reclaim takes only the oldest, which leaves no gap).
+        let head = match read_other_head(dir) {
+            Ok(head) => head,
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's log head; a deleted newest region of its log would not be noticed");
+                self.pass_incomplete.store(true, Ordering::Relaxed);
+                None
+            }
+        };
         let region_dir = dir.join(REGION_DIR);
         let listing = match std::fs::read_dir(&region_dir) {
             Ok(listing) => listing,
@@ -424,6 +467,14 @@ impl Follower {
                 }
             }
         }
+        // The gap rule its writer applies to its own log at recovery: no
+        // region older than a missing one is indexed (the missing one may
+        // have held the removals of their puts).
+        let ids: Vec<u32> = files.keys().copied().collect();
+        let first_indexed = first_id_past_gaps(&ids, head);
+        let before = files.len();
+        files.retain(|id, _| first_indexed.is_some_and(|first| *id >= first));
+        let behind_gap = (before - files.len()) as u64;
         let newest = files.keys().next_back().copied();
         let first_sight = !self.state.lock().unwrap().writers.contains_key(node);
         if first_sight {
@@ -431,8 +482,12 @@ impl Follower {
         }
         let mut state = self.state.lock().unwrap();
         let log = state.writers.entry(node.to_string()).or_default();
-        // Regions gone (reclaimed by their writer) or replaced by another
-        // file under the same id.
+        if log.behind_gap == 0 && behind_gap > 0 {
+            tracing::error!(writer = node, regions = behind_gap, "region files are missing from the middle of another writer's log (deleted, renamed or unreadable): its older regions are not indexed, since the missing ones may have removed their puts");
+        }
+        log.behind_gap = behind_gap;
+        // Regions gone (reclaimed by their writer), behind a gap, or
+        // replaced by another file under the same id.
         let doomed: Vec<u32> = log
             .regions
             .iter()
@@ -517,7 +572,7 @@ impl Follower {
                                 file_name: name.to_string(),
                                 scanned_to: PAGE_SIZE,
                                 len: 0,
-                                min_seq: u64::MAX,
+                                min_put_seq: u64::MAX,
                                 stuck: false,
                             },
                         );
@@ -542,12 +597,14 @@ impl Follower {
         // Reads of values go through this fresh descriptor from now on.
         self.disk.set_other(handle, opened, path.to_path_buf());
         let mut batches = 0u64;
-        let mut min_seq = u64::MAX;
+        let mut min_put_seq = u64::MAX;
         let mut max_seq = 0u64;
         for (batch_start, entries) in &scan.batches {
             batches += 1;
             for entry in entries {
-                min_seq = min_seq.min(entry.seq);
+                if entry.kind == RecordKind::Put {
+                    min_put_seq = min_put_seq.min(entry.seq);
+                }
                 max_seq = max_seq.max(entry.seq);
             }
             // The clock first (never under a shard lock: the write log
@@ -573,7 +630,7 @@ impl Follower {
         if let Some(region) = log.regions.get_mut(&id) {
             region.scanned_to = scan.end;
             region.len = len;
-            region.min_seq = region.min_seq.min(min_seq);
+            region.min_put_seq = region.min_put_seq.min(min_put_seq);
             region.stuck = scan.stuck.is_some();
         }
         drop(state);
@@ -744,7 +801,11 @@ impl Follower {
                     file_name: name.clone(),
                     scanned_to: covered.covered,
                     len: covered.covered,
-                    min_seq: u64::MAX,
+                    // The checkpoint lists live entries only: the puts it
+                    // leaves out (removed or overwritten elsewhere) may be
+                    // older than every one it lists. Unknown, so the floor
+                    // keeps every removal while this region exists.
+                    min_put_seq: 0,
                     stuck: false,
                 },
             );
@@ -773,13 +834,10 @@ impl Follower {
             self.apply_tombstone(origin, *digest, *seq);
         }
         let mut applied = 0u64;
-        let mut min_seqs: HashMap<u32, u64> = HashMap::new();
         for e in &loaded.entries {
             let Some(&handle) = handles.get(&e.region) else {
                 continue;
             };
-            let min = min_seqs.entry(e.region).or_insert(u64::MAX);
-            *min = (*min).min(e.seq);
             self.apply_put(
                 e.digest,
                 e.seq,
@@ -788,13 +846,6 @@ impl Follower {
                 e.len,
             );
             applied += 1;
-        }
-        if let Some(log) = self.state.lock().unwrap().writers.get_mut(node) {
-            for (id, min) in min_seqs {
-                if let Some(region) = log.regions.get_mut(&id) {
-                    region.min_seq = min;
-                }
-            }
         }
         tracing::info!(
             writer = node,

@@ -543,6 +543,7 @@ impl Inner {
             shared_batches: self.follow_count(|f| &f.batches),
             shared_stuck_regions: self.follow_count(|f| &f.stuck_regions),
             shared_clock_ahead_entries: self.follow_count(|f| &f.clock_ahead),
+            shared_regions_behind_gap: self.follow_count(|f| &f.regions_behind_gap),
             shared_tombstones: self.follow_count(|f| &f.tombstones),
             shared_checkpoints_loaded: self.follow_count(|f| &f.checkpoints_loaded),
             shared_checkpoint_entries: self.follow_count(|f| &f.checkpoint_entries),

@@ -264,18 +264,24 @@ impl Store {
                     Arc::clone(&inner.index),
                     Arc::clone(&inner.counters),
                     inner.config.flush_batch_bytes,
-                    inner.checkpoints.as_ref().map(|writer| {
-                        let writer = Arc::clone(writer);
-                        crate::flusher::SharedHooks {
-                            floor: Arc::clone(&shared_floor),
-                            reclaim_before: inner
-                                .config
-                                .adopt_writer
-                                .as_ref()
-                                .map(|_| disk.next_region_id()),
-                            after_batch: Box::new(move || writer.after_batch()),
-                        }
-                    }),
+                    inner.checkpoints.as_ref().zip(inner.follower.as_ref()).map(
+                        |(writer, follower)| {
+                            let writer = Arc::clone(writer);
+                            let follower = Arc::clone(follower);
+                            crate::flusher::SharedHooks {
+                                floor: Arc::clone(&shared_floor),
+                                note_removal: crate::flusher::NoteRemoval(Box::new(
+                                    move |digest, seq| follower.note_removal(digest, seq),
+                                )),
+                                reclaim_before: inner
+                                    .config
+                                    .adopt_writer
+                                    .as_ref()
+                                    .map(|_| disk.next_region_id()),
+                                after_batch: Box::new(move || writer.after_batch()),
+                            }
+                        },
+                    ),
                     inner.config.events.clone(),
                 )
                 .spawn()?,
