@@ -314,6 +314,33 @@ fn region_files_in(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// The model of the shared-directory model tests: per key, the value the
+/// newest put or remove left (`None`: removed), with versioned values.
+#[derive(Default)]
+struct KeyModel {
+    values: HashMap<u8, Option<Vec<u8>>>,
+    version: u64,
+}
+
+impl KeyModel {
+    fn put(&mut self, store: &Store, key: u8, len: usize) {
+        self.version += 1;
+        let k = [b'k', key];
+        let value = value_for(&k, self.version, len);
+        store.put(k, &value).unwrap();
+        self.values.insert(key, Some(value));
+    }
+
+    /// A remove, which reads as a miss on the remover at once.
+    fn remove(&mut self, store: &Store, key: u8) -> Result<(), TestCaseError> {
+        let k = [b'k', key];
+        store.remove(k).unwrap();
+        prop_assert_eq!(read(store, &k), None);
+        self.values.insert(key, None);
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Put { node: usize, key: u8, len: usize },
@@ -349,23 +376,11 @@ proptest! {
             Node::start(dir.path(), "b", 64 * MIB),
             Node::start(dir.path(), "c", 64 * MIB),
         ];
-        let mut model: HashMap<u8, Option<Vec<u8>>> = HashMap::new();
-        let mut version = 0u64;
+        let mut keys = KeyModel::default();
         for op in &ops {
             match *op {
-                Op::Put { node, key, len } => {
-                    version += 1;
-                    let k = [b'k', key];
-                    let value = value_for(&k, version, len);
-                    nodes[node].store().put(k, &value).unwrap();
-                    model.insert(key, Some(value));
-                }
-                Op::Remove { node, key } => {
-                    let k = [b'k', key];
-                    nodes[node].store().remove(k).unwrap();
-                    prop_assert_eq!(read(nodes[node].store(), &k), None);
-                    model.insert(key, None);
-                }
+                Op::Put { node, key, len } => keys.put(nodes[node].store(), key, len),
+                Op::Remove { node, key } => keys.remove(nodes[node].store(), key)?,
                 Op::Flush { node } => nodes[node].store().flush().unwrap(),
                 Op::Follow { node } => nodes[node].store().follow_shared_now(),
                 Op::Restart { node } => nodes[node].restart(),
@@ -379,7 +394,7 @@ proptest! {
         }
         for round in 0..2 {
             for (n, node) in nodes.iter().enumerate() {
-                for (key, expected) in &model {
+                for (key, expected) in &keys.values {
                     let k = [b'k', *key];
                     let got = read(node.store(), &k);
                     prop_assert_eq!(&got, expected, "node {} key {} round {}", n, key, round);
@@ -1214,24 +1229,12 @@ proptest! {
             Node::start(dir.path(), "b", 4 * MIB),
             Node::start_with(dir.path(), "s", 64 * MIB, FlushPolicy::OnDemand),
         ];
-        let mut model: HashMap<u8, Option<Vec<u8>>> = HashMap::new();
-        let mut version = 0u64;
+        let mut keys = KeyModel::default();
         let mut filler = 0u64;
         for op in &ops {
             match *op {
-                ReclaimOp::Put { node, key, len } => {
-                    version += 1;
-                    let k = [b'k', key];
-                    let value = value_for(&k, version, len);
-                    nodes[node].store().put(k, &value).unwrap();
-                    model.insert(key, Some(value));
-                }
-                ReclaimOp::Remove { node, key } => {
-                    let k = [b'k', key];
-                    nodes[node].store().remove(k).unwrap();
-                    prop_assert_eq!(read(nodes[node].store(), &k), None);
-                    model.insert(key, None);
-                }
+                ReclaimOp::Put { node, key, len } => keys.put(nodes[node].store(), key, len),
+                ReclaimOp::Remove { node, key } => keys.remove(nodes[node].store(), key)?,
                 ReclaimOp::Flush { node } => nodes[node].store().flush().unwrap(),
                 ReclaimOp::Follow { node } => {
                     // Once every node's writes are in its log, the node
@@ -1240,7 +1243,7 @@ proptest! {
                         other.store().flush().unwrap();
                     }
                     nodes[node].store().follow_shared_now();
-                    check_reclaim_model(std::slice::from_ref(&nodes[node]), &model, "after a follow")?;
+                    check_reclaim_model(std::slice::from_ref(&nodes[node]), &keys.values, "after a follow")?;
                 }
                 ReclaimOp::Churn { node } => {
                     filler += 1;
@@ -1261,13 +1264,13 @@ proptest! {
         for node in &nodes {
             node.store().follow_shared_now();
         }
-        check_reclaim_model(&nodes, &model, "once all flushed and followed")?;
+        check_reclaim_model(&nodes, &keys.values, "once all flushed and followed")?;
         for node in nodes.iter_mut() {
             node.restart();
         }
-        check_reclaim_model(&nodes, &model, "after every node restarted")?;
+        check_reclaim_model(&nodes, &keys.values, "after every node restarted")?;
         let fresh = Node::start(dir.path(), "fresh", 64 * MIB);
-        check_reclaim_model(std::slice::from_ref(&fresh), &model, "on a fresh node")?;
+        check_reclaim_model(std::slice::from_ref(&fresh), &keys.values, "on a fresh node")?;
         let reclaimed: u64 = nodes.iter().map(|n| n.store().stats().reclaimed_regions).sum();
         // Reported, not asserted (a case may hold no churn): the campaign
         // script prints the total.
