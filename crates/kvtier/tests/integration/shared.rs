@@ -46,18 +46,18 @@ impl Node {
         }
     }
 
+    /// This node's configuration, as `restart` opens it.
+    fn own_config(&self) -> Config {
+        Self::config(&self.data, &self.shared, self.capacity, self.flush)
+    }
+
     fn store(&self) -> &Store {
         self.store.as_ref().expect("node is running")
     }
 
     fn restart(&mut self) {
         drop(self.store.take());
-        self.store = Some(open(Self::config(
-            &self.data,
-            &self.shared,
-            self.capacity,
-            self.flush,
-        )));
+        self.store = Some(open(self.own_config()));
     }
 }
 
@@ -712,13 +712,7 @@ fn a_replaced_or_deleted_shared_identity_is_refused_with_nothing_moved() {
         std::fs::remove_file(shared.join(name)).unwrap();
         std::fs::copy(other.path().join("shared").join(name), shared.join(name)).unwrap();
     }
-    let e = Store::open(Node::config(
-        &a.data,
-        &a.shared,
-        a.capacity,
-        FlushPolicy::WriteThrough,
-    ))
-    .unwrap_err();
+    let e = Store::open(a.own_config()).unwrap_err();
     assert!(e.to_string().contains("verifies under"), "{e}");
     assert_eq!(files_under(&shared.join("nodes")), before, "nothing moved");
 
@@ -726,13 +720,7 @@ fn a_replaced_or_deleted_shared_identity_is_refused_with_nothing_moved() {
     for name in ["FORMAT", "key-secret", "key-check"] {
         std::fs::remove_file(shared.join(name)).unwrap();
     }
-    let e = Store::open(Node::config(
-        &a.data,
-        &a.shared,
-        a.capacity,
-        FlushPolicy::WriteThrough,
-    ))
-    .unwrap_err();
+    let e = Store::open(a.own_config()).unwrap_err();
     assert!(e.to_string().contains("identity was deleted"), "{e}");
     assert!(!shared.join("key-secret").exists(), "no identity minted");
     assert_eq!(files_under(&shared.join("nodes")), before, "nothing moved");
@@ -960,6 +948,13 @@ fn churn(node: &Node, first: u64, rounds: u64) {
     }
 }
 
+/// Asserts that `key` misses on every named node.
+fn misses_everywhere(nodes: &[(&str, &Node)], key: &[u8], why: &str) {
+    for (name, node) in nodes {
+        assert_eq!(read(node.store(), key), None, "node {name}: {why}");
+    }
+}
+
 /// Issue 38, finding 1: the remover learned the other writer's log from
 /// that writer's index checkpoint, which lists live entries only (not the
 /// put the remove shadows). The floor must not rise above that put, or
@@ -991,12 +986,9 @@ fn a_removal_outlives_reclaim_when_the_put_was_learned_from_a_checkpoint() {
     b.restart();
     c.restart();
     let d = Node::start(dir.path(), "d", 64 * MIB);
-    for (name, node) in [("b", &b), ("c", &c), ("d", &d)] {
-        assert_eq!(
-            read(node.store(), b"victim"),
-            None,
-            "node {name}: the removal was dropped with its region"
-        );
+    let nodes = [("b", &b), ("c", &c), ("d", &d)];
+    misses_everywhere(&nodes, b"victim", "the removal was dropped with its region");
+    for (name, node) in nodes {
         assert_eq!(node.store().prefix_len(&later), later.len(), "node {name}");
     }
 }
@@ -1064,13 +1056,11 @@ fn a_put_on_its_way_to_the_log_never_outlives_a_later_remove() {
     s.restart();
     a.restart();
     let d = Node::start(dir.path(), "d", 64 * MIB);
-    for (name, node) in [("s", &s), ("a", &a), ("d", &d)] {
-        assert_eq!(
-            read(node.store(), b"victim"),
-            None,
-            "node {name}: a put acknowledged before the remove came back"
-        );
-    }
+    misses_everywhere(
+        &[("s", &s), ("a", &a), ("d", &d)],
+        b"victim",
+        "a put acknowledged before the remove came back",
+    );
 }
 
 /// Issue 38, finding 5: followers apply the gap rule the writer applies to
