@@ -40,16 +40,12 @@ pub fn check_dir(path: &Path) -> io::Result<bool> {
     if !meta.is_dir() {
         return Err(refuse(format!("{} is not a directory", path.display())));
     }
-    let me = euid();
-    if meta.uid() != me {
-        return Err(refuse(format!(
-            "{} is owned by uid {}, not by this process's uid {me}: another user could \
-             read the cached values or plant files in it. Use a directory of your own \
-             (or chown it)",
-            path.display(),
-            meta.uid()
-        )));
-    }
+    check_owner(
+        path,
+        &meta,
+        ": another user could read the cached values or plant files in it. Use a \
+         directory of your own (or chown it)",
+    )?;
     let mode = meta.mode() & 0o7777;
     if mode & 0o022 != 0 {
         return Err(refuse(format!(
@@ -58,11 +54,31 @@ pub fn check_dir(path: &Path) -> io::Result<bool> {
             path.display()
         )));
     }
-    if mode & 0o077 != 0 {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))?;
-        return Ok(true);
+    make_private(path, &meta)
+}
+
+/// Refuses `path` unless this process's user owns it; `advice` ends the
+/// message.
+fn check_owner(path: &Path, meta: &std::fs::Metadata, advice: &str) -> io::Result<()> {
+    if meta.uid() == euid() {
+        return Ok(());
     }
-    Ok(false)
+    Err(refuse(format!(
+        "{} is owned by uid {}, not by this process's uid {}{advice}",
+        path.display(),
+        meta.uid(),
+        euid()
+    )))
+}
+
+/// Takes group and other rights away from the directory `path` (mode
+/// 0700) if it has any; returns whether it had.
+fn make_private(path: &Path, meta: &std::fs::Metadata) -> io::Result<bool> {
+    if meta.mode() & 0o077 == 0 {
+        return Ok(false);
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))?;
+    Ok(true)
 }
 
 /// Takes group and other rights away from the directory `path` (which
@@ -74,19 +90,8 @@ pub fn tighten_dir(path: &Path) -> io::Result<bool> {
     if !meta.is_dir() {
         return Err(refuse(format!("{} is not a directory", path.display())));
     }
-    if meta.uid() != euid() {
-        return Err(refuse(format!(
-            "{} is owned by uid {}, not by this process's uid {}: chown it",
-            path.display(),
-            meta.uid(),
-            euid()
-        )));
-    }
-    if meta.mode() & 0o077 != 0 {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(DIR_MODE))?;
-        return Ok(true);
-    }
-    Ok(false)
+    check_owner(path, &meta, ": chown it")?;
+    make_private(path, &meta)
 }
 
 /// Opens the secret `path` for reading: never through a symbolic link,
@@ -112,14 +117,7 @@ pub fn open_secret(path: &Path) -> io::Result<File> {
     if !meta.file_type().is_file() {
         return Err(refuse(format!("{} is not a regular file", path.display())));
     }
-    if meta.uid() != euid() {
-        return Err(refuse(format!(
-            "{} is owned by uid {}, not by this process's uid {}",
-            path.display(),
-            meta.uid(),
-            euid()
-        )));
-    }
+    check_owner(path, &meta, "")?;
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
         return Err(refuse(format!(
