@@ -142,7 +142,8 @@ pub(crate) struct Follower {
     pub counters: FollowCounters,
     /// The reclaim floor (docs/design.md, "Removes and reclaim across
     /// writers"): no other writer's log holds, or will write, a put
-    /// numbered below it. A tombstone of this node's log at or above it may
+    /// numbered below it, but for puts it had acknowledged and not yet
+    /// written (issue 38, finding 3, open). A tombstone of this node's log at or above it may
     /// still shadow such a put, so the reclaimer rewrites it instead of
     /// dropping it.
     floor: Arc<AtomicU64>,
@@ -633,8 +634,6 @@ impl Follower {
         self.counters.batches.fetch_add(batches, Ordering::Relaxed);
     }
 
-    /// Applies one record entry of another writer (whose region is
-    /// `handle`).
     /// Whether an entry numbered `seq` reads too far ahead of this node's
     /// clock (counted; the first one warned about): a put is then not
     /// indexed.
@@ -653,6 +652,8 @@ impl Follower {
         true
     }
 
+    /// Applies one record entry of another writer (whose region is
+    /// `handle`).
     fn apply(&self, handle: u32, batch_start: u64, entry: &RecordEntry) {
         match entry.kind {
             RecordKind::Tombstone => self.apply_tombstone(handle, entry.digest, entry.seq),
