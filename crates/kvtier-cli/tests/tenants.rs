@@ -61,6 +61,28 @@ fn a_tenant_uses_only_its_namespaces_and_sees_no_other_tenant() {
             "{namespace:?}: {e}"
         );
     }
+    // Over the Unix socket, as the server's own user (trusted whole
+    // without a token), a tenant's token still narrows the connection to
+    // that tenant: engines of several tenants share one user and the
+    // socket their shared memory needs.
+    let unix_as_a = |namespace: &str| {
+        Client::connect_with(
+            &server.unix_url(),
+            ClientOptions {
+                shm_size: 1 << 20,
+                ..as_tenant(TOKEN_A, namespace)
+            },
+        )
+    };
+    let mut a_unix = unix_as_a("tenant-a/llama").unwrap();
+    let got = a_unix
+        .batch_get_into(&[b"block-0"], &mut [&mut buf[..]])
+        .unwrap();
+    assert_eq!(got[0].as_ref().unwrap(), &Some(9));
+    assert!(a_unix.stats().is_err(), "a tenant read STATS over Unix");
+    let e = unix_as_a("tenant-b/llama").unwrap_err();
+    assert!(e.to_string().contains("outside tenant a"), "{e}");
+
     // Nor see the server's statistics or the cluster view.
     assert!(a.stats().is_err(), "a tenant read the server's STATS");
     assert!(a.cluster_view().is_err(), "a tenant read the cluster view");

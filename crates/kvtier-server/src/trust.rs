@@ -638,7 +638,15 @@ impl Auth {
         deadline: Instant,
     ) -> Result<Scope, &'static str> {
         if peer.trusted_by_credentials {
-            return Ok(Scope::Full);
+            // A peer trusted whole may still ask for less: one that proves
+            // a tenant's token gets that tenant's scope (engines of several
+            // tenants run as one user and reach the Unix socket, which the
+            // shared-memory transfers need). Any other credential, or none,
+            // leaves it trusted whole, as before tenants.
+            return Ok(match self.scope_of(credential) {
+                Some(scope @ Scope::Tenant { .. }) => scope,
+                _ => Scope::Full,
+            });
         }
         let Some(turn) = guesses.take_turn(deadline) else {
             return Err("too many refused hellos on this server: retry later");
