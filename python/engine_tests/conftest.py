@@ -25,9 +25,10 @@ def kvtier_binary() -> str:
 class KvtierServer:
     """`kvtier serve` on a data directory, Unix socket only, restartable."""
 
-    def __init__(self, data_dir: pathlib.Path, memory: str = "256MiB", disk: str = "1GiB", extra=()):
+    def __init__(self, data_dir: pathlib.Path, memory: str = "256MiB", disk: str = "1GiB", extra=(),
+                 listen: str = "off"):
         self.data_dir = data_dir
-        self.memory, self.disk = memory, disk
+        self.memory, self.disk, self.listen = memory, disk, listen
         self.extra = list(extra)
         self.process = None
         self.start()
@@ -39,13 +40,15 @@ class KvtierServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [kvtier_binary(), "serve", "--data-dir", str(self.data_dir), "--memory", self.memory,
-             "--disk", self.disk, "--listen", "off", "--admin", "127.0.0.1:0", *self.extra],
+             "--disk", self.disk, "--listen", self.listen, "--admin", "127.0.0.1:0", *self.extra],
             stdout=subprocess.PIPE, env={**os.environ, "RUST_LOG": "warn"}, text=True,
         )
         line = self.process.stdout.readline()
         assert line.startswith("kvtier serving"), line
         self.line = line
-        self.admin = next(p for p in line.replace(",", " ").split() if p.startswith("http://"))
+        words = line.replace(",", " ").split()
+        self.admin = next(p for p in words if p.startswith("http://"))
+        self.tcp_url = next((p for p in words if p.startswith("tcp://")), None)
 
     def kill(self) -> None:
         """SIGKILL: nothing is flushed or closed."""
@@ -75,16 +78,13 @@ def kvtier_server(tmp_path):
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    """A 4-layer Llama with random weights, float32, written locally. Wide
-    enough that its greedy tokens and logprobs depend on every KV byte
-    (test_vllm_e2e checks that wrong KV changes them)."""
+def write_tiny_llama(path: pathlib.Path, seed: int = 1234) -> None:
+    """A 4-layer Llama with random weights drawn from ``seed``, float32,
+    written to ``path`` (the same file names whatever the seed)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -97,4 +97,13 @@ def tiny_llama(tmp_path_factory) -> str:
         for p in model.parameters():
             p.mul_(4.0)
     model.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """The tiny Llama, written locally. Wide enough that its greedy tokens
+    and logprobs depend on every KV byte (test_vllm_e2e checks that wrong
+    KV changes them)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_llama(path)
     return str(path)

@@ -34,7 +34,9 @@ def host_pool(kind: str, layout: str):
 def backend(kind: str, layout: str, url: str, tp_rank: int = 0, tp_size: int = 1, staging_size: int | None = None):
     pool = host_pool(kind, layout)
     extra = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-             "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "kvtier_url": url}
+             "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "kvtier_url": url,
+             # A made-up model has no weights to fingerprint: pinned.
+             "model_fingerprint": "test:tiny-test-model"}
     if staging_size is not None:
         extra["staging_size"] = staging_size
     config = HiCacheStorageConfig(

@@ -4,6 +4,7 @@ processes) with the kvtier connector against a real `kvtier serve`."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -20,9 +21,10 @@ BLOCKS = 6
 class Engine:
     """A vLLM engine process running `steps` (see vllm_engine_run.py)."""
 
-    def __init__(self, model: str, url: str, steps: list[str], async_loads: bool = True):
+    def __init__(self, model: str, url: str, steps: list[str], async_loads: bool = True, **more):
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        args = json.dumps({"model": model, "url": url, "prompt": PROMPT, "steps": steps, "async_loads": async_loads})
+        args = json.dumps({"model": model, "url": url, "prompt": PROMPT, "steps": steps, "async_loads": async_loads,
+                           **more})
         self.process = subprocess.Popen(
             [sys.executable, str(SCRIPT), args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env=env,
@@ -50,6 +52,18 @@ class Engine:
 
 def same_output(a: dict, b: dict) -> bool:
     return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+
+
+def same_computation(a: dict, b: dict, tolerance: float = 1e-4) -> bool:
+    """Outputs of two engine processes (one without the connector, whose
+    kernels batch differently): the same tokens, logprobs within float32
+    rounding. Wrong KV moves them by far more (test above)."""
+    if a["tokens"] != b["tokens"] or len(a["logprobs"]) != len(b["logprobs"]):
+        return False
+    for x, y in zip(a["logprobs"], b["logprobs"]):
+        if [t for t, _ in x] != [t for t, _ in y] or any(abs(p - q) > tolerance for (_, p), (_, q) in zip(x, y)):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("async_loads", [True, False], ids=["async", "sync"])
@@ -136,3 +150,88 @@ def test_a_second_engine_hits_and_a_corrupt_block_is_recomputed(kvtier_server, t
     assert "missing or corrupt, vLLM recomputes them" in log
     # The reconnected client kept using its shared memory.
     assert stats["server"]["ops"]["batch_get_shm_segments"]["keys"] == BLOCKS
+
+
+def rewrite_weights(model: pathlib.Path, seed: int) -> None:
+    """Other weights in place, as a rolling model update writes them: same
+    path, same config and file names, same sizes."""
+    from conftest import write_tiny_llama
+
+    before = {p.name: p.stat().st_size for p in model.iterdir()}
+    write_tiny_llama(model, seed=seed)
+    assert {p.name: p.stat().st_size for p in model.iterdir()} == before
+
+
+def test_kv_of_other_weights_or_numerics_never_hits_and_a_copied_checkpoint_does(
+    kvtier_server, tiny_llama, tmp_path
+):
+    """The namespace names the model by its content: a copy of the
+    checkpoint at another path (another host) hits; the same path with
+    other weights, or other numerics (hf_overrides), gets 0 external hits
+    and computes what an engine without kvtier computes."""
+    model = tmp_path / "llama"
+    shutil.copytree(tiny_llama, model)
+    first = Engine(str(model), kvtier_server.url, ["run"])
+    truth = first.result()
+    first.finish()
+    assert truth["cached"] == 0
+
+    copy = tmp_path / "elsewhere" / "llama-copy"
+    shutil.copytree(model, copy)
+    copied = Engine(str(copy), kvtier_server.url, ["run"])
+    hit = copied.result()
+    copied.finish()
+    assert hit["cached"] == BLOCKS * 32 and same_output(hit, truth), hit
+
+    # Weights replaced in place: the blocks stored above must not be used.
+    rewrite_weights(model, seed=99)
+    updated = Engine(str(model), kvtier_server.url, ["run", "reset", "run"])
+    cold, own = updated.result(), updated.result()
+    updated.finish()
+    assert cold["cached"] == 0, "KV of the old weights was loaded for the new ones"
+    assert own["cached"] == BLOCKS * 32 and same_output(own, cold)  # the new weights' own blocks hit
+    plain = Engine(str(model), kvtier_server.url, ["run"], connector=False)
+    reference = plain.result()
+    plain.finish()
+    assert same_computation(cold, reference), (cold, reference)
+    assert not same_computation(reference, truth), "the weights do not change the output: the test would prove nothing"
+
+    # Same path and weights, other numerics.
+    tuned = Engine(str(model), kvtier_server.url, ["run"], hf_overrides={"rms_norm_eps": 0.5})
+    other = tuned.result()
+    tuned.finish()
+    assert other["cached"] == 0, "KV of other numerics was loaded"
+    assert not same_output(other, cold), "rms_norm_eps does not change the output: the test would prove nothing"
+
+
+@pytest.mark.parametrize("async_loads", [True, False], ids=["async", "sync"])
+def test_wrong_size_and_removed_values_cost_one_recompute_never_a_loop(kvtier_server, tiny_llama, async_loads):
+    """Every stored block of the prompt overwritten with a value of the
+    wrong size (shorter, longer) and one removed: the next request's loads
+    fail once, vLLM reschedules it once, it finishes with the right output;
+    its recompute replaces the wrong values, so the next request hits."""
+    engine = Engine(tiny_llama, kvtier_server.url, ["run", "keys", "pause", "reset", "run", "reset", "run"],
+                    async_loads=async_loads)
+    truth, keys = engine.result(), engine.result()
+    assert engine.result() == {"paused": True}
+    names = [bytes.fromhex(k) for k in keys["keys"][:BLOCKS]]
+    with kvtier.Client(kvtier_server.url, namespace=keys["namespace"]) as client:
+        size = len(client.get(names[0]))
+        for n, name in enumerate(names):
+            if n == BLOCKS - 1:
+                assert client.remove(name) == 0
+            else:
+                assert client.put(name, b"\x07" * (size // 2 if n % 2 else size + 4096)) == 0
+        engine.resume()
+        recovered, replaced = engine.result(), engine.result()
+        log = engine.finish()
+        assert same_output(recovered, truth), (recovered, truth)
+        # The hit ended where the removed block is (fewer tokens counted
+        # once vLLM took the failure back); every load of it failed once.
+        assert recovered["cached"] <= (BLOCKS - 1) * 32, recovered
+        assert log.count("Recovered from KV load failure") == 1, log[-4000:]
+        assert "offered to no request until stored again" in log
+        # The recompute replaced every value, the removed one included, and
+        # nothing computed over the unfilled blocks was kept (in-step loads).
+        assert all(len(client.get(name)) == size for name in names)
+    assert replaced["cached"] == BLOCKS * 32 and same_output(replaced, truth), replaced

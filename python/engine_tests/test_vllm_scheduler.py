@@ -6,6 +6,7 @@ is checked byte for byte against what that block must hold."""
 import copy
 import math
 import os
+import shutil
 import socket
 import threading
 import time
@@ -68,19 +69,23 @@ def distributed():
 
 
 def make_config(model_path: str, url: str, dtype: str = "float32", batched_tokens: int = 64,
-                async_loads: bool = True, hybrid: bool = False) -> VllmConfig:
-    model = ModelConfig(model=model_path, dtype=dtype, skip_tokenizer_init=True, max_model_len=1024)
+                async_loads: bool = True, hybrid: bool = False, block_size: int = BS, cache_dtype: str = "auto",
+                hf_overrides: dict | None = None, extra: dict | None = None) -> VllmConfig:
+    model = ModelConfig(model=model_path, dtype=dtype, skip_tokenizer_init=True, max_model_len=1024,
+                        **({"hf_overrides": hf_overrides} if hf_overrides else {}))
     transfer = KVTransferConfig(
         kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
         # The stand-in forward pass costs nothing like a model's: loads
         # must not be judged against it (test_load_costs covers the rule).
-        kv_connector_extra_config={"kvtier_url": url, "async_loads": async_loads, "skip_slow_loads": False},
+        kv_connector_extra_config={"kvtier_url": url, "async_loads": async_loads, "skip_slow_loads": False,
+                                   **(extra or {})},
     )
     # The scheduler and the KV tensors live on the CPU here; naming the
     # device lets the official (CUDA) wheel build its config without a GPU.
     config = VllmConfig(
-        model_config=model, cache_config=CacheConfig(block_size=BS), device_config=DeviceConfig(device="cpu"),
+        model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+        device_config=DeviceConfig(device="cpu"),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=8,
                                          max_model_len=1024, is_encoder_decoder=False),
         kv_transfer_config=transfer,
@@ -370,6 +375,78 @@ def test_a_block_gone_before_its_load_is_recomputed_not_used(harness, kvtier_ser
         assert harness.first_computed["b"] == 64
 
 
+def test_a_wrong_value_is_loaded_once_then_replaced_never_offered_in_a_loop(harness, kvtier_server):
+    """Every stored block of a prompt overwritten with a value of the wrong
+    size (shorter, longer) or removed: the next request's load fails once
+    per block, it recomputes and finishes, nobody is offered those blocks
+    again until the recompute stores them (replacing the wrong values),
+    and then they hit with the right bytes."""
+    a = prompt(8, 200)
+    harness.add("a", a)
+    harness.run_all()
+    assert harness.scheduler.reset_prefix_cache()
+    namespace = connector_namespace(harness.scheduler.vllm_config, 0, 0)
+    keys = []
+    harness.before_load = lambda out: keys.extend(k for t in harness.loads_of(out) for k in t.keys)
+    with kvtier.Client(kvtier_server.url, namespace=namespace) as client:
+        probe = Request("probe", a, SamplingParams(max_tokens=1), None,
+                        block_hasher=get_request_block_hasher(BS, harness.hash_fn))
+        names = [bytes(h) for h in probe.block_hashes[:6]]
+        size = len(client.get(names[0]))
+        for n, name in enumerate(names):
+            if n == 5:
+                assert client.remove(name) == 0
+            else:
+                assert client.put(name, b"\x01" * (size // 2 if n % 2 else size + 4096)) == 0
+
+        harness.add("b", list(a))
+        harness.run_all(limit=200)  # the old connector looped here for ever (async loads)
+        # One load of the five blocks found, each failed once, then recompute.
+        assert len(keys) == 5 and set(keys) == set(names[:5]), len(keys)
+        assert sum(len(r) for r in harness.invalid_reports) == 5
+        counters = harness.connector.stats()
+        assert counters["failed_load_blocks"] == 5 and counters["failed_load_requests"] == 1, counters
+        assert counters["suspect_keys_replaced"] == 5, counters
+        # The recompute replaced the wrong values (and stored the removed one).
+        assert all(len(client.get(name)) == size for name in names)
+
+    keys.clear()
+    assert harness.scheduler.reset_prefix_cache()
+    harness.add("c", list(a))
+    harness.run_all()
+    assert len(keys) == 6 and harness.first_computed["c"] == 192, (keys, harness.first_computed)
+    assert sum(len(r) for r in harness.invalid_reports) == 5  # nothing new failed; verify() checked the bytes
+
+
+def test_a_server_killed_mid_load_costs_a_recompute_not_a_hang(harness, kvtier_server):
+    a = prompt(9, 200)
+    harness.add("a", a)
+    harness.run_all()
+    with kvtier.Client(kvtier_server.url) as client:
+        client.flush()
+    assert harness.scheduler.reset_prefix_cache()
+    killed = []
+
+    def kill_at_first_load(out):
+        if harness.loads_of(out) and not killed:
+            kvtier_server.kill()
+            killed.append(True)
+
+    harness.before_load = kill_at_first_load
+    harness.add("b", list(a))
+    harness.run_all(limit=400)
+    assert killed and harness.invalid_reports
+    assert harness.connector.stats()["failed_load_requests"] == 1
+    # Back up: the blocks (flushed before the kill) hit again, verified by
+    # verify() byte for byte.
+    kvtier_server.start()
+    harness.before_load = None
+    assert harness.scheduler.reset_prefix_cache()
+    harness.add("c", list(a))
+    harness.run_all()
+    assert harness.first_computed["c"] == 192, harness.first_computed
+
+
 def test_finished_requests_leave_no_state(harness):
     for k in range(3):
         harness.add(f"r{k}", prompt(10 + k, 150))
@@ -493,6 +570,97 @@ def group_key(h: Harness, tokens: list[int], group: int, block: int) -> bytes:
     request = Request("keys", tokens, SamplingParams(max_tokens=1), None,
                       block_hasher=get_request_block_hasher(BS, h.hash_fn))
     return bytes([group]) + bytes(request.block_hashes[block])
+
+
+def test_the_namespace_names_the_computation_never_the_path(kvtier_server, tiny_llama, tmp_path):
+    """Every field that changes a block's bytes changes the namespace; the
+    checkpoint's path does not (a copy elsewhere, another host's, hits)."""
+    url = kvtier_server.url
+    base = connector_namespace(make_config(tiny_llama, url), 0, 0)
+    copy = tmp_path / "another-host" / "renamed"
+    shutil.copytree(tiny_llama, copy)
+    assert connector_namespace(make_config(str(copy), url), 0, 0) == base
+    assert "tiny-llama" not in base and str(tmp_path) not in base, base
+
+    changed = {
+        "dtype": make_config(tiny_llama, url, dtype="bfloat16"),
+        "kv_cache_dtype": make_config(tiny_llama, url, cache_dtype="fp8_e4m3"),
+        "block_size": make_config(tiny_llama, url, block_size=16),
+        "hf_overrides (numerics)": make_config(tiny_llama, url, hf_overrides={"rms_norm_eps": 0.5}),
+        "hf_overrides (rope)": make_config(tiny_llama, url, hf_overrides={"rope_theta": 5000.0}),
+        "pinned fingerprint": make_config(tiny_llama, url, extra={"model_fingerprint": "registry@sha256:1"}),
+    }
+    names = {field: connector_namespace(config, 0, 0) for field, config in changed.items()}
+    for field, name in names.items():
+        assert name != base, f"{field} does not change the namespace"
+    assert len(set(names.values())) == len(names)
+    # A pin names the weights wherever they are.
+    assert connector_namespace(make_config(str(copy), url, extra={"model_fingerprint": "registry@sha256:1"}),
+                               0, 0) == names["pinned fingerprint"]
+
+    # One byte the fingerprint samples, rewritten in the copy: its own namespace.
+    weights = copy / "model.safetensors"
+    content = bytearray(weights.read_bytes())
+    content[-1] ^= 0x01
+    weights.write_bytes(bytes(content))
+    assert connector_namespace(make_config(str(copy), url), 0, 0) != base
+
+    # A deployment's prefix (a tenant's) goes in front, whole.
+    prefixed = connector_namespace(make_config(tiny_llama, url, extra={"namespace_prefix": "team-a/prod"}), 0, 0)
+    assert prefixed.startswith("team-a/prod/vllm/") and len(prefixed.encode()) <= 128, prefixed
+
+
+def test_a_tenant_token_serves_an_engine_through_its_namespace_prefix(tmp_path, tiny_llama, monkeypatch):
+    """A scoped tenant token is usable by an engine: the deployment puts
+    its tenant prefix in front of the connector's namespace."""
+    from conftest import KvtierServer
+
+    token = "a" * 64
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[[tenant]]\nname = "team-a"\ntoken = "{token}"\nnamespaces = ["team-a"]\n')
+    tenants.chmod(0o600)
+    # The Unix socket (the connector's shared memory needs it), as the
+    # server's own user: the tenant's token still holds it to the tenant.
+    server = KvtierServer(tmp_path / "data", extra=["--tenants", str(tenants), "--auth-token", "s" * 64])
+    try:
+        monkeypatch.setenv("KVTIER_AUTH_TOKEN", token)
+        with pytest.raises(RuntimeError, match="outside tenant team-a"):
+            Harness(make_config(tiny_llama, server.url))
+        h = Harness(make_config(tiny_llama, server.url, extra={"namespace_prefix": "team-a/prod"}))
+        a = prompt(11, 200)
+        h.add("a", a)
+        h.run_all()
+        assert h.scheduler.reset_prefix_cache()
+        h.add("b", list(a))
+        h.run_all()
+        assert h.first_computed["b"] == 192
+        h.shutdown()
+    finally:
+        server.stop()
+
+
+def test_cache_salt_and_lora_isolate_blocks_through_vllms_own_hashes(harness):
+    """What vLLM hashes into its block hashes, proven rather than trusted:
+    a prompt stored under one cache salt (or LoRA adapter) is a miss under
+    another, a hit under the same."""
+    from vllm.lora.request import LoRARequest
+
+    a = prompt(10, 200)
+
+    def request(req_id, salt=None, lora=None):
+        return Request(req_id, a, SamplingParams(max_tokens=2, ignore_eos=True), None, cache_salt=salt,
+                       lora_request=lora, block_hasher=get_request_block_hasher(BS, harness.hash_fn))
+
+    harness.scheduler.add_request(request("stored", salt="tenant-1"))
+    harness.run_all()
+    connector = harness.connector
+    assert connector.get_num_new_matched_tokens(request("same", salt="tenant-1"), 0)[0] == 192
+    assert connector.get_num_new_matched_tokens(request("other-salt", salt="tenant-2"), 0)[0] == 0
+    assert connector.get_num_new_matched_tokens(request("no-salt"), 0)[0] == 0
+    adapter = LoRARequest("adapter-a", 1, "/nonexistent/adapter-a")
+    assert connector.get_num_new_matched_tokens(request("lora", salt="tenant-1", lora=adapter), 0)[0] == 0
+    for req_id in ("same", "other-salt", "no-salt", "lora"):
+        connector.request_finished(Request(req_id, a, SamplingParams(max_tokens=1), None), [])
 
 
 def test_hybrid_sliding_window_loads_the_window_and_hits_as_far_as_every_group_can(kvtier_server, tiny_llama):

@@ -31,7 +31,8 @@ def main():
     llm = LLM(
         model=args["model"], skip_tokenizer_init=True, dtype="float32", block_size=32,
         max_model_len=2048, enforce_eager=True, gpu_memory_utilization=0.1, seed=0,
-        kv_transfer_config=transfer,
+        kv_transfer_config=transfer if args.get("connector", True) else None,
+        **({"hf_overrides": args["hf_overrides"]} if args.get("hf_overrides") else {}),
     )
     params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0, logprobs=5, detokenize=False)
     prompt = {"prompt_token_ids": args["prompt"]}

@@ -33,7 +33,8 @@ def manager(url: str, chunks: int = 8, model: str = "tiny-test-model", groups: i
         worker_kv_bytes_per_block=BLOCK_BYTES,
         enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": chunks * BLOCK_BYTES,
-                      "secondary_tiers": [dict(TIER, kvtier_url=url)]},
+                      # A made-up model has no weights to fingerprint: pinned.
+                      "secondary_tiers": [dict(TIER, kvtier_url=url, model_fingerprint=f"test:{model}")]},
         engine_id=f"kvtier-test-{uuid.uuid4().hex}",
         model=OffloadingModelConfig(name=model, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),

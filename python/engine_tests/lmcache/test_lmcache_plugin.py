@@ -22,10 +22,15 @@ from kvtier.integrations.lmcache import KvtierL2Connector
 SIZE = 64 << 10
 
 
-def adapter_for(url: str):
+# The made-up models these tests name have no weights to fingerprint: pinned.
+PINS = {f"org/model-{c}": f"test:model-{c}" for c in "abcd"}
+
+
+def adapter_for(url: str, **params):
     config = get_l2_adapter_config_class("native_plugin").from_dict({
         "type": "native_plugin", "module_path": "kvtier.integrations.lmcache",
-        "class_name": "KvtierL2Connector", "adapter_params": {"kvtier_url": url},
+        "class_name": "KvtierL2Connector",
+        "adapter_params": {"kvtier_url": url, "model_fingerprints": PINS, **params},
     })
     return create_l2_adapter_from_registry(config)
 
@@ -140,7 +145,7 @@ def test_delete_and_bad_input(adapter, kvtier_server):
     store(adapter, keys)
     adapter.delete(keys[:2])
     assert lookup(adapter, keys) == [False, False, True, True]
-    connector = KvtierL2Connector(kvtier_url=kvtier_server.url)
+    connector = KvtierL2Connector(kvtier_url=kvtier_server.url, model_fingerprints=PINS)
     try:
         # A key that is not LMCache's, and buffers that do not match: a
         # failed completion, never an exception lost in a thread.
@@ -155,8 +160,40 @@ def test_delete_and_bad_input(adapter, kvtier_server):
             connector.submit_batch_get(["m@0@0@00"], [])
         with pytest.raises(ValueError):
             KvtierL2Connector(kvtier_url=kvtier_server.url, unknown_option=1)
+        with pytest.raises(ValueError, match="model_fingerprints"):
+            KvtierL2Connector(kvtier_url=kvtier_server.url, model_fingerprints={"org/model-a": 7})
     finally:
         connector.close()
+
+
+def test_a_model_is_named_by_its_weights_and_one_without_any_is_refused(kvtier_server, tmp_path):
+    """Unpinned, a model's namespace comes from the weights its name leads
+    to: a copy elsewhere shares blocks, other weights at the same name do
+    not; a name that leads to no weights is refused, never cached under
+    the bare name."""
+    import shutil
+    import struct
+
+    def write_model(root, fill: int):
+        root.mkdir(parents=True, exist_ok=True)
+        header = b'{"w":{"dtype":"U8","shape":[65536],"data_offsets":[0,65536]}}'
+        (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes([fill]) * 65536)
+        (root / "config.json").write_text('{"model_type": "llama"}')
+
+    first, copy = tmp_path / "host-a" / "llama", tmp_path / "host-b" / "llama-copy"
+    write_model(first, 1)
+    shutil.copytree(first, copy)
+    a = adapter_for(kvtier_server.url, namespace_prefix="team-a")
+    try:
+        assert store(a, [key(i, model=str(first)) for i in range(3)]).is_successful()
+        assert lookup(a, [key(i, model=str(copy)) for i in range(3)]) == [True] * 3
+        write_model(copy, 2)  # other weights in place
+        assert lookup(a, [key(i, model=str(copy)) for i in range(3)]) == [False] * 3
+        # No weights, no pin: every call for that model fails, saying why.
+        assert not store(a, [key(0, model="org/unknown")]).is_successful()
+        assert lookup(a, [key(0, model="org/unknown")]) == [False]
+    finally:
+        a.close()
 
 
 def test_lmcaches_server_starts_with_kvtier_as_its_l2(kvtier_server, tmp_path):
@@ -172,7 +209,8 @@ def test_lmcaches_server_starts_with_kvtier_as_its_l2(kvtier_server, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     adapter = {"type": "native_plugin", "module_path": "kvtier.integrations.lmcache",
-               "class_name": "KvtierL2Connector", "adapter_params": {"kvtier_url": kvtier_server.url}}
+               "class_name": "KvtierL2Connector",
+               "adapter_params": {"kvtier_url": kvtier_server.url, "model_fingerprints": PINS}}
     log = tmp_path / "lmcache-server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(

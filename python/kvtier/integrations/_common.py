@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from .._native import Client, KvtierError
@@ -44,20 +46,61 @@ def connect(url: str, namespace: str, *, shm_size: int | str | None = None, time
         ) from e
 
 
-def namespace_for(engine: str, fields: dict[str, Any]) -> str:
+# The server's limit on a namespace's length (bytes of UTF-8).
+MAX_NAMESPACE_BYTES = 128
+# The digest part of a namespace: 24 hex characters (96 bits).
+DIGEST_CHARS = 24
+
+
+def namespace_prefix(configured: Any) -> str:
+    """A deployment's namespace prefix (a tenant's, with ``--tenants``):
+    ``/``-separated components, none empty, no surrounding ``/``; ``""``
+    when none is set. Raises ``ValueError`` for one that cannot be used."""
+    if configured is None or configured == "":
+        return ""
+    if not isinstance(configured, str):
+        raise ValueError(f"kvtier: namespace_prefix must be a string, not {type(configured).__name__}")
+    prefix = configured.strip("/")
+    if not prefix or any(part == "" for part in prefix.split("/")):
+        raise ValueError(f"kvtier: namespace_prefix {configured!r} has an empty component")
+    room = MAX_NAMESPACE_BYTES - DIGEST_CHARS - 2
+    if len(prefix.encode()) > room:
+        raise ValueError(
+            f"kvtier: namespace_prefix {configured!r} is {len(prefix.encode())} bytes; at most {room} fit "
+            f"in a {MAX_NAMESPACE_BYTES}-byte namespace beside the configuration's digest"
+        )
+    return prefix
+
+
+def namespace_for(engine: str, fields: dict[str, Any], prefix: str = "") -> str:
     """A namespace naming everything that makes two engines' blocks
-    incompatible. Readable where it fits (engine, model, dtype, rank), with
-    a digest of every field so that no two different configurations meet
-    even when the readable part is cut to the 128-byte limit."""
+    incompatible: ``[prefix/]readable/digest``. The digest covers every
+    field (the model's fingerprint among them), so no two different
+    configurations meet; the readable part (engine, model kind, dtype,
+    rank) is cut to what fits in the server's 128 bytes after the prefix,
+    which is kept whole (a tenant's token covers only namespaces within
+    its prefix)."""
     described = dict(fields, engine=engine, value_format=VALUE_FORMAT)
-    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    model = str(fields.get("model", "")).rstrip("/").rsplit("/", 1)[-1][:40]
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:DIGEST_CHARS]
     readable = "/".join(
-        str(part)
-        for part in (engine, model, fields.get("dtype", ""), fields.get("rank", ""))
-        if part != ""
+        str(part).replace("/", "_")
+        for part in (engine, fields.get("label", ""), fields.get("dtype", ""), fields.get("rank", ""))
+        if part not in ("", None)
     )
-    return f"{readable[:96]}/{digest}"
+    head = f"{prefix}/" if prefix else ""
+    room = MAX_NAMESPACE_BYTES - len(head.encode()) - DIGEST_CHARS - 1
+    cut = readable.encode()[: max(room, 0)].decode(errors="ignore").rstrip("/")
+    return f"{head}{cut}/{digest}" if cut else f"{head}{digest}"
+
+
+def model_label(config: Any) -> str:
+    """A short readable name of a model's kind (``llama``), from its
+    configuration; never its path."""
+    kind = getattr(config, "model_type", None) or ""
+    if not kind:
+        architectures = getattr(config, "architectures", None) or []
+        kind = architectures[0] if architectures else "model"
+    return str(kind)[:32]
 
 
 def staging_segments(
@@ -70,3 +113,80 @@ def staging_segments(
     integrations stage blocks in, for the multi-buffer calls."""
     ptrs = [[base + offset + i * slot_stride for offset in segment_offsets] for i in range(count)]
     return ptrs, [list(sizes) for _ in range(count)]
+
+
+class FailedKeys:
+    """Keys whose load failed (a value of the wrong size, corrupt, missing,
+    the server gone), remembered until this process stores the key again:
+    a lookup stops before them, so a failed block costs one recompute and
+    is never offered again in a loop, and the store that follows the
+    recompute replaces the value instead of keeping it (``skip_existing``
+    off for these keys). At most ``limit`` keys; the oldest are forgotten
+    first (one more failed load each, then remembered again)."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self._keys: OrderedDict[Any, None] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+        self.replaced = 0
+
+    def add(self, keys) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys.pop(key, None)
+                self._keys[key] = None
+            while len(self._keys) > self._limit:
+                self._keys.popitem(last=False)
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._keys
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+    def cut(self, keys: list) -> list:
+        """``keys`` up to the first failed one."""
+        with self._lock:
+            if self._keys:
+                for n, key in enumerate(keys):
+                    if key in self._keys:
+                        return keys[:n]
+        return keys
+
+    def take(self, keys: list) -> list[bool]:
+        """Which of ``keys`` failed before (they are being stored now, so
+        they are forgotten and must replace what is stored)."""
+        with self._lock:
+            if not self._keys:
+                return [False] * len(keys)
+            out = []
+            for key in keys:
+                failed = key in self._keys
+                if failed:
+                    del self._keys[key]
+                    self.replaced += 1
+                out.append(failed)
+            return out
+
+
+def put_replacing(client: Client, keys: list, ptrs: list, sizes: list, replace: list[bool]) -> list[int]:
+    """``batch_put_from_multi_buffers`` with ``skip_existing`` except for the
+    keys marked in ``replace`` (values that failed to load: the new value
+    replaces them). One call when nothing is marked, two otherwise; a
+    failed call's keys get ``errors.IO``; the codes come back in order."""
+    from .. import errors
+
+    codes = [errors.IO] * len(keys)
+    for overwrite in (False, True):
+        picked = [n for n, r in enumerate(replace) if r == overwrite]
+        if not picked:
+            continue
+        got = client.batch_put_from_multi_buffers(
+            [keys[n] for n in picked], [ptrs[n] for n in picked], [sizes[n] for n in picked],
+            skip_existing=not overwrite,
+        )
+        for n, code in zip(picked, got):
+            codes[n] = code
+    return codes

@@ -14,8 +14,12 @@ per-key results)`` completions. Here each call runs on a small thread pool
 eventfd when it is done, so LMCache's event loop never blocks on kvtier.
 
 Keys: LMCache names an object ``model@rank@group@chunk_hash[@salt]``; every
-model gets its own kvtier namespace (``lmcache/<model>/<digest>``), and the
-key inside it is the rank, the group, the chunk hash and the salt. (Not a
+model gets its own kvtier namespace (``[prefix/]lmcache/<kind>/<digest>``,
+the digest over the model's fingerprint: its weights and config.json, read
+from the directory or Hugging Face cache the name leads to, or the
+operator's pin in ``model_fingerprints``; a model that is neither is
+refused, never cached under its bare name), and the key inside it is the
+rank, the group, the chunk hash and the salt. (Not a
 namespace per rank: a namespace is a connection, and LMCache's own
 ``bench l2`` gives every key its own rank.) Values are the object's bytes as LMCache's L1
 holds them; a load succeeds only when the stored value has exactly the
@@ -28,15 +32,19 @@ call reconnects; blocks the server had flushed are still there.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url
+from ._common import FailedKeys, connect, model_label, namespace_for, resolve_url
+from ._common import namespace_prefix as namespace_prefix_of
+from ._fingerprint import FingerprintError, locate_weights, model_fingerprint
 
 logger = logging.getLogger("kvtier.lmcache")
 
@@ -53,10 +61,23 @@ MAX_KEY_LEN = 256
 class KvtierL2Connector:
     """LMCache's native-plugin connector interface over a kvtier server."""
 
-    def __init__(self, kvtier_url: str | None = None, workers: int = 4, timeout: float = 30.0, **unknown: Any):
+    def __init__(
+        self,
+        kvtier_url: str | None = None,
+        workers: int = 4,
+        timeout: float = 30.0,
+        model_fingerprints: dict[str, str] | None = None,
+        namespace_prefix: str | None = None,
+        **unknown: Any,
+    ):
         if unknown:
             raise ValueError(f"kvtier lmcache: unknown adapter_params {sorted(unknown)} "
-                             "(known: kvtier_url, workers, timeout)")
+                             "(known: kvtier_url, workers, timeout, model_fingerprints, namespace_prefix)")
+        pins = model_fingerprints or {}
+        if not isinstance(pins, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in pins.items()):
+            raise ValueError("kvtier lmcache: model_fingerprints maps LMCache model names to fingerprints (strings)")
+        self.pins = dict(pins)
+        self.prefix = namespace_prefix_of(namespace_prefix)
         if not 1 <= int(workers) <= 64:
             raise ValueError("kvtier lmcache: workers must be between 1 and 64")
         self.url = resolve_url(kvtier_url)
@@ -69,8 +90,10 @@ class KvtierL2Connector:
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="kvtier-lmcache")
         self.counters = {"gets": 0, "hits": 0, "sets": 0, "stored": 0, "exists": 0, "deletes": 0, "errors": 0}
+        # Objects whose load failed: absent to lookups until stored again.
+        self._failed = FailedKeys()
         # Fail at startup, not at the first request, when no server answers.
-        connect(self.url, namespace_for("lmcache", {"probe": True}), timeout=self.timeout).close()
+        connect(self.url, namespace_for("lmcache", {"probe": True}, self.prefix), timeout=self.timeout).close()
 
     # The interface LMCache's NativeConnectorL2Adapter calls.
 
@@ -156,27 +179,44 @@ class KvtierL2Connector:
         return [(self._client(model), indices, inner) for model, (indices, inner) in groups.items()]
 
     def _client(self, model: str):
+        """The client of the model's namespace. The namespace is worked out
+        on every batch (the weights' digests come from the fingerprint
+        cache while the files are unchanged): a model updated in place
+        under the same name moves to a new namespace at once, though this
+        long-lived server saw the old one."""
+        namespace = self._namespace(model)
         with self._lock:
-            client = self._clients.get(model)
+            client = self._clients.get(namespace)
             if client is not None:
-                self._clients.move_to_end(model)
+                self._clients.move_to_end(namespace)
                 return client
-        client = connect(self.url, namespace_for("lmcache", {"model": model}), timeout=self.timeout)
+        client = connect(self.url, namespace, timeout=self.timeout)
         with self._lock:
-            if model in self._clients:  # another thread connected meanwhile
+            if namespace in self._clients:  # another thread connected meanwhile
                 client.close()
-                return self._clients[model]
-            self._clients[model] = client
+                return self._clients[namespace]
+            self._clients[namespace] = client
             while len(self._clients) > MAX_NAMESPACES:
                 _, old = self._clients.popitem(last=False)
                 old.close()
         return client
 
+    def _namespace(self, model: str) -> str:
+        """The model's namespace, by its fingerprint; raises (the batch
+        fails, LMCache recomputes) for a model whose weights are not here
+        and that has no pin."""
+        try:
+            fingerprint = model_fingerprint(model, None, _config_json(model), self.pins.get(model),
+                                            engine="LMCache")
+        except FingerprintError as e:
+            raise KvtierError(f"kvtier lmcache: model {model!r}: {e} (adapter_params model_fingerprints)") from None
+        return namespace_for("lmcache", {"label": _label(model), "fingerprint": fingerprint}, self.prefix)
+
     def _exists(self, keys: list[str], _views) -> list[bool]:
         out = [False] * len(keys)
         for client, indices, inner in self._by_namespace(keys):
             for i, code in zip(indices, client.batch_is_exist(inner)):
-                out[i] = code == 1
+                out[i] = code == 1 and keys[i] not in self._failed
         with self._lock:
             self.counters["exists"] += len(keys)
         return out
@@ -187,6 +227,7 @@ class KvtierL2Connector:
             buffers = [views[i] for i in indices]
             for i, got, buffer in zip(indices, client.batch_get_into(inner, buffers), buffers):
                 out[i] = got == buffer.nbytes
+        self._failed.add(k for k, good in zip(keys, out) if not good)
         with self._lock:
             self.counters["gets"] += len(keys)
             self.counters["hits"] += sum(out)
@@ -195,9 +236,16 @@ class KvtierL2Connector:
     def _set(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         out = [False] * len(keys)
         for client, indices, inner in self._by_namespace(keys):
-            codes = client.batch_put_from(inner, [views[i] for i in indices], skip_existing=True)
-            for i, code in zip(indices, codes):
-                out[i] = code == errors.OK
+            replace = self._failed.take([keys[i] for i in indices])
+            for overwrite in (False, True):
+                picked = [n for n, r in enumerate(replace) if r == overwrite]
+                if not picked:
+                    continue
+                # Objects whose load failed replace what is stored.
+                codes = client.batch_put_from([inner[n] for n in picked], [views[indices[n]] for n in picked],
+                                              skip_existing=not overwrite)
+                for n, code in zip(picked, codes):
+                    out[indices[n]] = code == errors.OK
         with self._lock:
             self.counters["sets"] += len(keys)
             self.counters["stored"] += sum(out)
@@ -217,7 +265,7 @@ class KvtierL2Connector:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.counters)
+            return dict(self.counters, failed_held_back=len(self._failed), failed_replaced=self._failed.replaced)
 
 
 def _parse(key: str) -> tuple[str, bytes]:
@@ -241,3 +289,18 @@ def _parse(key: str) -> tuple[str, bytes]:
         raise ValueError(f"kvtier lmcache: malformed LMCache object key {key[:200]!r}: group or rank out of range")
     inner = rank.to_bytes(4, "big") + group.to_bytes(4, "big") + len(chunk).to_bytes(1, "big") + chunk + salt_bytes
     return model, inner
+
+
+def _config_json(model: str) -> dict:
+    """The model's config.json where its weights are (LMCache's key names
+    the model; its engine's overrides are not visible here: pin
+    ``model_fingerprints`` when they matter)."""
+    try:
+        return {"config.json": json.loads((locate_weights(model) / "config.json").read_text())}
+    except (FingerprintError, OSError, ValueError):
+        return {"config.json": None}
+
+
+def _label(model: str) -> str:
+    config = _config_json(model)["config.json"]
+    return model_label(SimpleNamespace(**config)) if isinstance(config, dict) else "model"

@@ -11,8 +11,8 @@ Load it by configuration alone::
 One kvtier value per page: the page's segments in the order SGLang's host
 pool lists them (``get_page_buffer_meta``: K and V for MHA, per layer in the
 ``layer_first`` layout; one part per layer or page for MLA), under SGLang's
-page hash, in a namespace naming the model, dtype, page size, layout, rank
-and geometry. Pages move between the host pool and a staging area of
+page hash, in a namespace naming the model (by its fingerprint), dtype,
+page size, layout, rank and geometry. Pages move between the host pool and a staging area of
 kvtier's shared memory with one vectorised copy per batch; the server
 gathers and scatters the segments itself. ``batch_exists`` is kvtier's
 ``prefix_len``. Every read is verified by the server: a missing or corrupt
@@ -36,8 +36,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pathlib
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, List, Optional
 
 import numpy as np
@@ -52,7 +54,17 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url, staging_segments
+from ._common import (
+    FailedKeys,
+    connect,
+    model_label,
+    namespace_for,
+    namespace_prefix,
+    put_replacing,
+    resolve_url,
+    staging_segments,
+)
+from ._fingerprint import model_fingerprint
 from ._host_segments import HostBuffers, SegmentCopy, copy_segments
 
 logger = logging.getLogger("kvtier.sglang")
@@ -104,6 +116,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {}) if storage_config is not None else {}
         self.url = resolve_url(extra.get("kvtier_url"))
         self.staging_size = int(extra.get("staging_size", DEFAULT_STAGING_SIZE))
+        self.pinned_fingerprint = extra.get("model_fingerprint")
+        # Pages whose load failed: not offered again until stored again.
+        self.failed = FailedKeys()
+        self.prefix = namespace_prefix(extra.get("namespace_prefix"))
         self.is_writer = storage_config.is_storage_writer if storage_config is not None else True
         self.client = None
         self.mem_pool_host = None
@@ -189,7 +205,10 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return namespace_for(
             "sglang",
             {
-                "model": c.model_name,
+                "label": _label(c.model_name),
+                "fingerprint": model_fingerprint(c.model_name or "", _server_arg("revision"),
+                                                 _engine_config(c.model_name), self.pinned_fingerprint,
+                                                 engine="SGLang"),
                 "dtype": str(pool.dtype).removeprefix("torch."),
                 "rank": rank,
                 "page_size": pool.page_size,
@@ -200,6 +219,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 "split_heads": bool(getattr(c, "should_split_heads", False)),
                 "value_layout": "segments of get_page_buffer_meta, in order",
             },
+            self.prefix,
         )
 
     # The zero-copy interface SGLang's cache controller uses.
@@ -244,7 +264,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                     torch.index_select(self.mem_pool_host.kv_buffer, self.token_dim, self._token_index(chunk),
                                        out=self._staged(staging, len(chunk)))
                     ptrs, sizes = self._segment_lists(staging, len(chunk))
-                    codes = self.client.batch_put_from_multi_buffers(chunk_keys, ptrs, sizes, skip_existing=True)
+                    codes = put_replacing(self.client, chunk_keys, ptrs, sizes, self.failed.take(chunk_keys))
             except KvtierError as e:
                 logger.warning("kvtier: saving %d pages failed: %s", len(chunk_keys), e)
                 codes = [errors.IO] * len(chunk_keys)
@@ -270,6 +290,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                     logger.warning("kvtier: loading %d pages failed: %s", len(chunk_keys), e)
                     got = [errors.IO] * len(chunk_keys)
                 ok = [g == self.page_bytes for g in got]
+                self.failed.add(k for k, good in zip(chunk_keys, ok) if not good)
                 good = [i for i, k in enumerate(ok) if k]
                 if good:
                     source = self._staged(staging, len(chunk))
@@ -288,7 +309,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            return self._lookup_client().prefix_len(keys)
+            trusted = self.failed.cut(keys)
+            return self._lookup_client().prefix_len(trusted) if trusted else 0
         except KvtierError as e:
             logger.warning("kvtier: lookup failed, treating as a miss: %s", e)
             return 0
@@ -348,7 +370,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             asked.extend(pool.key_prefix + k for k in keys)
         try:
             # Every pool's pages in one round trip.
-            present = [bool(p) for p in self.client.batch_is_exist(asked)] if asked else []
+            present = [bool(p) and k not in self.failed
+                       for k, p in zip(asked, self.client.batch_is_exist(asked))] if asked else []
         except KvtierError as e:
             logger.warning("kvtier: lookup failed, treating as a miss: %s", e)
             return PoolTransferResult(0, {}, [])
@@ -456,7 +479,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
             for pool, copy in copies(batch).values():
                 copy_segments(pool.buffers, copy, staging.bytes, to_staging=True)
             try:
-                codes = self.client.batch_put_from_multi_buffers(keys, ptrs, sizes, skip_existing=True)
+                codes = put_replacing(self.client, keys, ptrs, sizes, self.failed.take(keys))
             except KvtierError as e:
                 logger.warning("kvtier: saving %d pages failed: %s", len(keys), e)
                 codes = [errors.IO] * len(keys)
@@ -482,6 +505,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
                 usable.append((page, at))
             else:
                 failed.add(name)
+                self.failed.add([page[2]])
         for pool, copy in copies(usable).values():
             copy_segments(pool.buffers, copy, staging.bytes, to_staging=False)
         for page, _ in usable:
@@ -532,8 +556,54 @@ class KvtierHiCacheStorage(HiCacheStorage):
         logger.warning("kvtier: clear() is not supported on a shared store; nothing was removed")
 
     def get_stats(self):
-        return dict(self.counters)
+        return dict(self.counters, failed_pages_held_back=len(self.failed), failed_pages_replaced=self.failed.replaced)
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+
+
+# What SGLang's server arguments hold beyond config.json that changes a
+# page's bytes (docs/integrations.md says why for each).
+_NUMERICS_ARGS = ("json_model_override_args", "dtype", "kv_cache_dtype", "quantization", "quantization_param_path",
+                  "revision", "attention_backend", "enable_fp32_lm_head")
+
+
+def _server_arg(name: str):
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return getattr(get_server_args(), name, None)
+    except Exception:  # noqa: BLE001 - outside a running server (a test harness)
+        return None
+
+
+def _engine_config(model: str | None) -> dict:
+    """The model's configuration as this server runs it: its config.json,
+    and the server arguments that override or change its numerics, when
+    the running server's arguments are published (always inside SGLang; a
+    harness without them pins ``model_fingerprint`` or accepts config.json
+    alone, logged)."""
+    fields: dict = {"config.json": None}
+    if model:
+        try:
+            fields["config.json"] = json.loads((pathlib.Path(model) / "config.json").read_text())
+        except (OSError, ValueError):
+            pass
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+        if args is not None and getattr(args, "model_path", None) == model:
+            fields["server_args"] = {name: getattr(args, name, None) for name in _NUMERICS_ARGS}
+    except Exception as e:  # noqa: BLE001 - see above
+        logger.info("kvtier: SGLang's server arguments are not published here (%s): the namespace covers "
+                    "config.json and the weights only", e)
+    return fields
+
+
+def _label(model: str | None) -> str:
+    try:
+        return model_label(SimpleNamespace(**json.loads((pathlib.Path(model or "") / "config.json").read_text())))
+    except (OSError, ValueError, TypeError):
+        return "model"

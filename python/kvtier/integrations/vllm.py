@@ -11,8 +11,9 @@ How it works (``docs/integrations.md`` has the whole story):
 
 - Keys are vLLM's own block hashes (``request.block_hashes``: they already
   cover the tokens, the cache salt, LoRA and multimodal inputs), stored in a
-  namespace naming the model, KV dtype, block size, parallel rank and the
-  value layout, so blocks of incompatible engines never meet. A hybrid
+  namespace naming the model by its fingerprint (weights and resolved
+  configuration, never its path), the KV dtype, block size, parallel rank
+  and the value layout, so blocks of incompatible engines never meet. A hybrid
   model (several KV cache groups: full attention beside sliding-window
   attention or a Mamba-style state) gets one value per block per group,
   the group's index in front of the hash and every group's geometry in the
@@ -33,10 +34,13 @@ How it works (``docs/integrations.md`` has the whole story):
   takes, and reports it through ``get_finished``; ``"async_loads": false``
   loads inside the step instead (one batch, waited for per layer). Every
   newly filled prompt block is saved once its layers are computed. A block
-  that fails to load (evicted meanwhile, or corrupt on disk: kvtier verifies
-  every read) is reported to vLLM, which recomputes it with
-  ``kv_load_failure_policy = "recompute"``; its memory is never filled with
-  unverified bytes.
+  that fails to load (evicted meanwhile, corrupt on disk: kvtier verifies
+  every read, of the wrong size, the server gone) is reported to vLLM, which
+  recomputes it with ``kv_load_failure_policy = "recompute"``; its memory is
+  never filled with unverified bytes. The request never looks up again, the
+  block is offered to no request until this engine stores it again (the
+  store replaces the failed value), and what an in-step load's step computed
+  over unfilled blocks is never saved: a failure costs one recompute.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url
+from ._common import FailedKeys, connect, model_label, namespace_for, namespace_prefix, put_replacing, resolve_url
+from ._fingerprint import model_fingerprint
 
 try:  # vLLM >= 0.32: failures of a whole asynchronous load, by request.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -81,6 +86,9 @@ DEFAULT_STAGING_SIZE = 256 << 20
 # sliding-window or state group keeps where a block left the window. Nothing
 # is ever loaded into it or saved from it.
 NULL_BLOCK_ID = 0
+# Keys whose load failed, remembered until stored again (the oldest are
+# forgotten past this many: one more failed load each, then remembered).
+SUSPECT_KEYS = 1 << 16
 
 
 @dataclass
@@ -94,6 +102,9 @@ class BlockTransfer:
     groups: list[int] = field(default_factory=list)
     # A block the hit needs has no real block to go to: fail the whole load.
     broken: bool = False
+    # Saves: replace what the store holds under these keys (a load of them
+    # failed: the stored value is wrong, missing or unreadable).
+    overwrite: bool = False
 
     def group(self, i: int) -> int:
         return self.groups[i] if self.groups else 0
@@ -200,26 +211,58 @@ def _parallel_layout(vllm_config: VllmConfig) -> tuple[int, int, bool]:
     return parallel.tensor_parallel_size, parallel.pipeline_parallel_size, vllm_config.model_config.use_mla
 
 
+def resolved_model_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What the engine computes KV with, beyond the weights: the model's
+    configuration after ``hf_overrides`` and every other override, its
+    numerics and quantization (``docs/integrations.md`` lists each field
+    and why it is here)."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    hf = model.hf_config
+    fields = {
+        "hf_config": hf.to_dict() if hasattr(hf, "to_dict") else vars(hf),
+        "dtype": str(model.dtype),
+        "quantization": getattr(model, "quantization", None),
+        "override_attention_dtype": getattr(model, "override_attention_dtype", None),
+        "kv_cache_dtype": cache.cache_dtype,
+        "calculate_kv_scales": getattr(cache, "calculate_kv_scales", None),
+    }
+    return fields
+
+
 def connector_namespace(
-    vllm_config: VllmConfig, tp_rank: int, pp_rank: int, groups: list[CacheGroup] | None = None
+    vllm_config: VllmConfig,
+    tp_rank: int,
+    pp_rank: int,
+    groups: list[CacheGroup] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """The namespace of one rank's blocks: everything that changes their
-    bytes or meaning. MLA caches are the same on every TP rank, so they
+    bytes or meaning, the model by its fingerprint (weights and resolved
+    configuration, never its path), behind the deployment's
+    ``namespace_prefix``. MLA caches are the same on every TP rank, so they
     share one namespace (and rank 0 writes it). A hybrid model's namespace
-    names every group's kind, geometry and layers; a plain model's is the
-    one kvtier has always used, so its stored blocks stay valid."""
+    names every group's kind, geometry and layers."""
+    extra = extra if extra is not None else (
+        getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+    )
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     tp, pp, mla = _parallel_layout(vllm_config)
     dtype = str(model.dtype).removeprefix("torch.") if cache.cache_dtype == "auto" else cache.cache_dtype
     rank = f"pp{pp_rank}of{pp}-" + ("mla" if mla else f"tp{tp_rank}of{tp}")
+    dcp = getattr(parallel, "decode_context_parallel_size", 1) or 1
     fields = {
-        "model": model.model,
-        "revision": getattr(model, "revision", None),
+        "label": model_label(model.hf_config),
+        "fingerprint": model_fingerprint(
+            model.model, getattr(model, "revision", None), resolved_model_config(vllm_config),
+            extra.get("model_fingerprint"), engine="vLLM",
+        ),
         "dtype": dtype,
         "block_size": cache.block_size,
         "rank": rank,
+        "dcp": dcp,
         "layers": model.get_num_layers(parallel),
         "kv_heads": model.get_num_kv_heads(parallel),
         "head_size": model.get_head_size(),
@@ -230,7 +273,7 @@ def connector_namespace(
         fields["groups"] = [g.describe for g in groups]
         fields["value_layout"] = "per group: layers x logical [H, N, C] view, or the raw page of a viewless layer"
         fields["kv_cache_layout"] = str(getattr(cache, "kv_cache_layout", ""))
-    return namespace_for("vllm", fields)
+    return namespace_for("vllm", fields, namespace_prefix(extra.get("namespace_prefix")))
 
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -271,8 +314,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         if self._scheduler is not None:
-            self._scheduler.load_failed.update(getattr(connector_output, "failed_recving", None) or ())
-            self._scheduler.costs.loads_finished(getattr(connector_output, "finished_recving", None) or ())
+            finished = getattr(connector_output, "finished_recving", None) or set()
+            self._scheduler.note_load_results(
+                set(finished),
+                set(getattr(connector_output, "failed_recving", None) or ()),
+                set(getattr(connector_output, "invalid_block_ids", None) or ()),
+            )
+            self._scheduler.costs.loads_finished(finished)
 
     # Scheduler side.
 
@@ -466,9 +514,19 @@ class _SchedulerSide:
         # Requests whose asynchronous load was planned: tokens it covers.
         self.loading: dict[str, int] = {}
         self.tracked: dict[str, _Tracked] = {}
-        # Requests whose asynchronous load failed as a whole (hybrid models).
+        # Requests a load failed for (a block, or the whole load of a
+        # hybrid model): they recompute, never look up again.
         self.load_failed: set[str] = set()
-        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "async_loads": 0, "slow_hits_skipped": 0}
+        # Loads planned and not yet reported: per request, the plan and the
+        # step it was handed to the worker in (None while not yet handed).
+        self.planned: dict[str, tuple[BlockTransfer, int | None]] = {}
+        self.steps = 0
+        # Keys a load of failed (wrong size, corrupt, missing, no server),
+        # oldest first: offered to no request until this engine stores the
+        # block again (replacing the stored value).
+        self.suspect = FailedKeys(SUSPECT_KEYS)
+        self.counters = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "async_loads": 0, "slow_hits_skipped": 0,
+                         "failed_load_blocks": 0, "failed_load_requests": 0, "suspect_keys_replaced": 0}
         self.costs = LoadCosts(enabled=self.async_loads and _flag(extra.get("skip_slow_loads", True)))
 
     # Lookup.
@@ -500,6 +558,39 @@ class _SchedulerSide:
         self.counters["hit_tokens"] += matched
         return matched
 
+    def note_load_results(self, finished: set[str], failed: set[str], invalid_blocks: set[int]) -> None:
+        """A step's load results: requests whose asynchronous load
+        finished, those whose whole load failed, and the blocks that failed
+        to load. Every failed block's key becomes suspect and its request
+        never looks up again, so a failure costs one recompute, never a
+        loop of loads that fail the same way."""
+        for req_id, (plan, step) in list(self.planned.items()):
+            whole = req_id in failed
+            bad = [n for n, block in enumerate(plan.block_ids) if whole or block in invalid_blocks]
+            if bad:
+                if req_id not in self.load_failed:
+                    self.counters["failed_load_requests"] += 1
+                self.load_failed.add(req_id)
+                self.counters["failed_load_blocks"] += len(bad)
+                self.suspect.add(plan.keys[n] for n in bad)
+                tracked = self.tracked.get(req_id)
+                if tracked is not None:
+                    # A synchronous load: the request is running and
+                    # recomputes from the first failed block; save again
+                    # what it recomputes.
+                    for n in bad:
+                        gi = plan.group(n)
+                        ids = tracked.block_ids[gi]
+                        if plan.block_ids[n] in ids:
+                            tracked.saved_blocks[gi] = min(tracked.saved_blocks[gi], ids.index(plan.block_ids[n]))
+                logger.warning("kvtier: request %s: %d block(s) failed to load; it recomputes them and they are "
+                               "offered to no request until stored again", req_id, len(bad))
+            # An asynchronous load is over when its request is reported; an
+            # in-step load's blocks are reported in its step's output (two
+            # outputs allow for vLLM's asynchronous scheduling).
+            if req_id in finished or whole or (step is not None and self.steps - step >= 2 and not self.async_loads):
+                del self.planned[req_id]
+
     def _longest_hit(self, hashes, computed: int, high: int) -> int:
         """The longest prefix (tokens, a multiple of every group's block)
         every group can restore: full-attention groups need every block past
@@ -510,7 +601,9 @@ class _SchedulerSide:
             if g.kind != "full":
                 continue
             first = computed // g.block_size
-            keys = [g.key(hashes, j) for j in range(first, bound // g.block_size)]
+            keys = self.suspect.cut([g.key(hashes, j) for j in range(first, bound // g.block_size)])
+            if len(keys) < bound // g.block_size - first:
+                bound = min(bound, (first + len(keys)) * g.block_size)
             if keys:
                 n = min(c.prefix_len(keys) for c in self.clients)
                 bound = min(bound, (first + n) * g.block_size)
@@ -524,7 +617,9 @@ class _SchedulerSide:
             first = computed // g.block_size
             keys = [g.key(hashes, j) for j in range(first, bound // g.block_size)]
             answers = [c.batch_is_exist(keys) for c in self.clients]
-            present[g.index] = (first, [all(a[j] == 1 for a in answers) for j in range(len(keys))])
+            present[g.index] = (
+                first, [all(a[j] == 1 for a in answers) and keys[j] not in self.suspect for j in range(len(keys))]
+            )
         end = bound
         while end > computed:
             if all(self._restorable(g, present, end) for g in self.groups if g.kind != "full"):
@@ -580,6 +675,7 @@ class _SchedulerSide:
             self.allocated[req_id] = (request, 0)
             return
         plan = self._load_plan(request, blocks.get_block_ids(), computed, computed + num_external_tokens)
+        self.planned[req_id] = (plan, None)
         if self.async_loads:
             self.async_pending.append(plan)
             self.loading[req_id] = computed + num_external_tokens
@@ -591,6 +687,10 @@ class _SchedulerSide:
     def build_meta(self, out: SchedulerOutput) -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self.sync_loads, async_loads=self.async_pending)
         self.sync_loads, self.async_pending = [], []
+        self.steps += 1
+        for t in meta.loads + meta.async_loads:
+            if t.req_id in self.planned:
+                self.planned[t.req_id] = (self.planned[t.req_id][0], self.steps)
         self.costs.step(sum(out.num_scheduled_tokens.values()), [(t.req_id, len(t.keys)) for t in meta.async_loads])
         for new in out.scheduled_new_reqs:
             request, external = self.allocated.pop(new.req_id, (None, 0))
@@ -643,6 +743,7 @@ class _SchedulerSide:
         limit = request.num_tokens if self.save_decode_blocks else request.num_prompt_tokens
         done_tokens = min(computed_after_step, limit)
         transfer = BlockTransfer(request.request_id, [], [], [])
+        replace = BlockTransfer(request.request_id, [], [], [], overwrite=True)
         for gi, g in enumerate(self.groups):
             ids = tracked.block_ids[gi]
             done = min(done_tokens // g.block_size, g.blocks_of(hashes), len(ids))
@@ -657,12 +758,17 @@ class _SchedulerSide:
                 blocks = range(start, done)
             for j in blocks:
                 if ids[j] != NULL_BLOCK_ID:
-                    transfer.keys.append(g.key(hashes, j))
-                    transfer.block_ids.append(ids[j])
-                    transfer.groups.append(gi)
+                    key = g.key(hashes, j)
+                    into = transfer
+                    if self.suspect.take([key])[0]:
+                        # Computed here: it replaces the value that failed.
+                        self.counters["suspect_keys_replaced"] += 1
+                        into = replace
+                    into.keys.append(key)
+                    into.block_ids.append(ids[j])
+                    into.groups.append(gi)
             tracked.saved_blocks[gi] = done
-        if transfer.keys:
-            meta.saves.append(transfer)
+        meta.saves.extend(t for t in (transfer, replace) if t.keys)
 
     def forget(self, req_id: str) -> None:
         self.tracked.pop(req_id, None)
@@ -670,6 +776,7 @@ class _SchedulerSide:
         self.looked_up.pop(req_id, None)
         self.loading.pop(req_id, None)
         self.load_failed.discard(req_id)
+        self.planned.pop(req_id, None)
         self.costs.forget(req_id)
 
     def close(self) -> None:
@@ -785,6 +892,10 @@ class _WorkerSide:
         self.load_plan: list[tuple[int, BlockTransfer]] = []
         self.load_ok: list[bool] = []
         self.injected: set[str] = set()
+        # Requests whose in-step load failed in this step: the step computes
+        # their later tokens over blocks that were never filled, so nothing
+        # it saves for them is right (they are saved after the recompute).
+        self.step_failed_requests: set[str] = set()
         self.save: Future | None = None
         self.save_copied: set[str] = set()
 
@@ -1041,6 +1152,7 @@ class _WorkerSide:
 
     def start_loads(self, loads: list[BlockTransfer]) -> None:
         self._abandon_load()
+        self.step_failed_requests = set()
         plan = [(i, t) for t in loads for i in range(len(t.keys))]
         if not plan:
             return
@@ -1062,6 +1174,7 @@ class _WorkerSide:
     def _report(self, chunk, ok: list[bool]) -> None:
         with self.lock:
             self.load_errors.update(t.block_ids[i] for good, (i, t, _) in zip(ok, chunk) if not good)
+        self.step_failed_requests.update(t.req_id for good, (i, t, _) in zip(ok, chunk) if not good)
 
     def wait_layer(self, layer_name: str) -> None:
         if self.load is None or layer_name in self.injected:
@@ -1091,6 +1204,7 @@ class _WorkerSide:
                 logger.warning("kvtier: %d loaded blocks were never waited for; vLLM recomputes them", len(missed))
                 with self.lock:
                     self.load_errors.update(missed)
+                self.step_failed_requests.update(t.req_id for _, t, _ in self.load_plan)
         self.load, self.load_plan, self.load_ok = None, [], []
         self.injected.clear()
 
@@ -1104,6 +1218,8 @@ class _WorkerSide:
     def _save_chunks(self, saves: list[BlockTransfer]) -> list:
         if not self.saves_enabled:
             return []
+        if self.step_failed_requests:
+            saves = [t for t in saves if t.req_id not in self.step_failed_requests]
         return list(self._chunks([(i, t) for t in saves for i in range(len(t.keys))], self.staging))
 
     def _wait_save(self) -> None:
@@ -1132,7 +1248,9 @@ class _WorkerSide:
         keys = [t.keys[i] for i, t, _ in chunk]
         ptrs, sizes = self._pointers(chunk, self.staging)
         try:
-            codes = self.client.batch_put_from_multi_buffers(keys, ptrs, sizes, skip_existing=True)
+            # Blocks whose load failed replace the stored value; the others
+            # leave what is stored (another engine's identical block).
+            codes = put_replacing(self.client, keys, ptrs, sizes, [t.overwrite for _, t, _ in chunk])
         except KvtierError as e:
             codes = [errors.IO] * len(keys)
             logger.warning("kvtier: saving %d blocks failed: %s", len(keys), e)

@@ -14,8 +14,8 @@ process. This module is such a tier, loaded by configuration alone::
 
 One kvtier value per primary chunk (the chunk's bytes as the primary region
 holds them: every worker's part of the chunk's blocks), under vLLM's offload
-key (block hash and KV cache group), in a namespace naming the model, dtype,
-chunk geometry and parallel layout. Every call is asynchronous: stores and
+key (block hash and KV cache group), in a namespace naming the model (by
+its fingerprint), dtype, chunk geometry and parallel layout. Every call is asynchronous: stores and
 loads are kvtier's background batch calls straight between the primary
 region and the server's socket (one copy on the host each way: the primary
 region is a plain /dev/shm file, which kvtier does not register, because a
@@ -27,10 +27,13 @@ then recomputes), and a load writes only bytes the server verified.
 
 from __future__ import annotations
 
+import json
 import logging
+import pathlib
 import threading
 import time
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -43,7 +46,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import KvtierError, errors
-from ._common import connect, namespace_for, resolve_url
+from ._common import FailedKeys, connect, model_label, namespace_for, resolve_url
+from ._common import namespace_prefix as namespace_prefix_of
+from ._fingerprint import model_fingerprint
 
 logger = logging.getLogger("kvtier.vllm_tier")
 
@@ -79,6 +84,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
         tier_type: str,
         kvtier_url: str | None = None,
         lookup_ttl: float = DEFAULT_LOOKUP_TTL,
+        model_fingerprint: str | None = None,
+        namespace_prefix: str | None = None,
         locality: str | None = None,
         backpressure_detector: Any = None,
         **unknown: Any,
@@ -86,7 +93,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         if unknown:
             raise ValueError(
                 f"kvtier tier: unknown configuration keys {sorted(unknown)} "
-                "(known: kvtier_url, lookup_ttl)"
+                "(known: kvtier_url, lookup_ttl, model_fingerprint, namespace_prefix)"
             )
         super().__init__(
             offloading_spec=offloading_spec,
@@ -103,7 +110,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._rows = view.shape[0]
         self._chunk = self.block_size_bytes
         self.lookup_ttl = float(lookup_ttl)
-        self.namespace = self._namespace(offloading_spec, self._chunk)
+        self.namespace = self._namespace(offloading_spec, self._chunk, model_fingerprint, namespace_prefix)
         self.url = resolve_url(kvtier_url)
         self._client = connect(self.url, self.namespace)
         self._jobs: list[_Job] = []
@@ -118,16 +125,20 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._lookups = threading.Thread(target=self._lookup_loop, name="kvtier-tier-lookup", daemon=True)
         self._lookups.start()
         self.counters = {"stored": 0, "store_failures": 0, "loaded": 0, "load_failures": 0, "lookup_errors": 0}
+        # Chunks whose load failed: answered MISS until stored again.
+        self._failed = FailedKeys()
         logger.info("kvtier tier: %d-byte chunks, namespace %s, server %s", self._chunk, self.namespace, self.url)
 
     @staticmethod
-    def _namespace(spec: Any, chunk_bytes: int) -> str:
+    def _namespace(spec: Any, chunk_bytes: int, pinned: str | None = None, prefix: str | None = None) -> str:
         config = spec.config
         parallel = config.parallel
         return namespace_for(
             "vllm-tier",
             {
-                "model": config.model.name,
+                "label": _label(config.model.name),
+                "fingerprint": model_fingerprint(config.model.name, None, _engine_config(config.model.name), pinned,
+                                                 engine="vLLM tier"),
                 "dtype": config.model.dtype,
                 "rank": f"tp{parallel.tp_size}-pp{parallel.pp_size}",
                 "chunk_bytes": chunk_bytes,
@@ -142,6 +153,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 "replicated": config.replicated_layout,
                 "value_layout": "one primary chunk row",
             },
+            namespace_prefix_of(prefix),
         )
 
     # Lookups: never block the scheduler.
@@ -168,7 +180,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     return
                 keys, self._queue = self._queue[:LOOKUP_BATCH], self._queue[LOOKUP_BATCH:]
             try:
-                found = [code == 1 for code in self._client.batch_is_exist(keys)]
+                found = [code == 1 and key not in self._failed
+                         for key, code in zip(keys, self._client.batch_is_exist(keys))]
             except KvtierError as e:
                 # The server is away: a miss (vLLM computes), asked again
                 # after the answer's lifetime.
@@ -214,7 +227,10 @@ class KvtierSecondaryTier(SecondaryTierManager):
         try:
             views = self._views(job)
             if store:
-                pending = self._client.batch_put_from_async(keys, views, skip_existing=True)
+                # A job holding a chunk whose load failed replaces what is
+                # stored (the others' bytes are the same computation).
+                replace = any(self._failed.take(keys))
+                pending = self._client.batch_put_from_async(keys, views, skip_existing=not replace)
             else:
                 pending = self._client.batch_get_into_async(keys, views)
         except (KvtierError, ValueError) as e:
@@ -247,7 +263,9 @@ class KvtierSecondaryTier(SecondaryTierManager):
                 self.counters["loaded"] += sum(ok)
                 self.counters["load_failures"] += len(ok) - sum(ok)
                 if not all(ok):
-                    self._remember([k for k, good in zip(entry.keys, ok) if not good], False)
+                    bad = [k for k, good in zip(entry.keys, ok) if not good]
+                    self._failed.add(bad)
+                    self._remember(bad, False)
             else:
                 ok = [code == errors.OK for code in codes]
                 self.counters["stored"] += sum(ok)
@@ -291,3 +309,31 @@ class KvtierSecondaryTier(SecondaryTierManager):
     def get_tier_stats(self) -> dict[str, int]:
         """kvtier's counters for this tier (chunks stored, loaded, failed)."""
         return dict(self.counters)
+
+
+def _engine_config(model: str) -> dict[str, Any]:
+    """The resolved configuration of the engine this tier serves: vLLM's
+    own (after ``hf_overrides``) when the tier is built inside the engine's
+    configuration context, as the offloading connector does; otherwise the
+    model's ``config.json`` (overrides unseen: pin ``model_fingerprint``)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        from .vllm import resolved_model_config
+
+        current = get_current_vllm_config()
+        if current.model_config is not None and current.model_config.model == model:
+            return resolved_model_config(current)
+    except Exception as e:  # noqa: BLE001 - no context: fall back to the file
+        logger.debug("kvtier tier: no current vLLM configuration (%s)", e)
+    try:
+        return {"config.json": json.loads((pathlib.Path(model) / "config.json").read_text())}
+    except (OSError, ValueError):
+        return {"config.json": None}
+
+
+def _label(model: str) -> str:
+    try:
+        return model_label(SimpleNamespace(**json.loads((pathlib.Path(model) / "config.json").read_text())))
+    except (OSError, ValueError, TypeError):
+        return "model"
