@@ -277,6 +277,26 @@ impl WriteLog {
         self.lock().next_seq
     }
 
+    /// The number below which this log will write no record from now on
+    /// (what a shared-directory writer publishes, docs/design.md "The
+    /// floor"): one past every write already durable, failed or never a
+    /// disk write; every write queued, being written or being retried is
+    /// at or above it. With a clock and nothing on its way, the clock is
+    /// moved to now first (as the next `append` would), so an idle
+    /// writer's floor follows time instead of its last write.
+    pub fn write_floor(&self) -> u64 {
+        let mut state = self.lock();
+        let idle = state.items.is_empty() && state.processed_seq + 1 == state.next_seq;
+        if idle && self.clock {
+            let now = self.wall_nanos();
+            if now > state.next_seq && now <= crate::disk::format::MAX_SEQ {
+                state.next_seq = now;
+                state.processed_seq = now - 1;
+            }
+        }
+        state.processed_seq + 1
+    }
+
     /// Wakes the flusher; with `request`, asks it to write even under the
     /// on-demand policy.
     pub fn wake(&self, request: bool) {
@@ -494,6 +514,61 @@ fn failure_error(state: &LogState, what: &str) -> Error {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn tombstone(seq: u64) -> Option<QueuedWrite> {
+        Some(QueuedWrite::Tombstone {
+            digest: crate::key::KeyDigest(u128::from(seq)),
+            key: Box::from(&b"k"[..]),
+            seq,
+        })
+    }
+
+    /// The published floor never passes a write that is queued, being
+    /// written or being retried, and follows the clock once nothing is on
+    /// its way.
+    #[test]
+    fn the_write_floor_stays_at_or_below_every_write_on_its_way() {
+        let log = WriteLog::with_clock(1, false, true);
+        let idle = log.write_floor();
+        let now = log.wall_nanos();
+        assert!(
+            idle > 1 && idle <= now,
+            "an idle writer's floor follows its clock"
+        );
+        let first = log.append(tombstone).unwrap();
+        let second = log.append(tombstone).unwrap();
+        assert!(first >= idle && second > first);
+        let queued = log.write_floor();
+        assert!(
+            idle <= queued && queued <= first,
+            "queued under on-demand flush"
+        );
+        log.wake(true);
+        let Work::Batch(batch) = log.next_batch(|_, _| true) else {
+            panic!("no batch")
+        };
+        assert_eq!(log.write_floor(), queued, "being written");
+        let back = log.finish_batch(batch, Err(crate::Error::new(ErrorKind::Io, "disk gone")));
+        assert!(back.is_empty());
+        assert_eq!(
+            log.write_floor(),
+            first,
+            "being retried: the batch is back at the front"
+        );
+        let third = log.append(tombstone).unwrap();
+        let Work::Batch(batch) = log.next_batch(|_, _| true) else {
+            panic!("no batch")
+        };
+        assert_eq!(batch.len(), 3);
+        log.finish_batch(batch, Ok(()));
+        let after = log.write_floor();
+        assert!(after > third, "everything written: past the last write");
+        let fourth = log.append(tombstone).unwrap();
+        assert!(
+            fourth >= after,
+            "a later write is numbered at or above the floor"
+        );
+    }
 
     proptest! {
         /// `Ranges` agrees with a plain set of numbers under any adds and

@@ -19,7 +19,8 @@ use crate::disk::{
 use crate::index::{DiskLoc, Entry, Index};
 use crate::key::KeyDigest;
 use crate::shared::checkpoint;
-use crate::shared::dir::SharedDir;
+use crate::shared::dir::{SharedDir, NODES_DIR};
+use crate::shared::write_floor;
 use crate::units::PAGE_SIZE;
 use crate::write_log::WriteLog;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -84,6 +85,13 @@ struct WriterLog {
     regions: BTreeMap<u32, Followed>,
     /// The highest sequence number read from its log.
     newest_seq: u64,
+    /// The write floor it published (`write_floor`), read before its
+    /// listing at the last pass; `None` when it published none that reads
+    /// intact.
+    published_floor: Option<u64>,
+    /// Whether a pass has listed its regions (its checkpoint is looked
+    /// for at the first).
+    listed: bool,
     /// Its region files behind a gap at the last pass (not followed).
     behind_gap: u64,
     last_change: Option<SystemTime>,
@@ -142,10 +150,10 @@ pub(crate) struct Follower {
     pub counters: FollowCounters,
     /// The reclaim floor (docs/design.md, "Removes and reclaim across
     /// writers"): no other writer's log holds, or will write, a put
-    /// numbered below it, but for puts it had acknowledged and not yet
-    /// written (issue 38, finding 3, open). A tombstone of this node's log at or above it may
-    /// still shadow such a put, so the reclaimer rewrites it instead of
-    /// dropping it.
+    /// numbered below it (puts acknowledged and not yet written included,
+    /// by the write floors writers publish). A tombstone of this node's
+    /// log at or above it may still shadow such a put, so the reclaimer
+    /// rewrites it instead of dropping it.
     floor: Arc<AtomicU64>,
     stop: (Mutex<bool>, Condvar),
     /// One pass at a time (the thread's and `Store::follow_shared_now`'s):
@@ -161,6 +169,8 @@ pub(crate) struct Follower {
     /// Set when the share changed: the next pass drops entries outside
     /// the new share and reads every other writer's records again.
     reread: std::sync::atomic::AtomicBool,
+    /// Set while publishing this writer's write floor fails (logged once).
+    publish_failed: std::sync::atomic::AtomicBool,
 }
 
 impl Follower {
@@ -175,7 +185,7 @@ impl Follower {
     ) -> Follower {
         // Unknown until a pass completes: keep every removal meanwhile.
         floor.store(0, Ordering::Release);
-        Follower {
+        let follower = Follower {
             root: root.to_path_buf(),
             own: own.to_string(),
             disk,
@@ -196,6 +206,30 @@ impl Follower {
             pass_incomplete: std::sync::atomic::AtomicBool::new(false),
             share: None,
             reread: std::sync::atomic::AtomicBool::new(false),
+            publish_failed: std::sync::atomic::AtomicBool::new(false),
+        };
+        // From the start, so the other nodes' floors need not wait for this
+        // writer's first pass (one without a floor holds theirs low).
+        follower.publish_write_floor();
+        follower
+    }
+
+    /// Publishes this writer's write floor for the other nodes (see
+    /// `write_floor`); a failure is logged once until it heals (the other
+    /// nodes then keep more removals, never fewer).
+    fn publish_write_floor(&self) {
+        let dir = self.root.join(NODES_DIR).join(&self.own);
+        match write_floor::publish(&dir, self.log.write_floor()) {
+            Ok(()) => {
+                if self.publish_failed.swap(false, Ordering::Relaxed) {
+                    tracing::info!(dir = %dir.display(), "publishing this writer's write floor works again");
+                }
+            }
+            Err(e) => {
+                if !self.publish_failed.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot publish this writer's write floor; the other nodes keep every removal newer than its last one");
+                }
+            }
         }
     }
 
@@ -334,6 +368,7 @@ impl Follower {
         // number its puts from its clock on, so the floor never rises above
         // this node's clock at the pass's start (within the clocks' bound).
         let clock_at_start = self.log.wall_nanos();
+        self.publish_write_floor();
         self.counters.last_pass_unix_ms.store(
             began
                 .duration_since(SystemTime::UNIX_EPOCH)
@@ -379,10 +414,15 @@ impl Follower {
         let mut floor = clock_at_start;
         let (mut regions, mut bytes, mut stuck, mut behind_gap) = (0u64, 0u64, 0u64, 0u64);
         for log in state.writers.values() {
-            // Puts in its log are at or above its regions' lowest. Regions
-            // behind a gap are not followed, so what they hold is unknown.
-            // (Puts acknowledged but not yet written are not covered:
-            // issue 38, finding 3.)
+            // Puts it will write are at or above its published write floor
+            // (one past its newest number without one: a writer of an older
+            // version, or a damaged file); puts in its log at or above its
+            // regions' lowest. Regions behind a gap are not followed, so
+            // what they hold is unknown.
+            floor = floor.min(
+                log.published_floor
+                    .unwrap_or(log.newest_seq.saturating_add(1)),
+            );
             if log.behind_gap > 0 {
                 floor = 0;
             }
@@ -421,6 +461,24 @@ impl Follower {
     }
 
     fn follow_writer(&self, node: &str, dir: &Path, vanished: &mut HashSet<u32>) {
+        // Its write floor before anything else: every put it writes after
+        // publishing it is numbered at or above it, and everything it had
+        // written by then is in the listing read below.
+        let published = match write_floor::read(dir) {
+            Ok(floor) => floor,
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's write floor; keeping every removal");
+                self.pass_incomplete.store(true, Ordering::Relaxed);
+                None
+            }
+        };
+        self.state
+            .lock()
+            .unwrap()
+            .writers
+            .entry(node.to_string())
+            .or_default()
+            .published_floor = published;
         // The head before the listing: its writer creates a region's file
         // before it names the region in its head, so every id up to the
         // head read here has a file in the listing unless it was deleted
@@ -473,12 +531,19 @@ impl Follower {
         files.retain(|id, _| first_indexed.is_some_and(|first| *id >= first));
         let behind_gap = (before - files.len()) as u64;
         let newest = files.keys().next_back().copied();
-        let first_sight = !self.state.lock().unwrap().writers.contains_key(node);
+        let first_sight = self
+            .state
+            .lock()
+            .unwrap()
+            .writers
+            .get(node)
+            .is_none_or(|log| !log.listed);
         if first_sight {
             self.load_checkpoint(node, dir, &region_dir, &files);
         }
         let mut state = self.state.lock().unwrap();
         let log = state.writers.entry(node.to_string()).or_default();
+        log.listed = true;
         if log.behind_gap == 0 && behind_gap > 0 {
             tracing::error!(writer = node, regions = behind_gap, "region files are missing from the middle of another writer's log (deleted, renamed or unreadable): its older regions are not indexed, since the missing ones may have removed their puts");
         }

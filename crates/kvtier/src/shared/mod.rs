@@ -8,6 +8,7 @@ mod checkpoint;
 mod dir;
 mod follow;
 mod gc;
+mod write_floor;
 
 pub(crate) use checkpoint::CheckpointWriter;
 pub(crate) use dir::SharedDir;

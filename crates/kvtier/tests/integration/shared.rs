@@ -30,7 +30,10 @@ impl Node {
     }
 
     fn start(root: &Path, name: &str, capacity: u64) -> Node {
-        let flush = FlushPolicy::WriteThrough;
+        Self::start_with(root, name, capacity, FlushPolicy::WriteThrough)
+    }
+
+    fn start_with(root: &Path, name: &str, capacity: u64, flush: FlushPolicy) -> Node {
         let data = root.join(name);
         let shared = root.join("shared");
         let store = open(Self::config(&data, &shared, capacity, flush));
@@ -948,7 +951,8 @@ fn churn(node: &Node, first: u64, rounds: u64) {
 /// Asserts that `key` misses on every named node.
 fn misses_everywhere(nodes: &[(&str, &Node)], key: &[u8], why: &str) {
     for (name, node) in nodes {
-        assert_eq!(read(node.store(), key), None, "node {name}: {why}");
+        let found = read(node.store(), key).map(|v| v.len());
+        assert_eq!(found, None, "node {name}: {why} (bytes found)");
     }
 }
 
@@ -1028,6 +1032,40 @@ fn a_reclaimed_overwrite_never_brings_the_older_version_back() {
     churn(&b, 1000, 6);
     c.store().follow_shared_now();
     assert!(read(c.store(), b"mine").is_some());
+}
+
+/// Issue 38, finding 3: a put acknowledged on S but not yet in its log
+/// (on-demand flush) must not outlive a remove issued after it because the
+/// remover reclaimed the removal before the put landed.
+#[test]
+fn a_put_on_its_way_to_the_log_never_outlives_a_later_remove() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Node::start_with(dir.path(), "s", 64 * MIB, FlushPolicy::OnDemand);
+    let mut a = Node::start(dir.path(), "a", 4 * MIB);
+    s.store()
+        .put(b"victim", value_for(b"victim", 1, 30_000))
+        .unwrap();
+    // Acknowledged on S, in no log yet; A removes the key after that.
+    a.store().follow_shared_now();
+    assert!(!a.store().remove(b"victim").unwrap());
+    // A pass that begins after the removal (else the floor stays below it
+    // by the clock term alone, and the test would prove nothing): only
+    // S's published write floor keeps it below the put on its way.
+    a.store().follow_shared_now();
+    churn(&a, 0, 12);
+    assert!(a.store().stats().reclaimed_regions >= 4);
+    // Now S writes it, with a number below A's removal.
+    s.store().flush().unwrap();
+    a.store().follow_shared_now();
+    assert_eq!(read(a.store(), b"victim"), None);
+    s.restart();
+    a.restart();
+    let d = Node::start(dir.path(), "d", 64 * MIB);
+    misses_everywhere(
+        &[("s", &s), ("a", &a), ("d", &d)],
+        b"victim",
+        "a put acknowledged before the remove came back",
+    );
 }
 
 /// Issue 38, finding 5: followers apply the gap rule the writer applies to
@@ -1168,7 +1206,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: model_cases(), ..ProptestConfig::default() })]
 
     /// Three writers of one shared directory, two of them small enough
-    /// that reclaim runs all the time:
+    /// that reclaim runs all the time and one flushing only on demand:
     /// puts, overwrites and removes from any node, follows, restarts.
     /// Every read of a node that has followed the others (once all have
     /// flushed), of every node once all have flushed and followed, after
@@ -1184,10 +1222,7 @@ proptest! {
         let mut nodes = [
             Node::start(dir.path(), "a", 4 * MIB),
             Node::start(dir.path(), "b", 4 * MIB),
-            // Write-through: a put acknowledged under on-demand flush and
-            // written after another node reclaimed the removal that came
-            // after it still comes back (issue 38, finding 3, open).
-            Node::start(dir.path(), "s", 64 * MIB),
+            Node::start_with(dir.path(), "s", 64 * MIB, FlushPolicy::OnDemand),
         ];
         let mut keys = KeyModel::default();
         let mut filler = 0u64;
