@@ -151,6 +151,8 @@ struct FileConfig {
     max_pending_connections: Option<usize>,
     reserved_local_connections: Option<usize>,
     max_connections_per_address: Option<usize>,
+    max_lobby_connections: Option<usize>,
+    max_lobby_per_address: Option<usize>,
     max_failed_hellos_per_second: Option<u32>,
     admin_allowed_hosts: Option<Vec<String>>,
     tenants_file: Option<PathBuf>,
@@ -384,6 +386,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(n) = file.reserved_local_connections {
         limits.reserved_local_connections = n;
+    }
+    if let Some(n) = file.max_lobby_connections {
+        limits.max_lobby_connections = n;
+    }
+    if let Some(n) = file.max_lobby_per_address {
+        limits.max_lobby_per_address = n;
     }
     if let Some(n) = args
         .max_connections_per_address

@@ -87,10 +87,98 @@ fn idle_unauthenticated_sockets_do_not_lock_out_trusted_clients() {
         "idle unauthenticated sockets locked trusted clients out"
     );
     assert!(
-        stats["server"]["connections_refused"].as_u64().unwrap() > 0,
+        stats["server"]["lobby_closed"].as_u64().unwrap() > 0,
         "the flood was not capped at all"
     );
     drop(idle);
+}
+
+/// Issue 39, finding 2: idle sockets from the clients' own address,
+/// reopened as fast as the server closes them, used to hold every slot
+/// for connections waiting for their hello (a TCP client with the token
+/// got in 0 of 46 times). They wait in the lobby now, holding nothing but
+/// their socket, and the oldest makes room for a newcomer: every TCP
+/// client is served.
+#[test]
+fn reopened_idle_sockets_from_the_clients_address_never_lock_a_tcp_client_out() {
+    raise_open_files();
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // 300 silent sockets (more than one address may keep in the lobby),
+    // each reopened as soon as the server closes it.
+    let (holding, held) = std::sync::mpsc::channel();
+    let attacker = {
+        let (stop, addr) = (std::sync::Arc::clone(&stop), server.tcp.clone());
+        std::thread::spawn(move || {
+            let mut sockets: Vec<TcpStream> = (0..300)
+                .filter_map(|_| TcpStream::connect(&addr).ok())
+                .collect();
+            for s in &sockets {
+                s.set_nonblocking(true).unwrap();
+            }
+            holding.send(sockets.len()).unwrap();
+            let mut reopened = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for s in sockets.iter_mut() {
+                    let mut byte = [0u8; 1];
+                    let closed = match s.read(&mut byte) {
+                        Ok(_) => true,
+                        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+                    };
+                    if closed {
+                        if let Ok(fresh) = TcpStream::connect(&addr) {
+                            fresh.set_nonblocking(true).unwrap();
+                            *s = fresh;
+                            reopened += 1;
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            reopened
+        })
+    };
+    let opened = held.recv().unwrap();
+    // Until the server has taken them all in (a full accept queue makes
+    // the last connects wait for the kernel's retry).
+    let started = Instant::now();
+    while server.stats()["server"]["lobby_waiting"].as_u64().unwrap() < 256 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the attack never reached the server"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (mut served, mut slowest) = (0, Duration::ZERO);
+    for i in 0..46 {
+        let started = Instant::now();
+        let small = ClientOptions {
+            shm_size: 0,
+            ..options()
+        };
+        match Client::connect_with(&server.tcp_url(), small) {
+            Ok(mut c) => {
+                round_trip(&mut c, &format!("tcp-{i}"));
+                served += 1;
+                slowest = slowest.max(started.elapsed());
+            }
+            Err(e) => eprintln!("TCP client {i} refused: {e}"),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reopened = attacker.join().unwrap();
+    let stats = server.stats();
+    eprintln!(
+        "TCP clients served: {served} of 46 (slowest {slowest:?}); attacker sockets {opened}, reopened {reopened}; \
+         lobby closed {}, connections refused {}",
+        stats["server"]["lobby_closed"], stats["server"]["connections_refused"]
+    );
+    assert_eq!(served, 46, "reopened idle sockets locked a TCP client out");
+    assert!(
+        stats["server"]["lobby_closed"].as_u64().unwrap() > 0,
+        "the attack never filled the lobby: the test would prove nothing"
+    );
 }
 
 #[test]

@@ -15,6 +15,7 @@ mod admin;
 mod handlers;
 pub mod kv_events;
 pub mod limits;
+mod lobby;
 mod metrics;
 mod session;
 mod streamed_put;
@@ -38,7 +39,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How the server listens and what it allows.
 #[derive(Debug, Clone)]
@@ -124,6 +125,8 @@ pub(crate) struct Shared {
     pub tenant_budgets: std::collections::HashMap<String, (limits::Budgets, limits::Budgets)>,
     /// Connections to the other cluster members, in cluster mode.
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
+    /// Refused connections, warned about at most once a second.
+    pub refusal_log: RateLimitedWarning,
 }
 
 /// How often idle reads and accept loops look at the stop flag and the
@@ -225,6 +228,7 @@ impl Server {
                 config,
                 stopping: Arc::new(AtomicBool::new(false)),
                 metrics: Arc::new(Metrics::default()),
+                refusal_log: RateLimitedWarning::default(),
             }),
         })
     }
@@ -376,11 +380,19 @@ fn spawn_accept(
 }
 
 /// Accepts until stopping, under the connection cap; connection threads
-/// are joined before returning so in-flight requests finish.
+/// are joined before returning so in-flight requests finish. A
+/// connection that is not trusted by its credentials waits in the lobby
+/// (`lobby`) until its first bytes arrive, holding nothing but its socket.
 fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Option<Transport>>) {
+    let limits = &shared.config.limits;
+    let mut lobby: lobby::Lobby<trust::Peer> = lobby::Lobby::new(
+        limits.max_lobby_connections,
+        limits.max_lobby_per_address,
+        limits.handshake_timeout,
+    );
     let mut connections: Vec<JoinHandle<()>> = Vec::new();
     while !shared.stopping.load(Ordering::Acquire) {
-        match accept() {
+        let accepted = match accept() {
             Ok(Some(transport)) => {
                 let peer = shared.auth.peer(&transport);
                 let addr = match &transport {
@@ -389,37 +401,87 @@ fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Opti
                     Transport::Unix(_) | Transport::TlsClient(_) => None,
                 }
                 .map(|a| a.ip());
-                let slot = match shared.admission.admit_connection(&peer, addr) {
-                    Ok(slot) => slot,
-                    Err(why) => {
-                        refuse_connection(shared, transport, &why);
-                        continue;
-                    }
-                };
-                shared
-                    .metrics
-                    .connections_total
-                    .fetch_add(1, Ordering::Relaxed);
-                let worker = Arc::clone(shared);
-                match std::thread::Builder::new()
-                    .name("kvtier-conn".into())
-                    .spawn(move || serve_connection(&worker, transport, peer, slot))
-                {
-                    Ok(handle) => connections.push(handle),
-                    Err(e) => tracing::error!(error = %e, "could not start a connection thread"),
+                if peer.trusted_by_credentials {
+                    start_connection(shared, transport, peer, addr, &mut connections);
+                } else if lobby.enter(transport, peer, addr, Instant::now()).is_some() {
+                    // The oldest silent connection made room (closed here).
+                    shared.metrics.lobby_closed.fetch_add(1, Ordering::Relaxed);
                 }
-                connections.retain(|h| !h.is_finished());
+                true
             }
-            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => false,
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
                 std::thread::sleep(POLL);
+                false
+            }
+        };
+        // Waits for the lobby (up to 5 ms) only when nothing else is due.
+        let wait = if accepted {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(5)
+        };
+        if lobby.is_empty() {
+            if !accepted {
+                std::thread::sleep(wait);
+            }
+        } else {
+            match lobby.poll(wait, Instant::now()) {
+                Ok(polled) => {
+                    shared
+                        .metrics
+                        .lobby_closed
+                        .fetch_add(polled.expired as u64, Ordering::Relaxed);
+                    for w in polled.ready {
+                        start_connection(shared, w.transport, w.peer, w.addr, &mut connections);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "polling the connections that have not spoken yet failed");
+                    std::thread::sleep(POLL);
+                }
             }
         }
+        shared
+            .metrics
+            .lobby_waiting
+            .store(lobby.len() as u64, Ordering::Relaxed);
     }
     for handle in connections {
         let _ = handle.join();
     }
+}
+
+/// Gives a connection its slot (pending, or authenticated for a trusted
+/// peer) and its thread, or refuses it over a cap.
+fn start_connection(
+    shared: &Arc<Shared>,
+    transport: Transport,
+    peer: trust::Peer,
+    addr: Option<std::net::IpAddr>,
+    connections: &mut Vec<JoinHandle<()>>,
+) {
+    let slot = match shared.admission.admit_connection(&peer, addr) {
+        Ok(slot) => slot,
+        Err(why) => {
+            refuse_connection(shared, transport, &why);
+            return;
+        }
+    };
+    shared
+        .metrics
+        .connections_total
+        .fetch_add(1, Ordering::Relaxed);
+    let worker = Arc::clone(shared);
+    match std::thread::Builder::new()
+        .name("kvtier-conn".into())
+        .spawn(move || serve_connection(&worker, transport, peer, slot))
+    {
+        Ok(handle) => connections.push(handle),
+        Err(e) => tracing::error!(error = %e, "could not start a connection thread"),
+    }
+    connections.retain(|h| !h.is_finished());
 }
 
 fn serve_connection(shared: &Shared, transport: Transport, peer: trust::Peer, slot: trust::Slot) {
@@ -454,5 +516,32 @@ fn refuse_connection(shared: &Shared, mut transport: Transport, message: &str) {
         Some(Duration::from_millis(10)),
     );
     let _ = transport.write_all(&frame);
-    tracing::warn!(why = message, "refused a connection over a cap");
+    if let Some(also) = shared.refusal_log.due() {
+        tracing::warn!(
+            why = message,
+            refused_since_last_warning = also,
+            "refused a connection over a cap"
+        );
+    }
+}
+
+/// A warning said at most once a second, with how many occurrences it
+/// stood for (a lockout attempt refused thousands of connections a
+/// second and logged each).
+#[derive(Debug, Default)]
+pub(crate) struct RateLimitedWarning(std::sync::Mutex<(Option<Instant>, u64)>);
+
+impl RateLimitedWarning {
+    /// `Some(occurrences since the last warning)` when a warning is due.
+    pub(crate) fn due(&self) -> Option<u64> {
+        let mut state = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let (last, count) = &mut *state;
+        *count += 1;
+        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(count))
+    }
 }

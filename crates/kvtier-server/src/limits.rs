@@ -34,6 +34,14 @@ pub struct Limits {
     /// Most TCP connections (pending and authenticated) from one remote
     /// address. Default: 256.
     pub max_connections_per_address: usize,
+    /// Most accepted connections that have not sent a byte yet (TCP, and
+    /// Unix peers of another user), in the lobby: they hold a descriptor
+    /// and nothing else, and a newcomer past the cap closes the oldest
+    /// instead of being refused. Default: 1024.
+    pub max_lobby_connections: usize,
+    /// Most of those from one address (past it, that address's oldest is
+    /// closed). Default: 256.
+    pub max_lobby_per_address: usize,
     /// Refused hellos answered per second, server-wide (each also waits
     /// `failed_auth_delay`): caps token guessing however many connections
     /// guess in parallel. Default: 10.
@@ -108,6 +116,8 @@ impl Default for Limits {
             max_pending_connections: 64,
             reserved_local_connections: 64,
             max_connections_per_address: 256,
+            max_lobby_connections: 1024,
+            max_lobby_per_address: 256,
             max_failed_hellos_per_second: 10,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(3600),
@@ -147,6 +157,10 @@ pub const FREE_BUFFER_BYTES: usize = 64 << 10;
 /// Connections past `max_admin_connections` still answered (`/health`).
 pub const ADMIN_OVERFLOW: u64 = 64;
 
+/// The smallest lobby a server starts with when the lobby must be lowered
+/// to fit the open-file limit.
+pub const MIN_LOBBY: usize = 64;
+
 /// The fewest authenticated connections a server starts with when
 /// `max_connections` must be lowered to fit the open-file limit.
 pub const MIN_CONNECTIONS: usize = 16;
@@ -158,6 +172,7 @@ impl Limits {
         (self.max_connections
             + self.reserved_local_connections
             + self.max_pending_connections
+            + self.max_lobby_connections
             + self.max_admin_connections) as u64
             + ADMIN_OVERFLOW
     }
@@ -166,9 +181,33 @@ impl Limits {
     /// `max_connections` (to no fewer than `MIN_CONNECTIONS`); returns what
     /// it changed, to be said, or why the caps cannot fit.
     pub fn fit_descriptors(&mut self, available: u64) -> Result<Option<String>, String> {
+        // On a copy: nothing changes when the caps cannot fit.
+        let mut fitted = self.clone();
+        let said = fitted.fit_into(available)?;
+        *self = fitted;
+        Ok(said)
+    }
+
+    fn fit_into(&mut self, available: u64) -> Result<Option<String>, String> {
         let needed = self.connection_descriptors();
         if needed <= available {
             return Ok(None);
+        }
+        // The lobby first (its sockets are the cheapest to lose: a full
+        // lobby closes its oldest silent one), down to MIN_LOBBY.
+        let lobby_was = self.max_lobby_connections;
+        let excess = (needed - available) as usize;
+        let lobby = lobby_was
+            .saturating_sub(excess)
+            .max(MIN_LOBBY.min(lobby_was));
+        self.max_lobby_connections = lobby;
+        self.max_lobby_per_address = self.max_lobby_per_address.min(lobby);
+        let lobby_note = (lobby < lobby_was).then(|| {
+            format!("max_lobby_connections lowered from {lobby_was} to {lobby} to fit the open-file limit")
+        });
+        let needed = self.connection_descriptors();
+        if needed <= available {
+            return Ok(lobby_note);
         }
         let others = needed - self.max_connections as u64;
         let room = available.saturating_sub(others);
@@ -177,15 +216,19 @@ impl Limits {
                 "the open-file limit leaves {available} descriptors for connections, fewer \
                  than the {others} the other caps need plus {MIN_CONNECTIONS}: raise the \
                  limit (ulimit -n, LimitNOFILE=) or lower max_pending_connections, \
-                 reserved_local_connections or max_admin_connections"
+                 max_lobby_connections, reserved_local_connections or max_admin_connections"
             ));
         }
         let was = self.max_connections;
         self.max_connections = room as usize;
-        Ok(Some(format!(
+        let note = format!(
             "max_connections lowered from {was} to {room} to fit the open-file limit \
              ({available} descriptors left for connections); raise the limit to keep {was}"
-        )))
+        );
+        Ok(Some(match lobby_note {
+            Some(lobby) => format!("{lobby}; {note}"),
+            None => note,
+        }))
     }
 }
 
@@ -418,13 +461,32 @@ mod tests {
         let mut limits = Limits::default();
         let needed = limits.connection_descriptors();
         assert_eq!(limits.fit_descriptors(needed), Ok(None));
+        // The lobby gives way first...
         let said = limits.fit_descriptors(needed - 500).unwrap().unwrap();
-        assert_eq!(limits.max_connections, 1024 - 500);
-        assert!(said.contains("lowered from 1024 to 524"), "{said}");
+        assert_eq!(
+            (limits.max_lobby_connections, limits.max_connections),
+            (524, 1024)
+        );
+        assert!(
+            said.contains("max_lobby_connections lowered from 1024 to 524"),
+            "{said}"
+        );
         assert_eq!(limits.connection_descriptors(), needed - 500);
+        // ...down to MIN_LOBBY, then the authenticated connections.
+        let mut limits = Limits::default();
+        let said = limits.fit_descriptors(needed - 1500).unwrap().unwrap();
+        assert_eq!(limits.max_lobby_connections, MIN_LOBBY);
+        assert_eq!(limits.max_lobby_per_address, MIN_LOBBY);
+        assert_eq!(limits.max_connections, 1024 - (1500 - (1024 - MIN_LOBBY)));
+        assert!(said.contains("max_connections lowered from 1024"), "{said}");
+        assert_eq!(limits.connection_descriptors(), needed - 1500);
         let mut limits = Limits::default();
         assert!(limits.fit_descriptors(100).is_err());
-        assert_eq!(limits.max_connections, 1024, "nothing changed on a refusal");
+        assert_eq!(
+            (limits.max_connections, limits.max_lobby_connections),
+            (1024, 1024),
+            "nothing changed on a refusal"
+        );
     }
 
     #[test]

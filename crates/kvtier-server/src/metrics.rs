@@ -49,6 +49,11 @@ pub struct Metrics {
     pub connections_refused: AtomicU64,
     /// Connections dropped by a deadline: handshake, idle or a slow frame.
     pub connections_timed_out: AtomicU64,
+    /// Connections closed in the lobby (before their first byte): the
+    /// oldest, for a newcomer, or at the first-byte deadline.
+    pub lobby_closed: AtomicU64,
+    /// Connections waiting in the lobby now.
+    pub lobby_waiting: AtomicU64,
     /// Requests answered LIMIT because the buffer budget was spent.
     pub requests_refused_for_memory: AtomicU64,
     /// Shared buffers refused (not a sealed memfd, over a cap, ...).
@@ -264,6 +269,8 @@ impl Metrics {
                 "auth_failures": self.auth_failures.load(Ordering::Relaxed),
                 "connections_refused": self.connections_refused.load(Ordering::Relaxed),
                 "connections_timed_out": self.connections_timed_out.load(Ordering::Relaxed),
+                "lobby_closed": self.lobby_closed.load(Ordering::Relaxed),
+                "lobby_waiting": self.lobby_waiting.load(Ordering::Relaxed),
                 "buffers_refused": self.buffers_refused.load(Ordering::Relaxed),
                 "requests_refused_for_memory": self.requests_refused_for_memory.load(Ordering::Relaxed),
                 "registered_buffers": self.registered_buffers.load(Ordering::Relaxed),
@@ -839,6 +846,13 @@ impl Collector for ServerCollector {
             "Connections refused at the connection cap.",
             None,
             load(&m.connections_refused),
+        )?;
+        counter(
+            &mut e,
+            "kvtier_lobby_closed",
+            "Connections closed before their first byte: the oldest of a full lobby, or at the first-byte deadline.",
+            None,
+            load(&m.lobby_closed),
         )?;
         counter(
             &mut e,
