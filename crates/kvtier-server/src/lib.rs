@@ -429,10 +429,16 @@ fn accept_loop(shared: &Arc<Shared>, mut accept: impl FnMut() -> io::Result<Opti
         } else {
             match lobby.poll(wait, Instant::now()) {
                 Ok(polled) => {
+                    // Closed at the handshake deadline: a timeout like any.
+                    let expired = polled.expired as u64;
                     shared
                         .metrics
                         .lobby_closed
-                        .fetch_add(polled.expired as u64, Ordering::Relaxed);
+                        .fetch_add(expired, Ordering::Relaxed);
+                    shared
+                        .metrics
+                        .connections_timed_out
+                        .fetch_add(expired, Ordering::Relaxed);
                     for w in polled.ready {
                         start_connection(shared, w.transport, w.peer, w.addr, &mut connections);
                     }
@@ -462,7 +468,21 @@ fn start_connection(
     addr: Option<std::net::IpAddr>,
     connections: &mut Vec<JoinHandle<()>>,
 ) {
-    let slot = match shared.admission.admit_connection(&peer, addr) {
+    let closer = (!peer.trusted_by_credentials)
+        .then(|| trust::Closer::of(&transport))
+        .flatten();
+    // A first message that names a token this server holds: a token
+    // holder, never closed to make room for a newcomer.
+    let proven =
+        lobby::challenged_token_id(&transport).is_some_and(|id| shared.auth.names_held_token(&id));
+    let admitted = shared
+        .admission
+        .admit_connection(&peer, addr, closer, proven);
+    shared
+        .metrics
+        .pending_closed
+        .store(shared.admission.evicted(), Ordering::Relaxed);
+    let slot = match admitted {
         Ok(slot) => slot,
         Err(why) => {
             refuse_connection(shared, transport, &why);
@@ -484,7 +504,16 @@ fn start_connection(
     connections.retain(|h| !h.is_finished());
 }
 
-fn serve_connection(shared: &Shared, transport: Transport, peer: trust::Peer, slot: trust::Slot) {
+fn serve_connection(
+    shared: &Shared,
+    transport: Transport,
+    peer: trust::Peer,
+    mut slot: trust::Slot,
+) {
+    // A connection that closed another to make room waits for its share.
+    if !slot.settle(shared.config.limits.handshake_timeout) {
+        return;
+    }
     shared
         .metrics
         .connections_open

@@ -167,11 +167,13 @@ pub const MIN_CONNECTIONS: usize = 16;
 
 impl Limits {
     /// Descriptors the connection caps together may hold: one socket per
-    /// connection of any kind (a registered shared buffer holds none).
+    /// connection of any kind (a registered shared buffer holds none), and
+    /// a second handle on each connection waiting for its hello (to close
+    /// it for a newcomer).
     pub fn connection_descriptors(&self) -> u64 {
         (self.max_connections
             + self.reserved_local_connections
-            + self.max_pending_connections
+            + 2 * self.max_pending_connections
             + self.max_lobby_connections
             + self.max_admin_connections) as u64
             + ADMIN_OVERFLOW

@@ -1,32 +1,58 @@
-//! The lobby: accepted connections that have not sent a byte yet.
+//! The lobby: accepted connections whose first message has not arrived
+//! whole yet.
 //!
-//! A connection that says nothing holds a descriptor here and nothing
-//! else: no thread, no pending-hello slot. It leaves the lobby when its
-//! first bytes arrive (then it competes for a pending slot as before), at
-//! its first-byte deadline (closed), or when a newer connection needs its
-//! room: the lobby is bounded, per address and in all, and a full lobby
-//! closes its **oldest** waiting connection instead of refusing the new
-//! one. So idle sockets, however many and however fast they are reopened,
-//! cannot keep a client that speaks at once from reaching its hello: it
-//! would have to be the oldest of the lobby's `max_lobby_connections`
-//! (or of its address's `max_lobby_per_address`) before its first bytes
-//! arrive (docs/server.md, "Admission").
+//! Such a connection holds a descriptor here and nothing else: no thread,
+//! no pending-hello slot. It leaves the lobby when its first message is
+//! whole (a frame header and the body it announces, up to the hello
+//! frame's limit; over TLS the first TLS record), or when it closes; then
+//! it competes for a pending slot as before. It is closed at its deadline,
+//! or when a newer connection needs its room: the lobby is bounded, per
+//! address and in all, and a full lobby closes its **oldest** waiting
+//! connection instead of refusing the new one. So sockets that say
+//! nothing, or a byte and then nothing, however many and however fast
+//! they are reopened, cannot keep a client that sends its first message
+//! at once from reaching its hello: it would have to be the oldest of the
+//! lobby's `max_lobby_connections` (or of its address's
+//! `max_lobby_per_address`) before that message arrives (docs/server.md,
+//! threat model).
 //!
 //! Same-user Unix peers never wait here (they are trusted by their
 //! credentials and have reserved slots).
 
+use kvtier_wire::proof::{NONCE_LEN, TOKEN_ID_LEN};
+use kvtier_wire::protocol::{Header, Op, HEADER_LEN};
 use kvtier_wire::transport::Transport;
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-/// A connection waiting for its first byte.
+/// A connection waiting for its first message.
 pub struct Waiting<P> {
     pub transport: Transport,
     pub peer: P,
     pub addr: Option<IpAddr>,
     since: Instant,
+    /// Part of its first message arrived: when to look again (such a
+    /// socket stays readable, so it is left out of the poll).
+    partial: Option<Instant>,
+}
+
+/// How often a connection with part of its first message is looked at.
+const PARTIAL_RECHECK: Duration = Duration::from_millis(20);
+
+/// The longest first message waited for whole: a hello frame's body limit
+/// (a longer announcement is refused by the session at once).
+const FIRST_BODY_LIMIT: usize = 4 << 10;
+
+/// What a waiting connection's received bytes say.
+enum Arrived {
+    /// Its first message is whole: on to its hello.
+    Whole,
+    /// Part of it: look again later.
+    Part,
+    /// It closed (or failed): close it here.
+    Gone,
 }
 
 /// What `Lobby::poll` found.
@@ -91,6 +117,7 @@ impl<P> Lobby<P> {
             peer,
             addr,
             since: now,
+            partial: None,
         });
         evicted
     }
@@ -108,8 +135,8 @@ impl<P> Lobby<P> {
         Some(w)
     }
 
-    /// Takes out the connections that became readable within `wait` and
-    /// closes those past their first-byte deadline.
+    /// Takes out the connections whose first message arrived whole (or
+    /// that closed) within `wait`, and closes those past their deadline.
     pub fn poll(&mut self, wait: Duration, now: Instant) -> std::io::Result<Polled<P>> {
         let mut polled = Polled {
             ready: Vec::new(),
@@ -118,13 +145,18 @@ impl<P> Lobby<P> {
         if self.waiting.is_empty() {
             return Ok(polled);
         }
-        let readable: Vec<bool> = {
-            let mut fds: Vec<rustix::event::PollFd<'_>> = self
-                .waiting
+        // Those with nothing yet are polled; those with part of a message
+        // are looked at on their schedule.
+        let polled_at: Vec<usize> = (0..self.waiting.len())
+            .filter(|&i| self.waiting[i].partial.is_none())
+            .collect();
+        let mut readable = vec![false; self.waiting.len()];
+        if !polled_at.is_empty() {
+            let mut fds: Vec<rustix::event::PollFd<'_>> = polled_at
                 .iter()
-                .map(|w| {
+                .map(|&i| {
                     rustix::event::PollFd::from_borrowed_fd(
-                        fd_of(&w.transport),
+                        fd_of(&self.waiting[i].transport),
                         rustix::event::PollFlags::IN,
                     )
                 })
@@ -139,23 +171,106 @@ impl<P> Lobby<P> {
                 Err(rustix::io::Errno::INTR) => return Ok(polled),
                 Err(e) => return Err(e.into()),
             }
-            fds.iter().map(|fd| !fd.revents().is_empty()).collect()
-        };
+            for (fd, &i) in fds.iter().zip(&polled_at) {
+                readable[i] = !fd.revents().is_empty();
+            }
+        } else if !wait.is_zero() {
+            std::thread::sleep(wait.min(PARTIAL_RECHECK));
+        }
+        let now = now.max(Instant::now());
         let mut at = 0;
-        for is_ready in readable {
-            let past_deadline =
-                now.saturating_duration_since(self.waiting[at].since) >= self.first_byte_timeout;
-            if is_ready {
-                polled.ready.extend(self.remove(at));
-            } else if past_deadline {
-                drop(self.remove(at));
-                polled.expired += 1;
+        for is_readable in readable {
+            let w = &self.waiting[at];
+            let look = is_readable || w.partial.is_some_and(|next| now >= next);
+            let found = if look {
+                Some(arrived(&w.transport))
             } else {
-                at += 1;
+                None
+            };
+            let past_deadline = now.saturating_duration_since(w.since) >= self.first_byte_timeout;
+            match found {
+                Some(Arrived::Whole) => polled.ready.extend(self.remove(at)),
+                Some(Arrived::Gone) => drop(self.remove(at)),
+                _ if past_deadline => {
+                    drop(self.remove(at));
+                    polled.expired += 1;
+                }
+                Some(Arrived::Part) => {
+                    self.waiting[at].partial = Some(now + PARTIAL_RECHECK);
+                    at += 1;
+                }
+                None => at += 1,
             }
         }
         Ok(polled)
     }
+}
+
+/// Whether `transport`'s first message has arrived whole, by the bytes
+/// waiting in its socket (looked at, never taken).
+fn arrived(transport: &Transport) -> Arrived {
+    let fd = fd_of(transport);
+    let Ok(available) = rustix::io::ioctl_fionread(fd) else {
+        return Arrived::Gone;
+    };
+    let available = usize::try_from(available).unwrap_or(usize::MAX);
+    if available == 0 {
+        // Readable with nothing to read: the peer closed, or an error.
+        return Arrived::Gone;
+    }
+    let mut head = [0u8; HEADER_LEN];
+    let want = available.min(HEADER_LEN);
+    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+    let seen = match rustix::net::recv(fd, &mut head[..want], flags) {
+        Ok((n, _)) => n,
+        Err(_) => return Arrived::Gone,
+    };
+    let needed = match transport {
+        // A TLS record: type, version, a 16-bit big-endian length.
+        Transport::TlsServer(_) | Transport::TlsClient(_) => {
+            if seen < 5 {
+                5
+            } else {
+                5 + usize::from(u16::from_be_bytes([head[3], head[4]]))
+            }
+        }
+        // A frame: the header, then the body it announces (a body past
+        // the hello's limit is refused by the session as soon as it reads
+        // the header).
+        Transport::Tcp(_) | Transport::Unix(_) => {
+            if seen < HEADER_LEN {
+                HEADER_LEN
+            } else {
+                let body = u32::from_le_bytes([head[16], head[17], head[18], head[19]]) as usize;
+                HEADER_LEN + if body > FIRST_BODY_LIMIT { 0 } else { body }
+            }
+        }
+    };
+    if available >= needed {
+        Arrived::Whole
+    } else {
+        Arrived::Part
+    }
+}
+
+/// The token id a waiting connection's first message names, when that
+/// message (whole in the socket, looked at without taking it) is a
+/// challenge over plain TCP or Unix (TLS hides it until the handshake).
+pub fn challenged_token_id(transport: &Transport) -> Option<[u8; TOKEN_ID_LEN]> {
+    if !matches!(transport, Transport::Tcp(_) | Transport::Unix(_)) {
+        return None;
+    }
+    let mut first = [0u8; HEADER_LEN + NONCE_LEN + TOKEN_ID_LEN];
+    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+    let (seen, _) = rustix::net::recv(fd_of(transport), &mut first, flags).ok()?;
+    if seen < first.len() {
+        return None;
+    }
+    let header = Header::decode(first[..HEADER_LEN].try_into().ok()?, u64::MAX).ok()?;
+    if header.op != Op::Challenge as u16 || header.body_len as usize != NONCE_LEN + TOKEN_ID_LEN {
+        return None;
+    }
+    first[HEADER_LEN + NONCE_LEN..].try_into().ok()
 }
 
 fn fd_of(transport: &Transport) -> BorrowedFd<'_> {
@@ -215,20 +330,35 @@ mod tests {
         // Nobody spoke: nothing is ready, nothing expired.
         let polled = lobby.poll(Duration::ZERO, start).unwrap();
         assert!(polled.ready.is_empty() && polled.expired == 0);
-        // Peer 3 speaks (clients[3]): it alone leaves, by readiness.
-        clients[3].write_all(b"x").unwrap();
-        let polled = lobby.poll(Duration::from_secs(10), start).unwrap();
-        assert_eq!(
-            polled.ready.iter().map(|w| w.peer).collect::<Vec<_>>(),
-            vec![3]
-        );
-        assert_eq!(lobby.len(), 3);
-        // Past the deadline the silent ones are closed.
-        let polled = lobby
-            .poll(Duration::ZERO, start + Duration::from_secs(61))
-            .unwrap();
+        // Peer 3 sends part of a frame: it stays (looked at again later).
+        clients[3].write_all(&[0u8; 10]).unwrap();
+        let polled = lobby.poll(Duration::from_millis(200), start).unwrap();
         assert!(polled.ready.is_empty());
-        assert_eq!(polled.expired, 3);
+        assert_eq!(lobby.len(), 4);
+        // The rest of a header announcing an 8-byte body, then the body:
+        // whole, it alone leaves.
+        let mut header = [0u8; HEADER_LEN - 10];
+        header[16 - 10..20 - 10].copy_from_slice(&8u32.to_le_bytes());
+        clients[3].write_all(&header).unwrap();
+        std::thread::sleep(PARTIAL_RECHECK * 2);
+        let polled = lobby.poll(Duration::ZERO, start).unwrap();
+        assert!(polled.ready.is_empty(), "the body has not arrived");
+        clients[3].write_all(&[7u8; 8]).unwrap();
+        std::thread::sleep(PARTIAL_RECHECK * 2);
+        let polled = lobby.poll(Duration::ZERO, start).unwrap();
+        let ready: Vec<u32> = polled.ready.iter().map(|w| w.peer).collect();
+        assert_eq!(ready, vec![3]);
+        assert_eq!(lobby.len(), 3);
+        // A peer that closes leaves (closed here, not handed on).
+        drop(clients.remove(4));
+        let polled = lobby.poll(Duration::from_secs(10), start).unwrap();
+        assert!(polled.ready.is_empty() && polled.expired == 0);
+        assert_eq!(lobby.len(), 2);
+        // Past the deadline the silent ones are closed.
+        let later = start + Duration::from_secs(61);
+        let polled = lobby.poll(Duration::ZERO, later).unwrap();
+        assert!(polled.ready.is_empty());
+        assert_eq!(polled.expired, 2);
         assert!(lobby.is_empty());
     }
 }

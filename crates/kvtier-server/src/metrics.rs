@@ -54,6 +54,9 @@ pub struct Metrics {
     pub lobby_closed: AtomicU64,
     /// Connections waiting in the lobby now.
     pub lobby_waiting: AtomicU64,
+    /// Connections waiting for their hello, unproven, closed to make room
+    /// for a newcomer.
+    pub pending_closed: AtomicU64,
     /// Requests answered LIMIT because the buffer budget was spent.
     pub requests_refused_for_memory: AtomicU64,
     /// Shared buffers refused (not a sealed memfd, over a cap, ...).
@@ -271,6 +274,7 @@ impl Metrics {
                 "connections_timed_out": self.connections_timed_out.load(Ordering::Relaxed),
                 "lobby_closed": self.lobby_closed.load(Ordering::Relaxed),
                 "lobby_waiting": self.lobby_waiting.load(Ordering::Relaxed),
+                "pending_closed": self.pending_closed.load(Ordering::Relaxed),
                 "buffers_refused": self.buffers_refused.load(Ordering::Relaxed),
                 "requests_refused_for_memory": self.requests_refused_for_memory.load(Ordering::Relaxed),
                 "registered_buffers": self.registered_buffers.load(Ordering::Relaxed),
@@ -853,6 +857,13 @@ impl Collector for ServerCollector {
             "Connections closed before their first byte: the oldest of a full lobby, or at the first-byte deadline.",
             None,
             load(&m.lobby_closed),
+        )?;
+        counter(
+            &mut e,
+            "kvtier_pending_closed",
+            "Connections waiting for their hello, unproven, closed to make room for a newcomer.",
+            None,
+            load(&m.pending_closed),
         )?;
         counter(
             &mut e,

@@ -369,14 +369,18 @@ impl State<'_> {
                 if self.challenge.is_some() {
                     return Reply::error(code::PROTOCOL, "one challenge per connection").closing();
                 }
+                let slot = &self.slot;
                 return match shared.auth.challenge(
                     client_nonce,
                     token_id,
                     &shared.guesses,
                     self.hello_deadline,
+                    &|| slot.closed_for_newcomer(),
                 ) {
                     Ok((issued, reply)) => {
                         self.challenge = Some(issued);
+                        // It holds a token's name: never closed for a newcomer.
+                        self.slot.mark_proven();
                         Reply::ok(reply)
                     }
                     Err(why) => {
@@ -555,11 +559,13 @@ impl State<'_> {
             },
             None => crate::trust::Credential::Token(token),
         };
+        let slot = &self.slot;
         let scope = match shared.auth.admit_hello(
             &self.peer,
             &credential,
             &shared.guesses,
             self.hello_deadline,
+            &|| slot.closed_for_newcomer(),
         ) {
             Ok(scope) => scope,
             Err(why) => {

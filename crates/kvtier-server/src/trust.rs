@@ -54,6 +54,14 @@ pub struct Peer {
 /// and moves into `max_connections` only when its hello succeeds: idle or
 /// slow unauthenticated sockets can fill the pending budget, never the
 /// slots of those who authenticated.
+///
+/// A full pending budget does not refuse a newcomer while some waiting
+/// connection has not yet proven anything: the oldest such one is closed
+/// (its socket shut down) and the newcomer takes its slot once its thread
+/// lets go. A connection proves itself by a challenge that names a token
+/// this server holds; those are never closed for a newcomer. So a flood
+/// of connections that send a byte and stall cannot keep a client that
+/// holds the token from its hello.
 #[derive(Debug)]
 pub struct Admission {
     pending: Arc<Budget>,
@@ -61,6 +69,70 @@ pub struct Admission {
     local_reserve: Arc<Budget>,
     per_address: Arc<Mutex<HashMap<IpAddr, usize>>>,
     per_address_limit: usize,
+    waiting: Arc<Mutex<Waiting>>,
+}
+
+/// Connections waiting for their hello, oldest first: how to close each,
+/// and whether it has proven itself.
+#[derive(Debug, Default)]
+struct Waiting {
+    next: u64,
+    entries: std::collections::BTreeMap<u64, WaitingEntry>,
+    /// Connections closed to make room, over the server's life.
+    evicted: u64,
+}
+
+#[derive(Debug)]
+struct WaitingEntry {
+    closer: Option<Closer>,
+    proven: bool,
+    addr: Option<IpAddr>,
+}
+
+/// Closes the oldest waiting connection that has proven nothing (of
+/// `addr`, when given); `false` when there is none.
+fn close_oldest_unproven(waiting: &mut Waiting, addr: Option<IpAddr>) -> bool {
+    let victim = waiting
+        .entries
+        .iter()
+        .find(|(_, e)| !e.proven && e.closer.is_some() && (addr.is_none() || e.addr == addr))
+        .map(|(id, _)| *id);
+    let Some(victim) = victim else {
+        return false;
+    };
+    let entry = waiting.entries.remove(&victim).expect("found above");
+    if let Some(closer) = &entry.closer {
+        closer.shut_down();
+    }
+    waiting.evicted += 1;
+    true
+}
+
+/// A second handle on a waiting connection's socket, to shut it down
+/// from the accept thread (its own thread then sees the end at once).
+#[derive(Debug)]
+pub enum Closer {
+    Tcp(std::net::TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl Closer {
+    /// A handle on `transport`'s socket, if it can be duplicated.
+    pub fn of(transport: &Transport) -> Option<Closer> {
+        match transport {
+            Transport::Tcp(s) => s.try_clone().ok().map(Closer::Tcp),
+            Transport::TlsServer(tls) => tls.sock.try_clone().ok().map(Closer::Tcp),
+            Transport::TlsClient(tls) => tls.sock.try_clone().ok().map(Closer::Tcp),
+            Transport::Unix(s) => s.try_clone().ok().map(Closer::Unix),
+        }
+    }
+
+    fn shut_down(&self) {
+        let _ = match self {
+            Closer::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Closer::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
 }
 
 /// A connection's slot: given back, with its address's count, on drop.
@@ -68,7 +140,55 @@ pub struct Admission {
 pub struct Slot {
     permit: Permit,
     admitted: bool,
+    /// Its entry among the waiting connections, until its hello.
+    waiting: Option<(u64, Arc<Mutex<Waiting>>)>,
+    /// It took the slot of a connection it closed: its permit is taken
+    /// once that connection's thread lets go (`Slot::settle`).
+    unsettled: bool,
     _address: Option<AddressCount>,
+}
+
+impl Slot {
+    /// A slot that displaced another waits here (on its own thread) for
+    /// the displaced connection to give its share back; `false` if it did
+    /// not within `wait` (the connection is then closed).
+    pub fn settle(&mut self, wait: Duration) -> bool {
+        if !self.unsettled {
+            return true;
+        }
+        self.unsettled = !self.permit.set_within(1, wait);
+        !self.unsettled
+    }
+
+    /// Whether the server closed this waiting connection to make room for
+    /// a newcomer (its waits end at once then).
+    pub fn closed_for_newcomer(&self) -> bool {
+        self.waiting
+            .as_ref()
+            .is_some_and(|(id, waiting)| !waiting.lock().unwrap().entries.contains_key(id))
+    }
+
+    /// The connection named a token this server holds (its challenge was
+    /// answered): it is never closed to make room.
+    pub fn mark_proven(&self) {
+        if let Some((id, waiting)) = &self.waiting {
+            if let Some(entry) = waiting.lock().unwrap().entries.get_mut(id) {
+                entry.proven = true;
+            }
+        }
+    }
+
+    fn leave_waiting(&mut self) {
+        if let Some((id, waiting)) = self.waiting.take() {
+            waiting.lock().unwrap().entries.remove(&id);
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.leave_waiting();
+    }
 }
 
 #[derive(Debug)]
@@ -97,16 +217,36 @@ impl Admission {
             local_reserve: Budget::new(limits.reserved_local_connections as u64),
             per_address: Arc::default(),
             per_address_limit: limits.max_connections_per_address,
+            waiting: Arc::default(),
         }
     }
 
+    fn close_oldest_unproven(&self, addr: Option<IpAddr>) -> bool {
+        close_oldest_unproven(&mut self.waiting.lock().unwrap(), addr)
+    }
+
+    /// Connections closed so far to make room for newcomers.
+    pub fn evicted(&self) -> u64 {
+        self.waiting.lock().unwrap().evicted
+    }
+
     /// A new connection's slot, or why it is refused (answered with LIMIT).
-    pub fn admit_connection(&self, peer: &Peer, addr: Option<IpAddr>) -> Result<Slot, String> {
+    /// `closer` lets the server close it later to make room (see the type).
+    pub fn admit_connection(
+        &self,
+        peer: &Peer,
+        addr: Option<IpAddr>,
+        closer: Option<Closer>,
+        proven: bool,
+    ) -> Result<Slot, String> {
         let address = match addr {
             Some(addr) => {
                 let mut counts = self.per_address.lock().unwrap();
                 let n = counts.entry(addr).or_insert(0);
-                if *n >= self.per_address_limit {
+                // At its cap, the address's oldest connection that proved
+                // nothing makes room (a token holder shares its address
+                // with whoever floods from it); only proven ones refuse.
+                if *n >= self.per_address_limit && !self.close_oldest_unproven(Some(addr)) {
                     return Err(format!(
                         "{addr} has {} connections open, the most one address may \
                          (max_connections_per_address); retry later",
@@ -130,19 +270,43 @@ impl Admission {
             return Ok(Slot {
                 permit,
                 admitted: true,
+                waiting: None,
+                unsettled: false,
                 _address: address,
             });
         }
-        let permit = self.pending.try_take(1).ok_or_else(|| {
-            format!(
-                "the server has {} connections waiting for their hello, the most it allows \
-                 (max_pending_connections); retry later",
-                self.pending.limit()
-            )
-        })?;
+        let mut waiting = self.waiting.lock().unwrap();
+        let (permit, unsettled) = match self.pending.try_take(1) {
+            Some(permit) => (permit, false),
+            None => {
+                // Full: close the oldest connection that has proven nothing
+                // and take its share when its thread lets go.
+                if !close_oldest_unproven(&mut waiting, None) {
+                    return Err(format!(
+                        "the server has {} connections waiting for their hello, the most it \
+                         allows (max_pending_connections), all of them proven; retry later",
+                        self.pending.limit()
+                    ));
+                }
+                (self.pending.empty_permit(), true)
+            }
+        };
+        let id = waiting.next;
+        waiting.next += 1;
+        waiting.entries.insert(
+            id,
+            WaitingEntry {
+                closer,
+                proven,
+                addr,
+            },
+        );
+        drop(waiting);
         Ok(Slot {
             permit,
             admitted: false,
+            waiting: Some((id, Arc::clone(&self.waiting))),
+            unsettled,
             _address: address,
         })
     }
@@ -157,6 +321,8 @@ impl Admission {
             .try_take(1)
             .ok_or_else(|| self.full_message())?;
         slot.admitted = true;
+        slot.unsettled = false;
+        slot.leave_waiting();
         Ok(())
     }
 
@@ -169,29 +335,18 @@ impl Admission {
     }
 }
 
-/// Token comparisons, server-wide: a token bucket of `rate` turns a
-/// second (burst: one second's worth). A turn is taken before a token is
-/// compared and given back when it matched, so only refused hellos spend
-/// the budget, and no number of parallel connections guesses faster than
-/// `rate` a second. Clients with the right token wait only while someone
-/// is guessing.
+/// Refused token comparisons, server-wide: a token bucket of `rate` turns
+/// a second (burst: one second's worth). A comparison that does not match
+/// is answered only once it gets a turn (and after `delay`), so no number
+/// of parallel connections learns the answers to guesses faster than
+/// `rate` a second; one that matches is answered at once and spends none,
+/// so guessers cannot hold a client with the right token back.
 #[derive(Debug)]
 pub struct GuessBudget {
     state: Mutex<(f64, Instant)>,
     rate: f64,
     /// Pause before a refusal is answered.
     pub delay: Duration,
-}
-
-/// A taken turn; spent unless given back.
-#[derive(Debug)]
-pub struct Turn<'a>(&'a GuessBudget);
-
-impl Turn<'_> {
-    pub fn give_back(self) {
-        let mut state = self.0.state.lock().unwrap();
-        state.0 = (state.0 + 1.0).min(self.0.rate.max(1.0));
-    }
 }
 
 impl GuessBudget {
@@ -204,8 +359,9 @@ impl GuessBudget {
         }
     }
 
-    /// Waits for a turn until `deadline`; `None` past it.
-    pub fn take_turn(&self, deadline: Instant) -> Option<Turn<'_>> {
+    /// Waits for a turn until `deadline`; `false` past it, or as soon as
+    /// `cancelled` says so (the connection was closed for a newcomer).
+    pub fn take_turn(&self, deadline: Instant, cancelled: &dyn Fn() -> bool) -> bool {
         loop {
             let now = Instant::now();
             let wait = {
@@ -215,16 +371,37 @@ impl GuessBudget {
                     .min(self.rate.max(1.0));
                 if tokens >= 1.0 {
                     *state = (tokens - 1.0, now);
-                    return Some(Turn(self));
+                    return true;
                 }
                 *state = (tokens, now);
                 Duration::from_secs_f64((1.0 - tokens) / self.rate)
             };
-            if now + wait > deadline {
-                return None;
+            if now + wait > deadline || !pause(wait, cancelled) {
+                return false;
             }
-            std::thread::sleep(wait);
         }
+    }
+
+    /// The pause before a refusal is answered; `false` if `cancelled`
+    /// cut it short.
+    pub fn refusal_pause(&self, cancelled: &dyn Fn() -> bool) -> bool {
+        pause(self.delay, cancelled)
+    }
+}
+
+/// Sleeps `length` in slices of at most 10 ms, stopping early (`false`)
+/// when `cancelled` says so.
+fn pause(length: Duration, cancelled: &dyn Fn() -> bool) -> bool {
+    let end = Instant::now() + length;
+    loop {
+        if cancelled() {
+            return false;
+        }
+        let now = Instant::now();
+        if now >= end {
+            return true;
+        }
+        std::thread::sleep((end - now).min(Duration::from_millis(10)));
     }
 }
 
@@ -534,10 +711,8 @@ impl Auth {
         token_id: &[u8; proof::TOKEN_ID_LEN],
         guesses: &GuessBudget,
         deadline: Instant,
+        cancelled: &dyn Fn() -> bool,
     ) -> Result<(Issued, Vec<u8>), String> {
-        let Some(turn) = guesses.take_turn(deadline) else {
-            return Err("too many refused hellos on this server: retry later".into());
-        };
         let found = if self.token_key.as_ref().is_some_and(|k| k.id() == *token_id) {
             Some(Holder::Server)
         } else {
@@ -553,11 +728,15 @@ impl Auth {
             };
             Some((holder, key))
         });
+        // Only a refusal waits for a turn (a name that matches spends none,
+        // so guessers cannot hold a token holder's challenge back).
         let Some((holder, key)) = found else {
-            std::thread::sleep(guesses.delay);
+            if !guesses.take_turn(deadline, cancelled) {
+                return Err("too many refused hellos on this server: retry later".into());
+            }
+            guesses.refusal_pause(cancelled);
             return Err("wrong auth token".into());
         };
-        turn.give_back();
         let server_nonce = proof::nonce().map_err(|e| e.to_string())?;
         let mut reply = Vec::with_capacity(proof::NONCE_LEN + proof::PROOF_LEN);
         reply.extend_from_slice(&server_nonce);
@@ -570,6 +749,14 @@ impl Auth {
             },
             reply,
         ))
+    }
+
+    /// Whether `token_id` names a token this server holds (its own or a
+    /// tenant's): a connection whose first message says so is a token
+    /// holder about to prove it, never closed for a newcomer.
+    pub fn names_held_token(&self, token_id: &[u8; proof::TOKEN_ID_LEN]) -> bool {
+        self.token_key.as_ref().is_some_and(|k| k.id() == *token_id)
+            || self.tenants.iter().any(|t| t.key.id() == *token_id)
     }
 
     pub fn has_token(&self) -> bool {
@@ -627,15 +814,17 @@ impl Auth {
     /// peer must present the token. A refusal is answered only after
     /// `delay` (it slows guessing) and says why.
     ///
-    /// A token is compared only with a turn of `guesses` (server-wide), so
-    /// parallel connections cannot guess faster than its rate; without a
-    /// turn before `deadline` the hello is refused unanswered.
+    /// A refusal waits for a turn of `guesses` (server-wide), so parallel
+    /// connections cannot learn answers to guesses faster than its rate;
+    /// without a turn before `deadline` the hello is refused unanswered.
+    /// A credential that matches is admitted at once.
     pub fn admit_hello(
         &self,
         peer: &Peer,
         credential: &Credential<'_>,
         guesses: &GuessBudget,
         deadline: Instant,
+        cancelled: &dyn Fn() -> bool,
     ) -> Result<Scope, &'static str> {
         if peer.trusted_by_credentials {
             // A peer trusted whole may still ask for less: one that proves
@@ -648,14 +837,16 @@ impl Auth {
                 _ => Scope::Full,
             });
         }
-        let Some(turn) = guesses.take_turn(deadline) else {
-            return Err("too many refused hellos on this server: retry later");
-        };
+        // Only a refusal waits for a turn: a credential that matches spends
+        // none, so guessers cannot hold a token holder's hello back (the
+        // answers to guesses are still paced by the turns and the delay).
         if let Some(scope) = self.scope_of(credential) {
-            turn.give_back();
             return Ok(scope);
         }
-        std::thread::sleep(guesses.delay);
+        if !guesses.take_turn(deadline, cancelled) {
+            return Err("too many refused hellos on this server: retry later");
+        }
+        guesses.refusal_pause(cancelled);
         Err(if peer.unix {
             "this Unix-socket peer runs as another user: present the server's auth token"
         } else if credential.is_empty() {
@@ -922,7 +1113,9 @@ mod tests {
         };
         // The right token, many times: no turn is spent.
         for _ in 0..5 {
-            let (issued, reply) = auth.challenge(&cn, &key.id(), &guesses, deadline).unwrap();
+            let (issued, reply) = auth
+                .challenge(&cn, &key.id(), &guesses, deadline, &|| false)
+                .unwrap();
             let sn: [u8; 32] = reply[..32].try_into().unwrap();
             assert!(proof::proofs_equal(
                 &reply[32..],
@@ -935,7 +1128,7 @@ mod tests {
                 namespace: "ns",
             };
             assert_eq!(
-                auth.admit_hello(&peer, &credential, &guesses, deadline),
+                auth.admit_hello(&peer, &credential, &guesses, deadline, &|| false),
                 Ok(Scope::Full)
             );
             // The proof is bound to its namespace.
@@ -945,7 +1138,7 @@ mod tests {
                 namespace: "other",
             };
             assert!(auth
-                .admit_hello(&peer, &credential, &guesses, deadline)
+                .admit_hello(&peer, &credential, &guesses, deadline, &|| false)
                 .is_err());
             guesses.state.lock().unwrap().0 = 1.0;
         }
@@ -953,10 +1146,10 @@ mod tests {
         // guess before the deadline finds none.
         let wrong = TokenKey::new(b"0123456789abcdef0124");
         assert!(auth
-            .challenge(&cn, &wrong.id(), &guesses, deadline)
+            .challenge(&cn, &wrong.id(), &guesses, deadline, &|| false)
             .is_err());
         let err = auth
-            .challenge(&cn, &wrong.id(), &guesses, Instant::now())
+            .challenge(&cn, &wrong.id(), &guesses, Instant::now(), &|| false)
             .unwrap_err();
         assert!(err.contains("too many refused"), "{err}");
     }
