@@ -31,18 +31,20 @@ def host_pool(kind: str, layout: str):
                                 end_layer=LAYERS - 1, target_layer_num=LAYERS)
 
 
-def backend(kind: str, layout: str, url: str, tp_rank: int = 0, tp_size: int = 1, staging_size: int | None = None):
+def backend(kind: str, layout: str, url: str, tp_rank: int = 0, tp_size: int = 1, staging_size: int | None = None,
+            model: str = "tiny-test-model", **options):
     pool = host_pool(kind, layout)
     extra = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-             "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "kvtier_url": url,
-             # A made-up model has no weights to fingerprint: pinned.
-             "model_fingerprint": "test:tiny-test-model"}
+             "class_name": "KvtierHiCacheStorage", "interface_v1": 1, "kvtier_url": url, **options}
+    if model == "tiny-test-model":
+        # A made-up model has no weights to fingerprint: pinned.
+        extra.setdefault("model_fingerprint", "test:tiny-test-model")
     if staging_size is not None:
         extra["staging_size"] = staging_size
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=kind == "mla", enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
-        model_name="tiny-test-model", extra_config=extra,
+        model_name=model, extra_config=extra,
     )
     storage = StorageBackendFactory.create_backend("dynamic", config, pool)
     storage.register_mem_pool_host(pool)

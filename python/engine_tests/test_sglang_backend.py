@@ -108,3 +108,49 @@ def test_namespaces_separate_layouts_and_tensor_parallel_ranks(kvtier_server):
         backend("mla", "page_first", kvtier_server.url)[0].namespace,
     }
     assert len(names) == 4
+
+
+def test_the_namespace_names_the_model_by_its_weights_behind_the_prefix(kvtier_server, tiny_llama, tmp_path):
+    """SGLang names the model by a path too: the namespace follows the
+    weights' content (a copy elsewhere shares it, weights rewritten in
+    place do not) and a deployment's prefix goes in front."""
+    import shutil
+
+    from conftest import write_tiny_llama
+
+    model = tmp_path / "llama"
+    shutil.copytree(tiny_llama, model)
+    base = backend("mha", "page_first", kvtier_server.url, model=str(model))[0].namespace
+    copy = tmp_path / "other-host" / "renamed"
+    shutil.copytree(model, copy)
+    assert backend("mha", "page_first", kvtier_server.url, model=str(copy))[0].namespace == base
+    assert str(tmp_path) not in base and "sglang/llama/" in base, base
+    prefixed = backend("mha", "page_first", kvtier_server.url, model=str(model), namespace_prefix="team-a")[0]
+    assert prefixed.namespace.startswith("team-a/sglang/"), prefixed.namespace
+    write_tiny_llama(model, seed=77)
+    assert backend("mha", "page_first", kvtier_server.url, model=str(model))[0].namespace != base
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        backend("mha", "page_first", kvtier_server.url, model=str(tmp_path / "absent"))
+
+
+def test_a_page_that_fails_to_load_is_not_offered_again_until_it_is_stored_again(kvtier_server):
+    """A value of the wrong size under a page's key: the load fails once,
+    the lookup then stops before that page (no repeated failed loads), and
+    the next store of the page replaces the wrong value."""
+    storage, pool = backend("mha", "layer_first", kvtier_server.url)
+    fill(pool, 3)
+    keys = [f"{uuid.uuid4().hex}-{i}" for i in range(4)]
+    assert storage.batch_set_v1(keys, tokens([0, 1, 2, 3])) == [True] * 4
+    with kvtier.Client(kvtier_server.url, namespace=storage.namespace) as client:
+        assert client.put(keys[2], b"\x05" * 100) == 0
+        assert storage.batch_exists(keys) == 4
+        assert storage.batch_get_v1(keys, tokens([10, 11, 12, 13])) == [True, True, False, True]
+        assert storage.batch_exists(keys) == 2, "a page that failed to load was offered again"
+        # SGLang computes the page again and stores it: the wrong value goes.
+        assert storage.batch_set_v1(keys[2:3], tokens([2])) == [True]
+        assert len(client.get(keys[2])) == len(client.get(keys[0]))
+    assert storage.batch_exists(keys) == 4
+    assert storage.batch_get_v1(keys, tokens([20, 21, 22, 23])) == [True] * 4
+    assert page_bytes(pool, [20, 21, 22, 23]) == page_bytes(pool, [0, 1, 2, 3])
+    stats = storage.get_stats()
+    assert stats["failed_pages_replaced"] == 1 and stats["failed_pages_held_back"] == 0, stats
