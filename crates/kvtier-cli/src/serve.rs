@@ -577,12 +577,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 node.view.name, me.id, me.address
             ));
         }
-        println!(
+        say(&format!(
             "kvtier serving {} from {}: {}",
             data_dir.display(),
             store.stats().io_engine,
             parts.join(", ")
-        );
+        ));
         if bound.socket.is_some() {
             note_shared_memory_pages();
         }
@@ -599,8 +599,16 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     joined?;
     store.close()?;
-    println!("kvtier stopped cleanly");
+    say("kvtier stopped cleanly");
     Ok(())
+}
+
+/// A line on standard output, for whoever reads it: a closed pipe (a
+/// supervisor gone, `| head -1`) must not turn a clean stop into a panic.
+fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|()| out.flush());
 }
 
 /// Shared-memory clients' buffers take huge pages only where the system
@@ -611,10 +619,10 @@ fn note_shared_memory_pages() {
     const SETTING: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
     if let Ok(text) = std::fs::read_to_string(SETTING) {
         if text.contains("[never]") || text.contains("[deny]") {
-            println!(
+            say(&format!(
                 "note: shared-memory buffers get 4 KiB pages ({SETTING} is never); \
                  `echo advise > {SETTING}` (as root) gives them huge pages and faster copies"
-            );
+            ));
         }
     }
 }
