@@ -16,7 +16,7 @@ use std::sync::Arc;
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
     /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_poll,
-    /// shared_index, kv_events, kv_events_replay, kv_events_topic,
+    /// shared_index, kv_events, kv_events_replay, kv_events_topic, kv_events_unauthenticated,
     /// auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
@@ -141,6 +141,7 @@ struct FileConfig {
     kv_events: Option<String>,
     kv_events_replay: Option<String>,
     kv_events_topic: Option<String>,
+    kv_events_unauthenticated: Option<bool>,
     flush: Option<String>,
     auth_token: Option<String>,
     max_frame: Option<String>,
@@ -192,6 +193,39 @@ fn address(text: &str, what: &str) -> Result<Option<SocketAddr>, String> {
 }
 
 /// A ZeroMQ TCP endpoint (`tcp://HOST:PORT`, or `HOST:PORT`).
+/// The event feed has no authentication: its subscribers read every
+/// namespace's block hashes (prompt identities) and names. It is served
+/// only where every reader is already trusted (loopback, no tenants to
+/// keep apart) unless the operator says otherwise (docs/server.md, threat
+/// model).
+fn check_event_feed_exposure(
+    publish: SocketAddr,
+    replay: Option<SocketAddr>,
+    tenants: bool,
+    unauthenticated: bool,
+) -> Result<(), String> {
+    if unauthenticated {
+        return Ok(());
+    }
+    for (what, at) in [("kv_events", Some(publish)), ("kv_events_replay", replay)] {
+        if let Some(at) = at.filter(|a| !a.ip().is_loopback()) {
+            return Err(format!(
+                "{what} {at}: the event feed has no authentication and shows every namespace's \
+                 block hashes, which identify prompts; bind it to loopback, or set \
+                 kv_events_unauthenticated = true in the config file to publish it off the host \
+                 knowingly"
+            ));
+        }
+    }
+    if tenants {
+        return Err("the event feed has no authentication: every local subscriber would read \
+                    every tenant's namespaces and block hashes; leave kv_events off with --tenants, \
+                    or set kv_events_unauthenticated = true in the config file knowingly"
+            .into());
+    }
+    Ok(())
+}
+
 fn zmq_address(text: &str, what: &str) -> Result<SocketAddr, String> {
     let bare = text.strip_prefix("tcp://").unwrap_or(text);
     if bare.contains("://") {
@@ -465,6 +499,13 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 .or(file.kv_events_replay.as_deref())
                 .map(|r| zmq_address(r, "kv_events_replay"))
                 .transpose()?;
+            let tenants = args.tenants.is_some() || file.tenants_file.is_some();
+            check_event_feed_exposure(
+                publish,
+                replay,
+                tenants,
+                file.kv_events_unauthenticated.unwrap_or(false),
+            )?;
             // 65 536 events of about 100 bytes: 6 MiB, over a second of
             // 64 KiB puts at 3 GB/s for the publisher to fall behind by
             // before events are dropped.

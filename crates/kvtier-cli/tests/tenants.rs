@@ -303,3 +303,61 @@ fn tenant_prefixes_are_whole_components_and_may_not_overlap() {
         "{said}"
     );
 }
+
+/// Issue 39, finding 3 (the part that can land before the feed has
+/// authentication): the KV-event feed shows every namespace's block
+/// hashes to whoever subscribes, so it is refused off loopback and beside
+/// tenants unless the operator opts in, and served on loopback otherwise.
+#[test]
+fn the_event_feed_is_refused_off_loopback_and_beside_tenants_unless_opted_in() {
+    let dir = tempfile::tempdir().unwrap();
+    for (n, feed) in [
+        ["--kv-events", "tcp://0.0.0.0:0"],
+        ["--kv-events-replay", "tcp://0.0.0.0:0"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut args = vec!["--kv-events", "tcp://127.0.0.1:0"];
+        if feed[0] == "--kv-events" {
+            args = feed.to_vec();
+        } else {
+            args.extend_from_slice(feed);
+        }
+        let said = ServerProcess::try_start(&dir.path().join(format!("off-host-{n}")), &args);
+        assert!(
+            said.contains("no authentication") && said.contains("kv_events_unauthenticated"),
+            "{said}"
+        );
+    }
+    let tenants = dir.path().join("tenants.toml");
+    write_tenants(
+        &tenants,
+        &format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a\"]\n"),
+        0o600,
+    );
+    let beside_tenants = [
+        "--auth-token",
+        TEST_TOKEN,
+        "--tenants",
+        tenants.to_str().unwrap(),
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+    ];
+    let said = ServerProcess::try_start(&dir.path().join("tenants"), &beside_tenants);
+    assert!(said.contains("every tenant's namespaces"), "{said}");
+    // Opted in: served, off loopback and beside tenants.
+    let config = dir.path().join("serve.toml");
+    std::fs::write(&config, "kv_events_unauthenticated = true\n").unwrap();
+    let mut opted = beside_tenants.to_vec();
+    opted[5] = "tcp://0.0.0.0:0";
+    opted.extend_from_slice(&["--config", config.to_str().unwrap()]);
+    let server = ServerProcess::start(&dir.path().join("opted-in"), &opted);
+    assert!(server.http("/health").starts_with("HTTP/1.1 200"));
+    // On loopback without tenants, as before: served.
+    let plain = ServerProcess::start(
+        &dir.path().join("loopback"),
+        &["--kv-events", "tcp://127.0.0.1:0"],
+    );
+    assert!(plain.stats()["store"].is_object());
+}
