@@ -70,6 +70,27 @@ def test_a_failed_load_is_reported_and_leaves_the_primary_alone(kvtier_server, t
     assert [r.success for r in tier.get_finished_jobs()] == [False]
 
 
+def test_a_chunk_that_failed_to_load_is_a_miss_until_it_is_stored_again(kvtier_server, tiered):
+    """The wrong value stays under the key, but the tier never offers it
+    again (no loop of failed promotions); the next store of the chunk
+    replaces it, and then it hits with the right bytes."""
+    m, tier = tiered
+    ks = vt.keys(3, salt="replaced")
+    vt.store(m, ks)
+    vt.reset_primary(m)
+    with Client(kvtier_server.url, namespace=tier.namespace) as c:
+        assert c.put(ks[1], b"x" * 100) == 0
+        assert vt.load(m, ks) == [True, False, True]
+        time.sleep(tier.lookup_ttl * 1.5)  # past the answers' lifetime: asked again
+        vt.reset_primary(m)
+        assert vt.load(m, ks[1:2]) == [False], "a chunk that failed to load was offered again"
+        assert tier.get_tier_stats()["load_failures"] == 1
+        vt.store(m, ks[1:2], req_id="recomputed")
+        assert len(c.get(ks[1])) == len(c.get(ks[0]))
+    vt.reset_primary(m)
+    assert vt.load(m, ks) == [True, True, True]
+
+
 def test_the_server_stopped_is_a_miss_and_failed_jobs_never_a_hang(kvtier_server, tiered):
     m, tier = tiered
     ks = vt.keys(2, salt="before-stop")
