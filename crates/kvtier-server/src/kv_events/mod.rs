@@ -63,6 +63,10 @@ pub struct KvEventsConfig {
     /// Bytes of batches queued for one subscriber (with
     /// `subscriber_queue`, whichever is reached first). Default: 16 MiB.
     pub subscriber_bytes: usize,
+    /// Bytes of batches queued for all subscribers together (a batch is
+    /// counted once per subscriber queueing it): past it a slow
+    /// subscriber misses batches as past its own cap. Default: 64 MiB.
+    pub subscribers_bytes_total: usize,
     /// Batches kept for replay. Default: 10 000.
     pub replay_batches: usize,
     /// Bytes of batches kept for replay (with `replay_batches`, whichever
@@ -77,8 +81,10 @@ pub struct KvEventsConfig {
     /// (about 100 bytes each); a block announced past it is never
     /// announced removed.
     pub tracked_blocks: usize,
-    /// Seconds a peer may take for the ZMTP handshake, and a stalled
-    /// subscriber's write may block before it is dropped. Default: 5 s.
+    /// How long a peer may take for the whole ZMTP handshake, a
+    /// subscriber may go without any subscription, a frame may take once
+    /// begun, and a stalled subscriber's write may block before it is
+    /// dropped. Default: 5 s.
     pub peer_timeout: Duration,
 }
 
@@ -91,6 +97,7 @@ impl KvEventsConfig {
             max_connections: 64,
             subscriber_queue: 10_000,
             subscriber_bytes: 16 << 20,
+            subscribers_bytes_total: 64 << 20,
             replay_batches: 10_000,
             replay_bytes: 64 << 20,
             max_batch_events: 1024,
@@ -110,6 +117,10 @@ pub struct KvEventStats {
     pub store_dropped: u64,
     /// Batches a slow subscriber missed (replayable).
     pub subscriber_dropped: u64,
+    /// Connections closed to make room for a newcomer at the connection
+    /// limit: the oldest that had not finished its handshake or held no
+    /// subscription (replay: the oldest).
+    pub peers_closed_for_newcomers: u64,
     pub subscribers: usize,
     pub replay_requests: u64,
     /// Removals not announced: the block was never announced (or no
@@ -139,6 +150,78 @@ struct Subscriber {
     queued_bytes: AtomicUsize,
 }
 
+/// A connection, as the accept loop sees it.
+#[derive(Debug)]
+struct Peer {
+    replay: bool,
+    closer: TcpStream,
+    /// Set once its handshake is done (subscribers).
+    subscriber: Option<std::sync::Weak<Subscriber>>,
+}
+
+impl Peer {
+    /// Whether it may be closed for a newcomer: a subscriber still in its
+    /// handshake or with no subscription (it receives nothing), or any
+    /// replay peer (they hold nothing between requests).
+    fn idle(&self) -> bool {
+        self.replay
+            || self
+                .subscriber
+                .as_ref()
+                .and_then(std::sync::Weak::upgrade)
+                .is_none_or(|s| s.filters.lock().unwrap().is_empty())
+    }
+}
+
+/// A peer's entry in `Shared::peers`: removed when its thread ends.
+struct PeerEntry<'a>(&'a Shared, u64);
+
+impl Drop for PeerEntry<'_> {
+    fn drop(&mut self) {
+        self.0.peers.lock().unwrap().remove(&self.1);
+    }
+}
+
+/// Reads and writes of `stream` bounded by one `deadline` for all of
+/// them together (a peer trickling a byte at a time gets no more).
+struct Deadlined<'a> {
+    stream: &'a TcpStream,
+    deadline: std::time::Instant,
+}
+
+impl Deadlined<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "past the handshake deadline",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl io::Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        self.stream.read(buf)
+    }
+}
+
+impl io::Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
 impl Subscriber {
     fn wants(&self, topic: &[u8]) -> bool {
         self.filters
@@ -153,6 +236,13 @@ impl Subscriber {
 struct Shared {
     stop: AtomicBool,
     subscribers: Mutex<Vec<Arc<Subscriber>>>,
+    /// Every connection of both sockets, oldest first, to close one for a
+    /// newcomer at the limit.
+    peers: Mutex<std::collections::BTreeMap<u64, Peer>>,
+    next_peer: AtomicU64,
+    peers_closed: AtomicU64,
+    /// Bytes queued for all subscribers together.
+    queued_total: AtomicUsize,
     /// Kept batches and their bytes.
     ring: Mutex<(VecDeque<Arc<Published>>, usize)>,
     connections: AtomicUsize,
@@ -233,6 +323,7 @@ impl KvEventPublisher {
             events: s.events.load(Ordering::Relaxed),
             store_dropped: self.sink.dropped(),
             subscriber_dropped: s.subscriber_dropped.load(Ordering::Relaxed),
+            peers_closed_for_newcomers: s.peers_closed.load(Ordering::Relaxed),
             subscribers: s.subscribers.lock().unwrap().len(),
             replay_requests: s.replay_requests.load(Ordering::Relaxed),
             unannounced_removals: s.unannounced_removals.load(Ordering::Relaxed),
@@ -497,7 +588,10 @@ impl<'a> Batcher<'a> {
                 continue;
             }
             let size = published.size();
-            if s.queued_bytes.load(Ordering::Acquire) + size > self.config.subscriber_bytes {
+            if s.queued_bytes.load(Ordering::Acquire) + size > self.config.subscriber_bytes
+                || self.shared.queued_total.load(Ordering::Acquire) + size
+                    > self.config.subscribers_bytes_total
+            {
                 self.shared
                     .subscriber_dropped
                     .fetch_add(1, Ordering::Relaxed);
@@ -506,6 +600,7 @@ impl<'a> Batcher<'a> {
             match s.tx.try_send(Arc::clone(&published)) {
                 Ok(()) => {
                     s.queued_bytes.fetch_add(size, Ordering::AcqRel);
+                    self.shared.queued_total.fetch_add(size, Ordering::AcqRel);
                 }
                 Err(TrySendError::Full(_)) => {
                     self.shared
@@ -557,13 +652,29 @@ fn accept_loop(
         } else {
             &shared.connections
         };
-        if count.fetch_add(1, Ordering::AcqRel) >= config.max_connections {
+        if count.fetch_add(1, Ordering::AcqRel) >= config.max_connections
+            && !close_oldest_idle(shared, replay)
+        {
             count.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(
                 max = config.max_connections,
-                "kv events: connection refused at the limit"
+                "kv events: connection refused at the limit (every connection subscribed)"
             );
             continue;
+        }
+        let id = shared.next_peer.fetch_add(1, Ordering::Relaxed);
+        match stream.try_clone() {
+            Ok(closer) => {
+                shared.peers.lock().unwrap().insert(
+                    id,
+                    Peer {
+                        replay,
+                        closer,
+                        subscriber: None,
+                    },
+                );
+            }
+            Err(e) => tracing::debug!(error = %e, "kv events: no second handle on a peer"),
         }
         let (shared, config) = (Arc::clone(shared), Arc::clone(config));
         let started = spawn("kvtier-events-peer", move || {
@@ -573,10 +684,11 @@ fn accept_loop(
                 &shared.connections
             };
             let _slot = Slot(count);
+            let _entry = PeerEntry(&shared, id);
             let result = if replay {
                 serve_replay(stream, &shared, &config)
             } else {
-                serve_subscriber(stream, &shared, &config)
+                serve_subscriber(stream, &shared, &config, id)
             };
             if let Err(e) = result {
                 tracing::debug!(error = %e, "kv events: peer dropped");
@@ -588,16 +700,44 @@ fn accept_loop(
     }
 }
 
+/// At the connection limit: closes the oldest idle connection of the
+/// socket (`Peer::idle`) for a newcomer; `false` when none is idle.
+fn close_oldest_idle(shared: &Shared, replay: bool) -> bool {
+    let mut peers = shared.peers.lock().unwrap();
+    let victim = peers
+        .iter()
+        .find(|(_, p)| p.replay == replay && p.idle())
+        .map(|(id, _)| *id);
+    let Some(victim) = victim else {
+        return false;
+    };
+    if let Some(peer) = peers.remove(&victim) {
+        let _ = peer.closer.shutdown(Shutdown::Both);
+        shared.peers_closed.fetch_add(1, Ordering::Relaxed);
+    }
+    true
+}
+
 fn serve_subscriber(
     mut stream: TcpStream,
     shared: &Shared,
     config: &KvEventsConfig,
+    id: u64,
 ) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(config.peer_timeout))?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
-    zmtp::handshake(&mut stream, "PUB", &["SUB", "XSUB"])?;
+    // One deadline for the whole handshake, not one per read.
+    let deadline = std::time::Instant::now() + config.peer_timeout;
+    zmtp::handshake(
+        &mut Deadlined {
+            stream: &stream,
+            deadline,
+        },
+        "PUB",
+        &["SUB", "XSUB"],
+    )?;
+    stream.set_write_timeout(Some(config.peer_timeout))?;
     let (tx, rx) = sync_channel::<Arc<Published>>(config.subscriber_queue.max(1));
     let subscriber = Arc::new(Subscriber {
         tx,
@@ -610,14 +750,17 @@ fn serve_subscriber(
         .lock()
         .unwrap()
         .push(Arc::clone(&subscriber));
+    if let Some(peer) = shared.peers.lock().unwrap().get_mut(&id) {
+        peer.subscriber = Some(Arc::downgrade(&subscriber));
+    }
     // Subscriptions (and pings) arrive on their own thread; this one
     // writes.
     let mut reader = stream.try_clone()?;
-    reader.set_read_timeout(None)?;
     let (pongs_tx, pongs_rx) = sync_channel::<Vec<u8>>(4);
     let listener = Arc::clone(&subscriber);
+    let idle_limit = config.peer_timeout;
     let reading = spawn("kvtier-events-sub", move || {
-        let _ = read_subscriptions(&mut reader, &listener, &pongs_tx);
+        let _ = read_subscriptions(&mut reader, &listener, &pongs_tx, idle_limit);
         listener.alive.store(false, Ordering::Release);
         let _ = reader.shutdown(Shutdown::Both);
     })?;
@@ -639,6 +782,7 @@ fn serve_subscriber(
                     put_batch(&mut out, &p, false);
                 }
                 subscriber.queued_bytes.fetch_sub(taken, Ordering::AcqRel);
+                shared.queued_total.fetch_sub(taken, Ordering::AcqRel);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break Ok(()),
@@ -652,6 +796,9 @@ fn serve_subscriber(
     subscriber.alive.store(false, Ordering::Release);
     let _ = stream.shutdown(Shutdown::Both);
     let _ = reading.join();
+    // What is still queued for it leaves the total with it.
+    let left: usize = rx.try_iter().map(|p| p.size()).sum();
+    shared.queued_total.fetch_sub(left, Ordering::AcqRel);
     result
 }
 
@@ -664,13 +811,52 @@ fn put_batch(out: &mut Vec<u8>, p: &Published, delimited: bool) {
     }
 }
 
+/// Reads a subscriber's subscriptions (and pings) until it goes. A
+/// subscriber that holds no subscription for `idle_limit` is dropped (it
+/// receives nothing and would only hold a connection slot), and a frame,
+/// once begun, must be whole within `idle_limit`.
 fn read_subscriptions(
     r: &mut TcpStream,
     subscriber: &Subscriber,
     pongs: &SyncSender<Vec<u8>>,
+    idle_limit: Duration,
 ) -> io::Result<()> {
+    // Since when it has held no subscription (from its handshake on).
+    let mut unsubscribed_since = Some(std::time::Instant::now());
     loop {
-        let (subscribe, topic) = match zmtp::read_frame(r, MAX_FILTER_LEN + 16)? {
+        if subscriber.filters.lock().unwrap().is_empty() {
+            let since = *unsubscribed_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() >= idle_limit {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no subscription: dropped to free its slot",
+                ));
+            }
+        } else {
+            unsubscribed_since = None;
+        }
+        // The next frame's first byte, looking at the subscriptions again
+        // at least every `idle_limit`; once begun, the frame has as long.
+        r.set_read_timeout(Some(idle_limit))?;
+        match r.peek(&mut [0u8; 1]) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue
+            }
+            Err(e) => return Err(e),
+        }
+        let mut within = Deadlined {
+            stream: r,
+            deadline: std::time::Instant::now() + idle_limit,
+        };
+        let frame = zmtp::read_frame(&mut within, MAX_FILTER_LEN + 16)?;
+        let (subscribe, topic) = match frame {
             zmtp::Frame::Message { body, .. } => match body.split_first() {
                 Some((1, topic)) => (true, topic.to_vec()),
                 Some((0, topic)) => (false, topic.to_vec()),
@@ -707,9 +893,16 @@ fn read_subscriptions(
 fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(config.peer_timeout))?;
+    let deadline = std::time::Instant::now() + config.peer_timeout;
+    zmtp::handshake(
+        &mut Deadlined {
+            stream: &stream,
+            deadline,
+        },
+        "ROUTER",
+        &["DEALER", "REQ", "ROUTER"],
+    )?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
-    zmtp::handshake(&mut stream, "ROUTER", &["DEALER", "REQ", "ROUTER"])?;
     // Between requests a client may idle; the handshake deadline is over.
     stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
     loop {
@@ -906,5 +1099,100 @@ mod tests {
         let ring = shared.ring.lock().unwrap();
         assert!(ring.1 <= 4096 && ring.1 == ring.0.iter().map(|p| p.size()).sum::<usize>());
         assert_eq!(ring.0.back().unwrap().seq, 199);
+    }
+
+    /// Issue 39, finding 4: what all subscribers hold queued together is
+    /// bounded (63 slow subscribers used to hold 1.1 GiB): past the total
+    /// a subscriber misses batches as past its own cap.
+    #[test]
+    fn queued_batches_are_bounded_across_subscribers() {
+        let shared = Shared::default();
+        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        config.subscribers_bytes_total = 64 << 10;
+        let mut receivers = Vec::new();
+        for _ in 0..8 {
+            let (tx, rx) = sync_channel(10_000);
+            receivers.push(rx);
+            shared
+                .subscribers
+                .lock()
+                .unwrap()
+                .push(Arc::new(Subscriber {
+                    tx,
+                    filters: Mutex::new(vec![Vec::new()]),
+                    alive: AtomicBool::new(true),
+                    queued_bytes: AtomicUsize::new(0),
+                }));
+        }
+        let (sink, _rx) = EventSink::channel(1);
+        let mut batcher = Batcher::new(&shared, &config, &sink);
+        for i in 0..400u128 {
+            batcher.flush(vec![stored("a", &[i as u8; 200], i, Medium::Memory)]);
+        }
+        let total = shared.queued_total.load(Ordering::Relaxed);
+        let held: usize = receivers
+            .iter()
+            .map(|rx| rx.try_iter().map(|p| p.size()).sum::<usize>())
+            .sum();
+        assert_eq!(total, held);
+        assert!(total <= 64 << 10, "{total} bytes queued");
+        assert!(shared.subscriber_dropped.load(Ordering::Relaxed) > 0);
+    }
+
+    /// Issue 39, finding 4: subscribers that handshake and subscribe to
+    /// nothing, and a peer trickling its greeting, used to hold every slot
+    /// for good (the handshake deadline was per read). The oldest idle one
+    /// is closed for a newcomer now, and idle ones leave by themselves.
+    #[test]
+    fn idle_and_trickling_peers_never_keep_a_subscriber_out() {
+        use std::io::{Read, Write};
+        let (sink, rx) = EventSink::channel(1024);
+        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        config.max_connections = 8;
+        config.peer_timeout = Duration::from_secs(30);
+        config.batch_interval = Duration::from_millis(5);
+        let publisher = KvEventPublisher::start(config, Arc::clone(&sink), rx).unwrap();
+        let addr = publisher.publish_addr();
+        let mut idle = Vec::new();
+        for _ in 0..7 {
+            let mut s = TcpStream::connect(addr).unwrap();
+            zmtp::handshake(&mut s, "SUB", &["PUB"]).unwrap();
+            idle.push(s);
+        }
+        let mut trickler = TcpStream::connect(addr).unwrap();
+        trickler.write_all(&zmtp::greeting()[..1]).unwrap();
+        let started = std::time::Instant::now();
+        while publisher.shared.connections.load(Ordering::Acquire) < 8 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the peers never took their slots"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // A router's subscriber, with every slot held: admitted, and it
+        // receives what is published next.
+        let mut router = TcpStream::connect(addr).unwrap();
+        router
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        zmtp::handshake(&mut router, "SUB", &["PUB"]).unwrap();
+        let mut subscribe = Vec::new();
+        zmtp::put_frame(&mut subscribe, &[1], false, false);
+        router.write_all(&subscribe).unwrap();
+        let mut topic = Vec::new();
+        while !topic.starts_with(b"kv@n1@") {
+            sink.emit(stored("ns", b"block", 7, Medium::Memory));
+            match zmtp::read_frame(&mut router, 1 << 20) {
+                Ok(zmtp::Frame::Message { body, .. }) => topic = body,
+                Ok(zmtp::Frame::Command(_)) => {}
+                Err(e) => panic!("the subscriber got nothing: {e}"),
+            }
+        }
+        assert!(publisher.stats().peers_closed_for_newcomers >= 1);
+        // The first idle one was closed for it.
+        idle[0]
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        assert_eq!(idle[0].read(&mut [0u8; 1]).unwrap_or(0), 0);
     }
 }
