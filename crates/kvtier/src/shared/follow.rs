@@ -92,6 +92,10 @@ struct WriterLog {
     /// Whether a pass has listed its regions (its checkpoint is looked
     /// for at the first).
     listed: bool,
+    /// Its write floor, or its log head, could not be read at the last
+    /// pass (said once until it reads again).
+    floor_unreadable: bool,
+    head_unreadable: bool,
     /// Its region files behind a gap at the last pass (not followed).
     behind_gap: u64,
     last_change: Option<SystemTime>,
@@ -464,32 +468,49 @@ impl Follower {
         // Its write floor before anything else: every put it writes after
         // publishing it is numbered at or above it, and everything it had
         // written by then is in the listing read below.
-        let published = match write_floor::read(dir) {
-            Ok(floor) => floor,
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's write floor; keeping every removal");
-                self.pass_incomplete.store(true, Ordering::Relaxed);
-                None
-            }
-        };
-        self.state
-            .lock()
-            .unwrap()
-            .writers
-            .entry(node.to_string())
-            .or_default()
-            .published_floor = published;
+        let published = write_floor::read(dir);
         // The head before the listing: its writer creates a region's file
         // before it names the region in its head, so every id up to the
         // head read here has a file in the listing unless it was deleted
         // (reclaim takes only the oldest, which leaves no gap).
-        let head = match read_other_head(dir) {
-            Ok(head) => head,
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's log head; a deleted newest region of its log would not be noticed");
-                self.pass_incomplete.store(true, Ordering::Relaxed);
-                None
-            }
+        let head = read_other_head(dir);
+        // Said once when a file turns unreadable and once when it heals,
+        // not at every pass (5 a second).
+        let head = {
+            let mut state = self.state.lock().unwrap();
+            let log = state.writers.entry(node.to_string()).or_default();
+            let published = match published {
+                Ok(floor) => {
+                    if std::mem::take(&mut log.floor_unreadable) {
+                        tracing::info!(dir = %dir.display(), "another writer's write floor reads again");
+                    }
+                    floor
+                }
+                Err(e) => {
+                    if !std::mem::replace(&mut log.floor_unreadable, true) {
+                        tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's write floor; keeping every removal until it reads");
+                    }
+                    self.pass_incomplete.store(true, Ordering::Relaxed);
+                    None
+                }
+            };
+            log.published_floor = published;
+            let head = match head {
+                Ok(head) => {
+                    if std::mem::take(&mut log.head_unreadable) {
+                        tracing::info!(dir = %dir.display(), "another writer's log head reads again");
+                    }
+                    head
+                }
+                Err(e) => {
+                    if !std::mem::replace(&mut log.head_unreadable, true) {
+                        tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's log head; keeping every removal, and a deleted newest region of its log would not be noticed, until it reads");
+                    }
+                    self.pass_incomplete.store(true, Ordering::Relaxed);
+                    None
+                }
+            };
+            head
         };
         let region_dir = dir.join(REGION_DIR);
         let listing = match std::fs::read_dir(&region_dir) {
