@@ -569,17 +569,32 @@ impl Follower {
             tracing::error!(writer = node, regions = behind_gap, "region files are missing from the middle of another writer's log (deleted, renamed or unreadable): its older regions are not indexed, since the missing ones may have removed their puts");
         }
         log.behind_gap = behind_gap;
-        // Regions gone (reclaimed by their writer), behind a gap, or
-        // replaced by another file under the same id.
+        // Regions gone (reclaimed by their writer), behind a gap, replaced
+        // by another file under the same id, or cut shorter than this node
+        // has read (what was indexed past the cut would answer `exists`
+        // for values no read can return): dropped, and a file still there
+        // is read again from its start.
         let doomed: Vec<u32> = log
             .regions
             .iter()
-            .filter(|(id, r)| files.get(id).is_none_or(|(name, _)| *name != r.file_name))
+            .filter(|(id, r)| {
+                files
+                    .get(id)
+                    .is_none_or(|(name, len)| *name != r.file_name || *len < r.len)
+            })
             .map(|(id, _)| *id)
             .collect();
+        // Handles of files still listed (cut short or replaced): their
+        // entries go before the file is read again, or the same entries
+        // read again (same numbers) would not replace them and the end of
+        // the pass would then drop both.
+        let mut reread: Vec<u32> = Vec::new();
         for id in doomed {
             if let Some(region) = log.regions.remove(&id) {
                 vanished.insert(region.handle);
+                if files.contains_key(&id) {
+                    reread.push(region.handle);
+                }
                 log.last_change = Some(SystemTime::now());
             }
         }
@@ -589,6 +604,9 @@ impl Follower {
             .map(|(id, r)| (*id, r.len, r.stuck))
             .collect();
         drop(state);
+        if !reread.is_empty() {
+            self.index.clear_regions(|region| reread.contains(&region));
+        }
         for (id, (name, listed_len)) in files {
             let sealed = newest.is_some_and(|n| n > id);
             let path = region_dir.join(&name);

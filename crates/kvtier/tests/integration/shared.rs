@@ -270,6 +270,61 @@ fn reads_while_the_writer_reclaims_are_hits_or_misses_never_wrong() {
     }
 }
 
+/// Issue 38, finding 8: another writer's region cut short under a
+/// follower (a file copied back from a backup, a truncation by hand) left
+/// what had been indexed past the cut answering `exists` for values no
+/// read could return. The follower reads such a region again from its
+/// start: only what is still in the file is present.
+#[test]
+fn a_region_cut_short_under_a_follower_leaves_no_phantom_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    b.store()
+        .put(b"kept", value_for(b"kept", 1, 20_000))
+        .unwrap();
+    b.store().flush().unwrap();
+    let b_id = b.store().node_id().to_string();
+    let regions = dir.path().join("shared/nodes").join(&b_id).join("regions");
+    let newest = region_files_in(&regions).pop().unwrap();
+    let cut = std::fs::metadata(&newest).unwrap().len();
+    let cut_keys: Vec<Vec<u8>> = (0..8).map(|i| format!("cut-{i}").into_bytes()).collect();
+    let values: Vec<Vec<u8>> = cut_keys.iter().map(|k| value_for(k, 1, 20_000)).collect();
+    for r in b.store().batch_put(&cut_keys, &values) {
+        r.unwrap();
+    }
+    b.store().flush().unwrap();
+    drop(b.store.take());
+    assert_eq!(
+        region_files_in(&regions).pop().unwrap(),
+        newest,
+        "the batch went to another region"
+    );
+    assert!(std::fs::metadata(&newest).unwrap().len() > cut);
+    c.store().follow_shared_now();
+    assert!(c.store().batch_exists(&cut_keys).iter().all(|p| *p));
+    // The region loses its second batch under C.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&newest)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    c.store().follow_shared_now();
+    let phantoms = c
+        .store()
+        .batch_exists(&cut_keys)
+        .iter()
+        .filter(|p| **p)
+        .count();
+    assert_eq!(phantoms, 0, "entries past the cut still answer exists");
+    assert_eq!(
+        read(c.store(), b"kept").unwrap(),
+        value_for(b"kept", 1, 20_000)
+    );
+    assert_eq!(c.store().stats().checksum_failures, 0);
+}
+
 /// A remove issued on a node whose tombstone lands in a region that node
 /// reclaims is kept (rewritten) while another writer's log may still hold
 /// the put it removed: no restart brings the put back.
