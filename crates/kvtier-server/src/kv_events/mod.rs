@@ -1179,15 +1179,31 @@ mod tests {
         let mut subscribe = Vec::new();
         zmtp::put_frame(&mut subscribe, &[1], false, false);
         router.write_all(&subscribe).unwrap();
+        // Events keep coming (its subscription may land after the first
+        // batch is published) until it has one.
+        let done = Arc::new(AtomicBool::new(false));
+        let emitter = {
+            let (sink, done) = (Arc::clone(&sink), Arc::clone(&done));
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Acquire) {
+                    sink.emit(stored("ns", b"block", 7, Medium::Memory));
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        router
+            .set_read_timeout(Some(Duration::from_secs(120)))
+            .unwrap();
         let mut topic = Vec::new();
         while !topic.starts_with(b"kv@n1@") {
-            sink.emit(stored("ns", b"block", 7, Medium::Memory));
             match zmtp::read_frame(&mut router, 1 << 20) {
                 Ok(zmtp::Frame::Message { body, .. }) => topic = body,
                 Ok(zmtp::Frame::Command(_)) => {}
                 Err(e) => panic!("the subscriber got nothing: {e}"),
             }
         }
+        done.store(true, Ordering::Release);
+        emitter.join().unwrap();
         assert!(publisher.stats().peers_closed_for_newcomers >= 1);
         // The first idle one was closed for it.
         idle[0]
