@@ -464,6 +464,35 @@ impl Follower {
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// What reading another writer's `what` gave: a failure marks the pass
+    /// incomplete (the floor is 0) and is said once when the file turns
+    /// unreadable (`unreadable` remembers it) and once when it reads
+    /// again, not at every pass (5 a second).
+    fn readable<T>(
+        &self,
+        read: std::io::Result<Option<T>>,
+        unreadable: &mut bool,
+        dir: &Path,
+        what: &str,
+        meanwhile: &str,
+    ) -> Option<T> {
+        match read {
+            Ok(value) => {
+                if std::mem::take(unreadable) {
+                    tracing::info!(dir = %dir.display(), "another writer's {what} reads again");
+                }
+                value
+            }
+            Err(e) => {
+                if !std::mem::replace(unreadable, true) {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's {what}; {meanwhile}");
+                }
+                self.pass_incomplete.store(true, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
     fn follow_writer(&self, node: &str, dir: &Path, vanished: &mut HashSet<u32>) {
         // Its write floor before anything else: every put it writes after
         // publishing it is numbered at or above it, and everything it had
@@ -474,43 +503,23 @@ impl Follower {
         // head read here has a file in the listing unless it was deleted
         // (reclaim takes only the oldest, which leaves no gap).
         let head = read_other_head(dir);
-        // Said once when a file turns unreadable and once when it heals,
-        // not at every pass (5 a second).
         let head = {
             let mut state = self.state.lock().unwrap();
             let log = state.writers.entry(node.to_string()).or_default();
-            let published = match published {
-                Ok(floor) => {
-                    if std::mem::take(&mut log.floor_unreadable) {
-                        tracing::info!(dir = %dir.display(), "another writer's write floor reads again");
-                    }
-                    floor
-                }
-                Err(e) => {
-                    if !std::mem::replace(&mut log.floor_unreadable, true) {
-                        tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's write floor; keeping every removal until it reads");
-                    }
-                    self.pass_incomplete.store(true, Ordering::Relaxed);
-                    None
-                }
-            };
-            log.published_floor = published;
-            let head = match head {
-                Ok(head) => {
-                    if std::mem::take(&mut log.head_unreadable) {
-                        tracing::info!(dir = %dir.display(), "another writer's log head reads again");
-                    }
-                    head
-                }
-                Err(e) => {
-                    if !std::mem::replace(&mut log.head_unreadable, true) {
-                        tracing::warn!(dir = %dir.display(), error = %e, "cannot read another writer's log head; keeping every removal, and a deleted newest region of its log would not be noticed, until it reads");
-                    }
-                    self.pass_incomplete.store(true, Ordering::Relaxed);
-                    None
-                }
-            };
-            head
+            log.published_floor = self.readable(
+                published,
+                &mut log.floor_unreadable,
+                dir,
+                "write floor",
+                "keeping every removal until it reads",
+            );
+            self.readable(
+                head,
+                &mut log.head_unreadable,
+                dir,
+                "log head",
+                "keeping every removal, and a deleted newest region of its log would not be noticed, until it reads",
+            )
         };
         let region_dir = dir.join(REGION_DIR);
         let listing = match std::fs::read_dir(&region_dir) {
