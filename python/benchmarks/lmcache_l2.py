@@ -63,8 +63,13 @@ def adapter_spec(name: str, work: pathlib.Path, peers: str, args, services: list
         if not line.startswith("kvtier serving"):
             raise RuntimeError(f"kvtier serve did not start: {line}")
         services.append(lambda: (server.send_signal(signal.SIGTERM), server.wait(timeout=60)))
+        # LMCache's bench names a made-up model ("bench-model"): no weights
+        # to fingerprint, so it is pinned (a real deployment's model names
+        # lead to its weights, or are pinned the same way).
         return {"type": "native_plugin", "module_path": "kvtier.integrations.lmcache",
-                "class_name": "KvtierL2Connector", "adapter_params": {"kvtier_url": f"unix://{data / 'kvtier.sock'}"}}
+                "class_name": "KvtierL2Connector",
+                "adapter_params": {"kvtier_url": f"unix://{data / 'kvtier.sock'}",
+                                   "model_fingerprints": {"bench-model": "lmcache-bench"}}}
     if name == "fs":
         return {"type": "fs", "base_path": str(work / "fs")}
     if name == "fs_native":
