@@ -77,6 +77,7 @@ class KvtierL2Connector:
         if not isinstance(pins, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in pins.items()):
             raise ValueError("kvtier lmcache: model_fingerprints maps LMCache model names to fingerprints (strings)")
         self.pins = dict(pins)
+        self._pinned: dict[str, str] = {}
         self.prefix = namespace_prefix_of(namespace_prefix)
         if not 1 <= int(workers) <= 64:
             raise ValueError("kvtier lmcache: workers must be between 1 and 64")
@@ -205,9 +206,18 @@ class KvtierL2Connector:
         """The model's namespace, by its fingerprint; raises (the batch
         fails, LMCache recomputes) for a model whose weights are not here
         and that has no pin."""
+        pin = self.pins.get(model)
+        if pin is not None:
+            # The operator's name for the model stands for all of it (its
+            # files need not be here): worked out once.
+            known = self._pinned.get(model)
+            if known is None:
+                fingerprint = model_fingerprint(model, None, {}, pin, engine="LMCache")
+                known = namespace_for("lmcache", {"label": "pinned", "fingerprint": fingerprint}, self.prefix)
+                self._pinned[model] = known
+            return known
         try:
-            fingerprint = model_fingerprint(model, None, _config_json(model), self.pins.get(model),
-                                            engine="LMCache")
+            fingerprint = model_fingerprint(model, None, _config_json(model), None, engine="LMCache")
         except FingerprintError as e:
             raise KvtierError(f"kvtier lmcache: model {model!r}: {e} (adapter_params model_fingerprints)") from None
         return namespace_for("lmcache", {"label": _label(model), "fingerprint": fingerprint}, self.prefix)
