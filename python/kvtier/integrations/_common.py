@@ -95,12 +95,28 @@ def namespace_for(engine: str, fields: dict[str, Any], prefix: str = "") -> str:
 
 def model_label(config: Any) -> str:
     """A short readable name of a model's kind (``llama``), from its
-    configuration; never its path."""
-    kind = getattr(config, "model_type", None) or ""
+    configuration (an object, a config.json's dict, or ``None``); never its
+    path."""
+    if isinstance(config, dict):
+        kind, architectures = config.get("model_type"), config.get("architectures")
+    else:
+        kind, architectures = getattr(config, "model_type", None), getattr(config, "architectures", None)
     if not kind:
-        architectures = getattr(config, "architectures", None) or []
-        kind = architectures[0] if architectures else "model"
+        kind = architectures[0] if isinstance(architectures, list) and architectures else "model"
     return str(kind)[:32]
+
+
+def read_config_json(directory: str | os.PathLike | None) -> dict | None:
+    """A model directory's config.json, or ``None`` when there is none
+    that reads as a JSON object."""
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def staging_segments(
@@ -142,6 +158,13 @@ class FailedKeys:
         with self._lock:
             return key in self._keys
 
+    def known(self, keys: list) -> list[bool]:
+        """Which of ``keys`` failed (one look under the lock)."""
+        with self._lock:
+            if not self._keys:
+                return [False] * len(keys)
+            return [key in self._keys for key in keys]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._keys)
@@ -171,22 +194,28 @@ class FailedKeys:
             return out
 
 
-def put_replacing(client: Client, keys: list, ptrs: list, sizes: list, replace: list[bool]) -> list[int]:
-    """``batch_put_from_multi_buffers`` with ``skip_existing`` except for the
-    keys marked in ``replace`` (values that failed to load: the new value
-    replaces them). One call when nothing is marked, two otherwise; a
-    failed call's keys get ``errors.IO``; the codes come back in order."""
+def put_in_two(put, replace: list[bool]) -> list[int]:
+    """A batch put with ``skip_existing`` except for the keys marked in
+    ``replace`` (values that failed to load: the new value replaces them):
+    ``put(indices, skip_existing)`` stores the batch's values at
+    ``indices`` and returns their codes. One call when nothing is marked,
+    two otherwise; the codes come back in the batch's order."""
     from .. import errors
 
-    codes = [errors.IO] * len(keys)
+    codes = [errors.IO] * len(replace)
     for overwrite in (False, True):
         picked = [n for n, r in enumerate(replace) if r == overwrite]
-        if not picked:
-            continue
-        got = client.batch_put_from_multi_buffers(
-            [keys[n] for n in picked], [ptrs[n] for n in picked], [sizes[n] for n in picked],
-            skip_existing=not overwrite,
-        )
-        for n, code in zip(picked, got):
-            codes[n] = code
+        if picked:
+            for n, code in zip(picked, put(picked, not overwrite)):
+                codes[n] = code
     return codes
+
+
+def put_replacing(client: Client, keys: list, ptrs: list, sizes: list, replace: list[bool]) -> list[int]:
+    """``batch_put_from_multi_buffers`` through ``put_in_two``."""
+    return put_in_two(
+        lambda picked, skip: client.batch_put_from_multi_buffers(
+            [keys[n] for n in picked], [ptrs[n] for n in picked], [sizes[n] for n in picked], skip_existing=skip
+        ),
+        replace,
+    )

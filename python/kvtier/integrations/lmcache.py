@@ -32,17 +32,15 @@ call reconnects; blocks the server had flushed are still there.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Any
 
 from .. import KvtierError, errors
-from ._common import FailedKeys, connect, model_label, namespace_for, resolve_url
+from ._common import FailedKeys, connect, model_label, namespace_for, put_in_two, read_config_json, resolve_url
 from ._common import namespace_prefix as namespace_prefix_of
 from ._fingerprint import FingerprintError, locate_weights, model_fingerprint
 
@@ -217,16 +215,18 @@ class KvtierL2Connector:
                 self._pinned[model] = known
             return known
         try:
-            fingerprint = model_fingerprint(model, None, _config_json(model), None, engine="LMCache")
+            config = _config_json(model)
+            fingerprint = model_fingerprint(model, None, {"config.json": config}, None, engine="LMCache")
         except FingerprintError as e:
             raise KvtierError(f"kvtier lmcache: model {model!r}: {e} (adapter_params model_fingerprints)") from None
-        return namespace_for("lmcache", {"label": _label(model), "fingerprint": fingerprint}, self.prefix)
+        return namespace_for("lmcache", {"label": model_label(config), "fingerprint": fingerprint}, self.prefix)
 
     def _exists(self, keys: list[str], _views) -> list[bool]:
         out = [False] * len(keys)
         for client, indices, inner in self._by_namespace(keys):
-            for i, code in zip(indices, client.batch_is_exist(inner)):
-                out[i] = code == 1 and keys[i] not in self._failed
+            failed = self._failed.known([keys[i] for i in indices])
+            for i, code, bad in zip(indices, client.batch_is_exist(inner), failed):
+                out[i] = code == 1 and not bad
         with self._lock:
             self.counters["exists"] += len(keys)
         return out
@@ -246,16 +246,15 @@ class KvtierL2Connector:
     def _set(self, keys: list[str], views: list[memoryview]) -> list[bool]:
         out = [False] * len(keys)
         for client, indices, inner in self._by_namespace(keys):
-            replace = self._failed.take([keys[i] for i in indices])
-            for overwrite in (False, True):
-                picked = [n for n, r in enumerate(replace) if r == overwrite]
-                if not picked:
-                    continue
-                # Objects whose load failed replace what is stored.
-                codes = client.batch_put_from([inner[n] for n in picked], [views[indices[n]] for n in picked],
-                                              skip_existing=not overwrite)
-                for n, code in zip(picked, codes):
-                    out[indices[n]] = code == errors.OK
+            # Objects whose load failed replace what is stored.
+            codes = put_in_two(
+                lambda picked, skip, client=client, indices=indices, inner=inner: client.batch_put_from(
+                    [inner[n] for n in picked], [views[indices[n]] for n in picked], skip_existing=skip
+                ),
+                self._failed.take([keys[i] for i in indices]),
+            )
+            for i, code in zip(indices, codes):
+                out[i] = code == errors.OK
         with self._lock:
             self.counters["sets"] += len(keys)
             self.counters["stored"] += sum(out)
@@ -301,16 +300,11 @@ def _parse(key: str) -> tuple[str, bytes]:
     return model, inner
 
 
-def _config_json(model: str) -> dict:
+def _config_json(model: str) -> dict | None:
     """The model's config.json where its weights are (LMCache's key names
     the model; its engine's overrides are not visible here: pin
     ``model_fingerprints`` when they matter)."""
     try:
-        return {"config.json": json.loads((locate_weights(model) / "config.json").read_text())}
-    except (FingerprintError, OSError, ValueError):
-        return {"config.json": None}
-
-
-def _label(model: str) -> str:
-    config = _config_json(model)["config.json"]
-    return model_label(SimpleNamespace(**config)) if isinstance(config, dict) else "model"
+        return read_config_json(locate_weights(model))
+    except FingerprintError:
+        return None

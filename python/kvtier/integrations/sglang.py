@@ -36,10 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import pathlib
 import threading
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, List, Optional
 
 import numpy as np
@@ -61,6 +59,7 @@ from ._common import (
     namespace_for,
     namespace_prefix,
     put_replacing,
+    read_config_json,
     resolve_url,
     staging_segments,
 )
@@ -205,7 +204,7 @@ class KvtierHiCacheStorage(HiCacheStorage):
         return namespace_for(
             "sglang",
             {
-                "label": _label(c.model_name),
+                "label": model_label(read_config_json(c.model_name)),
                 "fingerprint": model_fingerprint(c.model_name or "", _server_arg("revision"),
                                                  _engine_config(c.model_name), self.pinned_fingerprint,
                                                  engine="SGLang"),
@@ -370,8 +369,8 @@ class KvtierHiCacheStorage(HiCacheStorage):
             asked.extend(pool.key_prefix + k for k in keys)
         try:
             # Every pool's pages in one round trip.
-            present = [bool(p) and k not in self.failed
-                       for k, p in zip(asked, self.client.batch_is_exist(asked))] if asked else []
+            present = [bool(p) and not bad
+                       for p, bad in zip(self.client.batch_is_exist(asked), self.failed.known(asked))] if asked else []
         except KvtierError as e:
             logger.warning("kvtier: lookup failed, treating as a miss: %s", e)
             return PoolTransferResult(0, {}, [])
@@ -584,12 +583,7 @@ def _engine_config(model: str | None) -> dict:
     the running server's arguments are published (always inside SGLang; a
     harness without them pins ``model_fingerprint`` or accepts config.json
     alone, logged)."""
-    fields: dict = {"config.json": None}
-    if model:
-        try:
-            fields["config.json"] = json.loads((pathlib.Path(model) / "config.json").read_text())
-        except (OSError, ValueError):
-            pass
+    fields: dict = {"config.json": read_config_json(model)}
     try:
         from sglang.srt.runtime_context import get_server_args
 
@@ -601,9 +595,3 @@ def _engine_config(model: str | None) -> dict:
                     "config.json and the weights only", e)
     return fields
 
-
-def _label(model: str | None) -> str:
-    try:
-        return model_label(SimpleNamespace(**json.loads((pathlib.Path(model or "") / "config.json").read_text())))
-    except (OSError, ValueError, TypeError):
-        return "model"

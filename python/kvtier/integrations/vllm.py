@@ -617,9 +617,8 @@ class _SchedulerSide:
             first = computed // g.block_size
             keys = [g.key(hashes, j) for j in range(first, bound // g.block_size)]
             answers = [c.batch_is_exist(keys) for c in self.clients]
-            present[g.index] = (
-                first, [all(a[j] == 1 for a in answers) and keys[j] not in self.suspect for j in range(len(keys))]
-            )
+            failed = self.suspect.known(keys)
+            present[g.index] = (first, [all(a[j] == 1 for a in answers) and not failed[j] for j in range(len(keys))])
         end = bound
         while end > computed:
             if all(self._restorable(g, present, end) for g in self.groups if g.kind != "full"):
@@ -762,7 +761,7 @@ class _SchedulerSide:
                     into = transfer
                     if self.suspect.take([key])[0]:
                         # Computed here: it replaces the value that failed.
-                        self.counters["suspect_keys_replaced"] += 1
+                        self.counters["suspect_keys_replaced"] = self.suspect.replaced
                         into = replace
                     into.keys.append(key)
                     into.block_ids.append(ids[j])

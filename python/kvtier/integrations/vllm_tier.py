@@ -27,13 +27,10 @@ then recomputes), and a load writes only bytes the server verified.
 
 from __future__ import annotations
 
-import json
 import logging
-import pathlib
 import threading
 import time
 from collections.abc import Iterable
-from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -46,7 +43,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .. import KvtierError, errors
-from ._common import FailedKeys, connect, model_label, namespace_for, resolve_url
+from ._common import FailedKeys, connect, model_label, namespace_for, read_config_json, resolve_url
 from ._common import namespace_prefix as namespace_prefix_of
 from ._fingerprint import model_fingerprint
 
@@ -136,7 +133,7 @@ class KvtierSecondaryTier(SecondaryTierManager):
         return namespace_for(
             "vllm-tier",
             {
-                "label": _label(config.model.name),
+                "label": model_label(read_config_json(config.model.name)),
                 "fingerprint": model_fingerprint(config.model.name, None, _engine_config(config.model.name), pinned,
                                                  engine="vLLM tier"),
                 "dtype": config.model.dtype,
@@ -180,8 +177,8 @@ class KvtierSecondaryTier(SecondaryTierManager):
                     return
                 keys, self._queue = self._queue[:LOOKUP_BATCH], self._queue[LOOKUP_BATCH:]
             try:
-                found = [code == 1 and key not in self._failed
-                         for key, code in zip(keys, self._client.batch_is_exist(keys))]
+                found = [code == 1 and not bad
+                         for code, bad in zip(self._client.batch_is_exist(keys), self._failed.known(keys))]
             except KvtierError as e:
                 # The server is away: a miss (vLLM computes), asked again
                 # after the answer's lifetime.
@@ -326,14 +323,4 @@ def _engine_config(model: str) -> dict[str, Any]:
             return resolved_model_config(current)
     except Exception as e:  # noqa: BLE001 - no context: fall back to the file
         logger.debug("kvtier tier: no current vLLM configuration (%s)", e)
-    try:
-        return {"config.json": json.loads((pathlib.Path(model) / "config.json").read_text())}
-    except (OSError, ValueError):
-        return {"config.json": None}
-
-
-def _label(model: str) -> str:
-    try:
-        return model_label(SimpleNamespace(**json.loads((pathlib.Path(model) / "config.json").read_text())))
-    except (OSError, ValueError, TypeError):
-        return "model"
+    return {"config.json": read_config_json(model)}

@@ -125,5 +125,11 @@ mod tests {
         fs::remove_file(&path).unwrap();
         fs::create_dir(&path).unwrap();
         assert_eq!(read(dir.path()).unwrap(), None);
+        // A FIFO in its place neither hangs the reader nor reads.
+        fs::remove_dir(&path).unwrap();
+        let fifo = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert_eq!(read(dir.path()).unwrap(), None);
     }
 }

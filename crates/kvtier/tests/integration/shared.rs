@@ -19,6 +19,14 @@ struct Node {
 }
 
 impl Node {
+    /// This node's writer directory's `regions/` in the shared directory
+    /// under `root`.
+    fn regions(&self, root: &Path) -> PathBuf {
+        root.join("shared/nodes")
+            .join(self.store().node_id())
+            .join("regions")
+    }
+
     fn config(data: &Path, shared: &Path, capacity: u64, flush: FlushPolicy) -> Config {
         Config::new(data)
             .memory_capacity(4 * MIB)
@@ -174,11 +182,10 @@ fn a_torn_batch_at_a_writers_tail_is_never_indexed() {
         .put(b"whole", value_for(b"whole", 1, 10_000))
         .unwrap();
     b.store().flush().unwrap();
-    let b_id = b.store().node_id().to_string();
+    let regions = b.regions(dir.path());
     drop(b.store.take());
     // What a writer killed mid-flush leaves: values landed, the record
     // page half written (a batch header, then zeros).
-    let regions = dir.path().join("shared/nodes").join(&b_id).join("regions");
     let newest = region_files_in(&regions).pop().unwrap();
     let good = std::fs::read(&newest).unwrap();
     let mut torn = good[4096..8192].to_vec();
@@ -284,8 +291,7 @@ fn a_region_cut_short_under_a_follower_leaves_no_phantom_entries() {
         .put(b"kept", value_for(b"kept", 1, 20_000))
         .unwrap();
     b.store().flush().unwrap();
-    let b_id = b.store().node_id().to_string();
-    let regions = dir.path().join("shared/nodes").join(&b_id).join("regions");
+    let regions = b.regions(dir.path());
     let newest = region_files_in(&regions).pop().unwrap();
     let cut = std::fs::metadata(&newest).unwrap().len();
     let cut_keys: Vec<Vec<u8>> = (0..8).map(|i| format!("cut-{i}").into_bytes()).collect();
