@@ -16,6 +16,7 @@ use std::sync::Arc;
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
     /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_poll,
+    /// io_deadline, io_deadline_local,
     /// shared_index, kv_events, kv_events_replay, kv_events_topic, kv_events_unauthenticated,
     /// auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
@@ -92,6 +93,12 @@ pub struct ServeArgs {
     /// Default: 0.2.
     #[arg(long)]
     pub shared_poll: Option<f64>,
+    /// Seconds a caller waits at most on a file system that can stall (a
+    /// network or FUSE file system: the shared directory): a read past it
+    /// is a miss, a flush past it an error (docs/design.md, "Deadlines on
+    /// storage I/O"). 0: none. Default: 5.
+    #[arg(long)]
+    pub io_deadline: Option<f64>,
     /// Which of the other nodes' blocks in --shared-dir this node indexes:
     /// `all`, or `share` (the bounded mode, needs --cluster: a share of
     /// them by the member list, asking the member whose share holds a key
@@ -137,6 +144,8 @@ struct FileConfig {
     eviction: Option<String>,
     shared_dir: Option<PathBuf>,
     shared_poll: Option<f64>,
+    io_deadline: Option<f64>,
+    io_deadline_local: Option<bool>,
     shared_index: Option<String>,
     kv_events: Option<String>,
     kv_events_replay: Option<String>,
@@ -339,6 +348,17 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Some(every) = seconds(args.shared_poll.or(file.shared_poll), "shared_poll")? {
         config = config.shared_poll(every);
+    }
+    match args.io_deadline.or(file.io_deadline) {
+        Some(0.0) => config = config.io_deadline(std::time::Duration::ZERO),
+        other => {
+            if let Some(deadline) = seconds(other, "io_deadline")? {
+                config = config.io_deadline(deadline);
+            }
+        }
+    }
+    if let Some(local) = file.io_deadline_local {
+        config = config.io_deadline_local(local);
     }
     match args
         .shared_index

@@ -494,6 +494,50 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "carried_entries")],
     },
     StoreFamily {
+        name: "kvtier_io_deadline_misses",
+        help: "Values answered as a miss because their read of a file system that can stall \
+               did not complete within the storage deadline (io_deadline).",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "io_deadline_misses")],
+    },
+    StoreFamily {
+        name: "kvtier_io_deadline_write_errors",
+        help: "Flushes and durable writes answered with a TimedOut error past the storage \
+               deadline (their writes stay queued).",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "io_deadline_write_errors")],
+    },
+    StoreFamily {
+        name: "kvtier_io_stalls",
+        help: "Times reads of a file system went from all answering to some held past the \
+               storage deadline.",
+        bytes: false,
+        counter: true,
+        label: None,
+        members: &[("", "io_stalls")],
+    },
+    StoreFamily {
+        name: "kvtier_io_stalled_reads",
+        help: "Read batches held by the kernel past their deadline now (answered as misses; \
+               nonzero while a file system does not answer).",
+        bytes: false,
+        counter: false,
+        label: None,
+        members: &[("", "io_stalled_reads")],
+    },
+    StoreFamily {
+        name: "kvtier_io_stalled_read",
+        help: "Bytes of the store's buffers held by reads past their deadline.",
+        bytes: true,
+        counter: false,
+        label: None,
+        members: &[("", "io_stalled_read_bytes")],
+    },
+    StoreFamily {
         name: "kvtier_checksum_failures",
         help: "Disk reads that failed verification (served as misses).",
         bytes: false,

@@ -112,6 +112,9 @@ pub struct Config {
     pub(crate) flush: FlushPolicy,
     pub(crate) flush_batch_bytes: u64,
     pub(crate) put_wait: Duration,
+    /// `Duration::ZERO`: no deadline.
+    pub(crate) io_deadline: Duration,
+    pub(crate) io_deadline_local: bool,
     /// Where block events go (`Config::events`); `None`: none are made.
     pub(crate) events: Option<std::sync::Arc<crate::events::EventSink>>,
     pub(crate) time_policy: bool,
@@ -129,6 +132,9 @@ pub struct Config {
     /// Test seam: wraps the io engine (see `io::faulty`).
     #[cfg(feature = "test-util")]
     pub(crate) engine_wrapper: Option<EngineWrapper>,
+    /// Test seam: wraps the bounded reads' engine (see `disk::deadline`).
+    #[cfg(feature = "test-util")]
+    pub(crate) bounded_engine_wrapper: Option<EngineWrapper>,
     /// Test seam: write a batch's record without first syncing its values
     /// (the protocol before format 2), to prove the tests catch it.
     #[cfg(feature = "test-util")]
@@ -137,6 +143,9 @@ pub struct Config {
     #[cfg(feature = "test-util")]
     pub(crate) clock_offset_secs: i64,
 }
+
+/// `Config::io_deadline`'s default.
+pub const DEFAULT_IO_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A function from the io engine the disk tier built to the one it uses.
 #[cfg(feature = "test-util")]
@@ -176,6 +185,8 @@ impl Config {
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
             put_wait: Duration::from_secs(5),
+            io_deadline: DEFAULT_IO_DEADLINE,
+            io_deadline_local: false,
             events: None,
             time_policy: false,
             namespace: String::new(),
@@ -186,6 +197,8 @@ impl Config {
             adopt_writer: None,
             #[cfg(feature = "test-util")]
             engine_wrapper: None,
+            #[cfg(feature = "test-util")]
+            bounded_engine_wrapper: None,
             #[cfg(feature = "test-util")]
             skip_value_sync: false,
             #[cfg(feature = "test-util")]
@@ -308,6 +321,34 @@ impl Config {
         self
     }
 
+    /// The longest a caller waits on a file system (docs/design.md,
+    /// "Deadlines on storage I/O"). A batch of value reads from a file
+    /// system that can stall (network and FUSE file systems: the shared
+    /// directory, a data directory on one) that has not completed within
+    /// it answers a miss for each of its values; its reads go on, into
+    /// the store's own buffers, and are dropped when the kernel returns
+    /// them. A `flush` (and a put or remove under write-through, which
+    /// waits for the disk) answers an I/O error of kind `TimedOut` past
+    /// it; the writes stay queued and are made durable when the file
+    /// system answers. Memory hits never wait on it. `Duration::ZERO`
+    /// turns it off (callers wait for the file system however long it
+    /// takes). Default: 5 s.
+    pub fn io_deadline(mut self, deadline: Duration) -> Self {
+        self.io_deadline = deadline;
+        self
+    }
+
+    /// Bound reads of files on local disks by `io_deadline` too. Off by
+    /// default: reads of a local disk go straight into the caller's memory
+    /// (no copy), which a read that outlives its deadline must never do,
+    /// so bounded reads go through buffers of the store's own and cost a
+    /// copy; a local disk that stops answering is a failed disk, which
+    /// the kernel's own timeouts end. Default: false.
+    pub fn io_deadline_local(mut self, enabled: bool) -> Self {
+        self.io_deadline_local = enabled;
+        self
+    }
+
     /// Announce block changes into `sink` (see [`crate::BlockEvent`] for
     /// when each is made). Default: none (no event is built).
     pub fn events(mut self, sink: std::sync::Arc<crate::events::EventSink>) -> Self {
@@ -382,12 +423,25 @@ impl Config {
         self.shared_dir.as_deref()
     }
 
+    /// The storage deadline (`io_deadline`; zero: none).
+    pub fn configured_io_deadline(&self) -> Duration {
+        self.io_deadline
+    }
+
     /// Test seam: the disk tier uses `wrap(engine)` instead of the engine
     /// it built, e.g. a `io::faulty::FaultyEngine` around it. Default:
     /// none.
     #[cfg(feature = "test-util")]
     pub fn wrap_io_engine(mut self, wrap: EngineWrapper) -> Self {
         self.engine_wrapper = Some(wrap);
+        self
+    }
+
+    /// Test seam: the bounded reads (`io_deadline`) use `wrap(engine)`
+    /// instead of the `pread` engine they built. Default: none.
+    #[cfg(feature = "test-util")]
+    pub fn wrap_bounded_io_engine(mut self, wrap: EngineWrapper) -> Self {
+        self.bounded_engine_wrapper = Some(wrap);
         self
     }
 
@@ -473,6 +527,14 @@ impl Config {
                 "read_piece {} must be a multiple of 4096 from 4 KiB to 64 MiB",
                 self.read_piece
             )));
+        }
+        if !self.io_deadline.is_zero()
+            && (self.io_deadline < Duration::from_millis(10)
+                || self.io_deadline > Duration::from_secs(3600))
+        {
+            return Err(Error::invalid(
+                "io_deadline must be 10 ms to 1 hour (or zero: no deadline)",
+            ));
         }
         if self.shared_index_share && self.shared_dir.is_none() {
             return Err(Error::invalid(

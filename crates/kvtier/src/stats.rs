@@ -83,6 +83,22 @@ pub struct Stats {
     pub io_fixed_buffers: bool,
     /// Whether the io engine names region files by registered slots.
     pub io_registered_files: bool,
+    /// The storage deadline in milliseconds (`Config::io_deadline`; 0:
+    /// none).
+    pub io_deadline_ms: u64,
+    /// Values answered as a miss because their read did not complete
+    /// within the deadline (or was not started while too many reads were
+    /// held past it).
+    pub io_deadline_misses: u64,
+    /// Flushes, and puts and removes waiting for the disk, answered with a
+    /// `TimedOut` error past the deadline (their writes stay queued).
+    pub io_deadline_write_errors: u64,
+    /// Times reads went from all answering to some held past the deadline.
+    pub io_stalls: u64,
+    /// Read batches held past their deadline now (the kernel has not
+    /// returned them), and the bytes of the store's buffers they hold.
+    pub io_stalled_reads: u64,
+    pub io_stalled_read_bytes: u64,
     /// Whether the log lives in a shared directory (`Config::shared_dir`).
     pub shared_dir: bool,
     /// Other writers of the shared directory followed, their region files
@@ -198,6 +214,21 @@ impl Stats {
             (
                 "io_registered_files",
                 StatValue::Flag(self.io_registered_files),
+            ),
+            ("io_deadline_ms", StatValue::Count(self.io_deadline_ms)),
+            (
+                "io_deadline_misses",
+                StatValue::Count(self.io_deadline_misses),
+            ),
+            (
+                "io_deadline_write_errors",
+                StatValue::Count(self.io_deadline_write_errors),
+            ),
+            ("io_stalls", StatValue::Count(self.io_stalls)),
+            ("io_stalled_reads", StatValue::Count(self.io_stalled_reads)),
+            (
+                "io_stalled_read_bytes",
+                StatValue::Count(self.io_stalled_read_bytes),
             ),
             ("shared_dir", StatValue::Flag(self.shared_dir)),
             ("shared_writers", StatValue::Count(self.shared_writers)),

@@ -155,6 +155,10 @@ pub(crate) struct WriteLog {
     /// Held by the flusher while it writes a batch, and by whoever needs
     /// the log still between batches (an index checkpoint).
     quiet: Mutex<()>,
+    /// The longest `wait_durable` waits (`Config::io_deadline`; zero: no
+    /// limit), and the waits that ended there.
+    deadline: Duration,
+    deadline_errors: std::sync::atomic::AtomicU64,
 }
 
 /// What the flusher should do next.
@@ -188,7 +192,20 @@ impl WriteLog {
             clock,
             clock_offset_nanos: 0,
             quiet: Mutex::new(()),
+            deadline: Duration::ZERO,
+            deadline_errors: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Bounds every wait for durability by `deadline` (zero: none).
+    pub fn set_deadline(&mut self, deadline: Duration) {
+        self.deadline = deadline;
+    }
+
+    /// Waits for durability that ended at the deadline since open.
+    pub fn deadline_errors(&self) -> u64 {
+        self.deadline_errors
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// While held, the flusher writes no batch (it takes this around each
@@ -308,9 +325,12 @@ impl WriteLog {
     }
 
     /// Waits until writes `low..=high` are durable; an error as soon as any
-    /// of them is retrying or failed, or the flusher is dead.
+    /// of them is retrying or failed, or the flusher is dead, and an error
+    /// of kind `TimedOut` once the deadline passes (the writes stay queued:
+    /// a file system that stopped answering may come back).
     pub fn wait_durable(&self, low: u64, high: u64) -> Result<()> {
         self.wake(true);
+        let until = (!self.deadline.is_zero()).then(|| Instant::now() + self.deadline);
         let mut state = self.lock();
         loop {
             if let Some(why) = &state.dead {
@@ -331,7 +351,26 @@ impl WriteLog {
             if state.processed_seq >= high {
                 return Ok(());
             }
-            state = self.progress.wait(state).unwrap();
+            let Some(until) = until else {
+                state = self.progress.wait(state).unwrap();
+                continue;
+            };
+            let now = Instant::now();
+            if now >= until {
+                self.deadline_errors
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return Err(Error::io(
+                    format!(
+                        "writes up to {high} were not durable within the storage deadline \
+                         (io_deadline, {:?}): the file system is not answering. They stay \
+                         queued, readable from memory, and are written when it answers; \
+                         flush again to know",
+                        self.deadline
+                    ),
+                    std::io::Error::from(std::io::ErrorKind::TimedOut),
+                ));
+            }
+            state = self.progress.wait_timeout(state, until - now).unwrap().0;
         }
     }
 

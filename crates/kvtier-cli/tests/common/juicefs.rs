@@ -107,6 +107,30 @@ impl Mount {
             .any(|line| line.split(' ').nth(4) == Some(point.as_str()) && line.contains("juicefs"))
     }
 
+    /// Sends `signal` to this mount's processes: `juicefs mount` runs the
+    /// FUSE daemon as a child of a supervisor, so both are signalled (a
+    /// SIGSTOP to the supervisor alone stalls nothing).
+    #[allow(dead_code)]
+    pub fn signal_all(&self, signal: i32) {
+        let mut pids = vec![self.child.id()];
+        let mut i = 0;
+        while i < pids.len() {
+            let pid = pids[i];
+            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .unwrap_or_default();
+            pids.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<u32>().ok()),
+            );
+            i += 1;
+        }
+        for pid in pids {
+            // SAFETY: plain syscall on a pid this test started.
+            unsafe { libc::kill(pid as i32, signal) };
+        }
+    }
+
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();

@@ -7,7 +7,9 @@
 //! before anything in it is reported durable. Recovery reads only the
 //! records. See docs/design.md for the bytes and the crash protocol.
 
+mod deadline;
 pub mod format;
+mod mount;
 mod others;
 mod read;
 
@@ -81,6 +83,9 @@ pub struct Region {
     len: AtomicU64,
     /// Told when the file opens and before it closes (registered files).
     engine: Arc<dyn IoEngine>,
+    /// Whether reads of this file are bounded by the storage deadline
+    /// (`deadline`): decided per file from its file system.
+    bounded: bool,
 }
 
 impl Drop for Region {
@@ -101,6 +106,7 @@ impl Region {
         len: u64,
         direct: bool,
         engine: &Arc<dyn IoEngine>,
+        bounded: bool,
     ) -> Region {
         engine.register_file(&file);
         Region {
@@ -110,7 +116,13 @@ impl Region {
             direct,
             len: AtomicU64::new(len),
             engine: Arc::clone(engine),
+            bounded,
         }
+    }
+
+    /// Whether reads of this file are bounded by the storage deadline.
+    pub fn bounded(&self) -> bool {
+        self.bounded
     }
 
     pub fn len(&self) -> u64 {
@@ -229,9 +241,13 @@ pub struct DiskTier {
     regions: RwLock<BTreeMap<u32, Arc<Region>>>,
     used: AtomicU64,
     writer: Mutex<WriterState>,
-    bounce: BufferPool,
-    /// Bytes per piece of a value read (`Config::read_piece`).
-    read_piece: usize,
+    /// Reads values through `engine`.
+    reader: read::ValueReader,
+    /// Reads values of files on a file system that can stall, within the
+    /// storage deadline (`None`: `Config::io_deadline` is zero).
+    bounded: Option<deadline::BoundedReads>,
+    /// `Config::io_deadline_local`: bound reads of every file.
+    bound_every_file: bool,
     /// Every record's digests are checked against it.
     secret: Arc<KeySecret>,
     /// Test seam (`Config::unsafe_single_sync_batches`).
@@ -311,8 +327,27 @@ impl DiskTier {
             Some(wrap) => (wrap.0)(engine),
             None => engine,
         };
+        let bounce = Arc::new(BufferPool::new(BOUNCE_CACHE_BYTES));
+        let read_piece = usize::try_from(config.read_piece).unwrap_or(usize::MAX);
+        // Bounded reads never share the rings: a read stuck in the kernel
+        // holds its ring, and every read sent to it, until it returns.
+        #[allow(unused_mut)]
+        let mut bounded_engine: Arc<dyn IoEngine> = Arc::new(PsyncEngine::new(config.io_threads));
+        #[cfg(feature = "test-util")]
+        if let Some(wrap) = &config.bounded_engine_wrapper {
+            bounded_engine = (wrap.0)(bounded_engine);
+        }
+        let bounded = (!config.io_deadline.is_zero()).then(|| {
+            deadline::BoundedReads::new(
+                read::ValueReader::new(bounded_engine, Arc::clone(&bounce), read_piece),
+                config.io_deadline,
+            )
+        });
         let tier = DiskTier {
             dir,
+            reader: read::ValueReader::new(Arc::clone(&engine), bounce, read_piece),
+            bounded,
+            bound_every_file: config.io_deadline_local,
             engine,
             #[cfg(feature = "test-util")]
             single_sync: config.skip_value_sync,
@@ -327,10 +362,6 @@ impl DiskTier {
                 active: None,
                 next_region: 0,
             }),
-            bounce: BufferPool::new(BOUNCE_CACHE_BYTES),
-            read_piece: usize::try_from(config.read_piece)
-                .unwrap_or(usize::MAX)
-                .max(1),
             secret,
             node_id: node_id.to_string(),
             // This open's incarnation: nanoseconds since the Unix epoch.
@@ -351,6 +382,39 @@ impl DiskTier {
 
     pub fn engine_name(&self) -> &'static str {
         self.engine.name()
+    }
+
+    /// Whether reads of `file` are bounded by the storage deadline: when
+    /// there is one, for a file system that can stall (or every file with
+    /// `Config::io_deadline_local`).
+    fn bounds_reads_of(&self, file: &File) -> bool {
+        self.bounded.is_some() && (self.bound_every_file || mount::stall_prone_kind(file).is_some())
+    }
+
+    /// Whether waits for this log's writes are bounded by the storage
+    /// deadline: when there is one, for a log on a file system that can
+    /// stall (or any, with `Config::io_deadline_local`). A local disk's
+    /// slow sync under load is not a stall: flushes there wait it out.
+    pub(crate) fn writes_bounded(&self) -> bool {
+        self.bounded.is_some()
+            && (self.bound_every_file || mount::stall_prone_kind_at(&self.dir).is_some())
+    }
+
+    /// Bounded reads past the storage deadline since open, stalls seen,
+    /// and the batches (and their buffer bytes) the kernel still holds.
+    pub(crate) fn deadline_counts(&self) -> (u64, u64, u64, u64) {
+        match &self.bounded {
+            None => (0, 0, 0, 0),
+            Some(b) => {
+                let (batches, bytes) = b.stuck();
+                (
+                    b.counters.deadline_misses.load(Ordering::Relaxed),
+                    b.counters.stalls.load(Ordering::Relaxed),
+                    batches,
+                    bytes,
+                )
+            }
+        }
     }
 
     pub fn engine(&self) -> &dyn IoEngine {
@@ -653,7 +717,8 @@ impl DiskTier {
             newest_seen = true;
             drop(reader);
             self.used.fetch_add(file_len, Ordering::AcqRel);
-            let region = Region::new(id, file, path, file_len, direct, &self.engine);
+            let bounded = self.bounds_reads_of(&file);
+            let region = Region::new(id, file, path, file_len, direct, &self.engine, bounded);
             self.regions.write().unwrap().insert(id, Arc::new(region));
         }
         if !checks.identity_confirmed && verified_batches == 0 && foreign_batches > 0 {
@@ -1003,6 +1068,7 @@ impl DiskTier {
             first_seq,
         }
         .encode(page.as_mut_slice());
+        let bounded = self.bounds_reads_of(&file);
         let region = Arc::new(Region::new(
             id,
             file,
@@ -1010,6 +1076,7 @@ impl DiskTier {
             REGION_HEADER_LEN,
             direct,
             &self.engine,
+            bounded,
         ));
         self.regions
             .write()

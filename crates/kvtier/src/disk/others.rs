@@ -74,6 +74,7 @@ impl DiskTier {
     /// one they hold).
     pub(crate) fn set_other(&self, handle: u32, opened: OtherFile, path: PathBuf) {
         debug_assert!(handle >= OTHERS_BASE);
+        let bounded = self.bounds_reads_of(&opened.file);
         let region = Region::new(
             handle,
             opened.file,
@@ -81,6 +82,7 @@ impl DiskTier {
             opened.len,
             opened.direct,
             &self.engine,
+            bounded,
         );
         self.others
             .write()

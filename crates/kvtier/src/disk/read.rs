@@ -12,6 +12,7 @@ use super::{DiskTier, Region};
 use crate::error::Error;
 use crate::index::DiskLoc;
 use crate::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
+use crate::io::{BufferPool, IoEngine};
 use crate::key::{KeyDigest, ValueChecksum};
 use crate::units::{page_round_up, PAGE_SIZE};
 use std::sync::{Arc, Mutex};
@@ -84,6 +85,10 @@ pub(crate) enum ReadOutcome {
     Rejected(String),
     /// The read itself failed; the destination's contents are undefined.
     Failed(Error),
+    /// The read did not complete within the storage deadline
+    /// (`Config::io_deadline`): nothing was written to the destination,
+    /// and the read goes on into memory of the store's own.
+    TimedOut,
 }
 
 /// One value's verification while its pieces complete in any order.
@@ -172,18 +177,73 @@ impl DiskTier {
     /// slice and the region file's O_DIRECT mode allows it; through a bounce
     /// buffer otherwise. Every destination must hold at least its value's
     /// length (the caller checked it to answer BufferTooSmall).
+    ///
+    /// Values in files whose reads are bounded by the storage deadline
+    /// (`Region::bounded`) are read by the bounded reader into the store's
+    /// own buffers, started first so they overlap the other reads, and
+    /// copied into their destinations only if they completed within the
+    /// deadline (`ReadOutcome::TimedOut` otherwise).
     pub(crate) fn read_verified<D: Destination>(
         &self,
         reads: &[Option<ValueRead>],
         dests: &mut [D],
     ) -> Vec<Option<ReadOutcome>> {
-        self.read_checked(reads, dests, true)
+        let Some(bounded) = &self.bounded else {
+            return self.reader.read_checked(reads, dests, true);
+        };
+        if !reads.iter().flatten().any(|r| r.region.bounded()) {
+            return self.reader.read_checked(reads, dests, true);
+        }
+        let split = |keep: bool| -> Vec<Option<ValueRead>> {
+            reads
+                .iter()
+                .map(|r| r.as_ref().filter(|r| r.region.bounded() == keep).cloned())
+                .collect()
+        };
+        let (far, near) = (split(true), split(false));
+        let pending = bounded.start(&far);
+        let mut outcomes = if near.iter().any(Option::is_some) {
+            self.reader.read_checked(&near, dests, true)
+        } else {
+            near.iter().map(|_| None).collect()
+        };
+        for (slot, outcome) in outcomes.iter_mut().zip(pending.finish(&far, dests)) {
+            if outcome.is_some() {
+                *slot = outcome;
+            }
+        }
+        outcomes
+    }
+}
+
+/// Reads and verifies values through one io engine: the disk tier's own,
+/// or the bounded reader's (`super::deadline`).
+#[derive(Debug)]
+pub(crate) struct ValueReader {
+    engine: Arc<dyn IoEngine>,
+    /// Bounce buffers, shared by every reader of one disk tier.
+    pub(super) bounce: Arc<BufferPool>,
+    /// Bytes per piece of a value read (`Config::read_piece`).
+    read_piece: usize,
+}
+
+impl ValueReader {
+    pub(crate) fn new(
+        engine: Arc<dyn IoEngine>,
+        bounce: Arc<BufferPool>,
+        read_piece: usize,
+    ) -> Self {
+        ValueReader {
+            engine,
+            bounce,
+            read_piece: read_piece.max(1),
+        }
     }
 
     /// `read_verified`; `caller_memory` says whether `dests` may be written
     /// by someone else during the read (then a direct read that does not
     /// verify is read again privately before it counts as damage).
-    fn read_checked<D: Destination>(
+    pub(crate) fn read_checked<D: Destination>(
         &self,
         reads: &[Option<ValueRead>],
         dests: &mut [D],

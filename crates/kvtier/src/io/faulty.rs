@@ -22,7 +22,7 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// Which operations a rule fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +81,19 @@ pub struct FaultyEngine {
     operations: AtomicU64,
     /// Cut the power when `operations` reaches this (0: never).
     cut_at: AtomicU64,
+    /// Operations held at the gate: a file system that stopped answering.
+    gate: Mutex<Gate>,
+    gate_opened: Condvar,
+}
+
+/// What `FaultyEngine::stall` holds, and how many operations wait there.
+#[derive(Debug, Default)]
+struct Gate {
+    reads: bool,
+    writes: bool,
+    waiting: u64,
+    /// Operations that have waited at the gate since the engine was made.
+    held: u64,
 }
 
 fn file_id(file: &File) -> io::Result<(u64, u64)> {
@@ -124,7 +137,49 @@ impl FaultyEngine {
             panic_on: Mutex::new(None),
             operations: AtomicU64::new(0),
             cut_at: AtomicU64::new(0),
+            gate: Mutex::default(),
+            gate_opened: Condvar::new(),
         })
+    }
+
+    /// Holds every later read (with `reads`) and every write and sync
+    /// (with `writes`) until `resume`: a file system whose daemon or
+    /// server stopped answering. Operations already running finish.
+    pub fn stall(&self, reads: bool, writes: bool) {
+        let mut gate = self.gate.lock().unwrap();
+        gate.reads = reads;
+        gate.writes = writes;
+    }
+
+    /// Lets every held operation go on, and stops holding new ones.
+    pub fn resume(&self) {
+        let mut gate = self.gate.lock().unwrap();
+        gate.reads = false;
+        gate.writes = false;
+        self.gate_opened.notify_all();
+    }
+
+    /// Operations held at the gate now, and since the engine was made.
+    pub fn held(&self) -> (u64, u64) {
+        let gate = self.gate.lock().unwrap();
+        (gate.waiting, gate.held)
+    }
+
+    fn pass_gate(&self, op: FaultOp) {
+        let mut gate = self.gate.lock().unwrap();
+        let holds = |gate: &Gate| match op {
+            FaultOp::Read => gate.reads,
+            FaultOp::Write | FaultOp::Sync => gate.writes,
+        };
+        if !holds(&gate) {
+            return;
+        }
+        gate.waiting += 1;
+        gate.held += 1;
+        while holds(&gate) {
+            gate = self.gate_opened.wait(gate).unwrap();
+        }
+        gate.waiting -= 1;
     }
 
     /// Fails `count` operations of kind `op` with `errno`, after letting
@@ -305,6 +360,7 @@ impl IoEngine for FaultyEngine {
     }
 
     fn read_batch_then(&self, reads: &mut [ReadOp<'_>], on_read: &(dyn Fn(usize, &[u8]) + Sync)) {
+        self.pass_gate(FaultOp::Read);
         if let Some(e) = self.inject(FaultOp::Read) {
             let code = e.raw_os_error().unwrap_or(libc::EIO);
             for read in reads.iter_mut() {
@@ -316,6 +372,7 @@ impl IoEngine for FaultyEngine {
     }
 
     fn write_vectored_at(&self, file: &File, offset: u64, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        self.pass_gate(FaultOp::Write);
         if let Some(e) = self.inject(FaultOp::Write) {
             return Err(e);
         }
@@ -324,6 +381,7 @@ impl IoEngine for FaultyEngine {
     }
 
     fn sync_data(&self, file: &File) -> io::Result<()> {
+        self.pass_gate(FaultOp::Sync);
         if let Some(e) = self.inject(FaultOp::Sync) {
             return Err(e);
         }

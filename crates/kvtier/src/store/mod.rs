@@ -485,6 +485,10 @@ impl Inner {
     pub(super) fn stats(&self) -> Stats {
         let counts = self.index.counts();
         let c = &self.counters;
+        let deadline = self
+            .disk
+            .as_ref()
+            .map_or((0, 0, 0, 0), |d| d.deadline_counts());
         let (policy_bytes, eviction_mode) = {
             let queues = self.eviction.lock().unwrap();
             (queues.heap_bytes(), queues.mode_name())
@@ -536,6 +540,12 @@ impl Inner {
                 .disk
                 .as_ref()
                 .is_some_and(|d| d.engine().uses_registered_files()),
+            io_deadline_ms: self.config.io_deadline.as_millis() as u64,
+            io_deadline_misses: deadline.0,
+            io_deadline_write_errors: self.log.deadline_errors(),
+            io_stalls: deadline.1,
+            io_stalled_reads: deadline.2,
+            io_stalled_read_bytes: deadline.3,
             shared_dir: self.shared.is_some(),
             shared_writers: self.follow_count(|f| &f.writers),
             shared_regions: self.follow_count(|f| &f.regions),

@@ -169,13 +169,12 @@ impl Store {
         }
         let write_through = config.flush == FlushPolicy::WriteThrough;
         let disk = disk.map(Arc::new);
-        #[cfg_attr(
-            not(feature = "test-util"),
-            expect(unused_mut, reason = "the clock seam")
-        )]
         let mut log = WriteLog::with_clock(next_seq, write_through, shared.is_some());
         #[cfg(feature = "test-util")]
         log.set_clock_offset(config.clock_offset_secs);
+        if disk.as_ref().is_some_and(|d| d.writes_bounded()) {
+            log.set_deadline(config.io_deadline);
+        }
         if shared.is_some() {
             let now = log.wall_nanos();
             if !(EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {

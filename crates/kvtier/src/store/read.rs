@@ -159,6 +159,13 @@ impl Inner {
                         .clear_disk(read.digest, seqs[i], read.loc);
                     results[i] = Ok(None);
                 }
+                // The file system did not answer within the storage
+                // deadline (counted by the disk tier): a miss, and the
+                // entry stays (the value is not known to be bad).
+                ReadOutcome::TimedOut => {
+                    Counters::add(&self.counters.misses, 1);
+                    results[i] = Ok(None);
+                }
                 ReadOutcome::Failed(e)
                     if read.loc.region() >= crate::disk::OTHERS_BASE && self.follower.is_some() =>
                 {

@@ -10,6 +10,7 @@ mod crash;
 mod directory_damage;
 mod events;
 mod full_disk;
+mod io_deadline;
 mod io_faults;
 mod model;
 mod power_loss;

@@ -1,0 +1,314 @@
+//! Reads with a deadline: values in files on a file system that can stall
+//! (`super::mount`), read so that the caller's answer never waits longer
+//! than `Config::io_deadline` and a read that outlives it can never land
+//! in memory the caller has taken back.
+//!
+//! A bounded batch is read on a thread of its own, through `pread` (never
+//! an io_uring ring, which a read stuck in the kernel would hold, and
+//! with it every read sent to that ring), into buffers of the store's own;
+//! the caller waits for it until the deadline. Done in time: the verified
+//! values are copied into the caller's destinations. Past it: the caller
+//! answers a miss for each value of the batch and forgets the batch; the
+//! thread keeps the buffers until the kernel returns the reads (a FUSE or
+//! NFS read cannot be cancelled), then frees them. Reads held past their
+//! deadline are counted; while too many are, new bounded batches answer
+//! misses at once instead of tying up a thread and buffers each.
+
+use super::read::{Destination, ReadOutcome, ValueRead, ValueReader};
+use crate::error::Error;
+use crate::io::AlignedBuf;
+use crate::units::page_round_up;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Bounded batches that may be held past their deadline at once before
+/// new ones answer misses without reading: each holds a thread (parked in
+/// the kernel) and its buffers.
+pub(crate) const MAX_STUCK_BATCHES: u64 = 64;
+/// Buffer bytes that may be held by reads past their deadline before new
+/// bounded batches answer misses without reading.
+pub(crate) const MAX_STUCK_BYTES: u64 = 1 << 30;
+
+/// What the disk tier's bounded reads have seen of stalls, for stats.
+#[derive(Debug, Default)]
+pub(crate) struct StallCounters {
+    /// Values answered as a miss because their read passed the deadline
+    /// (or was not started while too many were held past it).
+    pub deadline_misses: AtomicU64,
+    /// Times reads went from all answering to some held past the deadline.
+    pub stalls: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Stuck {
+    batches: u64,
+    bytes: u64,
+    /// When the oldest batch still held past its deadline was given up.
+    since: Option<Instant>,
+}
+
+/// The bounded reader of one disk tier.
+#[derive(Debug)]
+pub(crate) struct BoundedReads {
+    reader: Arc<ValueReader>,
+    deadline: Duration,
+    stuck: Arc<Mutex<Stuck>>,
+    pub counters: Arc<StallCounters>,
+}
+
+enum JobState {
+    Running,
+    Done(Vec<Option<ReadOutcome>>, Vec<Option<AlignedBuf>>),
+    /// The caller gave up on it; the thread releases what it holds.
+    Abandoned,
+}
+
+struct Job {
+    state: Mutex<JobState>,
+    finished: Condvar,
+    /// Buffer bytes the batch holds.
+    bytes: u64,
+}
+
+/// A bounded batch started by [`BoundedReads::start`].
+pub(crate) struct Pending(Started);
+
+enum Started {
+    /// Nothing to read in this batch.
+    Empty,
+    Running {
+        job: Arc<Job>,
+        deadline: Instant,
+        limit: Duration,
+        stuck: Arc<Mutex<Stuck>>,
+        counters: Arc<StallCounters>,
+        reader: Arc<ValueReader>,
+    },
+    /// Not started: too many reads are held past their deadline.
+    Refused(Arc<StallCounters>),
+    /// Not started: no thread could be made for it.
+    Failed(String),
+}
+
+impl BoundedReads {
+    pub(crate) fn new(reader: ValueReader, deadline: Duration) -> Self {
+        BoundedReads {
+            reader: Arc::new(reader),
+            deadline,
+            stuck: Arc::default(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Batches held past their deadline now, and their buffer bytes.
+    pub(crate) fn stuck(&self) -> (u64, u64) {
+        let stuck = self.stuck.lock().unwrap();
+        (stuck.batches, stuck.bytes)
+    }
+
+    /// Starts reading every `Some` of `reads` on a thread of its own.
+    pub(crate) fn start(&self, reads: &[Option<ValueRead>]) -> Pending {
+        if reads.iter().all(Option::is_none) {
+            return Pending(Started::Empty);
+        }
+        {
+            let stuck = self.stuck.lock().unwrap();
+            if stuck.batches >= MAX_STUCK_BATCHES || stuck.bytes >= MAX_STUCK_BYTES {
+                return Pending(Started::Refused(Arc::clone(&self.counters)));
+            }
+        }
+        let mut bufs: Vec<Option<AlignedBuf>> = reads
+            .iter()
+            .map(|r| {
+                r.as_ref().map(|r| {
+                    self.reader
+                        .bounce
+                        .take(page_round_up(r.len as u64) as usize)
+                })
+            })
+            .collect();
+        let bytes = bufs.iter().flatten().map(|b| b.len() as u64).sum();
+        let job = Arc::new(Job {
+            state: Mutex::new(JobState::Running),
+            finished: Condvar::new(),
+            bytes,
+        });
+        let reads = reads.to_vec();
+        let (thread_job, reader, stuck, counters) = (
+            Arc::clone(&job),
+            Arc::clone(&self.reader),
+            Arc::clone(&self.stuck),
+            Arc::clone(&self.counters),
+        );
+        let deadline = Instant::now() + self.deadline;
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-bounded-read".into())
+            .spawn(move || {
+                let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut dests: Vec<&mut [u8]> = bufs
+                        .iter_mut()
+                        .map(|b| match b {
+                            Some(b) => b.as_mut_slice(),
+                            None => &mut [][..],
+                        })
+                        .collect();
+                    // Memory no caller sees: the verdict is final.
+                    reader.read_checked(&reads, &mut dests, false)
+                }))
+                .unwrap_or_else(|_| {
+                    reads
+                        .iter()
+                        .map(|r| {
+                            r.as_ref().map(|_| {
+                                ReadOutcome::Failed(Error::io(
+                                    "a bounded read",
+                                    std::io::Error::other("the read thread panicked"),
+                                ))
+                            })
+                        })
+                        .collect()
+                });
+                let mut state = thread_job.state.lock().unwrap();
+                match *state {
+                    JobState::Running => {
+                        *state = JobState::Done(outcomes, bufs);
+                        thread_job.finished.notify_all();
+                    }
+                    JobState::Abandoned | JobState::Done(..) => {
+                        drop(state);
+                        for buf in bufs.into_iter().flatten() {
+                            reader.bounce.give_back(buf);
+                        }
+                        release(&stuck, &counters, thread_job.bytes);
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => Pending(Started::Running {
+                job,
+                deadline,
+                limit: self.deadline,
+                stuck: Arc::clone(&self.stuck),
+                counters: Arc::clone(&self.counters),
+                reader: Arc::clone(&self.reader),
+            }),
+            Err(e) => Pending(Started::Failed(format!(
+                "could not start a read thread: {e}"
+            ))),
+        }
+    }
+}
+
+/// A batch held past its deadline came back.
+fn release(stuck: &Mutex<Stuck>, counters: &StallCounters, bytes: u64) {
+    let mut stuck = stuck.lock().unwrap();
+    stuck.batches = stuck.batches.saturating_sub(1);
+    stuck.bytes = stuck.bytes.saturating_sub(bytes);
+    if stuck.batches == 0 {
+        let held = stuck.since.take().map(|t| t.elapsed()).unwrap_or_default();
+        tracing::warn!(
+            stalled_for = ?held,
+            stalls = counters.stalls.load(Ordering::Relaxed),
+            "the file system answered again: every read held past the storage deadline has \
+             come back (their values were answered as misses; nothing they read was used)"
+        );
+    }
+}
+
+impl Pending {
+    /// Waits for the batch until its deadline. In time: copies each
+    /// verified value into its destination and returns the outcomes.
+    /// Late: gives the batch up (its reads go on into its own buffers) and
+    /// answers `TimedOut` for each of its reads.
+    pub(crate) fn finish<D: Destination>(
+        self,
+        reads: &[Option<ValueRead>],
+        dests: &mut [D],
+    ) -> Vec<Option<ReadOutcome>> {
+        let timed_out = |counters: &StallCounters| -> Vec<Option<ReadOutcome>> {
+            let n = reads.iter().flatten().count() as u64;
+            counters.deadline_misses.fetch_add(n, Ordering::Relaxed);
+            reads
+                .iter()
+                .map(|r| r.as_ref().map(|_| ReadOutcome::TimedOut))
+                .collect()
+        };
+        let (job, deadline, limit, stuck, counters, reader) = match self.0 {
+            Started::Empty => return reads.iter().map(|_| None).collect(),
+            Started::Failed(why) => {
+                return reads
+                    .iter()
+                    .map(|r| {
+                        r.as_ref().map(|_| {
+                            ReadOutcome::Failed(Error::io(
+                                "a bounded read",
+                                std::io::Error::other(why.clone()),
+                            ))
+                        })
+                    })
+                    .collect()
+            }
+            // Counted like a read past its deadline: the file system holds
+            // too many already.
+            Started::Refused(counters) => return timed_out(&counters),
+            Started::Running {
+                job,
+                deadline,
+                limit,
+                stuck,
+                counters,
+                reader,
+            } => (job, deadline, limit, stuck, counters, reader),
+        };
+        let mut state = job.state.lock().unwrap();
+        loop {
+            if !matches!(*state, JobState::Running) {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                // Counted while the job is still locked: its thread, which
+                // uncounts it, sees `Abandoned` only after this.
+                let first = {
+                    let mut stuck = stuck.lock().unwrap();
+                    stuck.batches += 1;
+                    stuck.bytes += job.bytes;
+                    stuck.since.get_or_insert(now);
+                    stuck.batches == 1
+                };
+                *state = JobState::Abandoned;
+                drop(state);
+                if first {
+                    counters.stalls.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        deadline = ?limit,
+                        "reads of a file system did not complete within the storage deadline \
+                         (io_deadline): their values are answered as misses until it answers \
+                         again (its FUSE daemon or server may be stopped or overloaded)"
+                    );
+                }
+                return timed_out(&counters);
+            }
+            state = job.finished.wait_timeout(state, deadline - now).unwrap().0;
+        }
+        let JobState::Done(outcomes, bufs) = std::mem::replace(&mut *state, JobState::Abandoned)
+        else {
+            unreachable!(
+                "a job leaves Running only as Done or Abandoned, and only the caller abandons it"
+            )
+        };
+        drop(state);
+        for (((outcome, buf), dest), read) in
+            outcomes.iter().zip(&bufs).zip(dests.iter_mut()).zip(reads)
+        {
+            if let (Some(ReadOutcome::Verified), Some(buf), Some(read)) = (outcome, buf, read) {
+                dest.fill_from(&buf.as_slice()[..read.len]);
+            }
+        }
+        for buf in bufs.into_iter().flatten() {
+            reader.bounce.give_back(buf);
+        }
+        outcomes
+    }
+}
