@@ -41,6 +41,12 @@ pub struct ClientOptions {
     /// the shared-memory forms always go through the local server, which
     /// reads remote values straight into the shared buffer. Default: false.
     pub route: bool,
+    /// The cluster member this client means to reach (its node id, from
+    /// its signed member record): the challenge names it and the server
+    /// must prove it is that member, so a process on a dead member's
+    /// address that relays the challenge to a live member is refused
+    /// (docs/protocol.md, "Hello"). Needs a token. Default: none.
+    pub member: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -57,6 +63,7 @@ impl Default for ClientOptions {
             shm_size: 256 << 20,
             local_only: false,
             route: false,
+            member: None,
         }
     }
 }
@@ -354,22 +361,51 @@ impl Client {
     fn prove_token(&mut self, token: &[u8], namespace: &str) -> Result<Vec<u8>> {
         let key = proof::TokenKey::new(token);
         let client_nonce = proof::nonce().map_err(|e| Error::io("drawing a nonce", e))?;
+        let member = self.options.member.clone();
         let mut w = Writer::default();
         w.bytes(&client_nonce).bytes(&key.id());
+        if let Some(member) = &member {
+            if member.is_empty() || member.len() > proof::MAX_MEMBER_ID_LEN {
+                return Err(Error::invalid(format!(
+                    "a member id of {} bytes (1 to {})",
+                    member.len(),
+                    proof::MAX_MEMBER_ID_LEN
+                )));
+            }
+            w.u16(member.len() as u16).bytes(member.as_bytes());
+        }
         let len = self.call(Op::Challenge, &w.buf, None)?;
         let body = &self.response[..len];
-        if body.len() != proof::NONCE_LEN + proof::PROOF_LEN {
-            return Err(protocol_error(format!(
-                "a challenge answer of {} bytes (expected {})",
-                body.len(),
-                proof::NONCE_LEN + proof::PROOF_LEN
-            )));
-        }
+        let fixed = proof::NONCE_LEN + proof::PROOF_LEN;
+        let stated = match &member {
+            None if body.len() == fixed => None,
+            Some(_) if body.len() > fixed + 2 => {
+                let mut r = Reader::new(&body[fixed..]);
+                let id_len = usize::from(r.u16().map_err(|e| protocol_error(e.0))?);
+                let id = r.bytes(id_len).map_err(|e| protocol_error(e.0))?;
+                r.finish().map_err(|e| protocol_error(e.0))?;
+                Some(String::from_utf8_lossy(id).into_owned())
+            }
+            _ => {
+                return Err(protocol_error(format!(
+                    "a challenge answer of {} bytes{}",
+                    body.len(),
+                    if member.is_some() {
+                        " without the member id it was asked for"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
         let server_nonce: [u8; proof::NONCE_LEN] = body[..proof::NONCE_LEN]
             .try_into()
             .expect("NONCE_LEN bytes");
-        let expected = key.server_proof(&client_nonce, &server_nonce);
-        if !proof::proofs_equal(&body[proof::NONCE_LEN..], &expected) {
+        let expected = match &stated {
+            None => key.server_proof(&client_nonce, &server_nonce),
+            Some(id) => key.server_proof_as(&client_nonce, &server_nonce, id),
+        };
+        if !proof::proofs_equal(&body[proof::NONCE_LEN..fixed], &expected) {
             return Err(Error::new(
                 code::kind(code::UNAUTHORIZED),
                 format!(
@@ -379,9 +415,23 @@ impl Client {
                 ),
             ));
         }
-        Ok(key
-            .client_proof(&client_nonce, &server_nonce, namespace)
-            .to_vec())
+        match (&member, &stated) {
+            (Some(meant), Some(id)) if meant != id => Err(Error::new(
+                code::kind(code::UNAUTHORIZED),
+                format!(
+                    "{} answered as cluster member {id:?}, not {meant:?}, the member this \
+                     client dialled (a process relaying another member, or a stale member \
+                     record); the hello was not sent",
+                    self.endpoint
+                ),
+            )),
+            (Some(meant), _) => Ok(key
+                .client_proof_for(&client_nonce, &server_nonce, namespace, meant)
+                .to_vec()),
+            (None, _) => Ok(key
+                .client_proof(&client_nonce, &server_nonce, namespace)
+                .to_vec()),
+        }
     }
 
     /// Sends one request and returns the response body's length; the body

@@ -267,7 +267,14 @@ pub fn challenged_token_id(transport: &Transport) -> Option<[u8; TOKEN_ID_LEN]> 
         return None;
     }
     let header = Header::decode(first[..HEADER_LEN].try_into().ok()?, u64::MAX).ok()?;
-    if header.op != Op::Challenge as u16 || header.body_len as usize != NONCE_LEN + TOKEN_ID_LEN {
+    // The body may go on with the member the client meant (u16 length,
+    // then the id): the token id is where it always is.
+    let body_len = header.body_len as usize;
+    let named = NONCE_LEN + TOKEN_ID_LEN;
+    if header.op != Op::Challenge as u16
+        || !(body_len == named
+            || (named + 2 < body_len && body_len <= named + 2 + kvtier_wire::proof::MAX_MEMBER_ID_LEN))
+    {
         return None;
     }
     first[HEADER_LEN + NONCE_LEN..].try_into().ok()

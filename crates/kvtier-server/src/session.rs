@@ -364,6 +364,7 @@ impl State<'_> {
                 Request::Challenge {
                     client_nonce,
                     token_id,
+                    member,
                 },
             ) => {
                 if self.challenge.is_some() {
@@ -373,6 +374,8 @@ impl State<'_> {
                 return match shared.auth.challenge(
                     client_nonce,
                     token_id,
+                    member,
+                    shared.store.node_id(),
                     &shared.guesses,
                     self.hello_deadline,
                     &|| slot.closed_for_newcomer(),

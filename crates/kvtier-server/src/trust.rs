@@ -458,6 +458,10 @@ pub struct Issued {
     server_nonce: [u8; proof::NONCE_LEN],
     /// Whose token the client named.
     holder: Holder,
+    /// The cluster member the client meant, if it named one, and whether
+    /// that is this server: a hello after a challenge meant for another
+    /// member is refused (the client was relayed here).
+    member: Option<(String, bool)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -692,8 +696,16 @@ impl Auth {
                         (&tenant.key, tenant.scope())
                     }
                 };
-                let expected =
-                    key.client_proof(&issued.client_nonce, &issued.server_nonce, namespace);
+                let expected = match &issued.member {
+                    None => key.client_proof(&issued.client_nonce, &issued.server_nonce, namespace),
+                    Some((_, false)) => return None,
+                    Some((member, true)) => key.client_proof_for(
+                        &issued.client_nonce,
+                        &issued.server_nonce,
+                        namespace,
+                        member,
+                    ),
+                };
                 proof::proofs_equal(proof, &expected).then_some(scope)
             }
         }
@@ -705,10 +717,19 @@ impl Auth {
     /// wrong token in a hello: it takes a turn of `guesses` and is
     /// answered only after its delay (else the challenge would test
     /// guesses faster than hellos may).
+    ///
+    /// A challenge that names the member the client meant (`member`) is
+    /// answered with this server's own member id (`own_id`) and a proof
+    /// bound to it, whichever member was named: the client then knows
+    /// whom it reached, and a hello after a challenge meant for another
+    /// member is refused.
+    #[allow(clippy::too_many_arguments)]
     pub fn challenge(
         &self,
         client_nonce: &[u8; proof::NONCE_LEN],
         token_id: &[u8; proof::TOKEN_ID_LEN],
+        member: Option<&str>,
+        own_id: &str,
         guesses: &GuessBudget,
         deadline: Instant,
         cancelled: &dyn Fn() -> bool,
@@ -738,14 +759,22 @@ impl Auth {
             return Err("wrong auth token".into());
         };
         let server_nonce = proof::nonce().map_err(|e| e.to_string())?;
-        let mut reply = Vec::with_capacity(proof::NONCE_LEN + proof::PROOF_LEN);
+        let mut reply = Vec::with_capacity(proof::NONCE_LEN + proof::PROOF_LEN + 2 + own_id.len());
         reply.extend_from_slice(&server_nonce);
-        reply.extend_from_slice(&key.server_proof(client_nonce, &server_nonce));
+        match member {
+            None => reply.extend_from_slice(&key.server_proof(client_nonce, &server_nonce)),
+            Some(_) => {
+                reply.extend_from_slice(&key.server_proof_as(client_nonce, &server_nonce, own_id));
+                reply.extend_from_slice(&(own_id.len() as u16).to_le_bytes());
+                reply.extend_from_slice(own_id.as_bytes());
+            }
+        }
         Ok((
             Issued {
                 client_nonce: *client_nonce,
                 server_nonce,
                 holder,
+                member: member.map(|m| (m.to_string(), m == own_id)),
             },
             reply,
         ))
@@ -1114,7 +1143,7 @@ mod tests {
         // The right token, many times: no turn is spent.
         for _ in 0..5 {
             let (issued, reply) = auth
-                .challenge(&cn, &key.id(), &guesses, deadline, &|| false)
+                .challenge(&cn, &key.id(), None, "me", &guesses, deadline, &|| false)
                 .unwrap();
             let sn: [u8; 32] = reply[..32].try_into().unwrap();
             assert!(proof::proofs_equal(
@@ -1146,12 +1175,74 @@ mod tests {
         // guess before the deadline finds none.
         let wrong = TokenKey::new(b"0123456789abcdef0124");
         assert!(auth
-            .challenge(&cn, &wrong.id(), &guesses, deadline, &|| false)
+            .challenge(&cn, &wrong.id(), None, "me", &guesses, deadline, &|| false)
             .is_err());
         let err = auth
-            .challenge(&cn, &wrong.id(), &guesses, Instant::now(), &|| false)
+            .challenge(&cn, &wrong.id(), None, "me", &guesses, Instant::now(), &|| false)
             .unwrap_err();
         assert!(err.contains("too many refused"), "{err}");
+    }
+
+    /// Issue 39, finding 1: a challenge naming the member the client meant
+    /// is answered with the server's own id, proven; a relay passing a
+    /// challenge meant for dead member C to live member D gets D's id
+    /// proven back (the client refuses), and D refuses the hello.
+    #[test]
+    fn a_challenge_meant_for_another_member_proves_who_answered_and_admits_nothing() {
+        let token = "0123456789abcdef0123";
+        let auth = Auth::new(Some(token)).unwrap();
+        let guesses = GuessBudget::new(1, Duration::ZERO);
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let key = TokenKey::new(token.as_bytes());
+        let cn = [9u8; proof::NONCE_LEN];
+        let peer = Peer {
+            unix: false,
+            trusted_by_credentials: false,
+        };
+        let answer = |meant: &str| {
+            let (issued, reply) = auth
+                .challenge(&cn, &key.id(), Some(meant), "member-d", &guesses, deadline, &|| false)
+                .unwrap();
+            let sn: [u8; 32] = reply[..32].try_into().unwrap();
+            let proof = &reply[32..64];
+            let len = u16::from_le_bytes(reply[64..66].try_into().unwrap()) as usize;
+            let stated = std::str::from_utf8(&reply[66..66 + len]).unwrap().to_string();
+            assert_eq!(reply.len(), 66 + len);
+            (issued, sn, proof.to_vec(), stated)
+        };
+        // Meant for D, answered by D: proven as D, and D admits the hello.
+        let (issued, sn, proof, stated) = answer("member-d");
+        assert_eq!(stated, "member-d");
+        assert!(proof::proofs_equal(&proof, &key.server_proof_as(&cn, &sn, "member-d")));
+        assert!(!proof::proofs_equal(&proof, &key.server_proof_as(&cn, &sn, "member-c")));
+        assert!(!proof::proofs_equal(&proof, &key.server_proof(&cn, &sn)));
+        let good = key.client_proof_for(&cn, &sn, "ns", "member-d");
+        let hello = |issued: &Issued, proof: &[u8]| {
+            auth.admit_hello(
+                &peer,
+                &Credential::Proof {
+                    issued,
+                    proof,
+                    namespace: "ns",
+                },
+                &guesses,
+                deadline,
+                &|| false,
+            )
+        };
+        assert_eq!(hello(&issued, &good), Ok(Scope::Full));
+        // The member-bound hello proof is not the plain one.
+        guesses.state.lock().unwrap().0 = 1.0;
+        assert!(hello(&issued, &key.client_proof(&cn, &sn, "ns")).is_err());
+        guesses.state.lock().unwrap().0 = 1.0;
+        // Meant for C, relayed to D: D states and proves D (the client sees
+        // it is not C), and refuses any hello after it.
+        let (issued, sn, proof, stated) = answer("member-c");
+        assert_eq!(stated, "member-d");
+        assert!(!proof::proofs_equal(&proof, &key.server_proof_as(&cn, &sn, "member-c")));
+        assert!(hello(&issued, &key.client_proof_for(&cn, &sn, "ns", "member-c")).is_err());
+        guesses.state.lock().unwrap().0 = 1.0;
+        assert!(hello(&issued, &key.client_proof_for(&cn, &sn, "ns", "member-d")).is_err());
     }
 
     #[test]

@@ -14,6 +14,8 @@
 pub const NONCE_LEN: usize = 32;
 /// Bytes of a proof.
 pub const PROOF_LEN: usize = 32;
+/// Longest member id a challenge may name (node ids are 32 hex digits).
+pub const MAX_MEMBER_ID_LEN: usize = 128;
 /// Bytes of a token id: names which token a client holds without
 /// revealing anything that helps guess it (a keyed hash of it).
 pub const TOKEN_ID_LEN: usize = 16;
@@ -63,6 +65,46 @@ impl TokenKey {
         h.update(b"server");
         h.update(client_nonce);
         h.update(server_nonce);
+        *h.finalize().as_bytes()
+    }
+
+    /// The server's answer to a challenge that names the cluster member
+    /// the client meant: it holds the token *and* is member `own_id`. A
+    /// relay on a dead member's address that passes the challenge on to
+    /// a live member gets that member's own id proven back, never the
+    /// one the client dialled.
+    pub fn server_proof_as(
+        &self,
+        client_nonce: &[u8; NONCE_LEN],
+        server_nonce: &[u8; NONCE_LEN],
+        own_id: &str,
+    ) -> [u8; PROOF_LEN] {
+        let mut h = blake3::Hasher::new_keyed(&self.proof_key);
+        h.update(b"server as member");
+        h.update(client_nonce);
+        h.update(server_nonce);
+        h.update(&(own_id.len() as u64).to_le_bytes());
+        h.update(own_id.as_bytes());
+        *h.finalize().as_bytes()
+    }
+
+    /// The client's hello proof after a challenge that named `member`:
+    /// bound to the namespace and to the member it meant.
+    pub fn client_proof_for(
+        &self,
+        client_nonce: &[u8; NONCE_LEN],
+        server_nonce: &[u8; NONCE_LEN],
+        namespace: &str,
+        member: &str,
+    ) -> [u8; PROOF_LEN] {
+        let mut h = blake3::Hasher::new_keyed(&self.proof_key);
+        h.update(b"client for member");
+        h.update(server_nonce);
+        h.update(client_nonce);
+        h.update(&(namespace.len() as u64).to_le_bytes());
+        h.update(namespace.as_bytes());
+        h.update(&(member.len() as u64).to_le_bytes());
+        h.update(member.as_bytes());
         *h.finalize().as_bytes()
     }
 

@@ -526,6 +526,9 @@ pub enum Request<'a> {
     Challenge {
         client_nonce: &'a [u8; crate::proof::NONCE_LEN],
         token_id: &'a [u8; crate::proof::TOKEN_ID_LEN],
+        /// The cluster member the client meant to reach (its node id), if
+        /// it dialled one: the server then proves which member it is.
+        member: Option<&'a str>,
     },
     Hello {
         token: &'a [u8],
@@ -614,8 +617,12 @@ impl Request<'_> {
             Request::Challenge {
                 client_nonce,
                 token_id,
+                member,
             } => {
                 w.bytes(&client_nonce[..]).bytes(&token_id[..]);
+                if let Some(member) = member {
+                    w.u16(member.len() as u16).bytes(member.as_bytes());
+                }
             }
             Request::Hello { token, namespace } => {
                 w.u32(token.len() as u32)
@@ -710,6 +717,21 @@ pub fn decode_request<'a>(
                 .bytes(crate::proof::TOKEN_ID_LEN)?
                 .try_into()
                 .expect("TOKEN_ID_LEN bytes"),
+            member: if r.remaining() == 0 {
+                None
+            } else {
+                let len = usize::from(r.u16()?);
+                if len == 0 || len > crate::proof::MAX_MEMBER_ID_LEN {
+                    return Err(ProtocolError::new(format!(
+                        "a challenge's member id of {len} bytes (1 to {})",
+                        crate::proof::MAX_MEMBER_ID_LEN
+                    )));
+                }
+                Some(
+                    std::str::from_utf8(r.bytes(len)?)
+                        .map_err(|_| ProtocolError::new("a challenge's member id is not UTF-8"))?,
+                )
+            },
         },
         Op::Hello => {
             let len = r.u32()? as usize;

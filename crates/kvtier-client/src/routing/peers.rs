@@ -83,7 +83,7 @@ impl Peers {
             .idle
             .lock()
             .unwrap()
-            .take(&member.address, namespace, Instant::now());
+            .take(&pool_key(member), namespace, Instant::now());
         let started = Instant::now();
         let client = match pooled {
             Some(client) => Ok(client),
@@ -101,6 +101,10 @@ impl Peers {
                     shm_size: 0,
                     local_only: true,
                     route: false,
+                    // The server must prove it is this member: a process
+                    // on a dead member's address relaying to a live one
+                    // is refused.
+                    member: Some(member.id.clone()),
                 },
             ),
         };
@@ -111,7 +115,7 @@ impl Peers {
                 self.idle
                     .lock()
                     .unwrap()
-                    .put(&member.address, namespace, client, Instant::now());
+                    .put(&pool_key(member), namespace, client, Instant::now());
                 self.note(member, |s| {
                     s.requests += 1;
                     s.keys += keys as u64;
@@ -126,7 +130,7 @@ impl Peers {
                     .lock()
                     .unwrap()
                     .insert(member.id.clone(), Instant::now() + SKIP_AFTER_FAILURE);
-                self.idle.lock().unwrap().forget(&member.address);
+                self.idle.lock().unwrap().forget(&pool_key(member));
                 self.note(member, |s| {
                     s.requests += 1;
                     s.errors += 1;
@@ -170,4 +174,11 @@ impl Peers {
             .collect::<serde_json::Map<_, _>>()
             .into()
     }
+}
+
+/// Idle connections are kept per member and address: a connection was
+/// proven to be one member (`ClientOptions::member`), and another member
+/// may take the address over later.
+fn pool_key(member: &Member) -> String {
+    format!("{}@{}", member.id, member.address)
 }
