@@ -909,6 +909,132 @@ fn a_squatter_at_a_members_address_never_sees_the_token() {
     );
 }
 
+/// Issue 39, finding 1: a process without the token on a dead member's
+/// address that relays everything to a live member (so the live member
+/// answers the challenge for it) is refused: the challenge names the
+/// member the node dialled, the live member proves its own id, and the
+/// node sends nothing after the challenge. Before, the relay passed the
+/// hello and carried the node's gets and puts.
+#[test]
+fn a_relay_on_a_dead_members_address_cannot_borrow_a_live_members_proof() {
+    use kvtier_wire::protocol::{Header, Op, HEADER_LEN};
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::{Arc, Mutex};
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let n1 = node(&dir.path().join("node1"), &etcd, &[]);
+    let n2 = node(&dir.path().join("node2"), &etcd, &[]);
+    wait_for_members(&[&n1, &n2], 2, Duration::from_secs(20));
+    // The relay: every frame from the dialling node goes to n2 (ops kept),
+    // every byte back goes to the node unchanged.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let ops = Arc::new(Mutex::new(Vec::<u16>::new()));
+    {
+        let (ops, target) = (Arc::clone(&ops), n2.tcp.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut from_node) = stream else { return };
+                let Ok(mut to_live) = TcpStream::connect(&target) else {
+                    return;
+                };
+                let (mut back_from, mut back_to) =
+                    (to_live.try_clone().unwrap(), from_node.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut back_from, &mut back_to);
+                    let _ = back_to.shutdown(std::net::Shutdown::Both);
+                });
+                let ops = Arc::clone(&ops);
+                std::thread::spawn(move || loop {
+                    let mut head = [0u8; HEADER_LEN];
+                    if from_node.read_exact(&mut head).is_err() {
+                        let _ = to_live.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                    let header = Header::decode(&head, 1 << 30).unwrap();
+                    let mut body = vec![0u8; header.body_len as usize];
+                    if from_node.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    ops.lock().unwrap().push(header.op);
+                    if to_live.write_all(&head).is_err() || to_live.write_all(&body).is_err() {
+                        return;
+                    }
+                });
+            }
+        });
+    }
+    let ours = kvtier_wire::proof::member_record_key(common::TEST_TOKEN.as_bytes());
+    let me = members_seen(&n1)[0].clone();
+    let dead = Member {
+        id: "dead-member".into(),
+        address,
+        ..me.clone()
+    };
+    etcd_put(
+        &etcd,
+        "/kvtier/test/members/dead-member",
+        &kvtier_wire::cluster::sign_member(&ours, "/kvtier/test/members/dead-member", &dead),
+    );
+    let members = wait_for_member(&n1, "dead-member");
+    let all = keys(400);
+    let owned: Vec<Vec<u8>> = all
+        .iter()
+        .filter(|k| owners(key_hash("", k), &members, 1)[0].id == "dead-member")
+        .cloned()
+        .collect();
+    assert!(
+        owned.len() > 50,
+        "the dead member owns {} keys",
+        owned.len()
+    );
+    let mut client = Client::connect_with(&n1.tcp_url(), options()).unwrap();
+    // Puts of its keys are not forwarded through the relay, gets of them
+    // are misses.
+    for chunk in owned.chunks(16) {
+        let values: Vec<Vec<u8>> = chunk.iter().map(|_| vec![7u8; VALUE_LEN]).collect();
+        let _ = client.batch_put(chunk, &values).unwrap();
+    }
+    let mut bufs: Vec<Vec<u8>> = owned.iter().map(|_| vec![0u8; VALUE_LEN]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    for result in client.batch_get_into(&owned, &mut slices).unwrap() {
+        assert!(
+            matches!(result, Ok(None)),
+            "a key of the relayed member: {result:?} (a member that cannot prove itself is a miss)"
+        );
+    }
+    let ops = ops.lock().unwrap().clone();
+    assert!(!ops.is_empty(), "the node never dialled the relay");
+    assert!(
+        ops.iter().all(|&op| op == Op::Challenge as u16),
+        "the node went on past the challenge through the relay: ops {ops:?}"
+    );
+    // The live member's own keys still go to it, proven as itself.
+    let live = members
+        .iter()
+        .find(|m| m.address == n2.tcp)
+        .expect("n2's record")
+        .id
+        .clone();
+    let theirs: Vec<Vec<u8>> = all
+        .iter()
+        .filter(|k| owners(key_hash("", k), &members, 1)[0].id == live)
+        .cloned()
+        .collect();
+    assert!(!theirs.is_empty());
+    let forwarded_before = forwarded_requests(&n1);
+    put_all(&mut client, &theirs);
+    let mut direct = Client::connect_with(&n2.tcp_url(), options()).unwrap();
+    for k in &theirs {
+        assert!(
+            direct.get(k).unwrap().is_some(),
+            "{k:?} was not forwarded to its owner"
+        );
+    }
+    assert!(forwarded_requests(&n1) > forwarded_before);
+}
+
 /// One etcd on loopback, started with `args` on top of the basics.
 fn single_etcd(dir: &Path, client_url: &str, args: &[&str]) -> Child {
     let log = std::fs::File::create(dir.join("etcd.log")).unwrap();

@@ -68,6 +68,7 @@ impl Client_ {
             },
             local_only: false,
             route,
+            member: None,
         };
         let client = py
             .detach(|| Client::connect_with(&url, options))

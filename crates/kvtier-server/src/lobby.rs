@@ -273,7 +273,8 @@ pub fn challenged_token_id(transport: &Transport) -> Option<[u8; TOKEN_ID_LEN]> 
     let named = NONCE_LEN + TOKEN_ID_LEN;
     if header.op != Op::Challenge as u16
         || !(body_len == named
-            || (named + 2 < body_len && body_len <= named + 2 + kvtier_wire::proof::MAX_MEMBER_ID_LEN))
+            || (named + 2 < body_len
+                && body_len <= named + 2 + kvtier_wire::proof::MAX_MEMBER_ID_LEN))
     {
         return None;
     }

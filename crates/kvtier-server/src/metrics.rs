@@ -721,6 +721,7 @@ const STATS_NOT_EXPORTED: &[&str] = &[
     "policy_ns",
     "io_depth",
     "read_piece",
+    "io_deadline_ms",
     // Exported in seconds, as kvtier_shared_follow_age_seconds.
     "shared_follow_age_ms",
 ];

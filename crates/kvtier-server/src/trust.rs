@@ -1178,7 +1178,15 @@ mod tests {
             .challenge(&cn, &wrong.id(), None, "me", &guesses, deadline, &|| false)
             .is_err());
         let err = auth
-            .challenge(&cn, &wrong.id(), None, "me", &guesses, Instant::now(), &|| false)
+            .challenge(
+                &cn,
+                &wrong.id(),
+                None,
+                "me",
+                &guesses,
+                Instant::now(),
+                &|| false,
+            )
             .unwrap_err();
         assert!(err.contains("too many refused"), "{err}");
     }
@@ -1201,20 +1209,36 @@ mod tests {
         };
         let answer = |meant: &str| {
             let (issued, reply) = auth
-                .challenge(&cn, &key.id(), Some(meant), "member-d", &guesses, deadline, &|| false)
+                .challenge(
+                    &cn,
+                    &key.id(),
+                    Some(meant),
+                    "member-d",
+                    &guesses,
+                    deadline,
+                    &|| false,
+                )
                 .unwrap();
             let sn: [u8; 32] = reply[..32].try_into().unwrap();
             let proof = &reply[32..64];
             let len = u16::from_le_bytes(reply[64..66].try_into().unwrap()) as usize;
-            let stated = std::str::from_utf8(&reply[66..66 + len]).unwrap().to_string();
+            let stated = std::str::from_utf8(&reply[66..66 + len])
+                .unwrap()
+                .to_string();
             assert_eq!(reply.len(), 66 + len);
             (issued, sn, proof.to_vec(), stated)
         };
         // Meant for D, answered by D: proven as D, and D admits the hello.
         let (issued, sn, proof, stated) = answer("member-d");
         assert_eq!(stated, "member-d");
-        assert!(proof::proofs_equal(&proof, &key.server_proof_as(&cn, &sn, "member-d")));
-        assert!(!proof::proofs_equal(&proof, &key.server_proof_as(&cn, &sn, "member-c")));
+        assert!(proof::proofs_equal(
+            &proof,
+            &key.server_proof_as(&cn, &sn, "member-d")
+        ));
+        assert!(!proof::proofs_equal(
+            &proof,
+            &key.server_proof_as(&cn, &sn, "member-c")
+        ));
         assert!(!proof::proofs_equal(&proof, &key.server_proof(&cn, &sn)));
         let good = key.client_proof_for(&cn, &sn, "ns", "member-d");
         let hello = |issued: &Issued, proof: &[u8]| {
@@ -1239,7 +1263,10 @@ mod tests {
         // it is not C), and refuses any hello after it.
         let (issued, sn, proof, stated) = answer("member-c");
         assert_eq!(stated, "member-d");
-        assert!(!proof::proofs_equal(&proof, &key.server_proof_as(&cn, &sn, "member-c")));
+        assert!(!proof::proofs_equal(
+            &proof,
+            &key.server_proof_as(&cn, &sn, "member-c")
+        ));
         assert!(hello(&issued, &key.client_proof_for(&cn, &sn, "ns", "member-c")).is_err());
         guesses.state.lock().unwrap().0 = 1.0;
         assert!(hello(&issued, &key.client_proof_for(&cn, &sn, "ns", "member-d")).is_err());

@@ -13,6 +13,12 @@ fn write_seeds(dir: &str) {
         Request::Challenge {
             client_nonce: &[3; 32],
             token_id: &[4; 16],
+            member: None,
+        },
+        Request::Challenge {
+            client_nonce: &[3; 32],
+            token_id: &[4; 16],
+            member: Some("0123456789abcdef0123456789abcdef"),
         },
         Request::Hello {
             token: b"a-token-of-sixteen-bytes",
