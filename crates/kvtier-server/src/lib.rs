@@ -169,6 +169,10 @@ impl Server {
             Ok(Some(said)) => tracing::warn!("{said}"),
             Err(why) => return Err(io::Error::other(why)),
         }
+        // What the caps leave is the room for other writers' region files
+        // (a shared directory): never taken from connections.
+        let other_files = available.saturating_sub(config.limits.connection_descriptors());
+        store.set_shared_file_budget(usize::try_from(other_files).unwrap_or(usize::MAX));
         let limits = &config.limits;
         let buffer_bytes = limits
             .max_buffer_bytes

@@ -628,6 +628,15 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_clock_ahead_entries")],
     },
     StoreFamily {
+        name: "kvtier_shared_regions_over_file_budget",
+        help: "Other writers' region files not followed at the last pass because the \
+               descriptors kept for them were spent (their blocks are misses).",
+        bytes: false,
+        counter: false,
+        label: None,
+        members: &[("", "shared_regions_over_file_budget")],
+    },
+    StoreFamily {
         name: "kvtier_shared_regions_behind_gap",
         help: "Other writers' region files not followed because a region between them and \
                their writer's head is missing.",

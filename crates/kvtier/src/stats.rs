@@ -121,6 +121,10 @@ pub struct Stats {
     /// does not index them either: the missing region may have removed
     /// their puts).
     pub shared_regions_behind_gap: u64,
+    /// Other writers' region files not followed at the last pass because
+    /// the descriptors kept for them were spent (`Store::set_shared_file_budget`):
+    /// their blocks are misses.
+    pub shared_regions_over_file_budget: u64,
     /// Other writers' index checkpoints loaded since open, and the entries
     /// they gave (instead of reading those writers' records).
     pub shared_checkpoints_loaded: u64,
@@ -242,6 +246,10 @@ impl Stats {
             (
                 "shared_clock_ahead_entries",
                 StatValue::Count(self.shared_clock_ahead_entries),
+            ),
+            (
+                "shared_regions_over_file_budget",
+                StatValue::Count(self.shared_regions_over_file_budget),
             ),
             (
                 "shared_regions_behind_gap",

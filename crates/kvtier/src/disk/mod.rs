@@ -261,6 +261,10 @@ pub struct DiskTier {
     max_region_id: u32,
     /// Other writers' regions (a shared directory), by index handle.
     others: RwLock<std::collections::HashMap<u32, Arc<Region>>>,
+    /// Most of them held open at once (`set_other_files_budget`): each
+    /// holds a descriptor, which would otherwise come out of what the
+    /// server keeps for connections.
+    other_files_budget: std::sync::atomic::AtomicUsize,
     /// Asked before every batch is written: whether this log is still
     /// this process's to write (a shared directory's writer lock). An
     /// error fails the batch.
@@ -281,6 +285,16 @@ impl std::fmt::Debug for WriteGuardSlot {
             "WriteGuard(none)"
         })
     }
+}
+
+/// Other writers' region files held open by default: half the open-file
+/// limit at open (the server sets the exact room it leaves once its own
+/// caps are fitted).
+fn default_other_files_budget() -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(1 << 20);
+    usize::try_from(limit / 2).unwrap_or(usize::MAX)
 }
 
 /// Bytes of bounce buffers kept for reuse between reads.
@@ -374,6 +388,7 @@ impl DiskTier {
                 MAX_REGION_ID
             },
             others: RwLock::new(std::collections::HashMap::new()),
+            other_files_budget: std::sync::atomic::AtomicUsize::new(default_other_files_budget()),
             write_guard: WriteGuardSlot::default(),
         };
         let report = tier.recover(checks, &mut apply)?;

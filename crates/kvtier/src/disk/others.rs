@@ -90,6 +90,28 @@ impl DiskTier {
             .insert(handle, Arc::new(region));
     }
 
+    /// Whether another writer's region not yet held may be opened: its
+    /// descriptor fits the budget (`set_other_files_budget`).
+    pub(crate) fn room_for_other_file(&self) -> bool {
+        self.others.read().unwrap().len()
+            < self
+                .other_files_budget
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Most other writers' region files held open at once; regions past
+    /// it are not followed (their blocks are misses) until there is room.
+    pub(crate) fn set_other_files_budget(&self, files: usize) {
+        self.other_files_budget
+            .store(files, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The budget of `set_other_files_budget`.
+    pub(crate) fn other_files_budget(&self) -> usize {
+        self.other_files_budget
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Forgets another writer's region (its file is gone).
     pub(crate) fn drop_other(&self, handle: u32) {
         self.others.write().unwrap().remove(&handle);

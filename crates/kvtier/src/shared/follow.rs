@@ -139,6 +139,9 @@ pub(crate) struct FollowCounters {
     /// Other writers' region files not followed at the last pass because
     /// a region between them and their writer's head is missing.
     pub regions_behind_gap: AtomicU64,
+    /// Other writers' region files not followed at the last pass because
+    /// the descriptor budget for them was spent.
+    pub regions_over_budget: AtomicU64,
 }
 
 /// Follows every other writer of one shared directory into this node's
@@ -166,6 +169,10 @@ pub(crate) struct Follower {
     /// Set by a pass that could not read some writer's directory or file:
     /// its floor is then unknown, and 0 (keep every removal) is used.
     pass_incomplete: std::sync::atomic::AtomicBool,
+    /// Regions this pass did not follow for want of descriptors, and
+    /// whether that was said (once, until all are followed again).
+    over_budget_this_pass: AtomicU64,
+    over_budget_said: std::sync::atomic::AtomicBool,
     /// The bounded mode's share: `None` indexes every writer's entries
     /// (the default mode); `Some(None)`, bounded with no share given yet,
     /// indexes none of theirs.
@@ -208,6 +215,8 @@ impl Follower {
             stop: (Mutex::new(false), Condvar::new()),
             passes: Mutex::new(()),
             pass_incomplete: std::sync::atomic::AtomicBool::new(false),
+            over_budget_this_pass: AtomicU64::new(0),
+            over_budget_said: std::sync::atomic::AtomicBool::new(false),
             share: None,
             reread: std::sync::atomic::AtomicBool::new(false),
             publish_failed: std::sync::atomic::AtomicBool::new(false),
@@ -364,6 +373,7 @@ impl Follower {
     pub fn poll(&self) {
         let _one_pass = self.passes.lock().unwrap_or_else(|p| p.into_inner());
         self.pass_incomplete.store(false, Ordering::Relaxed);
+        self.over_budget_this_pass.store(0, Ordering::Relaxed);
         if self.reread.swap(false, Ordering::AcqRel) {
             self.begin_reread();
         }
@@ -451,6 +461,13 @@ impl Follower {
         self.counters
             .regions_behind_gap
             .store(behind_gap, Ordering::Relaxed);
+        let over_budget = self.over_budget_this_pass.load(Ordering::Relaxed);
+        self.counters
+            .regions_over_budget
+            .store(over_budget, Ordering::Relaxed);
+        if over_budget == 0 && self.over_budget_said.swap(false, Ordering::Relaxed) {
+            tracing::warn!("every region of the other writers is followed again");
+        }
         self.counters
             .tombstones
             .store(state.tombstones.len() as u64, Ordering::Relaxed);
@@ -462,6 +479,30 @@ impl Follower {
                 .clear_regions(|region| vanished.contains(&region));
         }
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether another writer's region not yet followed may be opened:
+    /// its descriptor fits the budget. When it does not, the region is
+    /// not followed (its blocks are misses; what it holds is unknown, so
+    /// the pass counts as incomplete and keeps every removal), counted,
+    /// and said once until every region is followed again.
+    fn room_for_another_file(&self, path: &Path) -> bool {
+        if self.disk.room_for_other_file() {
+            return true;
+        }
+        self.pass_incomplete.store(true, Ordering::Relaxed);
+        self.over_budget_this_pass.fetch_add(1, Ordering::Relaxed);
+        if !self.over_budget_said.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                path = %path.display(),
+                budget = self.disk.other_files_budget(),
+                "the descriptors this node keeps for other writers' region files are spent: \
+                 regions past them are not followed (their blocks are misses) until some \
+                 are collected. Raise the open-file limit (ulimit -n, LimitNOFILE=), or \
+                 look for junk writer directories in the shared directory"
+            );
+        }
+        false
     }
 
     /// What reading another writer's `what` gave: a failure marks the pass
@@ -645,6 +686,16 @@ impl Follower {
         sealed: bool,
         vanished: &mut HashSet<u32>,
     ) {
+        let known = self
+            .state
+            .lock()
+            .unwrap()
+            .writers
+            .get(node)
+            .is_some_and(|log| log.regions.contains_key(&id));
+        if !known && !self.room_for_another_file(path) {
+            return;
+        }
         let opened = match self.disk.open_other(path) {
             Ok(opened) => opened,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
@@ -888,6 +939,9 @@ impl Follower {
             let same_file =
                 parse_region_name(name).is_some_and(|n| n.incarnation == covered.incarnation);
             if !same_file || *listed_len < covered.covered || covered.covered < PAGE_SIZE {
+                continue;
+            }
+            if !self.room_for_another_file(&region_dir.join(name)) {
                 continue;
             }
             let Ok(opened) = self.disk.open_other(&region_dir.join(name)) else {

@@ -350,6 +350,19 @@ impl Store {
     /// every other writer's records again for the keys it adds (call
     /// `follow_shared_now` to wait for it). This node's own log stays
     /// indexed whole. `InvalidArgument` unless the bounded mode is on.
+    /// Most other writers' region files this node holds open at once (one
+    /// descriptor each): the server sets the room its own caps leave, so
+    /// a shared directory full of writers (or of junk writer directories)
+    /// cannot take the descriptors its connections need. Regions past it
+    /// are not followed (misses, `shared_regions_over_file_budget`) until
+    /// there is room. Default: half the open-file limit at open. No effect
+    /// without a shared directory.
+    pub fn set_shared_file_budget(&self, files: usize) {
+        if let Some(disk) = &self.inner.disk {
+            disk.set_other_files_budget(files);
+        }
+    }
+
     pub fn set_index_share(
         &self,
         share: impl Fn(u64) -> bool + Send + Sync + 'static,
@@ -554,6 +567,7 @@ impl Inner {
             shared_stuck_regions: self.follow_count(|f| &f.stuck_regions),
             shared_clock_ahead_entries: self.follow_count(|f| &f.clock_ahead),
             shared_regions_behind_gap: self.follow_count(|f| &f.regions_behind_gap),
+            shared_regions_over_file_budget: self.follow_count(|f| &f.regions_over_budget),
             shared_tombstones: self.follow_count(|f| &f.tombstones),
             shared_checkpoints_loaded: self.follow_count(|f| &f.checkpoints_loaded),
             shared_checkpoint_entries: self.follow_count(|f| &f.checkpoint_entries),

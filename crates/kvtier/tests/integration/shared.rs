@@ -1335,3 +1335,46 @@ proptest! {
         }
     }
 }
+
+/// Issue 39, finding 6 (descriptors): other writers' region files are
+/// held open from a budget (the server sets the room its connection caps
+/// leave), never past it. A node whose budget is spent follows no more
+/// regions (their blocks are misses, never wrong bytes, and it keeps every
+/// removal meanwhile); given room, it follows them all.
+#[test]
+fn other_writers_region_files_are_held_open_within_a_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Node::start(dir.path(), "b", 64 * MIB);
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    c.store().set_shared_file_budget(2);
+    // About 12 regions of B's (1 MiB each).
+    let keys: Vec<Vec<u8>> = (0..64).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 200_000)).collect();
+    for (k, v) in keys.iter().zip(&values) {
+        b.store().put(k, v).unwrap();
+    }
+    b.store().flush().unwrap();
+    let written = region_files_in(&b.regions(dir.path())).len();
+    assert!(written >= 5, "B wrote {written} regions");
+    c.store().follow_shared_now();
+    let stats = c.store().stats();
+    assert_eq!(stats.shared_regions, 2, "{stats:?}");
+    assert_eq!(stats.shared_regions_over_file_budget as usize, written - 2);
+    let mut hits = 0;
+    for (k, v) in keys.iter().zip(&values) {
+        if let Some(got) = read(c.store(), k) {
+            assert_eq!(&got, v, "{k:?}");
+            hits += 1;
+        }
+    }
+    assert!(hits > 0 && hits < keys.len(), "{hits} hits");
+    // Room again: every region is followed, every block reads.
+    c.store().set_shared_file_budget(1000);
+    c.store().follow_shared_now();
+    let stats = c.store().stats();
+    assert_eq!(stats.shared_regions as usize, written);
+    assert_eq!(stats.shared_regions_over_file_budget, 0);
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(read(c.store(), k).as_ref(), Some(v), "{k:?}");
+    }
+}
