@@ -112,3 +112,103 @@ fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
     assert!(open < 512, "{open} descriptors open");
     drop(sessions);
 }
+
+/// Copies writer directory `from` (of node `from_id`) as writer `to_id`:
+/// its files, with its region files renamed for the new writer.
+fn copy_writer(from: &std::path::Path, from_id: &str, to: &std::path::Path, to_id: &str) {
+    std::fs::create_dir_all(to.join("regions")).unwrap();
+    for item in std::fs::read_dir(from).unwrap() {
+        let item = item.unwrap();
+        if item.file_type().unwrap().is_file() {
+            std::fs::copy(item.path(), to.join(item.file_name())).unwrap();
+        }
+    }
+    for item in std::fs::read_dir(from.join("regions")).unwrap() {
+        let item = item.unwrap();
+        let name = item.file_name().to_string_lossy().replace(from_id, to_id);
+        std::fs::copy(item.path(), to.join("regions").join(name)).unwrap();
+    }
+}
+
+/// Issue 39, finding 6 (descriptors): 1,500 writer directories planted in
+/// a shared directory (copies of a real writer's, as any client of the
+/// volume can make) under the common open-file limit of 1,024. The
+/// server's other-writer region files come from the room its connection
+/// caps leave: it starts, 40 TCP clients get in and are served, and the
+/// regions past the budget are counted, not opened. Before, the follower
+/// opened one descriptor per planted region.
+#[test]
+fn planted_writer_directories_cannot_take_the_descriptors_connections_need() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    let shared_arg = shared.display().to_string();
+    let keys: Vec<Vec<u8>> = (0..8)
+        .map(|i| format!("planted/{i}").into_bytes())
+        .collect();
+    let writer_id = {
+        let b = ServerProcess::start(&dir.path().join("b"), &["--shared-dir", &shared_arg]);
+        let mut client = Client::connect_with(&b.tcp_url(), options()).unwrap();
+        let values: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|k| kvtier::internals::pattern::value(k, 64 << 10))
+            .collect();
+        for r in client.batch_put(&keys, &values).unwrap() {
+            r.unwrap();
+        }
+        client.flush().unwrap();
+        std::fs::read_to_string(dir.path().join("b/node-id"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let nodes = shared.join("nodes");
+    for i in 0..1500u32 {
+        let id = format!("{:032x}", 0xfeed_0000_u64 + u64::from(i));
+        copy_writer(&nodes.join(&writer_id), &writer_id, &nodes.join(&id), &id);
+    }
+    let server = ServerProcess::start_configured(
+        &dir.path().join("c"),
+        &["--shared-dir", &shared_arg],
+        |command| {
+            // SAFETY: setrlimit is async-signal-safe; the child sets its
+            // own limit before exec.
+            unsafe {
+                command.pre_exec(|| {
+                    let limit = libc::rlimit {
+                        rlim_cur: 1024,
+                        rlim_max: 1024,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        },
+    );
+    let mut clients = Vec::new();
+    for _ in 0..40 {
+        let mut client = Client::connect_with(&server.tcp_url(), options())
+            .expect("a client gets in beside the planted writers");
+        let mut buf = vec![0u8; 64 << 10];
+        let got = client
+            .batch_get_into(&keys[..1], &mut [&mut buf[..]])
+            .unwrap();
+        if let Ok(Some(n)) = &got[0] {
+            assert!(kvtier::internals::pattern::verify(&keys[0], &buf[..*n]));
+        }
+        clients.push(client);
+    }
+    let stats = server.stats();
+    let store = &stats["store"];
+    let followed = store["shared_regions"].as_u64().unwrap();
+    let over = store["shared_regions_over_file_budget"].as_u64().unwrap();
+    eprintln!("regions followed {followed}, over the budget {over}");
+    assert!(over > 0, "{store}");
+    assert!(followed < 1024, "{store}");
+    let open = std::fs::read_dir(format!("/proc/{}/fd", server.child.id()))
+        .unwrap()
+        .count();
+    eprintln!("server descriptors open: {open} of 1024");
+    assert!(open < 1024, "{open} descriptors open");
+}

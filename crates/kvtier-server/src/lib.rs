@@ -164,14 +164,25 @@ impl Server {
             .div_ceil(store.config().effective_region_size().max(1))
             + 2;
         let available = open_files.saturating_sub(limits::DESCRIPTOR_RESERVE + region_files);
+        // Other writers' region files (a shared directory) get at least a
+        // small share of their own, the connections the rest.
+        let others_floor = if store.config().configured_shared_dir().is_some() {
+            (available / 8).min(limits::MIN_OTHER_REGION_FILES)
+        } else {
+            0
+        };
+        let available = available - others_floor;
         match config.limits.fit_descriptors(available) {
             Ok(None) => {}
             Ok(Some(said)) => tracing::warn!("{said}"),
             Err(why) => return Err(io::Error::other(why)),
         }
         // What the caps leave is the room for other writers' region files
-        // (a shared directory): never taken from connections.
-        let other_files = available.saturating_sub(config.limits.connection_descriptors());
+        // (a shared directory): never taken from connections. (The store's
+        // first follow pass, at open, kept within half the limit; what it
+        // opened past this room is closed here.)
+        let other_files =
+            others_floor + available.saturating_sub(config.limits.connection_descriptors());
         store.set_shared_file_budget(usize::try_from(other_files).unwrap_or(usize::MAX));
         let limits = &config.limits;
         let buffer_bytes = limits

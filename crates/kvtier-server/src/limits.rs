@@ -147,6 +147,11 @@ impl Default for Limits {
 /// apart, from the store's capacity.)
 pub const DESCRIPTOR_RESERVE: u64 = 256;
 
+/// Descriptors kept for other writers' region files (a shared directory)
+/// before the connection caps are fitted, where the open-file limit leaves
+/// an eighth of this at least; they get whatever the caps leave besides.
+pub const MIN_OTHER_REGION_FILES: u64 = 64;
+
 /// Buffer bytes each connection holds outside the buffer budget: a small
 /// request or reply (a hello, a batch of exists, a get of a few small
 /// values) is never refused for memory, whoever holds the budget. The

@@ -481,6 +481,57 @@ impl Follower {
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Stops following the regions held past the descriptor budget (it
+    /// was lowered below what is open: the server fits its connection
+    /// caps after the store's first pass). The newest handles go first;
+    /// their entries are dropped (misses), the removals they carried are
+    /// kept (a removal kept too long is a miss, never a resurrection), and
+    /// the floor is 0 until a pass has read every region again.
+    pub fn close_past_budget(&self) {
+        let _one_pass = self.passes.lock().unwrap_or_else(|p| p.into_inner());
+        let budget = self.disk.other_files_budget();
+        let mut state = self.state.lock().unwrap();
+        let mut held: Vec<(u32, String, u32)> = state
+            .writers
+            .iter()
+            .flat_map(|(node, log)| {
+                log.regions
+                    .iter()
+                    .map(move |(id, r)| (r.handle, node.clone(), *id))
+            })
+            .collect();
+        if held.len() <= budget {
+            return;
+        }
+        held.sort_unstable_by_key(|h| std::cmp::Reverse(h.0));
+        let excess = held.len() - budget;
+        let mut closed: HashSet<u32> = HashSet::new();
+        for (handle, node, id) in held.into_iter().take(excess) {
+            if let Some(log) = state.writers.get_mut(&node) {
+                log.regions.remove(&id);
+            }
+            closed.insert(handle);
+        }
+        self.floor.store(0, Ordering::Release);
+        self.counters
+            .regions
+            .store(budget as u64, Ordering::Relaxed);
+        self.counters
+            .regions_over_budget
+            .fetch_add(excess as u64, Ordering::Relaxed);
+        drop(state);
+        for handle in &closed {
+            self.disk.drop_other(*handle);
+        }
+        self.index.clear_regions(|region| closed.contains(&region));
+        tracing::warn!(
+            closed = closed.len(),
+            budget,
+            "closed other writers' region files past the descriptor budget: their blocks are \
+             misses until there is room"
+        );
+    }
+
     /// Whether another writer's region not yet followed may be opened:
     /// its descriptor fits the budget. When it does not, the region is
     /// not followed (its blocks are misses; what it holds is unknown, so

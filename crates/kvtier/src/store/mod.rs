@@ -355,11 +355,15 @@ impl Store {
     /// a shared directory full of writers (or of junk writer directories)
     /// cannot take the descriptors its connections need. Regions past it
     /// are not followed (misses, `shared_regions_over_file_budget`) until
-    /// there is room. Default: half the open-file limit at open. No effect
+    /// there is room; lowered below what is open, the regions past it are
+    /// closed. Default: half the open-file limit at open. No effect
     /// without a shared directory.
     pub fn set_shared_file_budget(&self, files: usize) {
         if let Some(disk) = &self.inner.disk {
             disk.set_other_files_budget(files);
+        }
+        if let Some(follower) = &self.inner.follower {
+            follower.close_past_budget();
         }
     }
 
