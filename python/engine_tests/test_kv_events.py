@@ -28,10 +28,11 @@ class Router:
     join, a dropped batch) is filled from the replay socket before any
     later batch is used."""
 
-    def __init__(self, server):
+    def __init__(self, server, password: str | None = None):
         self.pub, self.replay = re.findall(r"(?:kv events|replay) (tcp://[\d.:]+)", server.line)
+        self.password = password
         self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub = self._login(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(self.pub)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -39,8 +40,16 @@ class Router:
         self.batches: list[tuple[str, KVEventBatch]] = []
         self.replays = 0
 
+    def _login(self, socket):
+        """ZeroMQ's PLAIN login, as any router configures it, when the
+        feed asks for one (`kv_events_auth = "plain"`)."""
+        if self.password is not None:
+            socket.plain_username = b"router"
+            socket.plain_password = self.password.encode()
+        return socket
+
     def _replay_from(self, start: int) -> None:
-        dealer = self.ctx.socket(zmq.DEALER)
+        dealer = self._login(self.ctx.socket(zmq.DEALER))
         dealer.connect(self.replay)
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         self.replays += 1
@@ -223,3 +232,57 @@ def test_bad_peers_are_dropped_and_the_publisher_keeps_going(tmp_path):
     finally:
         router.close()
         server.stop()
+
+
+SERVER_TOKEN = "feed-server-token-0123456789"
+TENANT_TOKENS = {"a": "feed-tenant-a-token-0123456789", "b": "feed-tenant-b-token-0123456789"}
+
+
+def test_routers_log_in_with_plain_and_a_tenant_sees_only_its_namespaces(tmp_path):
+    """Issue 39, finding 3: beside --tenants the feed asks for ZeroMQ's
+    PLAIN login (pyzmq's plain_username/plain_password; the password is a
+    kvtier token). A tenant's router receives its own namespaces' events,
+    live and replayed; the server's token sees every namespace; a router
+    without a login receives nothing."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(
+        f'[[tenant]]\nname = "{name}"\ntoken = "{token}"\nnamespaces = ["team-{name}"]\n'
+        for name, token in TENANT_TOKENS.items()))
+    tenants.chmod(0o600)
+    config = tmp_path / "serve.toml"
+    config.write_text('kv_events_auth = "plain"\n')
+    server = start_server(tmp_path, extra=["--auth-token", SERVER_TOKEN, "--tenants", str(tenants),
+                                           "--config", str(config)])
+    routers = {"a": Router(server, TENANT_TOKENS["a"]), "all": Router(server, SERVER_TOKEN),
+               "none": Router(server)}
+    try:
+        clients = {name: kvtier.Client(server.url, namespace=f"team-{name}/llama", auth_token=token)
+                   for name, token in TENANT_TOKENS.items()}
+
+        def namespaces(router):
+            return {topic.split("@")[-1] for topic, e in router.events() if not isinstance(e, AllBlocksCleared)}
+
+        for i in range(200):
+            for client in clients.values():
+                client.put(f"block-{i}".encode(), b"x" * 4096)
+                client.flush()
+            for router in routers.values():
+                router.poll(0.05)
+            if {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"]) and namespaces(routers["a"]):
+                break
+        assert {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"])
+        assert namespaces(routers["a"]) == {"team-a/llama"}, namespaces(routers["a"])
+        # The replay from the start: tenant a's batches only.
+        routers["a"].batches.clear()
+        routers["a"].next_seq = 0
+        routers["a"]._replay_from(0)
+        assert namespaces(routers["a"]) == {"team-a/llama"}
+        routers["none"].poll(1.0)
+        assert routers["none"].batches == [], "a router without a login received events"
+        for client in clients.values():
+            client.close()
+    finally:
+        for router in routers.values():
+            router.close()
+        server.stop()
+

@@ -18,6 +18,7 @@ pub struct ServeArgs {
     /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_poll,
     /// io_deadline, io_deadline_local,
     /// shared_index, kv_events, kv_events_replay, kv_events_topic, kv_events_unauthenticated,
+    /// kv_events_auth,
     /// auth_token, and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...).
     #[arg(long)]
@@ -151,6 +152,7 @@ struct FileConfig {
     kv_events_replay: Option<String>,
     kv_events_topic: Option<String>,
     kv_events_unauthenticated: Option<bool>,
+    kv_events_auth: Option<String>,
     flush: Option<String>,
     auth_token: Option<String>,
     max_frame: Option<String>,
@@ -201,16 +203,30 @@ fn address(text: &str, what: &str) -> Result<Option<SocketAddr>, String> {
         .map_err(|e| format!("{what} {text:?}: {e}"))
 }
 
-/// A ZeroMQ TCP endpoint (`tcp://HOST:PORT`, or `HOST:PORT`).
-/// The event feed has no authentication: its subscribers read every
-/// namespace's block hashes (prompt identities) and names. It is served
-/// only where every reader is already trusted (loopback, no tenants to
-/// keep apart) unless the operator says otherwise (docs/server.md, threat
-/// model).
+/// Whether the event feed asks its peers for a token (`kv_events_auth`).
+fn event_feed_plain(text: Option<&str>) -> Result<bool, String> {
+    match text {
+        None | Some("none") => Ok(false),
+        Some("plain") => Ok(true),
+        Some(other) => Err(format!(
+            "kv_events_auth must be \"none\" or \"plain\", not {other:?}"
+        )),
+    }
+}
+
+/// The event feed's subscribers read namespaces' block hashes (prompt
+/// identities) and names. Without authentication it is served only where
+/// every reader is already trusted (loopback, no tenants to keep apart);
+/// with `kv_events_auth = "plain"` a subscriber logs in with a token and
+/// sees what the token opens, but ZMTP PLAIN sends the token in the clear,
+/// so it stays on loopback too (reach it through an SSH tunnel or a VPN).
+/// `kv_events_unauthenticated` publishes it anyway, knowingly
+/// (docs/server.md, threat model).
 fn check_event_feed_exposure(
     publish: SocketAddr,
     replay: Option<SocketAddr>,
     tenants: bool,
+    plain: bool,
     unauthenticated: bool,
 ) -> Result<(), String> {
     if unauthenticated {
@@ -219,18 +235,23 @@ fn check_event_feed_exposure(
     for (what, at) in [("kv_events", Some(publish)), ("kv_events_replay", replay)] {
         if let Some(at) = at.filter(|a| !a.ip().is_loopback()) {
             return Err(format!(
-                "{what} {at}: the event feed has no authentication and shows every namespace's \
-                 block hashes, which identify prompts; bind it to loopback, or set \
+                "{what} {at}: the event feed shows namespaces' block hashes, which identify \
+                 prompts, and ZeroMQ's PLAIN login would send a token in the clear; bind it to \
+                 loopback (reach it through an SSH tunnel or a VPN), or set \
                  kv_events_unauthenticated = true in the config file to publish it off the host \
                  knowingly"
             ));
         }
     }
-    if tenants {
-        return Err("the event feed has no authentication: every local subscriber would read \
-                    every tenant's namespaces and block hashes; leave kv_events off with --tenants, \
-                    or set kv_events_unauthenticated = true in the config file knowingly"
-            .into());
+    if tenants && !plain {
+        return Err(
+            "without authentication every local subscriber of the event feed would \
+                    read every tenant's namespaces and block hashes; set kv_events_auth = \
+                    \"plain\" (subscribers log in with a token and see what it opens), leave \
+                    kv_events off with --tenants, or set kv_events_unauthenticated = true in the \
+                    config file knowingly"
+                .into(),
+        );
     }
     Ok(())
 }
@@ -520,10 +541,12 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 .map(|r| zmq_address(r, "kv_events_replay"))
                 .transpose()?;
             let tenants = args.tenants.is_some() || file.tenants_file.is_some();
+            let plain = event_feed_plain(file.kv_events_auth.as_deref())?;
             check_event_feed_exposure(
                 publish,
                 replay,
                 tenants,
+                plain,
                 file.kv_events_unauthenticated.unwrap_or(false),
             )?;
             // 65 536 events of about 100 bytes: 6 MiB, over a second of
@@ -531,10 +554,13 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             // before events are dropped.
             let (sink, rx) = kvtier::EventSink::channel(1 << 16);
             config = config.events(Arc::clone(&sink));
-            Some((publish, replay, sink, rx))
+            Some((publish, replay, plain, sink, rx))
         }
         None if args.kv_events_replay.is_some() || file.kv_events_replay.is_some() => {
             return Err("kv_events_replay needs kv_events".into())
+        }
+        None if file.kv_events_auth.is_some() => {
+            return Err("kv_events_auth needs kv_events".into())
         }
         None => None,
     };
@@ -542,11 +568,28 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     signal_waiter(Arc::clone(&stop))?;
     let store = Arc::new(Store::open(config)?);
+    if let Some(path) = args.tenants.clone().or(file.tenants_file.clone()) {
+        server_config.tenants =
+            kvtier_server::read_tenants(&path).map_err(|e| format!("the tenants file: {e}"))?;
+    }
     let publisher = match events {
-        Some((publish, replay, sink, rx)) => {
+        Some((publish, replay, plain, sink, rx)) => {
             let mut events =
                 kvtier_server::kv_events::KvEventsConfig::new(publish, store.node_id());
             events.replay = replay;
+            if plain {
+                // The same tokens as the data port: the server's opens every
+                // namespace, a tenant's its own.
+                let auth = kvtier_server::Auth::new(server_config.auth_token.as_deref())
+                    .and_then(|a| a.with_tenants(server_config.tenants.clone()))
+                    .map_err(|e| format!("kv_events_auth: {e}"))?;
+                if !auth.has_token() {
+                    return Err("kv_events_auth = \"plain\" logs subscribers in with the \
+                                server's token: serve TCP (--listen) or give --auth-token"
+                        .into());
+                }
+                events.credentials = Some(Arc::new(auth));
+            }
             if let Some(topic) = args
                 .kv_events_topic
                 .clone()
@@ -571,10 +614,6 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     server_config.cluster = node.as_ref().map(|n| Arc::clone(&n.view));
     server_config.peer_tls_ca = args.cluster.peer_ca.clone();
     server_config.admin_allowed_hosts = file.admin_allowed_hosts.clone().unwrap_or_default();
-    if let Some(path) = args.tenants.clone().or(file.tenants_file.clone()) {
-        server_config.tenants =
-            kvtier_server::read_tenants(&path).map_err(|e| format!("the tenants file: {e}"))?;
-    }
     let adopter = match (&node, store.config().configured_shared_dir()) {
         (Some(node), Some(shared)) => Some(spawn_adopter(
             Arc::clone(&node.view),

@@ -23,7 +23,7 @@ mod trust;
 
 pub use limits::Limits;
 pub use trust::{
-    check_token, data_dir_token, read_tenants, Auth, Peer, Tenant, MIN_TOKEN_LEN, TOKEN_FILE,
+    check_token, data_dir_token, read_tenants, Auth, Peer, Scope, Tenant, MIN_TOKEN_LEN, TOKEN_FILE,
 };
 
 use crate::metrics::Metrics;

@@ -668,7 +668,7 @@ impl Auth {
 
     /// The scope `presented` opens: the server's token, a tenant's, or
     /// none. Every token is compared, each in constant time.
-    fn scope_of_token(&self, presented: &[u8]) -> Option<Scope> {
+    pub fn scope_of_token(&self, presented: &[u8]) -> Option<Scope> {
         let mut scope = self.token_matches(presented).then_some(Scope::Full);
         for tenant in &self.tenants {
             let matches =

@@ -86,6 +86,13 @@ pub struct KvEventsConfig {
     /// begun, and a stalled subscriber's write may block before it is
     /// dropped. Default: 5 s.
     pub peer_timeout: Duration,
+    /// Who may subscribe and replay: `None` takes any peer (ZMTP's NULL
+    /// mechanism, what routers speak by default); with credentials every
+    /// peer must say ZMTP PLAIN with a token of the server as its
+    /// password (any user name): the server's own token opens every
+    /// namespace, a tenant's its own only (docs/integrations.md, "KV
+    /// events"). Default: none.
+    pub credentials: Option<Arc<crate::trust::Auth>>,
 }
 
 impl KvEventsConfig {
@@ -104,6 +111,7 @@ impl KvEventsConfig {
             batch_interval: Duration::from_millis(50),
             tracked_blocks: 1 << 22,
             peer_timeout: Duration::from_secs(5),
+            credentials: None,
         }
     }
 }
@@ -132,7 +140,64 @@ pub struct KvEventStats {
 struct Published {
     seq: u64,
     topic: Vec<u8>,
+    /// The namespace its events are in (`None`: a batch for every
+    /// namespace, such as `AllBlocksCleared`).
+    namespace: Option<String>,
     payload: Vec<u8>,
+    /// What a peer whose credential does not open `namespace` gets in its
+    /// place: the same number, the bare topic prefix and no events, so
+    /// every peer's numbers stay gapless (a router asks the replay socket
+    /// for any gap) and nothing of the namespace shows.
+    redacted: Option<Arc<Published>>,
+}
+
+/// The batch a peer with `scope` gets for `p`: itself where the scope
+/// opens its namespace, its redacted stand-in elsewhere.
+fn as_seen<'p>(scope: &Option<crate::trust::Scope>, p: &'p Arc<Published>) -> &'p Arc<Published> {
+    match (scope, &p.namespace, &p.redacted) {
+        (Some(scope), Some(ns), Some(redacted)) if scope.refuses_namespace(ns).is_some() => {
+            redacted
+        }
+        _ => p,
+    }
+}
+
+/// The ZMTP handshake of either socket, with the feed's mechanism;
+/// returns what the peer's credential opens (`None`: everything, no
+/// credentials asked). A refused password pauses a second before the
+/// connection closes (a guesser's pace).
+fn greet(
+    stream: &TcpStream,
+    config: &KvEventsConfig,
+    ours: &str,
+    accepted: &[&str],
+) -> io::Result<Option<crate::trust::Scope>> {
+    let deadline = std::time::Instant::now() + config.peer_timeout;
+    let mut within = Deadlined { stream, deadline };
+    match &config.credentials {
+        None => {
+            zmtp::handshake(&mut within, ours, accepted)?;
+            Ok(None)
+        }
+        Some(auth) => {
+            let result = zmtp::handshake_with(
+                &mut within,
+                ours,
+                accepted,
+                zmtp::Mechanism::PlainServer,
+                |password| auth.scope_of_token(password),
+            );
+            match result {
+                Ok((_, scope)) => Ok(Some(scope)),
+                Err(e) => {
+                    if e.kind() == io::ErrorKind::PermissionDenied {
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    Err(e)
+                }
+            }
+        }
+    }
 }
 
 impl Published {
@@ -143,6 +208,8 @@ impl Published {
 
 #[derive(Debug)]
 struct Subscriber {
+    /// What its credential opens (`None`: every namespace).
+    scope: Option<crate::trust::Scope>,
     tx: SyncSender<Arc<Published>>,
     filters: Mutex<Vec<Vec<u8>>>,
     alive: AtomicBool,
@@ -543,10 +610,16 @@ impl<'a> Batcher<'a> {
         let mut topic = self.config.topic.as_bytes().to_vec();
         topic.push(b'@');
         topic.extend_from_slice(namespace);
-        self.publish(topic, events);
+        let namespace = String::from_utf8_lossy(namespace).into_owned();
+        self.publish_in(topic, Some(namespace), events);
     }
 
+    /// A batch for every namespace.
     fn publish(&mut self, topic: Vec<u8>, events: Vec<WireEvent>) {
+        self.publish_in(topic, None, events);
+    }
+
+    fn publish_in(&mut self, topic: Vec<u8>, namespace: Option<String>, events: Vec<WireEvent>) {
         if events.is_empty() {
             return;
         }
@@ -561,10 +634,21 @@ impl<'a> Batcher<'a> {
                 WireEvent::AllBlocksCleared => 1,
             })
             .sum();
+        let redacted = namespace.as_ref().map(|_| {
+            Arc::new(Published {
+                seq: self.next_seq,
+                topic: self.config.topic.as_bytes().to_vec(),
+                namespace: None,
+                payload: encode_batch(ts, &[]),
+                redacted: None,
+            })
+        });
         let published = Arc::new(Published {
             seq: self.next_seq,
             topic,
+            namespace,
             payload: encode_batch(ts, &events),
+            redacted,
         });
         self.next_seq += 1;
         {
@@ -584,6 +668,7 @@ impl<'a> Batcher<'a> {
         let mut subscribers = self.shared.subscribers.lock().unwrap();
         subscribers.retain(|s| s.alive.load(Ordering::Acquire));
         for s in subscribers.iter() {
+            let published = as_seen(&s.scope, &published);
             if !s.wants(&published.topic) {
                 continue;
             }
@@ -597,7 +682,7 @@ impl<'a> Batcher<'a> {
                     .fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            match s.tx.try_send(Arc::clone(&published)) {
+            match s.tx.try_send(Arc::clone(published)) {
                 Ok(()) => {
                     s.queued_bytes.fetch_add(size, Ordering::AcqRel);
                     self.shared.queued_total.fetch_add(size, Ordering::AcqRel);
@@ -728,18 +813,11 @@ fn serve_subscriber(
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     // One deadline for the whole handshake, not one per read.
-    let deadline = std::time::Instant::now() + config.peer_timeout;
-    zmtp::handshake(
-        &mut Deadlined {
-            stream: &stream,
-            deadline,
-        },
-        "PUB",
-        &["SUB", "XSUB"],
-    )?;
+    let scope = greet(&stream, config, "PUB", &["SUB", "XSUB"])?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     let (tx, rx) = sync_channel::<Arc<Published>>(config.subscriber_queue.max(1));
     let subscriber = Arc::new(Subscriber {
+        scope,
         tx,
         filters: Mutex::new(Vec::new()),
         alive: AtomicBool::new(true),
@@ -893,15 +971,7 @@ fn read_subscriptions(
 fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
-    let deadline = std::time::Instant::now() + config.peer_timeout;
-    zmtp::handshake(
-        &mut Deadlined {
-            stream: &stream,
-            deadline,
-        },
-        "ROUTER",
-        &["DEALER", "REQ", "ROUTER"],
-    )?;
+    let scope = greet(&stream, config, "ROUTER", &["DEALER", "REQ", "ROUTER"])?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     // Between requests a client may idle; the handshake deadline is over.
     stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
@@ -952,7 +1022,7 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
             .0
             .iter()
             .filter(|p| p.seq >= start)
-            .cloned()
+            .map(|p| Arc::clone(as_seen(&scope, p)))
             .collect();
         let mut out = Vec::new();
         for p in &kept {
@@ -1118,6 +1188,7 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(Arc::new(Subscriber {
+                    scope: None,
                     tx,
                     filters: Mutex::new(vec![Vec::new()]),
                     alive: AtomicBool::new(true),
@@ -1210,5 +1281,208 @@ mod tests {
             .set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
         assert_eq!(idle[0].read(&mut [0u8; 1]).unwrap_or(0), 0);
+    }
+
+    /// What a ZeroMQ client with `plain_username`/`plain_password` set
+    /// does (pyzmq, libzmq): greets PLAIN as a client, HELLO, waits for
+    /// WELCOME, INITIATE with its socket type, waits for READY.
+    fn plain_client(addr: SocketAddr, password: &[u8], socket_type: &str) -> io::Result<TcpStream> {
+        use std::io::{Read, Write};
+        let mut s = TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        let mut greeting = [0u8; zmtp::GREETING_LEN];
+        greeting[0] = 0xff;
+        greeting[9] = 0x7f;
+        greeting[10] = 3;
+        greeting[12..17].copy_from_slice(b"PLAIN");
+        s.write_all(&greeting)?;
+        let mut theirs = [0u8; zmtp::GREETING_LEN];
+        s.read_exact(&mut theirs)?;
+        assert_eq!(&theirs[12..17], b"PLAIN");
+        assert_eq!(theirs[32], 1, "the publisher greets as the PLAIN server");
+        let mut hello = vec![5];
+        hello.extend_from_slice(b"HELLO");
+        hello.push(6);
+        hello.extend_from_slice(b"router");
+        hello.push(password.len() as u8);
+        hello.extend_from_slice(password);
+        let mut out = Vec::new();
+        zmtp::put_frame(&mut out, &hello, false, true);
+        s.write_all(&out)?;
+        match zmtp::read_frame(&mut s, 4096)? {
+            zmtp::Frame::Command(body) if body == b"\x07WELCOME" => {}
+            other => {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("no WELCOME: {other:?}"),
+                ))
+            }
+        }
+        let mut initiate = vec![8];
+        initiate.extend_from_slice(b"INITIATE");
+        initiate.push(11);
+        initiate.extend_from_slice(b"Socket-Type");
+        initiate.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+        initiate.extend_from_slice(socket_type.as_bytes());
+        out.clear();
+        zmtp::put_frame(&mut out, &initiate, false, true);
+        s.write_all(&out)?;
+        match zmtp::read_frame(&mut s, 4096)? {
+            zmtp::Frame::Command(body) => {
+                let expected = if socket_type == "SUB" {
+                    "PUB"
+                } else {
+                    "ROUTER"
+                };
+                assert_eq!(zmtp::ready_socket_type(&body)?, expected);
+            }
+            other => panic!("no READY: {other:?}"),
+        }
+        Ok(s)
+    }
+
+    /// The namespaces of the batches `s` receives until it has `n`.
+    fn namespaces_received(s: &mut TcpStream, n: usize) -> Vec<String> {
+        let mut got = Vec::new();
+        while got.len() < n {
+            match zmtp::read_frame(s, 1 << 20) {
+                Ok(zmtp::Frame::Message { body, more: true }) if body.starts_with(b"kv@n1@") => {
+                    got.push(String::from_utf8_lossy(&body[b"kv@n1@".len()..]).into_owned())
+                }
+                Ok(_) => {}
+                Err(e) => panic!("the subscriber got {got:?}, then: {e}"),
+            }
+        }
+        got
+    }
+
+    /// Issue 39, finding 3: with credentials the feed speaks ZMTP PLAIN
+    /// (password: a token of the server), a tenant's subscriber receives
+    /// its own namespaces' batches only (live and replayed), the server's
+    /// token sees all, and a wrong password or a NULL peer gets nothing.
+    #[test]
+    fn a_tenants_subscriber_sees_only_its_namespaces_and_strangers_nothing() {
+        use std::io::{Read, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let tenants = dir.path().join("tenants.toml");
+        std::fs::write(
+            &tenants,
+            "[[tenant]]\nname = \"a\"\ntoken = \"tenant-a-token-0123456789\"\nnamespaces = [\"team-a\"]\n\
+             [[tenant]]\nname = \"b\"\ntoken = \"tenant-b-token-0123456789\"\nnamespaces = [\"team-b\"]\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            &tenants,
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+        let auth = crate::trust::Auth::new(Some("server-token-0123456789"))
+            .unwrap()
+            .with_tenants(crate::trust::read_tenants(&tenants).unwrap())
+            .unwrap();
+        let (sink, rx) = EventSink::channel(1024);
+        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        config.replay = Some("127.0.0.1:0".parse().unwrap());
+        config.batch_interval = Duration::from_millis(5);
+        config.credentials = Some(Arc::new(auth));
+        let publisher = KvEventPublisher::start(config, Arc::clone(&sink), rx).unwrap();
+        let addr = publisher.publish_addr();
+        let mut subscribe = Vec::new();
+        zmtp::put_frame(&mut subscribe, &[1], false, false);
+        let mut a = plain_client(addr, b"tenant-a-token-0123456789", "SUB").unwrap();
+        let mut all = plain_client(addr, b"server-token-0123456789", "SUB").unwrap();
+        for s in [&mut a, &mut all] {
+            s.write_all(&subscribe).unwrap();
+        }
+        // Strangers: a wrong password is answered ERROR and closed; a
+        // NULL peer never gets past the greeting.
+        let err = plain_client(addr, b"tenant-c-token-0123456789", "SUB").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        let mut null = TcpStream::connect(addr).unwrap();
+        null.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        assert!(zmtp::handshake(&mut null, "SUB", &["PUB"]).is_err());
+        // Events of both tenants keep coming until both subscribers have
+        // some (their subscriptions land at some point).
+        let done = Arc::new(AtomicBool::new(false));
+        let emitter = {
+            let (sink, done) = (Arc::clone(&sink), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let mut i = 0u128;
+                while !done.load(Ordering::Acquire) {
+                    i += 2;
+                    sink.emit(stored("team-a/llama", b"block", i, Medium::Memory));
+                    sink.emit(stored("team-b/llama", b"block", i + 1, Medium::Memory));
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            })
+        };
+        let seen_by_a = namespaces_received(&mut a, 6);
+        let seen_by_all = namespaces_received(&mut all, 12);
+        done.store(true, Ordering::Release);
+        emitter.join().unwrap();
+        assert!(
+            seen_by_a.iter().all(|ns| ns.starts_with("team-a")),
+            "tenant a saw {seen_by_a:?}"
+        );
+        assert!(seen_by_all.iter().any(|ns| ns.starts_with("team-a")));
+        assert!(seen_by_all.iter().any(|ns| ns.starts_with("team-b")));
+        // The replay gives tenant b its own batches only.
+        let mut replay = plain_client(
+            publisher.replay_addr().unwrap(),
+            b"tenant-b-token-0123456789",
+            "DEALER",
+        )
+        .unwrap();
+        let mut request = Vec::new();
+        zmtp::put_message(&mut request, &[b"", &0u64.to_be_bytes()]);
+        replay.write_all(&request).unwrap();
+        let mut replayed = Vec::new();
+        loop {
+            let mut frames = Vec::new();
+            loop {
+                match zmtp::read_frame(&mut replay, 1 << 20).unwrap() {
+                    zmtp::Frame::Message { body, more } => {
+                        frames.push(body);
+                        if !more {
+                            break;
+                        }
+                    }
+                    zmtp::Frame::Command(_) => {}
+                }
+            }
+            if frames[2] == END_SEQ {
+                break;
+            }
+            let seq = u64::from_be_bytes(frames[2][..].try_into().unwrap());
+            replayed.push((
+                seq,
+                String::from_utf8_lossy(&frames[1]).into_owned(),
+                frames[3].clone(),
+            ));
+        }
+        assert!(replayed
+            .iter()
+            .any(|(_, t, _)| t.starts_with("kv@n1@team-b")));
+        assert!(
+            replayed
+                .iter()
+                .all(|(_, t, _)| t.starts_with("kv@n1@team-b") || t == "kv@n1"),
+            "tenant b was replayed {replayed:?}"
+        );
+        // Gapless: tenant a's batches are there as empty stand-ins (no
+        // namespace, no events), so a router never asks for them again.
+        for pair in replayed.windows(2) {
+            assert_eq!(pair[1].0, pair[0].0 + 1, "a gap in {replayed:?}");
+        }
+        let (_, _, stand_in) = replayed.iter().rfind(|(_, t, _)| t == "kv@n1").unwrap();
+        assert_eq!(contains(stand_in, b"team"), 0);
+        assert_eq!(contains(stand_in, b"BlockStored"), 0);
+        assert!(
+            stand_in.len() < 64,
+            "a stand-in of {} bytes",
+            stand_in.len()
+        );
+        let _ = null.read(&mut [0u8; 1]);
     }
 }

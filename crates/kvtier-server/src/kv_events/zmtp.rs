@@ -1,7 +1,8 @@
 //! The part of ZMTP 3 (ZeroMQ's wire protocol, rfc.zeromq.org/spec/23 and
-//! /37) a PUB socket and a ROUTER socket need, with the NULL mechanism:
-//! the 64-byte greeting, READY with the socket type, frames, SUB's
-//! subscriptions, PING/PONG. Written here rather than linking libzmq: the
+//! /37) a PUB socket and a ROUTER socket need, with the NULL mechanism or
+//! PLAIN's server side (/24: HELLO with a user name and password,
+//! WELCOME, INITIATE, READY): the 64-byte greeting, READY with the socket
+//! type, frames, SUB's subscriptions, PING/PONG. Written here rather than linking libzmq: the
 //! two sockets are small, and every length a peer sends is checked
 //! against a limit before anything is allocated for it.
 
@@ -12,15 +13,40 @@ const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
 
+/// The security mechanism a socket speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mechanism {
+    Null,
+    /// PLAIN, this side the server (it checks the credentials).
+    PlainServer,
+}
+
+impl Mechanism {
+    fn name(self) -> &'static [u8] {
+        match self {
+            Mechanism::Null => b"NULL",
+            Mechanism::PlainServer => b"PLAIN",
+        }
+    }
+}
+
 /// Our greeting: version 3.0 (so peers subscribe with messages, the form
 /// every ZMTP 3 peer accepts), NULL mechanism, not as-server.
+#[cfg(test)]
 pub fn greeting() -> [u8; GREETING_LEN] {
+    greeting_for(Mechanism::Null)
+}
+
+/// Our greeting for `mechanism` (as-server for PLAIN's server side).
+pub fn greeting_for(mechanism: Mechanism) -> [u8; GREETING_LEN] {
     let mut g = [0u8; GREETING_LEN];
     g[0] = 0xff;
     g[9] = 0x7f;
     g[10] = 3;
     g[11] = 0;
-    g[12..16].copy_from_slice(b"NULL");
+    let name = mechanism.name();
+    g[12..12 + name.len()].copy_from_slice(name);
+    g[32] = u8::from(mechanism == Mechanism::PlainServer);
     g
 }
 
@@ -29,7 +55,14 @@ fn invalid(why: impl Into<String>) -> io::Error {
 }
 
 /// Checks a peer's greeting: ZMTP 3.x with the NULL mechanism.
+#[cfg(test)]
 pub fn check_greeting(g: &[u8; GREETING_LEN]) -> io::Result<()> {
+    check_greeting_for(g, Mechanism::Null)
+}
+
+/// Checks a peer's greeting: ZMTP 3.x with `ours`' mechanism (a PLAIN
+/// peer must not claim to be the server too).
+pub fn check_greeting_for(g: &[u8; GREETING_LEN], ours: Mechanism) -> io::Result<()> {
     if g[0] != 0xff || g[9] & 1 != 1 {
         return Err(invalid("not a ZMTP 3 greeting"));
     }
@@ -40,8 +73,18 @@ pub fn check_greeting(g: &[u8; GREETING_LEN]) -> io::Result<()> {
         )));
     }
     let mechanism = &g[12..32];
-    if &mechanism[..4] != b"NULL" || mechanism[4..].iter().any(|&b| b != 0) {
-        return Err(invalid("only the NULL security mechanism is offered"));
+    let name = ours.name();
+    if &mechanism[..name.len()] != name || mechanism[name.len()..].iter().any(|&b| b != 0) {
+        return Err(invalid(match ours {
+            Mechanism::Null => "only the NULL security mechanism is offered",
+            Mechanism::PlainServer => {
+                "only the PLAIN security mechanism is offered (user name any, password a \
+                 kvtier token)"
+            }
+        }));
+    }
+    if ours == Mechanism::PlainServer && g[32] != 0 {
+        return Err(invalid("the peer greeted as a PLAIN server too"));
     }
     Ok(())
 }
@@ -143,10 +186,17 @@ fn ready(socket_type: &str) -> Vec<u8> {
 
 /// The socket type a READY command's properties name.
 pub fn ready_socket_type(body: &[u8]) -> io::Result<String> {
+    command_socket_type(body, b"READY")
+}
+
+/// The socket type the properties of command `expected` (READY, or
+/// PLAIN's INITIATE) name.
+fn command_socket_type(body: &[u8], expected: &[u8]) -> io::Result<String> {
     let (name, mut props) = split_command(body)?;
-    if name != b"READY" {
+    if name != expected {
         return Err(invalid(format!(
-            "expected READY, got {}",
+            "expected {}, got {}",
+            String::from_utf8_lossy(expected),
             String::from_utf8_lossy(name)
         )));
     }
@@ -178,27 +228,113 @@ const MAX_COMMAND: usize = 4096;
 /// Greets a peer and exchanges READY as `ours`; the peer must be one of
 /// `accepted` (ZMTP's socket-type compatibility). Returns its type.
 pub fn handshake<S: Read + Write>(s: &mut S, ours: &str, accepted: &[&str]) -> io::Result<String> {
-    s.write_all(&greeting())?;
+    let (peer, ()) = handshake_with(s, ours, accepted, Mechanism::Null, |_| Some(()))?;
+    Ok(peer)
+}
+
+/// `handshake` with `mechanism`. Under PLAIN, `admit` is given the
+/// password of the peer's HELLO and says what it opens (`None`: refused,
+/// answered ERROR before anything else is read). Returns the peer's
+/// socket type and what `admit` gave (NULL: `admit(b"")`'s).
+pub fn handshake_with<S: Read + Write, T>(
+    s: &mut S,
+    ours: &str,
+    accepted: &[&str],
+    mechanism: Mechanism,
+    admit: impl FnOnce(&[u8]) -> Option<T>,
+) -> io::Result<(String, T)> {
+    s.write_all(&greeting_for(mechanism))?;
     let mut theirs = [0u8; GREETING_LEN];
     s.read_exact(&mut theirs)?;
-    check_greeting(&theirs)?;
-    s.write_all(&ready(ours))?;
+    check_greeting_for(&theirs, mechanism)?;
+    let admitted = match mechanism {
+        Mechanism::Null => {
+            s.write_all(&ready(ours))?;
+            admit(b"")
+        }
+        Mechanism::PlainServer => {
+            let Frame::Command(hello) = read_frame(s, MAX_COMMAND)? else {
+                return Err(invalid("the peer sent a message before HELLO"));
+            };
+            let password = plain_hello_password(&hello)?;
+            let Some(admitted) = admit(password) else {
+                let _ = s.write_all(&error_command("invalid credentials"));
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "a PLAIN HELLO with a password that is no token of this server",
+                ));
+            };
+            let mut welcome = Vec::new();
+            put_frame(&mut welcome, b"\x07WELCOME", false, true);
+            s.write_all(&welcome)?;
+            let Frame::Command(initiate) = read_frame(s, MAX_COMMAND)? else {
+                return Err(invalid("the peer sent a message before INITIATE"));
+            };
+            let peer = command_socket_type(&initiate, b"INITIATE")?;
+            check_peer_type(s, ours, accepted, &peer)?;
+            s.write_all(&ready(ours))?;
+            return Ok((peer, admitted));
+        }
+    };
+    let Some(admitted) = admitted else {
+        return Err(io::Error::new(io::ErrorKind::PermissionDenied, "refused"));
+    };
     let Frame::Command(body) = read_frame(s, MAX_COMMAND)? else {
         return Err(invalid("the peer sent a message before READY"));
     };
     let peer = ready_socket_type(&body)?;
-    if !accepted.iter().any(|a| a.eq_ignore_ascii_case(&peer)) {
-        let mut error = Vec::new();
-        let reason = format!("a {ours} socket does not talk to {peer}");
-        let mut body = vec![5];
-        body.extend_from_slice(b"ERROR");
-        body.push(reason.len().min(255) as u8);
-        body.extend_from_slice(&reason.as_bytes()[..reason.len().min(255)]);
-        put_frame(&mut error, &body, false, true);
-        let _ = s.write_all(&error);
-        return Err(invalid(reason));
+    check_peer_type(s, ours, accepted, &peer)?;
+    Ok((peer, admitted))
+}
+
+fn error_command(reason: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut body = vec![5];
+    body.extend_from_slice(b"ERROR");
+    body.push(reason.len().min(255) as u8);
+    body.extend_from_slice(&reason.as_bytes()[..reason.len().min(255)]);
+    put_frame(&mut out, &body, false, true);
+    out
+}
+
+/// Refuses (with an ERROR command) a peer whose type `ours` does not talk to.
+fn check_peer_type(
+    s: &mut impl Write,
+    ours: &str,
+    accepted: &[&str],
+    peer: &str,
+) -> io::Result<()> {
+    if accepted.iter().any(|a| a.eq_ignore_ascii_case(peer)) {
+        return Ok(());
     }
-    Ok(peer)
+    let reason = format!("a {ours} socket does not talk to {peer}");
+    let _ = s.write_all(&error_command(&reason));
+    Err(invalid(reason))
+}
+
+/// The password of a PLAIN HELLO command: `HELLO`, then the user name and
+/// the password, each a length byte and its bytes.
+pub fn plain_hello_password(body: &[u8]) -> io::Result<&[u8]> {
+    let (name, data) = split_command(body)?;
+    if name != b"HELLO" {
+        return Err(invalid(format!(
+            "expected HELLO, got {}",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    let (&user_len, rest) = data
+        .split_first()
+        .ok_or_else(|| invalid("a HELLO without a user name"))?;
+    let rest = rest
+        .get(usize::from(user_len)..)
+        .ok_or_else(|| invalid("a HELLO user name past its frame"))?;
+    let (&pass_len, rest) = rest
+        .split_first()
+        .ok_or_else(|| invalid("a HELLO without a password"))?;
+    if rest.len() != usize::from(pass_len) {
+        return Err(invalid("a HELLO password that is not its frame's rest"));
+    }
+    Ok(rest)
 }
 
 /// The reply to a PING command, if `body` is one (ZMTP 3.1 heartbeats).
