@@ -1233,6 +1233,19 @@ fn reclaim_op() -> impl Strategy<Value = ReclaimOp> {
     ]
 }
 
+/// Where a model case's nodes live: a fresh directory under
+/// `KVTIER_SHARED_MODEL_ROOT` when set (`scripts/shared-model --juicefs`
+/// points it at a JuiceFS mount, so the shared directory is a real
+/// distributed file system), else under the system's temporary directory.
+fn model_dir() -> tempfile::TempDir {
+    match std::env::var_os("KVTIER_SHARED_MODEL_ROOT") {
+        Some(root) => {
+            tempfile::tempdir_in(root).expect("a case directory under KVTIER_SHARED_MODEL_ROOT")
+        }
+        None => tempfile::tempdir().unwrap(),
+    }
+}
+
 fn model_cases() -> u32 {
     std::env::var("KVTIER_SHARED_MODEL_CASES")
         .ok()
@@ -1279,7 +1292,7 @@ proptest! {
     /// `scripts/shared-model` runs thousands of cases.
     #[test]
     fn writers_agree_with_a_model_under_reclaim(ops in proptest::collection::vec(reclaim_op(), 1..50)) {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = model_dir();
         let mut nodes = [
             Node::start(dir.path(), "a", 4 * MIB),
             Node::start(dir.path(), "b", 4 * MIB),
