@@ -19,25 +19,29 @@ fn reply_text(stream: &mut UnixStream) -> (i32, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// Runs the server under the common open-file limit of 1,024 (soft and
+/// hard, so it cannot raise it).
+fn open_file_limit_1024(command: &mut std::process::Command) {
+    // SAFETY: setrlimit is async-signal-safe; the child sets its own limit
+    // before exec.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 1024,
+                rlim_max: 1024,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 #[test]
 fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
     let dir = tempfile::tempdir().unwrap();
-    let server = ServerProcess::start_configured(dir.path(), &[], |command| {
-        // SAFETY: setrlimit is async-signal-safe; the child sets its own
-        // limit before exec.
-        unsafe {
-            command.pre_exec(|| {
-                let limit = libc::rlimit {
-                    rlim_cur: 1024,
-                    rlim_max: 1024,
-                };
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    });
+    let server = ServerProcess::start_configured(dir.path(), &[], open_file_limit_1024);
     // 20 Unix connections registering 64 buffers each: 1,280, more than
     // the server's whole descriptor table.
     let mut sessions = Vec::new();
@@ -169,22 +173,7 @@ fn planted_writer_directories_cannot_take_the_descriptors_connections_need() {
     let server = ServerProcess::start_configured(
         &dir.path().join("c"),
         &["--shared-dir", &shared_arg],
-        |command| {
-            // SAFETY: setrlimit is async-signal-safe; the child sets its
-            // own limit before exec.
-            unsafe {
-                command.pre_exec(|| {
-                    let limit = libc::rlimit {
-                        rlim_cur: 1024,
-                        rlim_max: 1024,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        },
+        open_file_limit_1024,
     );
     let mut clients = Vec::new();
     for _ in 0..40 {

@@ -200,9 +200,12 @@ fn lockout_attempt(
     let opened = held.recv().unwrap();
     wait_for_server_stat(&server, reached.0, reached.1);
     let (served, slowest) = tcp_clients_served(&server);
+    // Read while the attack still holds its sockets: a gauge such as
+    // `lobby_waiting` falls back as soon as they close.
+    let during = server.stats()["server"].clone();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let reopened = attacker.join().unwrap();
-    let stats = &server.stats()["server"];
+    let stats = &during;
     eprintln!(
         "{name}: TCP clients served {served} of 46 (slowest {slowest:?}); attacker sockets {opened}, \
          reopened {reopened}; lobby closed {}, waiting connections closed for newcomers {}, connections \

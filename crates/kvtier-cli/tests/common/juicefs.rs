@@ -115,16 +115,28 @@ impl Mount {
         let mut pids = vec![self.child.id()];
         let mut i = 0;
         while i < pids.len() {
+            // Children are listed under the thread that forked them (any
+            // of a Go program's threads), so every thread's list.
             let pid = pids[i];
-            let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-                .unwrap_or_default();
-            pids.extend(
-                children
-                    .split_whitespace()
-                    .filter_map(|p| p.parse::<u32>().ok()),
-            );
+            for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let children =
+                    std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+                pids.extend(
+                    children
+                        .split_whitespace()
+                        .filter_map(|p| p.parse::<u32>().ok()),
+                );
+            }
             i += 1;
         }
+        assert!(
+            pids.len() > 1,
+            "juicefs mount runs no daemon under its supervisor: nothing would stall"
+        );
         for pid in pids {
             // SAFETY: plain syscall on a pid this test started.
             unsafe { libc::kill(pid as i32, signal) };
