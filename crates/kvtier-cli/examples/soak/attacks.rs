@@ -25,6 +25,7 @@ pub const CLASSES: [&str; 7] = [
 #[derive(Default)]
 pub struct AttackCounts {
     pub rounds: [AtomicU64; CLASSES.len()],
+    pub feed_rounds: [AtomicU64; crate::feed::CLASSES.len()],
     pub breaches: AtomicU64,
 }
 
@@ -80,11 +81,44 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) {
     }
 }
 
-pub fn attacker_loop(id: usize, tcp: &str, token: &str, stop: &AtomicBool, counts: &AttackCounts) {
+/// The KV-event feed's endpoints, when the soak's server publishes one.
+pub struct Feed {
+    pub publish: String,
+    pub replay: String,
+}
+
+pub fn attacker_loop(
+    id: usize,
+    tcp: &str,
+    token: &str,
+    feed: Option<&Feed>,
+    stop: &AtomicBool,
+    counts: &AttackCounts,
+) {
     let mut round = id;
+    let classes = CLASSES.len()
+        + if feed.is_some() {
+            crate::feed::CLASSES.len()
+        } else {
+            0
+        };
     while !stop.load(Ordering::Relaxed) {
-        let class = round % CLASSES.len();
+        let class = round % classes;
         round += 1;
+        if class >= CLASSES.len() {
+            let feed = feed.expect("feed classes only with a feed");
+            let which = class - CLASSES.len();
+            let breach = crate::feed::attack(which, id, round, &feed.publish, &feed.replay);
+            counts.feed_rounds[which].fetch_add(1, Ordering::Relaxed);
+            if breach {
+                counts.breaches.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "attacker {id}: {} was let through",
+                    crate::feed::CLASSES[which]
+                );
+            }
+            continue;
+        }
         let breach = match class {
             0 => {
                 // Idle sockets that never say hello, held 2 s.

@@ -23,9 +23,15 @@
 //! `KVTIER_AUTH_TOKEN`); any attack the server lets through is a breach
 //! and fails the run.
 //!
+//! With `KVTIER_SOAK_FEED` and `KVTIER_SOAK_REPLAY` (the server's KV-event
+//! endpoints, logins required), the attackers also run the feed's attack
+//! classes (`feed.rs`), and one subscriber logged in with the token must
+//! keep receiving batches.
+//!
 //! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS] [ATTACKERS]
 
 mod attacks;
+mod feed;
 
 use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
@@ -171,15 +177,37 @@ fn main() {
     let stop = Arc::new(AtomicBool::new(false));
     let counts = Arc::new(Counts::default());
     let attacked = Arc::new(attacks::AttackCounts::default());
+    let feed = match (
+        std::env::var("KVTIER_SOAK_FEED"),
+        std::env::var("KVTIER_SOAK_REPLAY"),
+    ) {
+        (Ok(publish), Ok(replay)) => Some(Arc::new(attacks::Feed { publish, replay })),
+        _ => None,
+    };
+    let feed_batches = Arc::new(AtomicU64::new(0));
+    let subscriber = feed.as_ref().map(|feed| {
+        let (feed, stop, batches, token) = (
+            Arc::clone(feed),
+            Arc::clone(&stop),
+            Arc::clone(&feed_batches),
+            token.clone(),
+        );
+        std::thread::spawn(move || {
+            feed::logged_in_subscriber(&feed.publish, &token, &stop, &batches)
+        })
+    });
     let attack_threads: Vec<_> = (0..attackers)
         .map(|id| {
-            let (stop, counts, tcp, token) = (
+            let (stop, counts, tcp, token, feed) = (
                 Arc::clone(&stop),
                 Arc::clone(&attacked),
                 tcp.clone(),
                 token.clone(),
+                feed.clone(),
             );
-            std::thread::spawn(move || attacks::attacker_loop(id, &tcp, &token, &stop, &counts))
+            std::thread::spawn(move || {
+                attacks::attacker_loop(id, &tcp, &token, feed.as_deref(), &stop, &counts)
+            })
         })
         .collect();
     let threads: Vec<_> = (0..clients)
@@ -218,9 +246,13 @@ fn main() {
     for t in attack_threads {
         t.join().expect("attacker thread");
     }
+    if let Some(t) = subscriber {
+        t.join().expect("feed subscriber thread");
+    }
     let attack_rounds: serde_json::Map<String, serde_json::Value> = attacks::CLASSES
         .iter()
         .zip(&attacked.rounds)
+        .chain(feed::CLASSES.iter().zip(&attacked.feed_rounds))
         .map(|(name, n)| (name.to_string(), n.load(Ordering::Relaxed).into()))
         .collect();
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -245,11 +277,13 @@ fn main() {
         "attackers": attackers,
         "attack_rounds": attack_rounds,
         "attack_breaches": c(&attacked.breaches),
+        "feed_batches_to_the_logged_in_subscriber": feed.as_ref().map(|_| c(&feed_batches)),
     });
     println!("{report}");
     let bad =
         c(&counts.errors) + c(&counts.wrong_bytes) + c(&counts.resurrected) + c(&attacked.breaches);
-    if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 {
+    let feed_starved = feed.is_some() && c(&feed_batches) == 0;
+    if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 || feed_starved {
         eprintln!("soak FAILED: {report}");
         std::process::exit(1);
     }
