@@ -599,3 +599,73 @@ fn a_stopped_file_system_costs_callers_at_most_the_deadline() {
     assert_eq!(store_stat(&stats, "checksum_failures"), 0);
     assert_eq!(store_stat(&stats, "io_stalled_read_bytes"), 0);
 }
+
+/// Issue 38, finding 8 (the rest): a writer killed and its newest region
+/// then losing its end (zeroed from a page on, as a power loss leaves what
+/// the disk had not made durable). Another node had indexed those blocks;
+/// seeing the writer's lock free and no clean-shutdown marker in its
+/// directory, it verifies the values it indexed from that region and
+/// drops those that no longer read, so `exists` stops reporting blocks no
+/// read returns. Before, they stayed present until the writer restarted
+/// (for ever if it never did). On a local shared directory: the point is
+/// the follower's rule, not a file system's caching.
+#[test]
+fn a_writers_unclean_stop_makes_followers_verify_its_newest_region() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shared = tmp.path().join("shared");
+    let shared_arg = shared.display().to_string();
+    let mut b = ServerProcess::start(&tmp.path().join("b"), &["--shared-dir", &shared_arg]);
+    let c = ServerProcess::start(&tmp.path().join("c"), &["--shared-dir", &shared_arg]);
+    let (mut on_b, mut on_c) = (client(&b), client(&c));
+    let keys: Vec<Vec<u8>> = (0..32).map(key).collect();
+    for chunk in keys.chunks(8) {
+        let values: Vec<Vec<u8>> = chunk.iter().map(|k| value(k, 1, VALUE)).collect();
+        put(&mut on_b, chunk, &values);
+        on_b.flush().unwrap();
+    }
+    wait_until("C sees B's blocks", || {
+        on_c.batch_exists(&keys).unwrap().iter().all(|p| *p)
+    });
+    let b_id = std::fs::read_to_string(tmp.path().join("b/node-id")).unwrap();
+    b.signal(libc::SIGKILL);
+    b.wait();
+    let regions = shared.join("nodes").join(b_id.trim()).join("regions");
+    let mut names: Vec<PathBuf> = std::fs::read_dir(&regions)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    names.sort();
+    let newest = names.last().unwrap();
+    let len = std::fs::metadata(newest).unwrap().len();
+    let cut = (len / 2) / 4096 * 4096;
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(newest)
+            .unwrap();
+        file.write_all_at(&vec![0u8; (len - cut) as usize], cut)
+            .unwrap();
+        file.sync_all().unwrap();
+    }
+    wait_until("C drops the blocks that no longer read", || {
+        !on_c.batch_exists(&keys).unwrap().iter().all(|p| *p)
+    });
+    let present = on_c.batch_exists(&keys).unwrap();
+    let kept = present.iter().filter(|p| **p).count();
+    eprintln!(
+        "present after the writer's power loss: {kept} of {}",
+        keys.len()
+    );
+    assert!(kept > 0, "blocks before the cut are still there");
+    for ((k, got), p) in keys
+        .iter()
+        .zip(get_all(&mut on_c, &keys, VALUE))
+        .zip(&present)
+    {
+        assert_eq!(got.is_some(), *p, "{k:?}: exists and get disagree");
+        if let Some(got) = got {
+            assert_eq!(got, value(k, 1, VALUE), "{k:?}");
+        }
+    }
+}

@@ -80,7 +80,7 @@ pub fn collect_dead_writers_where(
         let idle_seconds = idle.as_secs();
         let outcome = if idle < older_than {
             Collection::Recent
-        } else if lock_is_held(&dir) {
+        } else if writer_lock_held(&dir) {
             Collection::Alive
         } else {
             match collect(shared_dir, &node, &dir, scratch) {
@@ -208,9 +208,12 @@ fn idle_for(dir: &Path) -> Duration {
         .unwrap_or(Duration::ZERO)
 }
 
-/// Whether a process holds the writer's lock now.
-fn lock_is_held(dir: &Path) -> bool {
-    let Ok(file) = fs::File::open(dir.join(WRITER_LOCK_FILE)) else {
+/// Whether a process holds the writer's lock now (the file opened as
+/// hostile: regular files only, never blocking on a FIFO).
+pub(crate) fn writer_lock_held(dir: &Path) -> bool {
+    let mut options = fs::OpenOptions::new();
+    options.read(true);
+    let Ok(file) = crate::private::open_untrusted(&dir.join(WRITER_LOCK_FILE), &options, 0) else {
         return false;
     };
     // Released when the file closes at return.

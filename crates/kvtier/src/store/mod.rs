@@ -305,6 +305,11 @@ impl Store {
             if let Err(e) = crate::data_dir::leave_clean_marker(&self.inner.config.data_dir) {
                 tracing::warn!(error = %e, "could not mark the shutdown clean; the next open scrubs the newest region");
             }
+            if let Some(shared) = &self.inner.shared {
+                if let Err(e) = crate::data_dir::leave_clean_marker(&shared.writer_dir) {
+                    tracing::warn!(error = %e, "could not mark the shutdown clean in the shared directory; other nodes will verify this writer's newest region");
+                }
+            }
         }
         self.inner.index.clear();
         drop(lock);

@@ -68,6 +68,7 @@ impl Store {
         // Whether the last run closed cleanly: taken (and synced away) now,
         // so that a crash of this run is noticed by the next.
         let clean = crate::data_dir::take_clean_marker(&config.data_dir)?;
+
         // Keys whose newest value the tail scrub found lost: removed for
         // good once the store runs (their records would index them again).
         let mut lost: Vec<(KeyDigest, Box<[u8]>)> = Vec::new();
@@ -169,6 +170,14 @@ impl Store {
         }
         let write_through = config.flush == FlushPolicy::WriteThrough;
         let disk = disk.map(Arc::new);
+        if let Some(shared) = &shared {
+            // The data directory's marker in the writer directory too, for
+            // the other nodes (a writer whose lock is free and who left no
+            // marker stopped uncleanly: followers verify its newest
+            // region's values). Taken once the log has opened: an open
+            // refused before here changes nothing in the directory.
+            crate::data_dir::take_clean_marker(&shared.writer_dir)?;
+        }
         let mut log = WriteLog::with_clock(next_seq, write_through, shared.is_some());
         #[cfg(feature = "test-util")]
         log.set_clock_offset(config.clock_offset_secs);
