@@ -199,13 +199,15 @@ fn lockout_attempt(
     );
     let opened = held.recv().unwrap();
     wait_for_server_stat(&server, reached.0, reached.1);
+    // The proof stat once the attack is in force, and again after the
+    // clients: a gauge such as `lobby_waiting` may fall back meanwhile
+    // (its sockets move on or close), a counter only grows.
+    let proof_in_force = server.stats()["server"][proof].as_u64().unwrap();
     let (served, slowest) = tcp_clients_served(&server);
-    // Read while the attack still holds its sockets: a gauge such as
-    // `lobby_waiting` falls back as soon as they close.
-    let during = server.stats()["server"].clone();
+    let stats = server.stats()["server"].clone();
+    let proof_seen = proof_in_force.max(stats[proof].as_u64().unwrap());
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let reopened = attacker.join().unwrap();
-    let stats = &during;
     eprintln!(
         "{name}: TCP clients served {served} of 46 (slowest {slowest:?}); attacker sockets {opened}, \
          reopened {reopened}; lobby closed {}, waiting connections closed for newcomers {}, connections \
@@ -217,7 +219,7 @@ fn lockout_attempt(
         "{name}: a TCP client holding the token was locked out"
     );
     assert!(
-        stats[proof].as_u64().unwrap() > 0,
+        proof_seen > 0,
         "{name}: {proof} never moved: the test would prove nothing"
     );
 }
