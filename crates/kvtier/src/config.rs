@@ -423,11 +423,6 @@ impl Config {
         self.shared_dir.as_deref()
     }
 
-    /// The storage deadline (`io_deadline`; zero: none).
-    pub fn configured_io_deadline(&self) -> Duration {
-        self.io_deadline
-    }
-
     /// Test seam: the disk tier uses `wrap(engine)` instead of the engine
     /// it built, e.g. a `io::faulty::FaultyEngine` around it. Default:
     /// none.

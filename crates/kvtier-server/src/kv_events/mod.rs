@@ -634,7 +634,9 @@ impl<'a> Batcher<'a> {
                 WireEvent::AllBlocksCleared => 1,
             })
             .sum();
-        let redacted = namespace.as_ref().map(|_| {
+        // Only peers with credentials can be shown a stand-in.
+        let scoped = self.config.credentials.is_some();
+        let redacted = namespace.as_ref().filter(|_| scoped).map(|_| {
             Arc::new(Published {
                 seq: self.next_seq,
                 topic: self.config.topic.as_bytes().to_vec(),

@@ -403,7 +403,7 @@ impl DiskTier {
     /// there is one, for a file system that can stall (or every file with
     /// `Config::io_deadline_local`).
     fn bounds_reads_of(&self, file: &File) -> bool {
-        self.bounded.is_some() && (self.bound_every_file || mount::stall_prone_kind(file).is_some())
+        self.bounded.is_some() && (self.bound_every_file || mount::may_stall(file))
     }
 
     /// Whether waits for this log's writes are bounded by the storage
@@ -411,8 +411,7 @@ impl DiskTier {
     /// stall (or any, with `Config::io_deadline_local`). A local disk's
     /// slow sync under load is not a stall: flushes there wait it out.
     pub(crate) fn writes_bounded(&self) -> bool {
-        self.bounded.is_some()
-            && (self.bound_every_file || mount::stall_prone_kind_at(&self.dir).is_some())
+        self.bounded.is_some() && (self.bound_every_file || mount::may_stall_at(&self.dir))
     }
 
     /// Bounded reads past the storage deadline since open, stalls seen,

@@ -12,43 +12,38 @@ use std::fs::File;
 
 /// `statfs` magic numbers (`linux/magic.h` and the file systems' own
 /// headers) of file systems whose reads wait on a daemon or a remote host.
-const MAY_STALL: &[(u64, &str)] = &[
-    (0x6573_5546, "fuse"), // JuiceFS, 3FS's FUSE client, s3fs, sshfs, ...
-    (0x0000_6969, "nfs"),
-    (0x0000_517b, "smb"),
-    (0xff53_4d42, "cifs"),
-    (0xfe53_4d42, "smb2"),
-    (0x00c3_6400, "ceph"),
-    (0x0bd0_0bd0, "lustre"),
-    (0x4750_4653, "gpfs"),
-    (0x0102_1997, "9p"),
-    (0x5346_414f, "afs"),
-    (0x6b41_4653, "afs"), // kAFS
-    (0x2003_0528, "orangefs"),
-    (0x7461_636f, "ocfs2"),
-    (0x0116_1970, "gfs2"),
+const MAY_STALL: &[u64] = &[
+    0x6573_5546, // FUSE: JuiceFS, 3FS's FUSE client, s3fs, sshfs, ...
+    0x0000_6969, // nfs
+    0x0000_517b, // smb
+    0xff53_4d42, // cifs
+    0xfe53_4d42, // smb2
+    0x00c3_6400, // ceph
+    0x0bd0_0bd0, // lustre
+    0x4750_4653, // gpfs
+    0x0102_1997, // 9p
+    0x5346_414f, // afs
+    0x6b41_4653, // kAFS
+    0x2003_0528, // orangefs
+    0x7461_636f, // ocfs2
+    0x0116_1970, // gfs2
 ];
 
-/// The file system kind of `file` if its reads may stall on another
-/// process or host, `None` for a local file system (or when `fstatfs`
-/// fails: the caller then treats it as local, its reads as they always
-/// were).
-pub(crate) fn stall_prone_kind(file: &File) -> Option<&'static str> {
-    kind_of(&rustix::fs::fstatfs(file).ok()?)
+/// Whether reads of `file` may stall on another process or host; `false`
+/// for a local file system (or when `fstatfs` fails: the caller then
+/// treats it as local, its reads as they always were).
+pub(crate) fn may_stall(file: &File) -> bool {
+    rustix::fs::fstatfs(file).is_ok_and(|stat| stall_prone(&stat))
 }
 
-/// `stall_prone_kind` of the file system holding `path`.
-pub(crate) fn stall_prone_kind_at(path: &std::path::Path) -> Option<&'static str> {
-    kind_of(&rustix::fs::statfs(path).ok()?)
+/// `may_stall` of the file system holding `path`.
+pub(crate) fn may_stall_at(path: &std::path::Path) -> bool {
+    rustix::fs::statfs(path).is_ok_and(|stat| stall_prone(&stat))
 }
 
-fn kind_of(stat: &rustix::fs::StatFs) -> Option<&'static str> {
+fn stall_prone(stat: &rustix::fs::StatFs) -> bool {
     // `f_type` is signed on some targets; the magic numbers are 32-bit.
-    let magic = (stat.f_type as u64) & 0xffff_ffff;
-    MAY_STALL
-        .iter()
-        .find(|(m, _)| *m == magic)
-        .map(|(_, name)| *name)
+    MAY_STALL.contains(&((stat.f_type as u64) & 0xffff_ffff))
 }
 
 #[cfg(test)]
@@ -62,13 +57,10 @@ mod tests {
         let file = tempfile::tempfile().unwrap();
         let stat = rustix::fs::fstatfs(&file).unwrap();
         let magic = (stat.f_type as u64) & 0xffff_ffff;
-        assert_eq!(
-            stall_prone_kind(&file),
-            None,
+        assert!(
+            !may_stall(&file),
             "temporary files live on file system 0x{magic:x} here"
         );
-        assert!(MAY_STALL
-            .iter()
-            .any(|(m, name)| *m == 0x6573_5546 && *name == "fuse"));
+        assert!(MAY_STALL.contains(&0x6573_5546), "FUSE");
     }
 }
