@@ -3,6 +3,9 @@
 //! would mount it), node B serving from mount 1 and node C from mount 2,
 //! both real `kvtier serve` processes with `--shared-dir` on their mount.
 //! No cluster mode: C finds B's blocks only through the file system.
+//! The rules of many writers (issue 38's findings 1-7) are tested below
+//! with real processes on a local shared directory (`LocalShared`), where
+//! a file system's caching is not the point.
 
 mod common;
 
@@ -426,7 +429,7 @@ fn shared_gc_collects_a_killed_writers_log_and_leaves_the_live_one() {
     b.signal(libc::SIGKILL);
     b.wait();
     // Collected through C's mount: another host's view of the directory.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+    let out = std::process::Command::new(common::kvtier_binary())
         .args(["shared", "gc", "--older-than", "0s", "--shared-dir"])
         .arg(&hosts.shared.1)
         .output()
@@ -667,5 +670,576 @@ fn a_writers_unclean_stop_makes_followers_verify_its_newest_region() {
         if let Some(got) = got {
             assert_eq!(got, value(k, 1, VALUE), "{k:?}");
         }
+    }
+}
+
+/// A shared directory on the local file system with nodes as real `kvtier
+/// serve` processes, regions of 1 MiB (a few MiB of puts make a node with
+/// a 4 MiB share reclaim). For the rules of many writers (reclaim floors,
+/// removals, gaps), where a file system's caching is not the point.
+struct LocalShared {
+    tmp: tempfile::TempDir,
+    shared: PathBuf,
+    config: PathBuf,
+}
+
+/// The share of a node that reclaims within a test, and of one that never
+/// does.
+const SMALL_SHARE: &str = "4MiB";
+const LARGE_SHARE: &str = "64MiB";
+
+impl LocalShared {
+    fn new() -> LocalShared {
+        let tmp = tempfile::tempdir().unwrap();
+        let shared = tmp.path().join("shared");
+        let config = tmp.path().join("kvtier.toml");
+        std::fs::write(&config, "region_size = \"1MiB\"\n").unwrap();
+        LocalShared {
+            tmp,
+            shared,
+            config,
+        }
+    }
+
+    /// Starts node `name` (data directory `<tmp>/<name>`, kept across
+    /// restarts) with `share` of the shared directory.
+    fn node(&self, name: &str, share: &str, extra: &[&str]) -> ServerProcess {
+        let (shared, config) = (
+            self.shared.display().to_string(),
+            self.config.display().to_string(),
+        );
+        let mut args = vec![
+            "--shared-dir",
+            &shared,
+            "--config",
+            &config,
+            "--disk",
+            share,
+            "--memory",
+            "16MiB",
+        ];
+        args.extend_from_slice(extra);
+        ServerProcess::start(&self.tmp.path().join(name), &args)
+    }
+
+    /// Node `name`'s region files in the shared directory, oldest first.
+    fn regions_of(&self, name: &str) -> Vec<PathBuf> {
+        let id = std::fs::read_to_string(self.tmp.path().join(name).join("node-id")).unwrap();
+        let mut regions: Vec<PathBuf> =
+            std::fs::read_dir(self.shared.join("nodes").join(id.trim()).join("regions"))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+        regions.sort();
+        regions
+    }
+}
+
+/// Stops `server` cleanly (it writes its index checkpoint at close).
+fn stop(server: &mut ServerProcess) {
+    server.signal(libc::SIGTERM);
+    assert!(server.wait().success(), "a clean stop failed");
+}
+
+/// `rounds` batches of 8 fresh 100 KB blocks through `server`, each
+/// flushed: on a node with a `SMALL_SHARE`, reclaims of its oldest regions.
+fn churn(server: &ServerProcess, first: u64, rounds: u64) {
+    let mut on = client(server);
+    for round in 0..rounds {
+        let keys: Vec<Vec<u8>> = (0..8).map(|i| key(first + round * 8 + i)).collect();
+        let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, 100_000)).collect();
+        put(&mut on, &keys, &values);
+        on.flush().unwrap();
+    }
+}
+
+fn reclaimed_regions(server: &ServerProcess) -> u64 {
+    store_stat(&client(server).stats().unwrap(), "reclaimed_regions")
+}
+
+/// Waits until `server` has begun two follow passes since the call, so
+/// one began after everything that happened before it.
+fn wait_for_a_fresh_pass(server: &ServerProcess) {
+    let mut on = client(server);
+    let polls = |on: &mut Client| store_stat(&on.stats().unwrap(), "shared_polls");
+    let first = polls(&mut on);
+    wait_until("two follow passes", || polls(&mut on) >= first + 2);
+}
+
+/// `key` through `server`: its bytes, or `None` for a miss (`exists` must
+/// agree with the get).
+fn read_one(server: &ServerProcess, key: &[u8], len: usize) -> Option<Vec<u8>> {
+    let mut on = client(server);
+    let got = get_all(&mut on, &[key.to_vec()], len).remove(0);
+    let present = on.batch_exists(&[key.to_vec()]).unwrap()[0];
+    assert_eq!(present, got.is_some(), "exists and get disagree on {key:?}");
+    got
+}
+
+fn misses_everywhere(nodes: &[(&str, &ServerProcess)], key: &[u8], why: &str) {
+    for (name, node) in nodes {
+        let found = read_one(node, key, 1 << 20).map(|v| v.len());
+        assert_eq!(found, None, "node {name}: {why} (bytes found)");
+    }
+}
+
+/// Issue 38, finding 1, with real processes: C removes a block of B's;
+/// B, having learned the removal, writes newer blocks and stops (its index
+/// checkpoint, written at close, lists live entries only); C restarts and
+/// learns B's log from that checkpoint, then reclaims the region holding
+/// its removal. Before, C's reclaim floor rose above B's put (which no
+/// checkpoint lists) and dropped the removal ("kept 0 removals"): the
+/// removed block came back on B, C and a fresh node.
+#[test]
+fn a_removal_outlives_reclaim_when_its_put_is_known_from_a_checkpoint() {
+    let dir = LocalShared::new();
+    let mut b = dir.node("b", LARGE_SHARE, &[]);
+    let mut c = dir.node("c", SMALL_SHARE, &[]);
+    let victim = value(b"victim", 1, 50_000);
+    put(&mut client(&b), &[b"victim".to_vec()], &[victim]);
+    client(&b).flush().unwrap();
+    wait_until("C sees B's block", || {
+        client(&c).batch_exists(&[b"victim".to_vec()]).unwrap()[0]
+    });
+    assert!(client(&c).remove(b"victim").unwrap());
+    wait_until("B learns the removal", || {
+        !client(&b).batch_exists(&[b"victim".to_vec()]).unwrap()[0]
+    });
+    let later: Vec<Vec<u8>> = (1000..1010).map(key).collect();
+    let values: Vec<Vec<u8>> = later.iter().map(|k| value(k, 1, 5_000)).collect();
+    put(&mut client(&b), &later, &values);
+    stop(&mut b);
+    b = dir.node("b", LARGE_SHARE, &[]);
+    stop(&mut c);
+    c = dir.node("c", SMALL_SHARE, &[]);
+    assert!(
+        store_stat(&client(&c).stats().unwrap(), "shared_checkpoints_loaded") >= 1,
+        "C learned B's log from its checkpoint"
+    );
+    churn(&c, 0, 12);
+    assert!(
+        reclaimed_regions(&c) >= 4,
+        "C reclaimed its removal's region"
+    );
+    wait_for_a_fresh_pass(&c);
+    stop(&mut b);
+    b = dir.node("b", LARGE_SHARE, &[]);
+    stop(&mut c);
+    c = dir.node("c", SMALL_SHARE, &[]);
+    let d = dir.node("d", LARGE_SHARE, &[]);
+    let nodes = [("b", &b), ("c", &c), ("d", &d)];
+    misses_everywhere(&nodes, b"victim", "the removal was dropped with its region");
+    for (name, node) in nodes {
+        assert_eq!(
+            client(node).prefix_len(&later).unwrap(),
+            later.len(),
+            "node {name}"
+        );
+    }
+}
+
+/// Issue 38, finding 2, with real processes: A puts v1, B overwrites it
+/// with v2 and reclaims the region holding v2. Before, A restarted, B
+/// restarted and a fresh node served v1 again from A's log; now each
+/// serves v2 or nothing, and blocks nobody overwrote stay.
+#[test]
+fn a_reclaimed_overwrite_never_brings_the_older_version_back_to_any_node() {
+    let dir = LocalShared::new();
+    let mut a = dir.node("a", LARGE_SHARE, &[]);
+    let mut b = dir.node("b", SMALL_SHARE, &[]);
+    let (v1, v2) = (value(b"k", 1, 40_000), value(b"k", 2, 40_000));
+    put(&mut client(&a), &[b"k".to_vec()], &[v1]);
+    client(&a).flush().unwrap();
+    wait_until("B sees A's block", || {
+        client(&b).batch_exists(&[b"k".to_vec()]).unwrap()[0]
+    });
+    put(&mut client(&b), &[b"k".to_vec()], std::slice::from_ref(&v2));
+    client(&b).flush().unwrap();
+    wait_until("A reads B's overwrite", || {
+        read_one(&a, b"k", v2.len()).as_ref() == Some(&v2)
+    });
+    churn(&b, 0, 12);
+    assert!(
+        reclaimed_regions(&b) >= 4,
+        "B reclaimed its overwrite's region"
+    );
+    wait_for_a_fresh_pass(&a);
+    stop(&mut a);
+    a = dir.node("a", LARGE_SHARE, &[]);
+    stop(&mut b);
+    b = dir.node("b", SMALL_SHARE, &[]);
+    let c = dir.node("c", LARGE_SHARE, &[]);
+    for (name, node) in [("a", &a), ("b", &b), ("c", &c)] {
+        let got = read_one(node, b"k", v2.len());
+        assert!(
+            got.is_none() || got.as_ref() == Some(&v2),
+            "node {name} serves the overwritten version"
+        );
+    }
+    let mine = value(b"mine", 1, 1_000);
+    put(
+        &mut client(&a),
+        &[b"mine".to_vec()],
+        std::slice::from_ref(&mine),
+    );
+    client(&a).flush().unwrap();
+    churn(&b, 1000, 6);
+    wait_until("C reads A's block nobody overwrote", || {
+        read_one(&c, b"mine", mine.len()).as_ref() == Some(&mine)
+    });
+}
+
+/// Issue 38, finding 3, with real processes: S (flushing on demand)
+/// acknowledges a put that is in no log yet; A removes the key after that
+/// and reclaims the region holding its removal; S flushes the put later,
+/// numbered below the removal. Before, A's reclaim floor had risen above
+/// the put on its way and dropped the removal: the value came back on
+/// running and restarted nodes. Now S publishes its write floor.
+#[test]
+fn a_put_acknowledged_but_flushed_later_never_outlives_a_later_remove() {
+    let dir = LocalShared::new();
+    let mut s = dir.node("s", LARGE_SHARE, &["--flush", "on-demand"]);
+    let mut a = dir.node("a", SMALL_SHARE, &[]);
+    put(
+        &mut client(&s),
+        &[b"victim".to_vec()],
+        &[value(b"victim", 1, 30_000)],
+    );
+    wait_for_a_fresh_pass(&a);
+    assert!(
+        !client(&a).remove(b"victim").unwrap(),
+        "A cannot know a put that is in no log"
+    );
+    // Passes that begin after the removal: only S's published write floor
+    // keeps A's floor below the put on its way.
+    wait_for_a_fresh_pass(&a);
+    churn(&a, 0, 12);
+    assert!(
+        reclaimed_regions(&a) >= 4,
+        "A reclaimed its removal's region"
+    );
+    client(&s).flush().unwrap();
+    wait_for_a_fresh_pass(&a);
+    misses_everywhere(&[("a", &a)], b"victim", "after S's flush");
+    stop(&mut s);
+    s = dir.node("s", LARGE_SHARE, &["--flush", "on-demand"]);
+    stop(&mut a);
+    a = dir.node("a", SMALL_SHARE, &[]);
+    let d = dir.node("d", LARGE_SHARE, &[]);
+    misses_everywhere(
+        &[("s", &s), ("a", &a), ("d", &d)],
+        b"victim",
+        "a put acknowledged before the remove came back",
+    );
+}
+
+/// Issue 38, finding 5, with real processes: regions deleted from the
+/// middle of B's log took B's removal of an older put with them. Before,
+/// every follower restarted and every fresh node served the removed block
+/// again from the region before the gap (B itself, restarted, did not);
+/// now no node indexes B's regions behind the gap, and with B's newest
+/// region deleted no node indexes B's log at all.
+#[test]
+fn followers_index_nothing_behind_a_deleted_region_of_another_writer() {
+    let dir = LocalShared::new();
+    let mut b = dir.node("b", LARGE_SHARE, &[]);
+    let victim = value(b"victim", 1, 30_000);
+    put(&mut client(&b), &[b"victim".to_vec()], &[victim]);
+    churn(&b, 0, 3);
+    assert!(client(&b).remove(b"victim").unwrap());
+    churn(&b, 100, 3);
+    let mut c = dir.node("c", LARGE_SHARE, &[]);
+    misses_everywhere(&[("c", &c)], b"victim", "before any damage");
+    let regions = dir.regions_of("b");
+    assert!(regions.len() >= 5, "{regions:?}");
+    for middle in &regions[1..regions.len() - 1] {
+        std::fs::remove_file(middle).unwrap();
+    }
+    // A block written past the gap, into B's newest region, still reads.
+    let newest = value(b"newest", 1, 1_000);
+    put(
+        &mut client(&b),
+        &[b"newest".to_vec()],
+        std::slice::from_ref(&newest),
+    );
+    client(&b).flush().unwrap();
+    wait_for_a_fresh_pass(&c);
+    stop(&mut c);
+    c = dir.node("c", LARGE_SHARE, &[]);
+    let d = dir.node("d", LARGE_SHARE, &[]);
+    for (name, node) in [("c", &c), ("d", &d)] {
+        misses_everywhere(&[(name, node)], b"victim", "a removal lost in the gap");
+        assert_eq!(
+            read_one(node, b"newest", newest.len()).as_ref(),
+            Some(&newest),
+            "node {name}"
+        );
+        assert!(
+            store_stat(&client(node).stats().unwrap(), "shared_regions_behind_gap") >= 1,
+            "node {name}"
+        );
+    }
+    stop(&mut b);
+    b = dir.node("b", LARGE_SHARE, &[]);
+    misses_everywhere(&[("b", &b)], b"victim", "the writer itself");
+    stop(&mut b);
+    drop(d);
+    let regions = dir.regions_of("b");
+    std::fs::remove_file(regions.last().unwrap()).unwrap();
+    let e = dir.node("e", LARGE_SHARE, &[]);
+    misses_everywhere(&[("e", &e)], b"victim", "B's newest region deleted");
+    misses_everywhere(&[("e", &e)], b"newest", "B's newest region deleted");
+}
+
+impl LocalShared {
+    fn data(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    /// `nodes/<id>` of node `name`'s writer.
+    fn writer_dir(&self, name: &str) -> PathBuf {
+        let id = std::fs::read_to_string(self.data(name).join("node-id")).unwrap();
+        self.shared.join("nodes").join(id.trim())
+    }
+
+    /// Every file under the shared directory's `nodes/`, with its length.
+    fn files_under_nodes(&self) -> Vec<(PathBuf, u64)> {
+        fn walk(dir: &Path, out: &mut Vec<(PathBuf, u64)>) {
+            for entry in std::fs::read_dir(dir).unwrap() {
+                let entry = entry.unwrap();
+                let meta = entry.metadata().unwrap();
+                if meta.is_dir() {
+                    walk(&entry.path(), out);
+                } else {
+                    out.push((entry.path(), meta.len()));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.shared.join("nodes"), &mut out);
+        out.sort();
+        out
+    }
+
+    /// `kvtier shared gc --older-than 0s` on this directory, as a process.
+    fn collect(&self) -> std::process::Child {
+        std::process::Command::new(common::kvtier_binary())
+            .args(["shared", "gc", "--older-than", "0s", "--shared-dir"])
+            .arg(&self.shared)
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}
+
+/// Issue 38, finding 4, with real processes: `kvtier shared gc` collects a
+/// killed writer's log while that writer restarts. Before, the collector
+/// dropped the writer's lock, then removed its directory: a writer
+/// starting in between failed every flush for good ("No such file or
+/// directory" opening its next region) or ran without its `LOCK` (4 of 4
+/// runs, within 5 rounds). Now every round's restarted writer holds a
+/// linked `LOCK`, and its puts are durable and read back after a restart.
+/// The race is not forced: each round lets the collector and the restart
+/// run at once, so a round may miss the window; the assertions hold in
+/// every order.
+#[test]
+fn collection_racing_a_writers_restart_never_leaves_it_without_its_directory() {
+    let dir = LocalShared::new();
+    let mut b = dir.node("b", LARGE_SHARE, &[]);
+    let mut collected = 0;
+    for round in 0..10u64 {
+        let k = key(round);
+        put(
+            &mut client(&b),
+            std::slice::from_ref(&k),
+            &[value(&k, 1, 20_000)],
+        );
+        client(&b).flush().unwrap();
+        b.signal(libc::SIGKILL);
+        b.wait();
+        let gc = dir.collect();
+        b = dir.node("b", LARGE_SHARE, &[]);
+        let out = gc.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "round {round}: {said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if said.contains("reclaimed") {
+            collected += 1;
+        }
+        let mine = key(1000 + round);
+        let bytes = value(&mine, 1, 20_000);
+        put(
+            &mut client(&b),
+            std::slice::from_ref(&mine),
+            std::slice::from_ref(&bytes),
+        );
+        client(&b)
+            .flush()
+            .unwrap_or_else(|e| panic!("round {round}: the restarted writer cannot flush: {e}"));
+        let lock = dir.writer_dir("b").join("LOCK");
+        assert!(
+            std::fs::symlink_metadata(&lock).is_ok_and(|m| m.is_file()),
+            "round {round}: the restarted writer runs without {}",
+            lock.display()
+        );
+        stop(&mut b);
+        b = dir.node("b", LARGE_SHARE, &[]);
+        assert_eq!(
+            read_one(&b, &mine, bytes.len()).as_ref(),
+            Some(&bytes),
+            "round {round}: a block flushed after the restart"
+        );
+    }
+    eprintln!("the collector reclaimed the killed writer's log in {collected} of 10 rounds");
+}
+
+/// Issue 38, finding 6, with real processes: two servers with one node id
+/// (a copied data directory) once `nodes/<id>/LOCK` is deleted. Before,
+/// both wrote one log (8-11 of 32 acknowledged flushed blocks lost,
+/// regions quarantined). Now a running writer takes the name back at its
+/// next batch and the copy is refused; a copy that starts first makes the
+/// original stop writing with a clear error, and every block the copy
+/// acknowledged is there after restarts.
+#[test]
+fn a_deleted_writer_lock_never_lets_two_servers_write_one_log() {
+    let dir = LocalShared::new();
+    let mut a = dir.node("a", LARGE_SHARE, &[]);
+    let lock = dir.writer_dir("a").join("LOCK");
+    let copy_data = || {
+        let copy = dir.data("a-copy");
+        let _ = std::fs::remove_dir_all(&copy);
+        assert!(std::process::Command::new("cp")
+            .arg("-a")
+            .arg(dir.data("a"))
+            .arg(&copy)
+            .status()
+            .unwrap()
+            .success());
+        // The copy's data directory lock is a fresh file: only the
+        // shared directory's writer lock stands between the two.
+        let _ = std::fs::remove_file(copy.join("LOCK"));
+    };
+    let shared = dir.shared.display().to_string();
+    let config = dir.config.display().to_string();
+    let copy_args = [
+        "--shared-dir",
+        &shared,
+        "--config",
+        &config,
+        "--disk",
+        LARGE_SHARE,
+    ];
+    put(&mut client(&a), &[key(0)], &[value(&key(0), 1, 9_000)]);
+    client(&a).flush().unwrap();
+
+    // Deleted, then the running writer writes: it takes the name back.
+    std::fs::remove_file(&lock).unwrap();
+    put(&mut client(&a), &[key(1)], &[value(&key(1), 1, 9_000)]);
+    client(&a).flush().unwrap();
+    copy_data();
+    let refused = ServerProcess::try_start(&dir.data("a-copy"), &copy_args);
+    assert!(refused.contains("held by another process"), "{refused}");
+
+    // Deleted, and the copy starts first: the original stops writing.
+    std::fs::remove_file(&lock).unwrap();
+    copy_data();
+    let mut b = dir.node("a-copy", LARGE_SHARE, &[]);
+    put(&mut client(&a), &[key(2)], &[value(&key(2), 1, 9_000)]);
+    let e = client(&a).flush().unwrap_err();
+    assert!(e.to_string().contains("no longer the lock file"), "{e}");
+    let keys: Vec<Vec<u8>> = (100..132).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 2, 9_000)).collect();
+    put(&mut client(&b), &keys, &values);
+    client(&b).flush().unwrap();
+    a.signal(libc::SIGKILL);
+    a.wait();
+    stop(&mut b);
+    let b = dir.node("a-copy", LARGE_SHARE, &[]);
+    let got = get_all(&mut client(&b), &keys, 9_000);
+    let lost = keys
+        .iter()
+        .zip(&values)
+        .zip(&got)
+        .filter(|((_, v), got)| got.as_ref() != Some(*v))
+        .count();
+    assert_eq!(lost, 0, "acknowledged, flushed blocks of the copy lost");
+    let stats = client(&b).stats().unwrap();
+    assert_eq!(store_stat(&stats, "quarantined_regions"), 0, "{stats}");
+}
+
+/// Issue 38, finding 7, with real processes: a node's shared identity
+/// replaced (key-secret and key-check copied from another directory) or
+/// deleted (FORMAT, key-secret and key-check gone). Before, the restarting
+/// node moved every region of its log to `quarantine/` and served 0 of
+/// 20 (and every node restarting after it did the same). Now it refuses
+/// to start with a clear error and nothing under `nodes/` changes; with
+/// the identity restored it serves every block.
+#[test]
+fn a_replaced_or_deleted_shared_identity_stops_a_server_with_nothing_moved() {
+    let dir = LocalShared::new();
+    let mut a = dir.node("a", LARGE_SHARE, &[]);
+    let keys: Vec<Vec<u8>> = (0..20).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, 9_000)).collect();
+    put(&mut client(&a), &keys, &values);
+    client(&a).flush().unwrap();
+    stop(&mut a);
+    let before = dir.files_under_nodes();
+    let identity = ["FORMAT", "key-secret", "key-check"];
+    let saved: Vec<Vec<u8>> = identity
+        .iter()
+        .map(|f| std::fs::read(dir.shared.join(f)).unwrap())
+        .collect();
+    let shared = dir.shared.display().to_string();
+    let config = dir.config.display().to_string();
+    let args = [
+        "--shared-dir",
+        &shared,
+        "--config",
+        &config,
+        "--disk",
+        LARGE_SHARE,
+    ];
+
+    // Another directory's identity copied over this one's.
+    let other = LocalShared::new();
+    drop(other.node("z", LARGE_SHARE, &[]));
+    for name in ["key-secret", "key-check"] {
+        std::fs::remove_file(dir.shared.join(name)).unwrap();
+        std::fs::copy(other.shared.join(name), dir.shared.join(name)).unwrap();
+    }
+    let refused = ServerProcess::try_start(&dir.data("a"), &args);
+    assert!(refused.contains("verifies under"), "{refused}");
+    assert_eq!(dir.files_under_nodes(), before, "nothing moved");
+
+    // The identity deleted: refused, never minted again.
+    for name in identity {
+        std::fs::remove_file(dir.shared.join(name)).unwrap();
+    }
+    let refused = ServerProcess::try_start(&dir.data("a"), &args);
+    assert!(refused.contains("identity was deleted"), "{refused}");
+    assert!(
+        !dir.shared.join("key-secret").exists(),
+        "no identity minted"
+    );
+    assert_eq!(dir.files_under_nodes(), before, "nothing moved");
+
+    // Restored: every block is there.
+    for (name, bytes) in identity.iter().zip(&saved) {
+        std::fs::write(dir.shared.join(name), bytes).unwrap();
+        std::fs::set_permissions(
+            dir.shared.join(name),
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+    }
+    let a = dir.node("a", LARGE_SHARE, &[]);
+    let got = get_all(&mut client(&a), &keys, 9_000);
+    for ((k, v), got) in keys.iter().zip(&values).zip(&got) {
+        assert_eq!(got.as_ref(), Some(v), "{k:?}");
     }
 }

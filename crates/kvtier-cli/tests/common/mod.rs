@@ -13,6 +13,25 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The `kvtier` binary the tests run: this build's, or the one named by
+/// `KVTIER_TEST_SERVER_BIN`, to show that a new test fails on an older
+/// build (said on stderr, so such a run is never mistaken for this build's).
+pub fn kvtier_binary() -> std::path::PathBuf {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    match std::env::var_os("KVTIER_TEST_SERVER_BIN") {
+        Some(other) => {
+            SAID.call_once(|| {
+                eprintln!(
+                    "NOTE: running {} instead of this build's kvtier (KVTIER_TEST_SERVER_BIN)",
+                    Path::new(&other).display()
+                )
+            });
+            other.into()
+        }
+        None => env!("CARGO_BIN_EXE_kvtier").into(),
+    }
+}
+
 /// A config file (written in `dir`) with frames of at most 64 MiB and a
 /// 128 MiB buffer budget: small enough for a test to fill.
 pub fn small_buffer_config(dir: &Path) -> std::path::PathBuf {
@@ -153,7 +172,7 @@ impl ServerProcess {
                 .filter(|s| **s != "--generated-token")
                 .map(|s| s.to_string()),
         );
-        let mut command = Command::new(env!("CARGO_BIN_EXE_kvtier"));
+        let mut command = Command::new(kvtier_binary());
         command
             .args(&args)
             .env_remove("KVTIER_AUTH_TOKEN")
@@ -188,7 +207,7 @@ impl ServerProcess {
     /// A server that starts anyway is killed after 20 s and fails the test
     /// (never a hang).
     pub fn try_start(dir: &Path, extra: &[&str]) -> String {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        let mut child = Command::new(kvtier_binary())
             .args(["serve", "--data-dir", &dir.display().to_string()])
             .args(["--memory", "16MiB", "--admin", "off"])
             .args(if extra.contains(&"--listen") {

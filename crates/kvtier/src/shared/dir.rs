@@ -57,8 +57,26 @@ pub struct SharedDir {
 #[derive(Debug)]
 pub struct WriterLock {
     path: PathBuf,
+    /// What this holder writes into the file (`holder_line`).
+    holder: Holder,
     state: Mutex<LockState>,
 }
+
+/// Who takes a writer directory's lock: its own writer, or a collector
+/// adopting a dead writer's log (`shared::gc`). The lock file names which
+/// (`pid N on HOST`, `collector pid N on HOST`), so that a writer starting
+/// while a collector holds its lock waits for the collection to end
+/// instead of being refused as if a second writer ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holder {
+    Writer,
+    Collector,
+}
+
+/// How long a starting writer waits for a collector that holds its lock
+/// (collecting a log reads its records and deletes its files: seconds,
+/// not minutes); past it, the start is refused with a clear error.
+const COLLECTOR_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 #[derive(Debug)]
 struct LockState {
@@ -120,7 +138,7 @@ impl WriterLock {
                 flock_exclusive(&file)?;
                 let id = file_id(&file)?;
                 let mut writer = &file;
-                let _ = writer.write_all(holder_line().as_bytes());
+                let _ = writer.write_all(holder_line(self.holder).as_bytes());
                 Ok((file, id))
             });
         match healed {
@@ -145,15 +163,28 @@ impl WriterLock {
 }
 
 /// The line a writer lock's holder writes into it.
-fn holder_line() -> String {
-    format!("pid {} on {}\n", std::process::id(), host_name())
+fn holder_line(holder: Holder) -> String {
+    let pid_on_host = format!("pid {} on {}\n", std::process::id(), host_name());
+    match holder {
+        Holder::Writer => pid_on_host,
+        Holder::Collector => format!("{COLLECTOR_PREFIX}{pid_on_host}"),
+    }
 }
+
+const COLLECTOR_PREFIX: &str = "collector ";
 
 impl SharedDir {
     /// Opens (creating what is missing) the shared directory `root` for
     /// node `node_id`; returns it with the secret every node keys digests
     /// with.
+    #[cfg(test)]
     pub fn open(root: &Path, node_id: &str) -> Result<(SharedDir, KeySecret)> {
+        Self::open_as(root, node_id, Holder::Writer)
+    }
+
+    /// [`SharedDir::open`] by `holder`: a collector adopting node
+    /// `node_id`'s log takes its lock as a collector.
+    pub fn open_as(root: &Path, node_id: &str, holder: Holder) -> Result<(SharedDir, KeySecret)> {
         crate::private::create_dir(root)
             .map_err(|e| Error::io(format!("creating shared directory {}", root.display()), e))?;
         let tightened = crate::private::check_dir(root)
@@ -164,7 +195,7 @@ impl SharedDir {
         let secret = settle_identity(root, node_id)?;
         let nodes = root.join(NODES_DIR);
         let writer_dir = nodes.join(node_id);
-        let writer_lock = lock_writer(&writer_dir)?.map(Arc::new);
+        let writer_lock = lock_writer(&writer_dir, holder)?.map(Arc::new);
         let shared = SharedDir {
             root: root.to_path_buf(),
             writer_dir,
@@ -353,15 +384,22 @@ fn link_into_place(root: &Path, name: &str, bytes: &[u8], node_id: &str) -> Resu
 /// process closed: see `crate::lock::LiveLock`) is waited for, up to
 /// 30 s (`crate::lock::flock_waiting_for_let_go`): what still holds it
 /// then (a child between fork and exec, a closing ring) lets go by
-/// itself. A holder on another host is refused at once.
+/// itself. A holder on another host is refused at once, unless it is a
+/// collector (`Holder::Collector`): a writer waits for it up to
+/// `COLLECTOR_WAIT`, then takes the lock (making its directory again if
+/// the collector removed it).
 ///
 /// The lock is the file linked as `LOCK` when it is taken: a lock won on a
 /// file a collector (or an operator) unlinked meanwhile locks nothing, so
 /// the writer directory and `LOCK` are made again and the lock taken again.
-fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
+fn lock_writer(writer_dir: &Path, holder: Holder) -> Result<Option<WriterLock>> {
     const ATTEMPTS: u32 = 8;
     let path = writer_dir.join(WRITER_LOCK_FILE);
-    for _ in 0..ATTEMPTS {
+    let started = std::time::Instant::now();
+    let mut said_waiting = false;
+    let mut attempts = 0;
+    while attempts < ATTEMPTS {
+        attempts += 1;
         crate::private::create_dir(writer_dir)
             .map_err(|e| Error::io(format!("creating {}", writer_dir.display()), e))?;
         let opened = OpenOptions::new()
@@ -382,7 +420,36 @@ fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
             holder_on_this_host_let_go(&read_holder(&path), id)
         });
         if let Err(e) = locked {
+            let collecting = read_holder(&path).starts_with(COLLECTOR_PREFIX);
+            if holder == Holder::Writer
+                && e.raw_os_error() == Some(libc::EWOULDBLOCK)
+                && collecting
+                && started.elapsed() < COLLECTOR_WAIT
+            {
+                if !said_waiting {
+                    said_waiting = true;
+                    tracing::warn!(path = %path.display(), holder = %read_holder(&path).trim(), "a collector is reclaiming this node's earlier log (it took this node for a dead writer); waiting for it to finish");
+                }
+                attempts -= 1;
+                // The file stays open while this waits (a collector that
+                // removes the directory meanwhile unlinks it under us).
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                drop(file);
+                continue;
+            }
             return match e.raw_os_error() {
+                Some(libc::EWOULDBLOCK) if collecting => Err(Error::new(
+                    ErrorKind::Locked,
+                    format!(
+                        "{} is held by a collector ({}) reclaiming this node's earlier log, \
+                         still after {} s (it took this node for a dead writer: raise \
+                         --adopt-after or `kvtier shared gc --older-than`); start again once \
+                         it is done",
+                        path.display(),
+                        read_holder(&path).trim(),
+                        COLLECTOR_WAIT.as_secs()
+                    ),
+                )),
                 Some(libc::EWOULDBLOCK) => Err(Error::new(
                     ErrorKind::Locked,
                     format!(
@@ -406,9 +473,10 @@ fn lock_writer(writer_dir: &Path) -> Result<Option<WriterLock>> {
             continue;
         }
         let _ = file.set_len(0);
-        let _ = file.write_all(holder_line().as_bytes());
+        let _ = file.write_all(holder_line(holder).as_bytes());
         return Ok(Some(WriterLock {
             path,
+            holder,
             state: Mutex::new(LockState {
                 held: vec![(file, id, LiveLock::register(id))],
                 lost: None,
@@ -502,6 +570,42 @@ mod tests {
         let e = first.writer_lock().unwrap().check().unwrap_err();
         assert!(e.to_string().contains("vanished"), "{e}");
         assert!(!first.writer_dir.exists(), "not made again behind its back");
+    }
+
+    /// A writer starting while a collector (`Holder::Collector`, a live
+    /// process) holds its lock waits for the collection instead of being
+    /// refused as a second writer, and once the collector has removed the
+    /// directory makes it again and holds the new lock.
+    #[test]
+    fn a_writer_starting_during_a_collection_waits_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 8);
+        drop(SharedDir::open(dir.path(), &id).unwrap());
+        let (collector, _) = SharedDir::open_as(dir.path(), &id, Holder::Collector).unwrap();
+        let writer_dir = collector.writer_dir.clone();
+        let path = writer_dir.join(WRITER_LOCK_FILE);
+        assert!(read_holder(&path).starts_with(COLLECTOR_PREFIX));
+        let root = dir.path().to_path_buf();
+        let starting = {
+            let id = id.clone();
+            std::thread::spawn(move || SharedDir::open(&root, &id).map(|(s, _)| s))
+        };
+        // The writer has the collector's lock file open: it waits.
+        while open_count(&path) < 2 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(!starting.is_finished(), "refused instead of waiting");
+        // The collection ends: the directory goes, lock file last.
+        fs::remove_file(&path).unwrap();
+        fs::remove_dir_all(&writer_dir).unwrap();
+        drop(collector);
+        let writer = starting.join().unwrap().expect("the writer starts");
+        let lock = writer.writer_lock().unwrap();
+        lock.check().expect("holds the lock file that is linked");
+        assert!(read_holder(&path).starts_with("pid "), "a writer's line");
+        // A writer holding it is still refused at once.
+        let e = SharedDir::open(dir.path(), &id).unwrap_err();
+        assert!(e.to_string().contains("held by another process"), "{e}");
     }
 
     /// A collector removes a writer directory while holding its lock, the

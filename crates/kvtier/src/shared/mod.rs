@@ -11,7 +11,7 @@ mod gc;
 mod write_floor;
 
 pub(crate) use checkpoint::CheckpointWriter;
-pub(crate) use dir::SharedDir;
+pub(crate) use dir::{Holder, SharedDir};
 pub use follow::SharedWriter;
 pub(crate) use follow::{FollowCounters, Follower};
 pub use gc::{collect_dead_writers, collect_dead_writers_where, CollectedWriter, Collection};

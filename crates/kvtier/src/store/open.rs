@@ -54,7 +54,12 @@ impl Store {
         // node's log lives in its writer directory there.
         let (shared, secret, identity_confirmed) = match &config.shared_dir {
             Some(root) => {
-                let (shared, secret) = SharedDir::open(root, &node_id)?;
+                let holder = if config.adopt_writer.is_some() {
+                    crate::shared::Holder::Collector
+                } else {
+                    crate::shared::Holder::Writer
+                };
+                let (shared, secret) = SharedDir::open_as(root, &node_id, holder)?;
                 (Some(shared), Arc::new(secret), true)
             }
             None => (None, Arc::new(identity.secret), identity.confirmed),
