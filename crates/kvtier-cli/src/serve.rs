@@ -178,6 +178,7 @@ struct FileConfig {
     max_receiving: Option<String>,
     max_buffer_bytes: Option<String>,
     tenant_share_percent: Option<u8>,
+    tenant_reserve_percent: Option<u8>,
     max_admin_connections: Option<usize>,
     admin_timeout: Option<f64>,
     peer_timeout: Option<f64>,
@@ -503,6 +504,15 @@ pub fn run(args: &ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("tenant_share_percent {percent}: give 1 to 100").into());
         }
         limits.tenant_share_percent = percent;
+    }
+    if let Some(percent) = file.tenant_reserve_percent {
+        if percent > 90 {
+            return Err(format!(
+                "tenant_reserve_percent {percent}: give 0 to 90 (the tenants need some of the budget)"
+            )
+            .into());
+        }
+        limits.tenant_reserve_percent = percent;
     }
     if let Some(bytes) = size(&file.max_receiving, "max_receiving")? {
         limits.max_receiving_bytes = Some(bytes);

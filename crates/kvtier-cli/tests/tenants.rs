@@ -374,3 +374,154 @@ fn the_event_feed_is_refused_off_loopback_and_beside_tenants_unless_opted_in() {
     );
     assert!(plain.stats()["store"].is_object());
 }
+
+/// Issue 39, finding 7: tenants' shares that added up to the whole. Two
+/// tenants at 50 % each held all of the buffer budget with bodies one
+/// byte short, and a third, idle tenant and the server's own clients got
+/// LIMIT. Now the tenants together leave the server its reserve
+/// (`tenant_reserve_percent`, 25 %), and busy tenants leave an idle one its
+/// floor (half the tenants' part split evenly): with a 128 MiB budget and
+/// three tenants, 96 MiB for tenants, 16 MiB each guaranteed.
+#[test]
+fn busy_tenants_leave_room_for_an_idle_tenant_and_the_servers_own_clients() {
+    use kvtier_wire::protocol::{code, Op};
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::time::Duration;
+    const MIB: usize = 1 << 20;
+    const TOKEN_C: &str = "tenant-c-token-0123456789abcdef";
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = dir.path().join("tenants.toml");
+    let mut body = String::new();
+    for (name, token) in [("a", TOKEN_A), ("b", TOKEN_B), ("c", TOKEN_C)] {
+        body += &format!(
+            "[[tenant]]\nname = \"{name}\"\ntoken = \"{token}\"\nnamespaces = [\"tenant-{name}/\"]\n\n"
+        );
+    }
+    write_tenants(&tenants, &body, 0o600);
+    // Out-of-range splits are refused at start, naming the knob.
+    for (knob, said) in [
+        (
+            "tenant_reserve_percent = 95",
+            "tenant_reserve_percent 95: give 0 to 90",
+        ),
+        (
+            "tenant_share_percent = 0",
+            "tenant_share_percent 0: give 1 to 100",
+        ),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, format!("{knob}\n")).unwrap();
+        let refused = ServerProcess::try_start(
+            &dir.path().join("refused"),
+            &[
+                "--tenants",
+                tenants.to_str().unwrap(),
+                "--config",
+                bad.to_str().unwrap(),
+            ],
+        );
+        assert!(refused.contains(said), "{refused}");
+    }
+    let config = common::small_buffer_config(dir.path());
+    let server = ServerProcess::start(
+        &dir.path().join("data"),
+        &[
+            "--tenants",
+            tenants.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+        ],
+    );
+    let connect = |token: &str, namespace: &str| {
+        let mut s = TcpStream::connect(&server.tcp).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(&common::frame(
+            Op::Hello,
+            1,
+            &common::hello_body(token, namespace),
+        ))
+        .unwrap();
+        assert_eq!(common::read_reply(&mut s).0, 0, "hello refused");
+        s
+    };
+    // Tenants a and b: six 20 MiB bodies each, one byte short, all at once.
+    const BODY: usize = 20 * MIB;
+    const PER_TENANT: usize = 6;
+    let held: Vec<TcpStream> = std::thread::scope(|scope| {
+        let handles: Vec<_> = [(TOKEN_A, "tenant-a/x"), (TOKEN_B, "tenant-b/x")]
+            .into_iter()
+            .flat_map(|who| std::iter::repeat_n(who, PER_TENANT))
+            .map(|(token, namespace)| {
+                let connect = &connect;
+                scope.spawn(move || {
+                    let mut s = connect(token, namespace);
+                    common::send_all_but_last_byte(&mut s, Op::BatchExists, BODY);
+                    s
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The server has read every byte sent on each connection (the bytes
+    // of a body it holds are counted before they are read; those of a
+    // body it refused are read and dropped): each socket's send queue is
+    // empty. Then what the tenants hold is settled.
+    let unsent = |s: &TcpStream| {
+        use std::os::fd::AsRawFd;
+        let mut queued: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ writes one int through the pointer given.
+        let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+        assert_eq!(rc, 0, "TIOCOUTQ: {}", std::io::Error::last_os_error());
+        queued
+    };
+    let started = std::time::Instant::now();
+    while held.iter().any(|s| unsent(s) > 0) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the server did not read the bodies"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let response = server.http_request(&format!(
+        "GET /stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
+    ));
+    let stats: serde_json::Value =
+        serde_json::from_str(response.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    let held_by = |tenant: &str| {
+        stats["budgets"]["tenants"][tenant]["buffer_bytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no budgets.tenants.{tenant} in {stats}"))
+    };
+    let (a, b) = (held_by("a"), held_by("b"));
+    eprintln!(
+        "tenants a and b hold {} and {} MiB of the 128 MiB budget",
+        a >> 20,
+        b >> 20
+    );
+    assert!(
+        a + b <= 80 * MIB as u64,
+        "a and b took the room tenant c's floor needs"
+    );
+    // A whole body from the idle tenant c (within its floor), then one from
+    // a client of the server's token (within the reserve): each is read
+    // (PROTOCOL: not a valid BatchExists), not refused.
+    for (token, namespace, len) in [
+        (TOKEN_C, "tenant-c/x", 15 * MIB),
+        (TEST_TOKEN, "", 30 * MIB),
+    ] {
+        let mut s = connect(token, namespace);
+        let mut head = common::frame(Op::BatchExists, 2, &[]);
+        head[16..20].copy_from_slice(&(len as u32).to_le_bytes());
+        s.write_all(&head).unwrap();
+        s.write_all(&vec![0xffu8; len]).unwrap();
+        let (status, body) = common::read_reply(&mut s);
+        assert_ne!(
+            status,
+            code::LIMIT,
+            "{namespace:?} starved by tenants a and b: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    drop(held);
+}

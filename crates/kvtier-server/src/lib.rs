@@ -204,18 +204,19 @@ impl Server {
                 .max_receiving_bytes
                 .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
         );
+        let pools = |global: &Arc<Budget>| {
+            limits::Budgets::for_tenants(
+                global,
+                config.tenants.len(),
+                limits.tenant_share_percent,
+                limits.tenant_reserve_percent,
+            )
+        };
         let tenant_budgets = config
             .tenants
             .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    (
-                        limits::Budgets::shared(&buffers, limits.tenant_share_percent),
-                        limits::Budgets::shared(&receiving, limits.tenant_share_percent),
-                    ),
-                )
-            })
+            .map(|t| t.name.clone())
+            .zip(pools(&buffers).into_iter().zip(pools(&receiving)))
             .collect();
         let peers = config.cluster.as_ref().map(|view| {
             Arc::new(kvtier_client::routing::Peers::new(

@@ -228,6 +228,7 @@ impl Admin {
                     None => serde_json::json!({ "enabled": false, "members": [] }),
                 };
                 json["shared_storage"] = shared_storage_json(&shared.store);
+                json["budgets"] = budgets_json(shared);
                 json["kv_events"] = match &shared.config.kv_events {
                     Some(events) => {
                         let mut j = serde_json::to_value(events.stats()).unwrap_or_default();
@@ -330,6 +331,31 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
         "text/plain; charset=utf-8",
         Bytes::from_static(body.as_bytes()),
     )
+}
+
+/// What the buffer and receiving budgets hold now, server-wide and by
+/// tenant (docs/server.md, "Limits").
+fn budgets_json(shared: &crate::Shared) -> serde_json::Value {
+    let tenants: serde_json::Map<String, serde_json::Value> = shared
+        .tenant_budgets
+        .iter()
+        .map(|(name, (heap, receiving))| {
+            (
+                name.clone(),
+                serde_json::json!({
+                    "buffer_bytes": heap.used().1.unwrap_or(0),
+                    "receiving_bytes": receiving.used().1.unwrap_or(0),
+                }),
+            )
+        })
+        .collect();
+    serde_json::json!({
+        "buffer_bytes": shared.buffers.used(),
+        "buffer_limit": shared.buffers.limit(),
+        "receiving_bytes": shared.receiving.used(),
+        "receiving_limit": shared.receiving.limit(),
+        "tenants": tenants,
+    })
 }
 
 fn json_reply(json: &serde_json::Value) -> Response<Full<Bytes>> {
