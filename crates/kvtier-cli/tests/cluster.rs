@@ -1391,3 +1391,85 @@ fn members_in_the_bounded_index_mode_share_the_index_and_ask_each_other() {
         assert_eq!((hits, misses, wrong), (270, 30, 0));
     }
 }
+
+/// Issue 39, finding 7 (routed gets): gets of absent keys with large
+/// rooms, repeated on two connections, held a node's whole buffer budget
+/// (its reply staging was sized by the rooms before any member answered),
+/// and another client's puts got LIMIT. Now a node asks the members for
+/// the lengths first when staging by room would pass 1 MiB: absent keys
+/// stage nothing, present ones their length.
+#[test]
+fn routed_gets_stage_what_the_members_hold_not_what_the_request_asks() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    const MIB: usize = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let config = common::small_buffer_config(dir.path());
+    let config = ["--config", config.to_str().unwrap()];
+    let a = node(&dir.path().join("a"), &etcd, &config);
+    let b = node(&dir.path().join("b"), &etcd, &config);
+    wait_for_members(&[&a, &b], 2, Duration::from_secs(20));
+    let absent: Vec<Vec<u8>> = (0..60)
+        .map(|i| format!("absent-{i}").into_bytes())
+        .collect();
+    let stop = AtomicBool::new(false);
+    let rounds = AtomicU64::new(0);
+    let buffer_bytes = std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                let mut client = Client::connect_with(&a.tcp_url(), options()).unwrap();
+                let mut bufs: Vec<Vec<u8>> = absent.iter().map(|_| vec![0u8; MIB]).collect();
+                while !stop.load(Ordering::Acquire) {
+                    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+                    for result in client.batch_get_into(&absent, &mut slices).unwrap() {
+                        assert_eq!(result.unwrap(), None);
+                    }
+                    rounds.fetch_add(1, Ordering::AcqRel);
+                }
+            });
+        }
+        let started = Instant::now();
+        while rounds.load(Ordering::Acquire) < 6 {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the gets did not run"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let held = a.stats()["budgets"]["buffer_bytes"].as_u64();
+        // While they run: another client's 1 MiB puts.
+        let mut other = Client::connect_with(&a.tcp_url(), options()).unwrap();
+        let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("put-{i}").into_bytes()).collect();
+        let values: Vec<Vec<u8>> = (0..8).map(|i| value(i, MIB)).collect();
+        let results = other.batch_put(&keys, &values).unwrap();
+        let refused = results.iter().filter(|r| r.is_err()).count();
+        stop.store(true, Ordering::Release);
+        assert_eq!(refused, 0, "puts refused while the gets ran: {results:?}");
+        held
+    });
+    let held = buffer_bytes.expect("budgets.buffer_bytes in node a's /stats");
+    eprintln!("node a's buffers while the gets of absent keys ran: {held} bytes");
+    assert!(held < 4 * MIB as u64, "{held} bytes staged for absent keys");
+    // Present keys (on both members) with rooms far above their length:
+    // exact bytes back, staged by their length.
+    let present = keys(40);
+    let mut client = Client::connect_with(&a.tcp_url(), options()).unwrap();
+    let values: Vec<Vec<u8>> = (0..40).map(|i| value(i, 8 << 10)).collect();
+    for r in client.batch_put(&present, &values).unwrap() {
+        r.unwrap();
+    }
+    let mut bufs: Vec<Vec<u8>> = present.iter().map(|_| vec![0u8; MIB]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let got = client.batch_get_into(&present, &mut slices).unwrap();
+    for (i, result) in got.into_iter().enumerate() {
+        assert_eq!(result.unwrap(), Some(8 << 10), "key {i}");
+        assert_eq!(&bufs[i][..8 << 10], &values[i][..], "key {i}");
+    }
+    // A room smaller than the value: BUFFER_TOO_SMALL says the length.
+    let mut small = [0u8; 100];
+    let got = client
+        .batch_get_into(&present[..1], &mut [&mut small[..]])
+        .unwrap();
+    let e = got[0].as_ref().unwrap_err();
+    assert!(e.to_string().contains("value is 8192 bytes"), "{e}");
+}

@@ -45,6 +45,14 @@ pub trait KvBackend {
         KnownLen::Unknown
     }
 
+    /// What each key's value takes, asking whoever holds the keys when
+    /// that is not known here (a round trip per cluster member): for
+    /// sizing a reply by the data instead of the request. Default:
+    /// [`known_len`](Self::known_len) of each.
+    fn probe_lens(&self, keys: &[&[u8]]) -> Vec<KnownLen> {
+        keys.iter().map(|k| self.known_len(k)).collect()
+    }
+
     fn batch_exists(&self, keys: &[&[u8]]) -> Vec<bool>;
 
     /// How many leading keys are present.
@@ -177,6 +185,22 @@ impl KvBackend for Router<'_> {
             out[i] = leased;
         }
         out
+    }
+
+    /// Keys this node reads first: their indexed length here (a miss
+    /// here may be held by the next owner: unknown). Others: unknown.
+    fn known_len(&self, key: &[u8]) -> KnownLen {
+        match self.local() {
+            Some(local) if self.reads_here_first(key) => match local.value_len(key) {
+                Ok(Some(len)) => KnownLen::Len(len),
+                _ => KnownLen::Unknown,
+            },
+            _ => KnownLen::Unknown,
+        }
+    }
+
+    fn probe_lens(&self, keys: &[&[u8]]) -> Vec<KnownLen> {
+        self.value_lens(keys)
     }
 
     fn batch_exists(&self, keys: &[&[u8]]) -> Vec<bool> {

@@ -2,6 +2,7 @@
 //! `unix:///path` (which adds a registered shared-memory buffer, so values
 //! move through shared memory instead of the socket).
 
+use crate::backend::KnownLen;
 use crate::routing::{DirectRouting, Router, ServerView};
 use kvtier::{Error, ErrorKind, PutOptions, Result};
 use kvtier_wire::proof;
@@ -574,11 +575,13 @@ impl Client {
     /// into `bufs` (no copy through the response buffer): the header and
     /// the per-key table first, then each value into its segments. A reply
     /// that does not fit the request drops the connection.
+    /// Sends one BatchGet frame and reads its answer: per key the code and
+    /// length of the reply's table (OK values read into their buffers).
     fn exchange_get(
         &mut self,
         body: &[u8],
         bufs: &mut [&mut [&mut [u8]]],
-    ) -> std::result::Result<Vec<Result<Option<usize>>>, CallError> {
+    ) -> std::result::Result<Vec<(i32, u64)>, CallError> {
         if body.len() as u64 > self.max_frame {
             return Err(CallError::Request(Error::invalid(format!(
                 "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
@@ -642,23 +645,17 @@ impl Client {
                 "transport: response does not fit the request",
             )));
         }
-        let mut out = Vec::with_capacity(n);
-        for ((c, value_len), buf) in table.into_iter().zip(bufs.iter_mut()) {
-            out.push(match c {
-                code::OK => {
-                    let mut left = value_len as usize;
-                    for segment in buf.iter_mut() {
-                        let take = segment.len().min(left);
-                        read(transport, &mut segment[..take])?;
-                        left -= take;
-                    }
-                    Ok(Some(value_len as usize))
+        for ((c, value_len), buf) in table.iter().zip(bufs.iter_mut()) {
+            if *c == code::OK {
+                let mut left = *value_len as usize;
+                for segment in buf.iter_mut() {
+                    let take = segment.len().min(left);
+                    read(transport, &mut segment[..take])?;
+                    left -= take;
                 }
-                code::NOT_FOUND => Ok(None),
-                c => Err(code_error(c, "")),
-            });
+            }
         }
-        Ok(out)
+        Ok(table)
     }
 
     /// One item per key.
@@ -914,9 +911,48 @@ impl Client {
                 (12 + capacity).max(10 + k.as_ref().len() as u64)
             })
             .collect();
-        self.in_runs(sizes.into_iter(), 5, |c, run| {
+        let table = self.in_runs(sizes.into_iter(), 5, |c, run| {
             c.get_frame(&keys[run.clone()], &mut bufs[run])
-        })
+        })?;
+        Ok(table
+            .into_iter()
+            .zip(bufs.iter())
+            .map(|((c, value_len), buf)| match c {
+                code::OK => Ok(Some(value_len as usize)),
+                code::NOT_FOUND => Ok(None),
+                code::BUFFER_TOO_SMALL if value_len > 0 => Err(Error::new(
+                    ErrorKind::BufferTooSmall,
+                    format!(
+                        "value is {value_len} bytes but the buffer is {} bytes",
+                        buf.iter().map(|s| s.len()).sum::<usize>()
+                    ),
+                )),
+                c => Err(code_error(c, "")),
+            })
+            .collect())
+    }
+
+    /// What each key's value takes, learned without moving any value: a
+    /// get with no room, which a server answers per key NOT_FOUND (absent)
+    /// or BUFFER_TOO_SMALL with the value's length. A server that does not
+    /// say the length (before this was in the protocol) leaves the key
+    /// `Unknown`; so does any other answer.
+    pub fn batch_value_lens<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<KnownLen>> {
+        let mut none: Vec<[&mut [u8]; 0]> = keys.iter().map(|_| []).collect();
+        let mut bufs: Vec<&mut [&mut [u8]]> = none.iter_mut().map(|b| &mut b[..]).collect();
+        let sizes = keys.iter().map(|k| 12 + k.as_ref().len() as u64);
+        let table = self.in_runs(sizes, 5, |c, run| {
+            c.get_frame(&keys[run.clone()], &mut bufs[run])
+        })?;
+        Ok(table
+            .into_iter()
+            .map(|(c, value_len)| match c {
+                code::NOT_FOUND => KnownLen::Absent,
+                code::OK => KnownLen::Len(value_len as usize),
+                code::BUFFER_TOO_SMALL if value_len > 0 => KnownLen::Len(value_len as usize),
+                _ => KnownLen::Unknown,
+            })
+            .collect())
     }
 
     /// One BatchGet frame; a transport failure on a connection that was
@@ -925,7 +961,7 @@ impl Client {
         &mut self,
         keys: &[K],
         bufs: &mut [&mut [&mut [u8]]],
-    ) -> Result<Vec<Result<Option<usize>>>> {
+    ) -> Result<Vec<(i32, u64)>> {
         let mut w = Writer::default();
         w.u32(keys.len() as u32);
         for (k, b) in keys.iter().zip(bufs.iter()) {

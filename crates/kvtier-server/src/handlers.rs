@@ -78,12 +78,55 @@ pub(crate) fn put_reply<'b>(codes: &[i32], bytes_in: u64) -> Reply<'b> {
     })
 }
 
-/// The per-key table of a batch get: `u32 n, n × (i32 code, u64 len)`.
-pub(crate) fn get_table(results: &[kvtier::Result<Option<usize>>]) -> (Writer, u64) {
+/// Above this many bytes of reply staging sized by the callers' room (keys
+/// whose length is not known here: another member's), a get first asks
+/// the members holding those keys for their lengths (one round trip each),
+/// so that what is staged follows the data, not the request. Gets of
+/// absent keys with large rooms held a node's whole buffer budget.
+pub(crate) const PROBE_ABOVE: usize = 1 << 20;
+
+/// Replaces `Unknown` lengths in `known` by the holders' answers when
+/// staging those keys by their room would take more than `PROBE_ABOVE`.
+pub(crate) fn learn_unknown_lens(
+    backend: &dyn KvBackend,
+    keys: &[&[u8]],
+    capacities: &[usize],
+    room: usize,
+    known: &mut [KnownLen],
+) {
+    let unknown: Vec<usize> = (0..keys.len())
+        .filter(|&i| known[i] == KnownLen::Unknown)
+        .collect();
+    let staged = unknown.iter().fold(0usize, |sum, &i| {
+        sum.saturating_add(room.min(capacities[i]))
+    });
+    if staged <= PROBE_ABOVE {
+        return;
+    }
+    let probe_keys: Vec<&[u8]> = unknown.iter().map(|&i| keys[i]).collect();
+    for (&i, learned) in unknown.iter().zip(backend.probe_lens(&probe_keys)) {
+        known[i] = learned;
+    }
+}
+
+fn too_small(len: usize, room: usize) -> kvtier::Error {
+    kvtier::Error::new(
+        kvtier::ErrorKind::BufferTooSmall,
+        format!("value is {len} bytes but the buffer is {room} bytes"),
+    )
+}
+
+/// The per-key table of a batch get: `u32 n, n × (i32 code, u64 len)`;
+/// `len` is the bytes sent for OK, the value's length (from `known`, 0
+/// where not known) for BUFFER_TOO_SMALL, else 0.
+pub(crate) fn get_table(
+    results: &[kvtier::Result<Option<usize>>],
+    known: impl Fn(usize) -> KnownLen,
+) -> (Writer, u64) {
     let mut w = Writer::with_capacity(4 + 12 * results.len());
     w.u32(results.len() as u32);
     let mut bytes_out = 0;
-    for result in results {
+    for (i, result) in results.iter().enumerate() {
         match result {
             Ok(Some(n)) => {
                 w.i32(code::OK).u64(*n as u64);
@@ -91,6 +134,13 @@ pub(crate) fn get_table(results: &[kvtier::Result<Option<usize>>]) -> (Writer, u
             }
             Ok(None) => {
                 w.i32(code::NOT_FOUND).u64(0);
+            }
+            Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall => {
+                let len = match known(i) {
+                    KnownLen::Len(len) => len as u64,
+                    _ => 0,
+                };
+                w.i32(code::BUFFER_TOO_SMALL).u64(len);
             }
             Err(e) => {
                 w.i32(code::of(e.kind())).u64(0);
@@ -161,7 +211,8 @@ pub(crate) fn batch_get<'b>(
     let unleased: Vec<usize> = (0..items.len())
         .filter(|&i| leases[i].is_none() && results[i].is_ok())
         .collect();
-    let known: Vec<KnownLen> = (0..items.len())
+    let room = usize::try_from(largest).unwrap_or(usize::MAX);
+    let mut known: Vec<KnownLen> = (0..items.len())
         .map(|i| {
             if unleased.binary_search(&i).is_ok() {
                 backend.known_len(keys[i])
@@ -170,10 +221,21 @@ pub(crate) fn batch_get<'b>(
             }
         })
         .collect();
+    learn_unknown_lens(backend, &keys, &capacities, room, &mut known);
+    // A value known not to fit its caller's room is not read; the reply
+    // says its length.
+    let learned = known.clone();
+    for &i in &unleased {
+        if let KnownLen::Len(len) = known[i] {
+            if len > capacities[i] {
+                results[i] = Err(too_small(len, capacities[i]));
+                known[i] = KnownLen::Absent;
+            }
+        }
+    }
     // What each key may send: a leased value's length, or (for the rest)
     // the known length or else the room a value may take, bounded by the
     // caller's capacity.
-    let room = usize::try_from(largest).unwrap_or(usize::MAX);
     let lens: Vec<usize> = (0..items.len())
         .map(|i| match &leases[i] {
             Some(lease) => lease.len(),
@@ -203,6 +265,9 @@ pub(crate) fn batch_get<'b>(
     let mut to_read: Vec<usize> = Vec::new();
     let mut absent: Vec<usize> = Vec::new();
     for &i in &unleased {
+        if results[i].is_err() {
+            continue; // known too small for its room: answered above
+        }
         if matches!(known[i], KnownLen::Absent) {
             absent.push(i);
             continue;
@@ -250,9 +315,13 @@ pub(crate) fn batch_get<'b>(
         let answers = backend.batch_get(&read_keys, &mut dests);
         for (n, (&i, result)) in to_read.iter().chain(&absent).zip(answers).enumerate() {
             results[i] = match result {
-                // Absent at the length lookup, put since: this get came
-                // first, and it is a miss.
-                Err(e) if n >= to_read.len() && e.kind() == kvtier::ErrorKind::BufferTooSmall => {
+                // Absent at the length lookup, or shorter there than the
+                // caller's room, and put since: this get came first, and
+                // it is a miss.
+                Err(e)
+                    if e.kind() == kvtier::ErrorKind::BufferTooSmall
+                        && (n >= to_read.len() || lens[i] < capacities[i].min(room)) =>
+                {
                     Ok(None)
                 }
                 result => result,
@@ -268,7 +337,10 @@ pub(crate) fn batch_get<'b>(
             slot_at[i] = slot_at[first];
         }
     }
-    let (w, bytes_out) = get_table(&results);
+    let (w, bytes_out) = get_table(&results, |i| match learned[i] {
+        KnownLen::Len(len) => KnownLen::Len(len),
+        _ => backend.known_len(keys[i]),
+    });
     let arena: &'b AlignedBuf = arena;
     let leases: &'b [Option<ValueLease>] = leases;
     let mut tail = Vec::new();
@@ -450,7 +522,20 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
         Some(store) => store.batch_get_foreign(&keys, &mut dests),
         None => {
             let room = usize::try_from(largest).unwrap_or(usize::MAX);
-            let sizes: Vec<usize> = dests.iter().map(|d| d.len().min(room)).collect();
+            let capacities: Vec<usize> = dests.iter().map(|d| d.len()).collect();
+            let mut known: Vec<KnownLen> = keys.iter().map(|k| backend.known_len(k)).collect();
+            learn_unknown_lens(backend, &keys, &capacities, room, &mut known);
+            // A private copy as long as the value where that is known
+            // (none for an absent key), else the caller's room.
+            let sizes: Vec<usize> = known
+                .iter()
+                .zip(&capacities)
+                .map(|(known, &capacity)| match known {
+                    KnownLen::Len(len) => (*len).min(capacity).min(room),
+                    KnownLen::Absent => 0,
+                    KnownLen::Unknown => capacity.min(room),
+                })
+                .collect();
             let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
             if !grant(total) {
                 return Reply::error(code::LIMIT, spent());
@@ -458,10 +543,19 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
             let mut copies: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
             let mut parts: Vec<[&mut [u8]; 1]> = copies.iter_mut().map(|c| [&mut c[..]]).collect();
             let mut refs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(|p| &mut p[..]).collect();
-            let got = backend.batch_get(&keys, &mut refs);
-            for ((result, copy), dest) in got.iter().zip(&copies).zip(&dests) {
-                if let Ok(Some(n)) = result {
-                    dest.copy_in(&copy[..*n]);
+            let mut got = backend.batch_get(&keys, &mut refs);
+            for (i, result) in got.iter_mut().enumerate() {
+                match result {
+                    Ok(Some(n)) => dests[i].copy_in(&copies[i][..*n]),
+                    // Absent or shorter at the length lookup than the
+                    // caller's room, put since: this get came first, a miss.
+                    Err(e)
+                        if e.kind() == kvtier::ErrorKind::BufferTooSmall
+                            && sizes[i] < capacities[i].min(room) =>
+                    {
+                        *result = Ok(None)
+                    }
+                    _ => {}
                 }
             }
             got
@@ -470,7 +564,7 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
     for (slot, result) in slots.into_iter().zip(got) {
         results[slot] = result;
     }
-    let (w, bytes_out) = get_table(&results);
+    let (w, bytes_out) = get_table(&results, |i| backend.known_len(items[i].0));
     Reply::ok(w.buf).with_sample(Sample {
         keys: items.len() as u64,
         bytes_out,
@@ -523,6 +617,7 @@ mod tests {
             (&in_memory[1], 100), // too small
             (&on_disk[1], 1 << 20),
             (&in_memory[2], 1 << 20),
+            (&on_disk[2], 100), // too small, on disk: not read
         ];
         let before = store.stats();
         let (mut arena, mut leases) = (None, Vec::new());
@@ -538,8 +633,8 @@ mod tests {
         );
         assert_eq!(reply.status, code::OK);
         let mut r = kvtier_wire::protocol::Reader::new(&reply.body);
-        assert_eq!(r.u32().unwrap(), 6);
-        let table: Vec<(i32, u64)> = (0..6)
+        assert_eq!(r.u32().unwrap(), 7);
+        let table: Vec<(i32, u64)> = (0..7)
             .map(|_| (r.i32().unwrap(), r.u64().unwrap()))
             .collect();
         assert_eq!(
@@ -548,9 +643,11 @@ mod tests {
                 (code::OK, 20_000),
                 (code::OK, 10_000),
                 (code::NOT_FOUND, 0),
-                (code::BUFFER_TOO_SMALL, 0),
+                // The value's length, so the caller can ask again with room.
+                (code::BUFFER_TOO_SMALL, 20_000),
                 (code::OK, 10_000),
                 (code::OK, 20_000),
+                (code::BUFFER_TOO_SMALL, 10_000),
             ]
         );
         let expected = [

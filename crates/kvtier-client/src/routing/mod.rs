@@ -17,6 +17,7 @@ mod peers;
 pub use direct::{DirectRouting, ServerView};
 pub use peers::{PeerStats, Peers};
 
+use crate::backend::KnownLen;
 use kvtier::{NamespacedStore, PutOptions};
 use kvtier_wire::cluster::{index_share_owner, key_hash, owners, Member};
 use std::collections::BTreeMap;
@@ -318,6 +319,72 @@ impl<'a> Router<'a> {
     }
 
     /// Whether each key is present on any of its owners.
+    /// What each key's value takes, asked of its owners in read order
+    /// (a length probe, no value moved): the first owner that holds it
+    /// says its length; `Absent` when every owner answered that it has
+    /// none, `Unknown` when one could not say (unreachable, or a server
+    /// from before length probes).
+    pub fn value_lens(&self, keys: &[&[u8]]) -> Vec<KnownLen> {
+        let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
+        let mut lens = vec![KnownLen::Absent; keys.len()];
+        let mut settled = vec![false; keys.len()];
+        for round in 0.. {
+            let groups = round_groups(&orders, &settled, round);
+            if groups.is_empty() {
+                break;
+            }
+            let answers = self.run(
+                groups,
+                |target, indices| {
+                    let group_keys: Vec<&[u8]> = indices.iter().map(|&i| keys[i]).collect();
+                    (target, group_keys)
+                },
+                |store_or_peer, (_, group_keys)| match store_or_peer {
+                    None => {
+                        let store = here(self.local);
+                        Some(
+                            group_keys
+                                .iter()
+                                .map(|k| match store.value_len(k) {
+                                    Ok(Some(n)) => KnownLen::Len(n),
+                                    Ok(None) => KnownLen::Absent,
+                                    Err(_) => KnownLen::Unknown,
+                                })
+                                .collect::<Vec<_>>(),
+                        )
+                    }
+                    Some((peers, member, namespace)) => {
+                        peers.call(member, namespace, group_keys.len(), |c| {
+                            c.batch_value_lens(&group_keys)
+                        })
+                    }
+                },
+            );
+            for ((_, indices), answer) in answers {
+                match answer {
+                    Some(per_key) => {
+                        for (&i, known) in indices.iter().zip(per_key) {
+                            match known {
+                                KnownLen::Len(_) => {
+                                    lens[i] = known;
+                                    settled[i] = true;
+                                }
+                                KnownLen::Unknown => lens[i] = KnownLen::Unknown,
+                                KnownLen::Absent => {}
+                            }
+                        }
+                    }
+                    None => {
+                        for &i in &indices {
+                            lens[i] = KnownLen::Unknown;
+                        }
+                    }
+                }
+            }
+        }
+        lens
+    }
+
     pub fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
         let orders: Vec<Vec<Target>> = keys.iter().map(|k| self.read_order(k)).collect();
         let mut present = vec![false; keys.len()];
