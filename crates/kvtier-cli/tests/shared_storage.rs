@@ -1243,3 +1243,127 @@ fn a_replaced_or_deleted_shared_identity_stops_a_server_with_nothing_moved() {
         assert_eq!(got.as_ref(), Some(v), "{k:?}");
     }
 }
+
+/// Peak resident memory of process `pid` (VmHWM), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/<pid>/status");
+    kib * 1024
+}
+
+/// Issue 38, finding 8 (planted files), with real processes on two JuiceFS
+/// mounts: a FIFO named as another writer's region and as its newest
+/// checkpoint, and a sparse 1.5 GiB file named as a newer checkpoint,
+/// planted through one mount. Before, a starting node hung in its open
+/// (killed at 20 s), a running node's follower stopped for good, and each
+/// starting node spent 1.5 GiB on the sparse file. Now the running node
+/// keeps following, and a node starting on the other mount serves every
+/// block with its peak memory far below the planted length.
+#[test]
+fn planted_fifos_and_a_sparse_checkpoint_neither_hang_nor_bloat_nodes() {
+    let hosts = Hosts::new();
+    let b = hosts.b(&[]);
+    let c = hosts.c(&[]);
+    let keys: Vec<Vec<u8>> = (0..32).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, VALUE)).collect();
+    let mut on_b = client(&b);
+    put(&mut on_b, &keys[..16], &values[..16]);
+    on_b.flush().unwrap();
+    let mut on_c = client(&c);
+    wait_until("C sees B's blocks", || {
+        on_c.prefix_len(&keys[..16]).unwrap() == 16
+    });
+    let id = std::fs::read_to_string(hosts.root.join("data-b").join("node-id")).unwrap();
+    let id = id.trim();
+    let writer = hosts.shared.0.join("nodes").join(id);
+    let fifo = |path: &Path| {
+        let made = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .unwrap();
+        assert!(made.success(), "mkfifo {}", path.display());
+    };
+    fifo(
+        &writer
+            .join("regions")
+            .join(format!("{id}-ffffffffffffffff-0000fff0.kvr")),
+    );
+    let checkpoints = writer.join("checkpoints");
+    std::fs::create_dir_all(&checkpoints).unwrap();
+    fifo(&checkpoints.join(format!("{id}-ffffffffffffffff-fffffffffffffff0.kvc")));
+    std::fs::File::create(checkpoints.join(format!("{id}-ffffffffffffffff-fffffffffffffff1.kvc")))
+        .unwrap()
+        .set_len(1536 << 20)
+        .unwrap();
+    // The running node's follower goes on: B's next blocks reach it.
+    put(&mut on_b, &keys[16..], &values[16..]);
+    on_b.flush().unwrap();
+    wait_until("C follows B past the planted files", || {
+        on_c.prefix_len(&keys).unwrap() == 32
+    });
+    // A node starting on C's mount; a bound against the hang this test is
+    // about, not a timing claim.
+    let shared = hosts.shared.1.display().to_string();
+    let d = ServerProcess::start_within(
+        &hosts.root.join("data-d"),
+        &["--shared-dir", &shared],
+        Duration::from_secs(120),
+    );
+    let got = get_all(&mut client(&d), &keys, VALUE);
+    for ((k, v), got) in keys.iter().zip(&values).zip(&got) {
+        assert_eq!(got.as_ref(), Some(v), "{k:?}");
+    }
+    let rss = peak_rss(d.child.id());
+    eprintln!("the starting node's peak RSS: {} MiB", rss >> 20);
+    assert!(
+        rss < 1 << 30,
+        "peak RSS {rss} bytes: the sparse checkpoint was read"
+    );
+}
+
+/// Issue 38, finding 8 (a region cut short), with real processes: B's
+/// newest region loses its second batch under C after B stopped cleanly.
+/// Before, C kept answering `exists` for the 8 blocks past the cut until
+/// each was read; now it reads the region again from its start, drops
+/// them, and B's earlier block still reads.
+#[test]
+fn a_region_cut_short_under_a_follower_leaves_no_phantom_blocks() {
+    let dir = LocalShared::new();
+    let mut b = dir.node("b", LARGE_SHARE, &[]);
+    let c = dir.node("c", LARGE_SHARE, &[]);
+    let kept = value(b"kept", 1, 20_000);
+    put(
+        &mut client(&b),
+        &[b"kept".to_vec()],
+        std::slice::from_ref(&kept),
+    );
+    client(&b).flush().unwrap();
+    let newest = dir.regions_of("b").pop().unwrap();
+    let cut = std::fs::metadata(&newest).unwrap().len();
+    let cut_keys: Vec<Vec<u8>> = (0..8).map(|i| format!("cut-{i}").into_bytes()).collect();
+    let values: Vec<Vec<u8>> = cut_keys.iter().map(|k| value(k, 1, 20_000)).collect();
+    put(&mut client(&b), &cut_keys, &values);
+    client(&b).flush().unwrap();
+    stop(&mut b);
+    assert_eq!(dir.regions_of("b").pop().unwrap(), newest, "one region");
+    let mut on_c = client(&c);
+    wait_until("C indexes the second batch", || {
+        on_c.batch_exists(&cut_keys).unwrap().iter().all(|p| *p)
+    });
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&newest)
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    wait_until("C drops the blocks past the cut", || {
+        on_c.batch_exists(&cut_keys).unwrap().iter().all(|p| !p)
+    });
+    assert_eq!(read_one(&c, b"kept", kept.len()).as_ref(), Some(&kept));
+    let stats = on_c.stats().unwrap();
+    assert_eq!(store_stat(&stats, "checksum_failures"), 0, "{stats}");
+}

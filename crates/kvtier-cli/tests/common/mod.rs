@@ -141,11 +141,60 @@ impl ServerProcess {
         Self::start_configured(dir, extra, |_| {})
     }
 
+    /// `start`, failing the test (the child killed) when the server has
+    /// not said it serves within `limit`: for tests about a start that
+    /// used to hang, which must fail rather than hang.
+    pub fn start_within(dir: &Path, extra: &[&str], limit: Duration) -> ServerProcess {
+        let (tx, rx) = std::sync::mpsc::channel();
+        Self::start_configured_then(
+            dir,
+            extra,
+            |_| {},
+            |child| {
+                let mut stdout = child.stdout.take().expect("piped");
+                let pid = child.id();
+                std::thread::spawn(move || {
+                    let mut line = String::new();
+                    let _ = BufReader::new(&mut stdout).read_line(&mut line);
+                    let _ = tx.send((line, stdout));
+                });
+                match rx.recv_timeout(limit) {
+                    Ok((line, stdout)) => {
+                        child.stdout = Some(stdout);
+                        line
+                    }
+                    Err(_) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        panic!("the server (pid {pid}) did not start within {limit:?}");
+                    }
+                }
+            },
+        )
+    }
+
     /// `start`, with `configure` applied to the command before it runs.
     pub fn start_configured(
         dir: &Path,
         extra: &[&str],
         configure: impl FnOnce(&mut Command),
+    ) -> ServerProcess {
+        Self::start_configured_then(dir, extra, configure, |child| {
+            let mut line = String::new();
+            BufReader::new(child.stdout.as_mut().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            line
+        })
+    }
+
+    /// `start_configured`, with `first_line` reading what the server
+    /// printed first.
+    fn start_configured_then(
+        dir: &Path,
+        extra: &[&str],
+        configure: impl FnOnce(&mut Command),
+        first_line: impl FnOnce(&mut Child) -> String,
     ) -> ServerProcess {
         let mut args = vec![
             "serve".to_string(),
@@ -181,10 +230,7 @@ impl ServerProcess {
             .stderr(Stdio::inherit());
         configure(&mut command);
         let mut child = command.spawn().expect("start kvtier serve");
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
+        let line = first_line(&mut child);
         assert!(
             line.starts_with("kvtier serving"),
             "unexpected first line: {line:?}"
