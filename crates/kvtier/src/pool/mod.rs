@@ -49,13 +49,35 @@ unsafe impl Sync for PoolCore {}
 impl PoolCore {
     /// Maps `capacity` bytes (rounded up to a page), pre-faulted so the data
     /// path takes no page faults.
+    #[cfg(test)]
     pub fn new(capacity: u64) -> Result<Arc<Self>> {
+        let pool = Self::new_unpopulated(capacity)?;
+        pool.prefault();
+        Ok(pool)
+    }
+
+    /// [`new`](Self::new), with the pre-fault run on a thread of its own:
+    /// backing a large pool with memory costs a second per few GiB (more on
+    /// a virtual machine whose host hands out fresh pages), which a store's
+    /// open overlaps with its recovery. Join the handle before the pool is
+    /// used or registered with an I/O engine (pinning would fault the pages
+    /// in itself, one by one).
+    pub fn new_prefaulting(capacity: u64) -> Result<(Arc<Self>, std::thread::JoinHandle<()>)> {
+        let pool = Self::new_unpopulated(capacity)?;
+        let populating = Arc::clone(&pool);
+        let handle = std::thread::Builder::new()
+            .name("kvtier-prefault".into())
+            .spawn(move || populating.prefault())
+            .map_err(|e| Error::io("starting the pool's pre-fault thread", e))?;
+        Ok((pool, handle))
+    }
+
+    fn new_unpopulated(capacity: u64) -> Result<Arc<Self>> {
         let len = capacity.div_ceil(PAGE_SIZE) * PAGE_SIZE;
         let len_usize = usize::try_from(len)
             .map_err(|_| Error::invalid(format!("memory capacity {capacity} is too large")))?;
         let mut mapping = memmap2::MmapMut::map_anon(len_usize)
             .map_err(|e| Error::io(format!("mapping a memory pool of {len} bytes"), e))?;
-        prefault(&mut mapping);
         let base = mapping.as_mut_ptr();
         Ok(Arc::new(PoolCore {
             base,
@@ -125,27 +147,30 @@ impl PoolCore {
     }
 }
 
-/// Backs the whole pool with memory now, in huge pages where the kernel
-/// has them, so the data path takes no page faults and fewer TLB misses.
-fn prefault(mapping: &mut memmap2::MmapMut) {
-    // Miri runs the pool's pure tests and has no madvise; a fresh anonymous
-    // mapping reads as zeros either way.
-    if cfg!(miri) {
-        return;
-    }
-    // Failure only means no huge pages.
-    let _ = mapping.advise(memmap2::Advice::HugePage);
-    // MADV_POPULATE_WRITE: Linux 5.14.
-    if mapping.advise(memmap2::Advice::PopulateWrite).is_ok() {
-        return;
-    }
-    // Older kernels: touch one byte per page.
-    let len = mapping.len();
-    let base = mapping.as_mut_ptr();
-    for offset in (0..len).step_by(PAGE_SIZE as usize) {
-        // SAFETY: in bounds of the fresh writable mapping, borrowed
-        // exclusively here.
-        unsafe { std::ptr::write_volatile(base.add(offset), 0) };
+impl PoolCore {
+    /// Backs the whole pool with memory now, in huge pages where the kernel
+    /// has them, so the data path takes no page faults and fewer TLB misses.
+    /// Run before any slot is handed out (`new`, or the thread of
+    /// `new_prefaulting`, joined before use).
+    fn prefault(&self) {
+        // Miri runs the pool's pure tests and has no madvise; a fresh
+        // anonymous mapping reads as zeros either way.
+        if cfg!(miri) {
+            return;
+        }
+        // Failure only means no huge pages.
+        let _ = self.mapping.advise(memmap2::Advice::HugePage);
+        // MADV_POPULATE_WRITE (Linux 5.14): faults pages in as a write
+        // would, never changing what a page holds.
+        if self.mapping.advise(memmap2::Advice::PopulateWrite).is_ok() {
+            return;
+        }
+        // Older kernels: touch one byte per page.
+        for offset in (0..self.len).step_by(PAGE_SIZE as usize) {
+            // SAFETY: in bounds of the mapping; no slot exists yet, so
+            // nothing else reads or writes these bytes.
+            unsafe { std::ptr::write_volatile(self.base.add(offset), 0) };
+        }
     }
 }
 
