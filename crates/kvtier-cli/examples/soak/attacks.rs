@@ -26,6 +26,10 @@ pub const CLASSES: [&str; 7] = [
 pub struct AttackCounts {
     pub rounds: [AtomicU64; CLASSES.len()],
     pub feed_rounds: [AtomicU64; crate::feed::CLASSES.len()],
+    pub shared_rounds: [AtomicU64; crate::shared_dir::CLASSES.len()],
+    /// Attacks whose connection could not be made at all (each such round
+    /// attacked nothing; a run where they dominate proves nothing).
+    pub unconnected: AtomicU64,
     pub breaches: AtomicU64,
 }
 
@@ -74,7 +78,7 @@ fn authenticated(tcp: &str, token: &str) -> Option<TcpStream> {
     (reply_status(&mut s)? == code::OK).then_some(s)
 }
 
-fn sleep_unless(stop: &AtomicBool, d: Duration) {
+pub fn sleep_unless(stop: &AtomicBool, d: Duration) {
     let until = Instant::now() + d;
     while Instant::now() < until && !stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50));
@@ -87,24 +91,50 @@ pub struct Feed {
     pub replay: String,
 }
 
+/// `tcp_url` is the server's `tcp://HOST:PORT`; `shared` its shared
+/// directory, when it has one.
 pub fn attacker_loop(
     id: usize,
-    tcp: &str,
+    tcp_url: &str,
     token: &str,
     feed: Option<&Feed>,
+    shared: Option<&std::path::Path>,
     stop: &AtomicBool,
     counts: &AttackCounts,
 ) {
+    // The raw sockets below dial HOST:PORT. (They were given the URL,
+    // which no socket address parses: every connect failed and these
+    // classes attacked nothing until this was found.)
+    let tcp = tcp_url.strip_prefix("tcp://").unwrap_or(tcp_url);
     let mut round = id;
-    let classes = CLASSES.len()
-        + if feed.is_some() {
-            crate::feed::CLASSES.len()
-        } else {
-            0
-        };
+    let feed_classes = if feed.is_some() {
+        crate::feed::CLASSES.len()
+    } else {
+        0
+    };
+    let shared_classes = if shared.is_some() {
+        crate::shared_dir::CLASSES.len()
+    } else {
+        0
+    };
+    let classes = CLASSES.len() + feed_classes + shared_classes;
     while !stop.load(Ordering::Relaxed) {
         let class = round % classes;
         round += 1;
+        if class >= CLASSES.len() + feed_classes {
+            let shared = shared.expect("shared-directory classes only with one");
+            let which = class - CLASSES.len() - feed_classes;
+            let breach = crate::shared_dir::attack(which, id, round, shared, tcp_url, token, stop);
+            counts.shared_rounds[which].fetch_add(1, Ordering::Relaxed);
+            if breach {
+                counts.breaches.fetch_add(1, Ordering::Relaxed);
+                eprintln!(
+                    "attacker {id}: {} was let through",
+                    crate::shared_dir::CLASSES[which]
+                );
+            }
+            continue;
+        }
         if class >= CLASSES.len() {
             let feed = feed.expect("feed classes only with a feed");
             let which = class - CLASSES.len();
@@ -118,6 +148,9 @@ pub fn attacker_loop(
                 );
             }
             continue;
+        }
+        if TcpStream::connect(tcp).is_err() {
+            counts.unconnected.fetch_add(1, Ordering::Relaxed);
         }
         let breach = match class {
             0 => {

@@ -32,6 +32,7 @@
 
 mod attacks;
 mod feed;
+mod shared_dir;
 
 use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
@@ -196,8 +197,11 @@ fn main() {
             feed::logged_in_subscriber(&feed.publish, &token, &stop, &batches)
         })
     });
+    let shared: Option<Arc<std::path::Path>> =
+        std::env::var_os("KVTIER_SOAK_SHARED_DIR").map(|dir| Arc::from(std::path::Path::new(&dir)));
     let attack_threads: Vec<_> = (0..attackers)
         .map(|id| {
+            let shared = shared.clone();
             let (stop, counts, tcp, token, feed) = (
                 Arc::clone(&stop),
                 Arc::clone(&attacked),
@@ -206,7 +210,15 @@ fn main() {
                 feed.clone(),
             );
             std::thread::spawn(move || {
-                attacks::attacker_loop(id, &tcp, &token, feed.as_deref(), &stop, &counts)
+                attacks::attacker_loop(
+                    id,
+                    &tcp,
+                    &token,
+                    feed.as_deref(),
+                    shared.as_deref(),
+                    &stop,
+                    &counts,
+                )
             })
         })
         .collect();
@@ -253,6 +265,7 @@ fn main() {
         .iter()
         .zip(&attacked.rounds)
         .chain(feed::CLASSES.iter().zip(&attacked.feed_rounds))
+        .chain(shared_dir::CLASSES.iter().zip(&attacked.shared_rounds))
         .map(|(name, n)| (name.to_string(), n.load(Ordering::Relaxed).into()))
         .collect();
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -277,13 +290,16 @@ fn main() {
         "attackers": attackers,
         "attack_rounds": attack_rounds,
         "attack_breaches": c(&attacked.breaches),
+        "attack_rounds_unconnected": c(&attacked.unconnected),
         "feed_batches_to_the_logged_in_subscriber": feed.as_ref().map(|_| c(&feed_batches)),
     });
     println!("{report}");
     let bad =
         c(&counts.errors) + c(&counts.wrong_bytes) + c(&counts.resurrected) + c(&attacked.breaches);
     let feed_starved = feed.is_some() && c(&feed_batches) == 0;
-    if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 || feed_starved {
+    // A TCP attack whose socket could not connect attacked nothing.
+    let unconnected = c(&attacked.unconnected);
+    if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 || feed_starved || unconnected > 0 {
         eprintln!("soak FAILED: {report}");
         std::process::exit(1);
     }
