@@ -637,6 +637,15 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_regions_over_file_budget")],
     },
     StoreFamily {
+        name: "kvtier_shared_dirs_without_lock",
+        help: "Directories under the shared directory's nodes/ not followed at the last pass \
+               because they never held a writer's LOCK.",
+        bytes: false,
+        counter: false,
+        label: None,
+        members: &[("", "shared_dirs_without_lock")],
+    },
+    StoreFamily {
         name: "kvtier_shared_regions_behind_gap",
         help: "Other writers' region files not followed because a region between them and \
                their writer's head is missing.",

@@ -125,6 +125,10 @@ pub struct Stats {
     /// the descriptors kept for them were spent (`Store::set_shared_file_budget`):
     /// their blocks are misses.
     pub shared_regions_over_file_budget: u64,
+    /// Directories under the shared directory's `nodes/` not followed at
+    /// the last pass because they never held a writer's `LOCK` (planted,
+    /// or left by an interrupted collection).
+    pub shared_dirs_without_lock: u64,
     /// Other writers' index checkpoints loaded since open, and the entries
     /// they gave (instead of reading those writers' records).
     pub shared_checkpoints_loaded: u64,
@@ -250,6 +254,10 @@ impl Stats {
             (
                 "shared_regions_over_file_budget",
                 StatValue::Count(self.shared_regions_over_file_budget),
+            ),
+            (
+                "shared_dirs_without_lock",
+                StatValue::Count(self.shared_dirs_without_lock),
             ),
             (
                 "shared_regions_behind_gap",

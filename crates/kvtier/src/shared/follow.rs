@@ -152,6 +152,15 @@ pub(crate) struct FollowCounters {
     /// Other writers' region files not followed at the last pass because
     /// the descriptor budget for them was spent.
     pub regions_over_budget: AtomicU64,
+    /// Directories under `nodes/` not followed at the last pass because
+    /// they never held a `LOCK` (no writer made them).
+    pub writers_without_lock: AtomicU64,
+}
+
+/// Whether `dir` (a writer directory) holds a regular file named `LOCK`.
+fn holds_a_lock_file(dir: &Path) -> bool {
+    std::fs::symlink_metadata(dir.join(crate::shared::dir::WRITER_LOCK_FILE))
+        .is_ok_and(|m| m.file_type().is_file())
 }
 
 /// Follows every other writer of one shared directory into this node's
@@ -422,10 +431,24 @@ impl Follower {
                 vanished.extend(log.regions.values().map(|r| r.handle));
             }
         }
+        // A directory this node does not follow yet is a writer only once
+        // it holds a `LOCK` (every writer makes one before its first
+        // region): planted directories that never did cost no descriptor
+        // and no read. One already followed stays followed without it (a
+        // deleted `LOCK` must not make its removals forgotten).
+        let known: HashSet<String> = state.writers.keys().cloned().collect();
         drop(state);
+        let mut without_lock = 0u64;
         for (node, dir) in &writers {
+            if !known.contains(node) && !holds_a_lock_file(dir) {
+                without_lock += 1;
+                continue;
+            }
             self.follow_writer(node, dir, &mut vanished);
         }
+        self.counters
+            .writers_without_lock
+            .store(without_lock, Ordering::Relaxed);
         let mut state = self.state.lock().unwrap();
         if !vanished.is_empty() {
             for handle in &vanished {

@@ -577,6 +577,7 @@ impl Inner {
             shared_clock_ahead_entries: self.follow_count(|f| &f.clock_ahead),
             shared_regions_behind_gap: self.follow_count(|f| &f.regions_behind_gap),
             shared_regions_over_file_budget: self.follow_count(|f| &f.regions_over_budget),
+            shared_dirs_without_lock: self.follow_count(|f| &f.writers_without_lock),
             shared_tombstones: self.follow_count(|f| &f.tombstones),
             shared_checkpoints_loaded: self.follow_count(|f| &f.checkpoints_loaded),
             shared_checkpoint_entries: self.follow_count(|f| &f.checkpoint_entries),

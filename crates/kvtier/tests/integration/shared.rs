@@ -1391,3 +1391,56 @@ fn other_writers_region_files_are_held_open_within_a_budget() {
         assert_eq!(read(c.store(), k).as_ref(), Some(v), "{k:?}");
     }
 }
+
+/// Issue 39, finding 6: directories under `nodes/` that never held a
+/// writer's `LOCK` (planted by anyone who can write the directory) are not
+/// followed: no descriptor, no read, counted. A writer already followed
+/// stays followed when its `LOCK` goes (its removals must not be
+/// forgotten), and a directory whose `LOCK` appears is followed from then.
+#[test]
+fn directories_that_never_held_a_writer_lock_are_not_followed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
+    for r in b.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    b.store().flush().unwrap();
+    let c = Node::start(dir.path(), "c", 64 * MIB);
+    assert_eq!(c.store().prefix_len(&keys), 8);
+    let writer_dir = b.shared.join("nodes").join(b.store().node_id());
+    drop(b.store.take());
+    std::fs::remove_file(writer_dir.join("LOCK")).unwrap();
+    // Junk writer directories beside it, none with a LOCK.
+    for n in 0..5u32 {
+        let junk = b.shared.join("nodes").join(format!("{n:032x}"));
+        std::fs::create_dir_all(junk.join("regions")).unwrap();
+        std::fs::write(
+            junk.join("regions")
+                .join(format!("{n:032x}-0000000000000001-00000000.kvr")),
+            vec![0x5a; 65536],
+        )
+        .unwrap();
+    }
+    // C already follows B: it still does.
+    c.store().follow_shared_now();
+    assert_eq!(
+        c.store().prefix_len(&keys),
+        8,
+        "a followed writer was dropped"
+    );
+    assert_eq!(c.store().stats().shared_dirs_without_lock, 5);
+    // A node starting now follows none of them: B's LOCK is gone too.
+    let d = Node::start(dir.path(), "d", 64 * MIB);
+    assert_eq!(d.store().prefix_len(&keys), 0);
+    assert_eq!(d.store().stats().shared_dirs_without_lock, 6);
+    assert_eq!(d.store().stats().shared_writers, 1, "only C's log");
+    // B's LOCK back (as B makes it at its next start): followed.
+    std::fs::write(writer_dir.join("LOCK"), b"").unwrap();
+    d.store().follow_shared_now();
+    for (k, v) in keys.iter().zip(&values) {
+        assert_eq!(read(d.store(), k).as_ref(), Some(v));
+    }
+    assert_eq!(d.store().stats().shared_dirs_without_lock, 5);
+}
