@@ -109,6 +109,39 @@ pub(crate) fn learn_unknown_lens(
     }
 }
 
+/// The value length to state for each BUFFER_TOO_SMALL answer: what
+/// `learned` says, else what the backend knows here, else (a value held by
+/// another member: the length did not cross the hop) what the holders say
+/// when asked. `Unknown` for every other answer.
+fn too_small_lens(
+    backend: &dyn KvBackend,
+    keys: &[&[u8]],
+    results: &[kvtier::Result<Option<usize>>],
+    learned: &[KnownLen],
+) -> Vec<KnownLen> {
+    let mut lens = vec![KnownLen::Unknown; keys.len()];
+    let mut ask: Vec<usize> = Vec::new();
+    for (i, result) in results.iter().enumerate() {
+        if !matches!(result, Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall) {
+            continue;
+        }
+        lens[i] = match learned[i] {
+            KnownLen::Len(len) => KnownLen::Len(len),
+            _ => backend.known_len(keys[i]),
+        };
+        if !matches!(lens[i], KnownLen::Len(_)) {
+            ask.push(i);
+        }
+    }
+    if !ask.is_empty() {
+        let asked: Vec<&[u8]> = ask.iter().map(|&i| keys[i]).collect();
+        for (&i, known) in ask.iter().zip(backend.probe_lens(&asked)) {
+            lens[i] = known;
+        }
+    }
+    lens
+}
+
 fn too_small(len: usize, room: usize) -> kvtier::Error {
     kvtier::Error::new(
         kvtier::ErrorKind::BufferTooSmall,
@@ -337,10 +370,8 @@ pub(crate) fn batch_get<'b>(
             slot_at[i] = slot_at[first];
         }
     }
-    let (w, bytes_out) = get_table(&results, |i| match learned[i] {
-        KnownLen::Len(len) => KnownLen::Len(len),
-        _ => backend.known_len(keys[i]),
-    });
+    let needed = too_small_lens(backend, &keys, &results, &learned);
+    let (w, bytes_out) = get_table(&results, |i| needed[i]);
     let arena: &'b AlignedBuf = arena;
     let leases: &'b [Option<ValueLease>] = leases;
     let mut tail = Vec::new();
@@ -564,7 +595,14 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
     for (slot, result) in slots.into_iter().zip(got) {
         results[slot] = result;
     }
-    let (w, bytes_out) = get_table(&results, |i| backend.known_len(items[i].0));
+    let all_keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
+    let needed = too_small_lens(
+        backend,
+        &all_keys,
+        &results,
+        &vec![KnownLen::Unknown; items.len()],
+    );
+    let (w, bytes_out) = get_table(&results, |i| needed[i]);
     Reply::ok(w.buf).with_sample(Sample {
         keys: items.len() as u64,
         bytes_out,
