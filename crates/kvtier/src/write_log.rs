@@ -152,6 +152,11 @@ pub(crate) struct WriteLog {
     clock: bool,
     /// Added to wall clock readings (a test seam; 0 otherwise).
     clock_offset_nanos: i64,
+    /// The last plausible wall clock reading and when it was taken: while
+    /// the clock reads past `LATEST_PLAUSIBLE_CLOCK_NANOS`, time goes on
+    /// from it by the monotonic clock (`wall_nanos`).
+    last_plausible: Mutex<Option<(u64, Instant)>>,
+    said_implausible: std::sync::atomic::AtomicBool,
     /// Held by the flusher while it writes a batch, and by whoever needs
     /// the log still between batches (an index checkpoint).
     quiet: Mutex<()>,
@@ -191,6 +196,8 @@ impl WriteLog {
             write_through,
             clock,
             clock_offset_nanos: 0,
+            last_plausible: Mutex::new(None),
+            said_implausible: std::sync::atomic::AtomicBool::new(false),
             quiet: Mutex::new(()),
             deadline: Duration::ZERO,
             deadline_errors: std::sync::atomic::AtomicU64::new(0),
@@ -224,12 +231,41 @@ impl WriteLog {
     }
 
     /// This node's wall clock in nanoseconds since the Unix epoch (0
-    /// before it).
+    /// before it). A reading past `LATEST_PLAUSIBLE_CLOCK_NANOS` (a clock
+    /// stepped into the 2250s by a bad NTP answer while the node runs) is
+    /// not used: time goes on from the last plausible reading by the
+    /// monotonic clock, with one warning, until the clock reads plausibly
+    /// again. Numbered from such a reading, every later put of this node
+    /// (and of every node following it) ran out of sequence numbers.
     pub fn wall_nanos(&self) -> u64 {
-        let now = std::time::SystemTime::now()
+        let raw = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        now.saturating_add_signed(self.clock_offset_nanos)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .saturating_add_signed(self.clock_offset_nanos);
+        let mut last = self
+            .last_plausible
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if raw < LATEST_PLAUSIBLE_CLOCK_NANOS {
+            *last = Some((raw, Instant::now()));
+            return raw;
+        }
+        if !self
+            .said_implausible
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                clock_ns = raw,
+                "this node's wall clock reads past 2250: sequence numbers go on from its last \
+                 plausible reading by the monotonic clock until it reads plausibly again"
+            );
+        }
+        match *last {
+            Some((at, when)) => at
+                .saturating_add(u64::try_from(when.elapsed().as_nanos()).unwrap_or(u64::MAX))
+                .min(LATEST_PLAUSIBLE_CLOCK_NANOS - 1),
+            None => LATEST_PLAUSIBLE_CLOCK_NANOS - 1,
+        }
     }
 
     /// Whether `seq`, another writer's number, reads further ahead of this
@@ -560,6 +596,28 @@ mod tests {
             key: Box::from(&b"k"[..]),
             seq,
         })
+    }
+
+    /// Issue 39, finding 5: the clock stepped into the 2260s while the
+    /// node runs. Its puts were numbered from that reading, past 2^63
+    /// ("sequence numbers exhausted") for good; now numbering goes on from
+    /// the last plausible reading, and follows the clock once it is back.
+    #[cfg(feature = "test-util")]
+    #[test]
+    fn a_clock_stepped_past_2250_while_running_never_exhausts_the_numbers() {
+        let mut log = WriteLog::with_clock(1, false, true);
+        let before = log.append(tombstone).unwrap();
+        let now_secs = (log.wall_nanos() / 1_000_000_000) as i64;
+        // The year 2262 and a bit: past 2^63 ns.
+        log.set_clock_offset(9_300_000_000 - now_secs);
+        let during: Vec<u64> = (0..3).map(|_| log.append(tombstone).unwrap()).collect();
+        assert!(during[0] > before && during[0] < LATEST_PLAUSIBLE_CLOCK_NANOS);
+        assert!(during.windows(2).all(|w| w[1] > w[0]));
+        assert!(!log.ahead_of_clock(before + 1_000_000_000));
+        log.set_clock_offset(0);
+        let after = log.append(tombstone).unwrap();
+        assert!(after > during[2], "numbers never go back");
+        assert!(after < LATEST_PLAUSIBLE_CLOCK_NANOS);
     }
 
     /// The published floor never passes a write that is queued, being
