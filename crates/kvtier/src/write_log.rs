@@ -230,6 +230,16 @@ impl WriteLog {
         self.clock_offset_nanos = secs.saturating_mul(1_000_000_000);
     }
 
+    /// The wall clock as it reads (nanoseconds since the Unix epoch, 0
+    /// before it), for the plausibility check at open; numbering uses
+    /// `wall_nanos`.
+    pub fn raw_wall_nanos(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .saturating_add_signed(self.clock_offset_nanos)
+    }
+
     /// This node's wall clock in nanoseconds since the Unix epoch (0
     /// before it). A reading past `LATEST_PLAUSIBLE_CLOCK_NANOS` (a clock
     /// stepped into the 2250s by a bad NTP answer while the node runs) is
@@ -238,10 +248,7 @@ impl WriteLog {
     /// again. Numbered from such a reading, every later put of this node
     /// (and of every node following it) ran out of sequence numbers.
     pub fn wall_nanos(&self) -> u64 {
-        let raw = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-            .saturating_add_signed(self.clock_offset_nanos);
+        let raw = self.raw_wall_nanos();
         let mut last = self
             .last_plausible
             .lock()

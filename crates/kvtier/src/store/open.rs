@@ -199,7 +199,7 @@ impl Store {
             log.set_deadline(config.io_deadline);
         }
         if shared.is_some() {
-            let now = log.wall_nanos();
+            let now = log.raw_wall_nanos();
             if !(EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {
                 return Err(Error::new(
                     crate::ErrorKind::InvalidArgument,
