@@ -26,6 +26,24 @@ fn as_tenant(token: &str, namespace: &str) -> ClientOptions {
     }
 }
 
+/// A raw TCP connection to `server` that said hello with `token` in
+/// `namespace` (the hello must be accepted).
+fn said_hello(server: &ServerProcess, token: &str, namespace: &str) -> std::net::TcpStream {
+    use kvtier_wire::protocol::Op;
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(&server.tcp).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    s.write_all(&common::frame(
+        Op::Hello,
+        1,
+        &common::hello_body(token, namespace),
+    ))
+    .unwrap();
+    assert_eq!(common::read_reply(&mut s).0, 0, "hello refused");
+    s
+}
+
 #[test]
 fn a_tenant_uses_only_its_namespaces_and_sees_no_other_tenant() {
     let dir = tempfile::tempdir().unwrap();
@@ -187,18 +205,7 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
             config.to_str().unwrap(),
         ],
     );
-    let connect = |token: &str, namespace: &str| {
-        let mut s = TcpStream::connect(&server.tcp).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        s.write_all(&common::frame(
-            Op::Hello,
-            1,
-            &common::hello_body(token, namespace),
-        ))
-        .unwrap();
-        assert_eq!(common::read_reply(&mut s).0, 0, "hello refused");
-        s
-    };
+    let connect = |token: &str, namespace: &str| said_hello(&server, token, namespace);
     // Tenant a: three 60 MiB bodies, each one byte short.
     let mut held: Vec<TcpStream> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..3)
@@ -433,18 +440,7 @@ fn busy_tenants_leave_room_for_an_idle_tenant_and_the_servers_own_clients() {
             config.to_str().unwrap(),
         ],
     );
-    let connect = |token: &str, namespace: &str| {
-        let mut s = TcpStream::connect(&server.tcp).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        s.write_all(&common::frame(
-            Op::Hello,
-            1,
-            &common::hello_body(token, namespace),
-        ))
-        .unwrap();
-        assert_eq!(common::read_reply(&mut s).0, 0, "hello refused");
-        s
-    };
+    let connect = |token: &str, namespace: &str| said_hello(&server, token, namespace);
     // Tenants a and b: six 20 MiB bodies each, one byte short, all at once.
     const BODY: usize = 20 * MIB;
     const PER_TENANT: usize = 6;

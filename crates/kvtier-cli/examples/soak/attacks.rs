@@ -121,31 +121,28 @@ pub fn attacker_loop(
     while !stop.load(Ordering::Relaxed) {
         let class = round % classes;
         round += 1;
-        if class >= CLASSES.len() + feed_classes {
-            let shared = shared.expect("shared-directory classes only with one");
-            let which = class - CLASSES.len() - feed_classes;
-            let breach = crate::shared_dir::attack(which, id, round, shared, tcp_url, token, stop);
-            counts.shared_rounds[which].fetch_add(1, Ordering::Relaxed);
-            if breach {
-                counts.breaches.fetch_add(1, Ordering::Relaxed);
-                eprintln!(
-                    "attacker {id}: {} was let through",
-                    crate::shared_dir::CLASSES[which]
-                );
-            }
-            continue;
-        }
         if class >= CLASSES.len() {
-            let feed = feed.expect("feed classes only with a feed");
             let which = class - CLASSES.len();
-            let breach = crate::feed::attack(which, id, round, &feed.publish, &feed.replay);
-            counts.feed_rounds[which].fetch_add(1, Ordering::Relaxed);
+            let (name, rounds, breach) = if which >= feed_classes {
+                let which = which - feed_classes;
+                let shared = shared.expect("shared-directory classes only with one");
+                (
+                    crate::shared_dir::CLASSES[which],
+                    &counts.shared_rounds[which],
+                    crate::shared_dir::attack(which, id, round, shared, tcp_url, token, stop),
+                )
+            } else {
+                let feed = feed.expect("feed classes only with a feed");
+                (
+                    crate::feed::CLASSES[which],
+                    &counts.feed_rounds[which],
+                    crate::feed::attack(which, id, round, &feed.publish, &feed.replay),
+                )
+            };
+            rounds.fetch_add(1, Ordering::Relaxed);
             if breach {
                 counts.breaches.fetch_add(1, Ordering::Relaxed);
-                eprintln!(
-                    "attacker {id}: {} was let through",
-                    crate::feed::CLASSES[which]
-                );
+                eprintln!("attacker {id}: {name} was let through");
             }
             continue;
         }

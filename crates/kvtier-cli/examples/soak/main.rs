@@ -11,7 +11,8 @@
 //!
 //! It samples the server's RSS after a warm-up (the first fifth of the
 //! run, at least 30 s) and at every tenth after it, prints one
-//! JSON line, and exits non-zero if anything was wrong or RSS grew more
+//! JSON line, and exits non-zero if anything was wrong, any sample passed
+//! `KVTIER_SOAK_RSS_LIMIT`, or (runs of 5 minutes or more) RSS grew more
 //! than 10 %. Growth compares peaks: the highest sample of the later half
 //! against the highest of the earlier half. Single samples swing by tens
 //! of MiB while 64 connections' value buffers come and go (the allocator
@@ -273,6 +274,17 @@ fn main() {
     let peak = |s: &[u64]| s.iter().copied().max().unwrap_or(0);
     let later_peak = peak(later).max(rss_end);
     let growth = later_peak as f64 / peak(earlier).max(1) as f64 - 1.0;
+    // Every sample within the documented bound (`KVTIER_SOAK_RSS_LIMIT`,
+    // from scripts/soak: docs/server.md's terms plus a stated constant).
+    // Growth is judged on runs of 5 minutes or more only: with every
+    // attack class at work the server's buffers fill towards that bound
+    // for the first minutes (measured: +10.6 % over a 120 s run, 0.0 %
+    // between the halves of a 600 s run, which plateaued at 747 MiB).
+    let rss_limit: Option<u64> = std::env::var("KVTIER_SOAK_RSS_LIMIT")
+        .ok()
+        .map(|v| v.parse().expect("KVTIER_SOAK_RSS_LIMIT: bytes"));
+    let peak_rss = peak(&rss_samples).max(rss_end);
+    let growth_judged = seconds >= 300.0;
     let report = serde_json::json!({
         "seconds": started.elapsed().as_secs_f64(),
         "clients": clients,
@@ -287,6 +299,9 @@ fn main() {
         "server_rss_growth": growth,
         "server_rss_growth_basis": "highest later-half sample / highest earlier-half sample - 1",
         "server_rss_samples_mib": rss_samples.iter().map(|r| r >> 20).collect::<Vec<_>>(),
+        "server_rss_peak_bytes": peak_rss,
+        "server_rss_limit_bytes": rss_limit,
+        "server_rss_growth_judged": growth_judged,
         "attackers": attackers,
         "attack_rounds": attack_rounds,
         "attack_breaches": c(&attacked.breaches),
@@ -299,7 +314,9 @@ fn main() {
     let feed_starved = feed.is_some() && c(&feed_batches) == 0;
     // A TCP attack whose socket could not connect attacked nothing.
     let unconnected = c(&attacked.unconnected);
-    if bad > 0 || growth > 0.10 || c(&counts.ops) == 0 || feed_starved || unconnected > 0 {
+    let over_limit = rss_limit.is_some_and(|limit| peak_rss > limit);
+    let grew = growth_judged && growth > 0.10;
+    if bad > 0 || grew || over_limit || c(&counts.ops) == 0 || feed_starved || unconnected > 0 {
         eprintln!("soak FAILED: {report}");
         std::process::exit(1);
     }
