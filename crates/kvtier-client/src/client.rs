@@ -920,12 +920,9 @@ impl Client {
             .map(|((c, value_len), buf)| match c {
                 code::OK => Ok(Some(value_len as usize)),
                 code::NOT_FOUND => Ok(None),
-                code::BUFFER_TOO_SMALL if value_len > 0 => Err(Error::new(
-                    ErrorKind::BufferTooSmall,
-                    format!(
-                        "value is {value_len} bytes but the buffer is {} bytes",
-                        buf.iter().map(|s| s.len()).sum::<usize>()
-                    ),
+                code::BUFFER_TOO_SMALL if value_len > 0 => Err(Error::buffer_too_small(
+                    value_len,
+                    buf.iter().map(|s| s.len() as u64).sum(),
                 )),
                 c => Err(code_error(c, "")),
             })

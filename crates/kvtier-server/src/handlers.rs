@@ -142,13 +142,6 @@ fn too_small_lens(
     lens
 }
 
-fn too_small(len: usize, room: usize) -> kvtier::Error {
-    kvtier::Error::new(
-        kvtier::ErrorKind::BufferTooSmall,
-        format!("value is {len} bytes but the buffer is {room} bytes"),
-    )
-}
-
 /// The per-key table of a batch get: `u32 n, n × (i32 code, u64 len)`;
 /// `len` is the bytes sent for OK, the value's length (from `known`, 0
 /// where not known) for BUFFER_TOO_SMALL, else 0.
@@ -261,7 +254,10 @@ pub(crate) fn batch_get<'b>(
     for &i in &unleased {
         if let KnownLen::Len(len) = known[i] {
             if len > capacities[i] {
-                results[i] = Err(too_small(len, capacities[i]));
+                results[i] = Err(kvtier::Error::buffer_too_small(
+                    len as u64,
+                    capacities[i] as u64,
+                ));
                 known[i] = KnownLen::Absent;
             }
         }

@@ -75,6 +75,15 @@ impl Error {
         Error::new(ErrorKind::InvalidArgument, message)
     }
 
+    /// A value of `len` bytes asked for into `room` bytes: the one
+    /// wording the store, the server and the client give it.
+    pub fn buffer_too_small(len: u64, room: u64) -> Self {
+        Error::new(
+            ErrorKind::BufferTooSmall,
+            format!("value is {len} bytes but the buffer is {room} bytes"),
+        )
+    }
+
     pub fn no_space(message: impl Into<String>) -> Self {
         Error::new(ErrorKind::NoSpace, message)
     }

@@ -26,7 +26,7 @@ pub use write::ReceivingValue;
 
 use crate::config::Config;
 use crate::disk::{DiskLocation, DiskTier, RecoveryReport};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::flusher::FlusherHandle;
 use crate::index::Index;
 use crate::key::{KeySecret, Namespace};
@@ -618,10 +618,7 @@ fn mismatched<T>(n: usize, what: &str, m: usize) -> Vec<Result<T>> {
 
 fn check_buffer(len: usize, buf_len: usize) -> Result<()> {
     if buf_len < len {
-        return Err(Error::new(
-            ErrorKind::BufferTooSmall,
-            format!("value is {len} bytes but the buffer is {buf_len} bytes"),
-        ));
+        return Err(Error::buffer_too_small(len as u64, buf_len as u64));
     }
     Ok(())
 }
