@@ -42,7 +42,9 @@ pub fn exists_case(entries: u64, dir: &Path) -> Result<Row, Box<dyn std::error::
         );
     }
     let counts = index.counts();
-    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    let new_histogram = || Histogram::<u64>::new_with_bounds(1, 60_000_000, 3);
+    let (mut histogram, mut hashing, mut lookups) =
+        (new_histogram()?, new_histogram()?, new_histogram()?);
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     let rounds = 2_000;
     let mut found = 0u64;
@@ -55,9 +57,12 @@ pub fn exists_case(entries: u64, dir: &Path) -> Result<Row, Box<dyn std::error::
         let keys: Vec<Vec<u8>> = (first..first + 1024).map(key).collect();
         let started = Instant::now();
         let digests: Vec<KeyDigest> = keys.iter().map(|k| namespace.digest(k)).collect();
+        let hashed = started.elapsed();
         let present = index.contains_many(&digests);
-        let micros = started.elapsed().as_nanos() as u64 / 1000;
-        histogram.saturating_record(micros.max(1));
+        let total = started.elapsed();
+        histogram.saturating_record((total.as_nanos() as u64 / 1000).max(1));
+        hashing.saturating_record((hashed.as_nanos() as u64 / 1000).max(1));
+        lookups.saturating_record(((total - hashed).as_nanos() as u64 / 1000).max(1));
         found += present.iter().filter(|&&p| p).count() as u64;
     }
     if found != rounds * 1024.min(entries) {
@@ -67,6 +72,7 @@ pub fn exists_case(entries: u64, dir: &Path) -> Result<Row, Box<dyn std::error::
         )
         .into());
     }
+    let floor = random_lines_floor(counts.table_bytes, rounds)?;
     let mut row = empty_row("exists", "index", "-");
     row.batch = 1024;
     row.p50_us = histogram.value_at_quantile(0.5);
@@ -76,10 +82,43 @@ pub fn exists_case(entries: u64, dir: &Path) -> Result<Row, Box<dyn std::error::
     row.batches_per_s = 1e6 / histogram.mean();
     row.index_entries = Some(counts.entries);
     row.index_bytes_per_entry = Some(counts.table_bytes as f64 / counts.entries as f64);
+    row.index_hash_p50_us = Some(hashing.value_at_quantile(0.5));
+    row.index_lookup_p50_us = Some(lookups.value_at_quantile(0.5));
+    row.index_floor_p50_us = Some(floor);
     let (policy_bytes, pool_entries) = policy_probe(dir)?;
     row.policy_bytes = Some(policy_bytes);
     row.pool_entries = Some(pool_entries);
     Ok(row)
+}
+
+/// The hardware's floor for the lookups of one batch: 2,048 reads of
+/// random 64-byte lines (two per key, what each lookup of the index reads:
+/// a bucket and an entry) over memory the size of the index, issued as
+/// independent loads so the CPU overlaps them as far as it can. Median
+/// microseconds per batch over `rounds` batches.
+fn random_lines_floor(bytes: u64, rounds: u64) -> Result<u64, Box<dyn std::error::Error>> {
+    let lines = (bytes / 64).max(1) as usize;
+    // Touched once, so every page is mapped before the clock starts.
+    let memory: Vec<[u64; 8]> = (0..lines as u64).map(|i| [i; 8]).collect();
+    let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut sum = 0u64;
+    let mut picks = vec![0usize; 2048];
+    for _ in 0..rounds {
+        for pick in picks.iter_mut() {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            *pick = (state % lines as u64) as usize;
+        }
+        let started = Instant::now();
+        for &pick in &picks {
+            sum = sum.wrapping_add(memory[pick][0]);
+        }
+        histogram.saturating_record((started.elapsed().as_nanos() as u64 / 1000).max(1));
+    }
+    std::hint::black_box(sum);
+    Ok(histogram.value_at_quantile(0.5))
 }
 
 /// The default eviction policy's metadata for a full pool: a memory-only

@@ -34,6 +34,16 @@ pub struct Row {
     pub index_entries: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index_bytes_per_entry: Option<f64>,
+    /// For the index row, medians per batch: hashing the keys (keyed
+    /// BLAKE3), the lookups alone, and the hardware's floor for those
+    /// lookups (two random 64-byte lines per key over memory the size of
+    /// the index, read by a plain loop in the same run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_hash_p50_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_lookup_p50_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_floor_p50_us: Option<u64>,
     /// For the index row: the default eviction policy's metadata (queues,
     /// ghosts, simulations) for a full pool of `pool_entries` values, from
     /// a real store (see `index::policy_probe`).
@@ -152,6 +162,19 @@ impl Row {
     }
 
     /// "; policy ..." for an index row that carries the policy probe.
+    fn split_line(&self) -> String {
+        match (
+            self.index_hash_p50_us,
+            self.index_lookup_p50_us,
+            self.index_floor_p50_us,
+        ) {
+            (Some(hash), Some(lookup), Some(floor)) => {
+                format!("; p50 hashing {hash} us, lookups {lookup} us, floor {floor} us")
+            }
+            _ => String::new(),
+        }
+    }
+
     fn policy_line(&self) -> String {
         let (Some(policy), Some(pool), Some(entries)) =
             (self.policy_bytes, self.pool_entries, self.index_entries)
@@ -267,7 +290,8 @@ impl Row {
             format_size(self.verified_bytes).replace(".00 ", ""),
             match (self.index_entries, self.index_bytes_per_entry) {
                 (Some(n), Some(b)) => format!(
-                    "  ({n} entries, {b:.1} B/entry{})",
+                    "  ({n} entries, {b:.1} B/entry{}{})",
+                    self.split_line(),
                     self.policy_line()
                 ),
                 (Some(n), None) => format!("  ({n} entries)"),

@@ -79,8 +79,10 @@ pub use store::{
 };
 pub use units::{GIB, KIB, MIB, PAGE_SIZE};
 
-/// Bytes one index entry occupies, for capacity planning: the hash table
-/// slot (digest and entry) plus its control byte, before load-factor slack.
+/// Bytes one index entry occupies, for capacity planning: the digest and
+/// the entry in its shard's arena plus its table slot, before load-factor
+/// slack (at most 62 bytes per entry with it at scale; docs/design.md,
+/// section 5).
 pub const INDEX_SLOT_BYTES: usize = index::SLOT_BYTES;
 
 /// The core's internals for the fuzz targets and the bench (feature

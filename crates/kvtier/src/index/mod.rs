@@ -6,18 +6,19 @@
 //! the data path. Every change to an entry's tiers goes through `Shard`
 //! methods, which keep those counters true.
 
-use crate::key::{DigestHasher, KeyDigest};
+mod table;
+
+use crate::key::KeyDigest;
 use crate::pool::PoolSlot;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::mem::ManuallyDrop;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 const SHARDS: usize = 64;
 
-/// Bytes of one hash-table slot: key, entry and the control byte.
-pub const SLOT_BYTES: usize = std::mem::size_of::<(DigestKey, Entry)>() + 1;
+/// Bytes one entry holds in its shard's table before load-factor slack:
+/// the digest and the entry in the arena, and the table's slot.
+pub const SLOT_BYTES: usize = table::STORED_BYTES + table::SLOT_BYTES;
 
 /// Where a value lives in the disk tier: a region and the value's offset
 /// in it, in 4 KiB pages. Stored as region + 1 so that `Option<DiskLoc>`
@@ -47,8 +48,8 @@ impl DiskLoc {
     }
 }
 
-/// One index entry: 32 bytes, so a hash-table slot with its key is 48
-/// (plus hashbrown's control byte). At 10 million entries every byte here
+/// One index entry: 32 bytes, so with its digest 48 in the table's arena
+/// (plus an 8-byte slot, see `table`). At 10 million entries every byte here
 /// is 10 MB of resident memory, so fields are packed:
 /// - the sequence number shares a word with the `accessed` flag;
 /// - the value length lives in the pool slot while there is a memory copy,
@@ -195,7 +196,7 @@ impl Drop for MemOrLen {
 /// The map key: the digest as two u64 halves, so a slot is 8-aligned
 /// (a u128 would pad every slot to 16 bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DigestKey {
+pub(crate) struct DigestKey {
     low: u64,
     high: u64,
 }
@@ -209,28 +210,26 @@ impl From<KeyDigest> for DigestKey {
     }
 }
 
-impl Hash for DigestKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        state.write_u64(self.low);
+impl From<DigestKey> for KeyDigest {
+    fn from(key: DigestKey) -> Self {
+        KeyDigest(u128::from(key.high) << 64 | u128::from(key.low))
     }
 }
 
-type DigestMap = HashMap<DigestKey, Entry, BuildHasherDefault<DigestHasher>>;
-
 #[derive(Debug, Default)]
 pub struct Shard {
-    map: DigestMap,
+    map: table::DigestTable,
     disk_entries: u64,
     disk_bytes: u64,
 }
 
 impl Shard {
     pub fn get(&self, digest: KeyDigest) -> Option<&Entry> {
-        self.map.get(&DigestKey::from(digest))
+        self.map.get(DigestKey::from(digest))
     }
 
     pub fn mark_accessed(&mut self, digest: KeyDigest) {
-        if let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) {
+        if let Some(entry) = self.map.get_mut(DigestKey::from(digest)) {
             entry.seq_accessed |= 1;
         }
     }
@@ -245,7 +244,7 @@ impl Shard {
     }
 
     pub fn remove(&mut self, digest: KeyDigest) -> Option<Entry> {
-        let old = self.map.remove(&DigestKey::from(digest));
+        let old = self.map.remove(DigestKey::from(digest));
         if let Some(old) = &old {
             self.count_out(old);
         }
@@ -255,7 +254,7 @@ impl Shard {
     /// Records that the put `seq` is now durable at `loc`, unless a newer
     /// put or a remove replaced it meanwhile. Returns whether it applied.
     pub fn set_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc, checksum: u64) -> bool {
-        let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
+        let Some(entry) = self.map.get_mut(DigestKey::from(digest)) else {
             return false;
         };
         if entry.seq() != seq {
@@ -273,7 +272,7 @@ impl Shard {
     /// Forgets the disk copy of put `seq` if it is still at `loc`; an entry
     /// left in no tier is removed. Returns whether it applied.
     pub fn clear_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
-        let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
+        let Some(entry) = self.map.get_mut(DigestKey::from(digest)) else {
             return false;
         };
         if entry.seq() != seq || entry.disk != Some(loc) {
@@ -287,7 +286,7 @@ impl Shard {
             // is a droppable cache entry.
             Some(slot) => slot.set_evictable(),
             None => {
-                self.map.remove(&DigestKey::from(digest));
+                self.map.remove(DigestKey::from(digest));
             }
         }
         true
@@ -295,7 +294,7 @@ impl Shard {
 
     /// Points put `seq` at a new disk location (a carried value).
     pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
-        match self.map.get_mut(&DigestKey::from(digest)) {
+        match self.map.get_mut(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == seq && entry.disk.is_some() => {
                 entry.disk = Some(loc);
                 true
@@ -306,7 +305,7 @@ impl Shard {
 
     /// Forgets put `seq`'s disk copy wherever it is.
     pub fn forget_disk(&mut self, digest: KeyDigest, seq: u64) -> bool {
-        let loc = match self.map.get(&DigestKey::from(digest)) {
+        let loc = match self.map.get(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == seq => entry.disk,
             _ => None,
         };
@@ -322,7 +321,7 @@ impl Shard {
         loc: DiskLoc,
         new_seq: u64,
     ) -> bool {
-        match self.map.get_mut(&DigestKey::from(digest)) {
+        match self.map.get_mut(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == old_seq && entry.disk == Some(loc) => {
                 debug_assert!(new_seq < 1 << 63);
                 entry.seq_accessed = new_seq << 1;
@@ -335,7 +334,7 @@ impl Shard {
     /// Drops the memory copy if the entry still holds `slot`; an entry left
     /// in no tier is removed. Returns whether it applied.
     pub fn drop_mem(&mut self, digest: KeyDigest, slot: &Arc<PoolSlot>) -> bool {
-        let Some(entry) = self.map.get_mut(&DigestKey::from(digest)) else {
+        let Some(entry) = self.map.get_mut(DigestKey::from(digest)) else {
             return false;
         };
         if !entry.mem().is_some_and(|m| Arc::ptr_eq(m, slot)) {
@@ -343,7 +342,7 @@ impl Shard {
         }
         entry.mem_or_len.clear_slot();
         if entry.disk.is_none() {
-            self.map.remove(&DigestKey::from(digest));
+            self.map.remove(DigestKey::from(digest));
         }
         true
     }
@@ -369,8 +368,8 @@ pub struct IndexCounts {
     pub entries: u64,
     pub disk_entries: u64,
     pub disk_bytes: u64,
-    /// Bytes the hash tables hold (slots and control bytes), for the
-    /// per-entry memory figure.
+    /// Bytes the shards' tables hold (slots and arenas), for the per-entry
+    /// memory figure.
     pub table_bytes: u64,
 }
 
@@ -407,7 +406,8 @@ impl Index {
     }
 
     /// `look(entry)` for each digest present, `missing` for the others,
-    /// taking each shard's lock once for the whole batch.
+    /// taking each shard's lock once for the whole batch, with the batch's
+    /// cache misses overlapped within each shard (see `table`).
     pub fn map_many<T: Clone>(
         &self,
         digests: &[KeyDigest],
@@ -415,25 +415,34 @@ impl Index {
         look: impl Fn(&Entry) -> T,
     ) -> Vec<T> {
         let mut found = vec![missing; digests.len()];
-        let mut order: Vec<(usize, usize)> = digests
-            .iter()
-            .enumerate()
-            .map(|(i, &d)| (self.shard_of(d), i))
-            .collect();
-        order.sort_unstable();
-        for group in order.chunk_by(|a, b| a.0 == b.0) {
-            let shard = self.lock_shard(group[0].0);
-            for &(_, i) in group {
-                if let Some(entry) = shard.get(digests[i]) {
-                    found[i] = look(entry);
-                }
+        // The batch by shard, by counting: two passes, no sort.
+        let mut starts = [0usize; SHARDS + 1];
+        for &digest in digests {
+            starts[self.shard_of(digest) + 1] += 1;
+        }
+        for shard in 0..SHARDS {
+            starts[shard + 1] += starts[shard];
+        }
+        let mut next = starts;
+        let mut order = vec![(DigestKey { low: 0, high: 0 }, 0u32); digests.len()];
+        for (i, &digest) in digests.iter().enumerate() {
+            let shard = self.shard_of(digest);
+            order[next[shard]] = (DigestKey::from(digest), i as u32);
+            next[shard] += 1;
+        }
+        for shard in 0..SHARDS {
+            let group = &order[starts[shard]..starts[shard + 1]];
+            if group.is_empty() {
+                continue;
             }
+            let locked = self.lock_shard(shard);
+            locked
+                .map
+                .get_batch(group, |i, entry| found[i as usize] = look(entry));
         }
         found
     }
 
-    /// Forgets every disk copy in `region` (gone); entries left in no tier
-    /// are removed. Takes each shard's lock once. Returns how many.
     /// What `pick` makes of every entry, handed to `sink` a shard at a
     /// time: each shard is locked only while `pick` copies out of it, never
     /// while `sink` runs (which may write to a file).
@@ -442,18 +451,13 @@ impl Index {
         mut pick: impl FnMut(KeyDigest, &Entry) -> Option<T>,
         mut sink: impl FnMut(Vec<T>),
     ) {
-        for shard in self.shards.iter() {
+        for shard in 0..SHARDS {
             let picked: Vec<T> = {
-                let shard = shard.lock().unwrap();
+                let shard = self.lock_shard(shard);
                 shard
                     .map
                     .iter()
-                    .filter_map(|(key, entry)| {
-                        pick(
-                            KeyDigest(u128::from(key.high) << 64 | u128::from(key.low)),
-                            entry,
-                        )
-                    })
+                    .filter_map(|(key, entry)| pick(KeyDigest::from(key), entry))
                     .collect()
             };
             sink(picked);
@@ -481,14 +485,14 @@ impl Index {
         mut on_cleared: impl FnMut(KeyDigest),
     ) -> u64 {
         let mut cleared = 0;
-        for shard in self.shards.iter() {
-            let mut shard = shard.lock().unwrap();
+        for shard in 0..SHARDS {
+            let mut shard = self.lock_shard(shard);
             let hits: Vec<(KeyDigest, u64, DiskLoc)> = shard
                 .map
                 .iter()
                 .filter_map(|(key, entry)| {
                     let loc = entry.disk?;
-                    let digest = KeyDigest(u128::from(key.high) << 64 | u128::from(key.low));
+                    let digest = KeyDigest::from(key);
                     doomed(loc.region(), digest).then(|| (digest, entry.seq(), loc))
                 })
                 .collect();
@@ -507,28 +511,19 @@ impl Index {
 
     /// Drops every entry (and with them the pool leases they hold).
     pub fn clear(&self) {
-        for shard in self.shards.iter() {
-            *shard.lock().unwrap() = Shard::default();
+        for shard in 0..SHARDS {
+            *self.lock_shard(shard) = Shard::default();
         }
     }
 
     pub fn counts(&self) -> IndexCounts {
-        let slot = std::mem::size_of::<(DigestKey, Entry)>() as u64 + 1;
         let mut counts = IndexCounts::default();
-        for shard in self.shards.iter() {
-            let shard = shard.lock().unwrap();
+        for shard in 0..SHARDS {
+            let shard = self.lock_shard(shard);
             counts.entries += shard.map.len() as u64;
             counts.disk_entries += shard.disk_entries;
             counts.disk_bytes += shard.disk_bytes;
-            // The table holds capacity * 8 / 7 buckets (its load factor),
-            // rounded to a power of two.
-            let capacity = shard.map.capacity() as u64;
-            let buckets = if capacity == 0 {
-                0
-            } else {
-                (capacity * 8).div_ceil(7).next_power_of_two()
-            };
-            counts.table_bytes += buckets * slot;
+            counts.table_bytes += shard.map.memory_bytes() as u64;
         }
         counts
     }
@@ -545,7 +540,7 @@ mod tests {
     #[test]
     fn packed_entry_owns_its_memory_copy() {
         assert_eq!(std::mem::size_of::<Entry>(), 32);
-        assert_eq!(SLOT_BYTES, 49);
+        assert_eq!(SLOT_BYTES, 56);
         let pool = PoolCore::new(1 << 20).unwrap();
         let digest = crate::key::test_namespace("").digest(b"k");
         let slot = Arc::new(pool.try_allocate(5000, digest).unwrap());
@@ -583,14 +578,17 @@ mod tests {
         assert_eq!(Arc::strong_count(&slot), 1);
     }
 
-    /// Measures the index's memory per entry across a range of sizes (the
-    /// hash table doubles, so bytes per entry swing with the load factor).
+    /// Measures the index's memory per entry through a whole growth cycle
+    /// of the shards' tables (they grow by 1.5x, so sizes a tenth apart
+    /// from 1 to 2.5 million entries meet every point of the cycle): at
+    /// most 64 bytes per entry at every one.
     #[test]
     fn memory_per_entry() {
         let index = Index::default();
         let mut samples = Vec::new();
         let mut inserted = 0u64;
-        for target in [250_000u64, 500_000, 1_000_000, 1_500_000, 2_000_000] {
+        let targets = (10..=25).map(|tenths| tenths * 100_000u64);
+        for target in std::iter::once(250_000).chain(targets) {
             while inserted < target {
                 let digest = crate::key::test_namespace("").digest(&inserted.to_le_bytes());
                 index.lock(digest).insert(
@@ -608,11 +606,9 @@ mod tests {
         for (n, per_entry) in &samples {
             println!("index: {n} entries, {per_entry:.1} bytes per entry");
         }
-        let mean = samples.iter().map(|s| s.1).sum::<f64>() / samples.len() as f64;
-        println!(
-            "index: mean {mean:.1} bytes per entry, slot {} bytes",
-            std::mem::size_of::<(DigestKey, Entry)>() + 1
-        );
-        assert!(samples.iter().all(|s| s.1 < 160.0), "{samples:?}");
+        let at_scale: Vec<_> = samples.iter().filter(|s| s.0 >= 1_000_000).collect();
+        assert!(at_scale.iter().all(|s| s.1 <= 64.0), "{samples:?}");
+        // Below that, the shards' partly filled arena chunks show.
+        assert!(samples.iter().all(|s| s.1 <= 80.0), "{samples:?}");
     }
 }
