@@ -11,6 +11,7 @@ mod deadline;
 pub mod format;
 mod mount;
 mod others;
+mod parallel_scan;
 mod read;
 
 pub(crate) use others::{first_id_past_gaps, read_other_head, scan_new_batches};
@@ -53,6 +54,10 @@ pub const OTHERS_BASE: u32 = 1 << 31;
 /// Recovery reads region files in windows this large once it is
 /// resynchronising through damage (a page at a time would crawl).
 const SCAN_WINDOW: usize = 8 << 20;
+/// Recovery reads at least this much wherever it reads: a batch's first
+/// page and the rest of its record (a few hundred entries) in one read
+/// instead of two, each a round trip to the device that the scan waits for.
+const RECORD_READ: usize = 64 << 10;
 /// Piece size of the tail scrub's value reads.
 const SCRUB_PIECE: usize = 8 << 20;
 
@@ -567,7 +572,36 @@ impl DiskTier {
         let mut verified_batches = 0u64;
         let mut foreign_batches = 0u64;
         let mut scrub_time = std::time::Duration::ZERO;
-        for (done, (id, paths)) in candidates.into_iter().rev().enumerate() {
+        let mut opened = Vec::with_capacity(candidates.len());
+        for (id, paths) in candidates.into_iter().rev() {
+            if let Some((path, file, direct, file_len)) =
+                self.open_candidate(id, paths, &mut report)?
+            {
+                opened.push(parallel_scan::Candidate {
+                    id,
+                    path,
+                    file,
+                    direct,
+                    file_len,
+                });
+            }
+        }
+        let mut done = 0usize;
+        let threads = parallel_scan::scan_threads();
+        parallel_scan::scan_in_order(opened, &self.secret, threads, |scanned| {
+            let parallel_scan::Scanned {
+                candidate:
+                    parallel_scan::Candidate {
+                        id,
+                        path,
+                        file,
+                        direct,
+                        file_len,
+                    },
+                header,
+                scan,
+                entries: entries_here,
+            } = scanned;
             if reported.elapsed() >= RECOVERY_PROGRESS_EVERY {
                 reported = std::time::Instant::now();
                 tracing::info!(
@@ -578,11 +612,7 @@ impl DiskTier {
                     "recovering the disk tier: {done} of {total} regions scanned"
                 );
             }
-            let Some((path, file, direct, file_len)) =
-                self.open_candidate(id, paths, &mut report)?
-            else {
-                continue;
-            };
+            done += 1;
             // A regular file holds this id: the region is not missing, even
             // if nothing in it verifies (its unreadable records are damage
             // like any other). Only ids with no such file are gaps.
@@ -603,59 +633,36 @@ impl DiskTier {
             if expected.is_none_or(|e| id <= e) {
                 expected = id.checked_sub(1);
             }
-            let mut reader = RegionReader::new(&file, file_len);
-            let header = if file_len < REGION_HEADER_LEN {
-                Err("region file shorter than its header".to_string())
-            } else {
-                reader
-                    .read(0, PAGE_SIZE as usize, false)
-                    .map_err(|e| e.to_string())
-                    .and_then(RegionHeader::decode)
-                    .and_then(|h| {
-                        if h.region == id {
-                            Ok(h)
-                        } else {
-                            Err(format!("header names region {}", h.region))
-                        }
-                    })
-            };
             if header.is_err() && file_len == 0 {
                 // Created, but its header never written: it holds nothing
                 // (headers are synced before any batch).
-                drop(reader);
                 drop(file);
                 self.unlink(&path)?;
                 report.empty_regions_removed += 1;
-                continue;
+                return Ok(());
             }
             // A bad header hides nothing: every batch names its region and
             // verifies on its own, so the batches are read either way.
             let scrub = checks.scrub_tail && !newest_seen;
             let mut scrub_buf = None;
-            let mut entries_here: Vec<(u64, RecordEntry)> = Vec::new();
-            let scan = scan_region(&mut reader, id, &self.secret, |batch_start, entries| {
-                for entry in entries {
-                    entries_here.push((batch_start, entry));
-                }
-            })?;
+            let scan = scan?;
             if scan.verified_batches == 0 && scan.foreign_batches > 0 {
                 // Intact records keyed with another secret, and none of
                 // ours: decided once every region is scanned.
                 foreign_only.push((id, path));
                 foreign_batches += scan.foreign_batches;
-                continue;
+                return Ok(());
             }
             if let (0, Err(reason)) = (scan.verified_batches, &header) {
                 // Never deleted on recovery's own judgement: a read error
                 // may be transient, and the bytes may matter to whoever
                 // investigates.
-                drop(reader);
                 drop(file);
                 // Only a member of the log (below its head or a region kept
                 // above it) keeps its place; anything above is not one.
                 let member = newest_seen || head.is_some_and(|h| id <= h);
                 self.set_aside_region(id, &path, reason, member, &mut report);
-                continue;
+                return Ok(());
             }
             verified_batches += scan.verified_batches;
             foreign_batches += scan.foreign_batches;
@@ -729,12 +736,12 @@ impl DiskTier {
                 report.regions_behind_gap += 1;
             }
             newest_seen = true;
-            drop(reader);
             self.used.fetch_add(file_len, Ordering::AcqRel);
             let bounded = self.bounds_reads_of(&file);
             let region = Region::new(id, file, path, file_len, direct, &self.engine, bounded);
             self.regions.write().unwrap().insert(id, Arc::new(region));
-        }
+            Ok(())
+        })?;
         if !checks.identity_confirmed && verified_batches == 0 && foreign_batches > 0 {
             // Nothing here verifies under this secret and something would
             // under another: the key-secret file is wrong, not the regions.
@@ -1367,7 +1374,7 @@ impl<'f> RegionReader<'f> {
             // Callers ask for whole pages inside the file; a window reaches
             // further, up to the last whole page.
             let whole_pages_end = self.file_len / PAGE_SIZE * PAGE_SIZE;
-            let mut want = page_round_up(len as u64);
+            let mut want = page_round_up(len as u64).max(RECORD_READ as u64);
             if ahead {
                 want = want.max(SCAN_WINDOW as u64);
             }
