@@ -94,7 +94,7 @@ pub mod internals {
     pub use crate::disk::format;
     pub use crate::disk::{value_locations, DiskTier, RecoveredEntry, RecoveryChecks};
     pub use crate::flusher::{BatchBudget, MAX_BATCH_ENTRIES};
-    pub use crate::index::{DiskLoc, Entry, Index};
+    pub use crate::index::{prefetch, DiskLoc, Entry, Index};
     pub use crate::io::uring::WRITE_CHUNK;
     pub use crate::io::{is_direct_io_aligned, IoEngine, ReadOp};
     /// Deterministic value bytes derived from a key.

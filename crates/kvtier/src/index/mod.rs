@@ -8,6 +8,9 @@
 
 mod table;
 
+#[cfg(feature = "internals")]
+pub use table::prefetch;
+
 use crate::key::KeyDigest;
 use crate::pool::PoolSlot;
 use std::mem::ManuallyDrop;
