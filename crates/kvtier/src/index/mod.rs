@@ -196,8 +196,8 @@ impl Drop for MemOrLen {
     }
 }
 
-/// The map key: the digest as two u64 halves, so a slot is 8-aligned
-/// (a u128 would pad every slot to 16 bytes).
+/// A digest as the tables hold it: two u64 halves, so an arena entry is
+/// 8-aligned (a u128 would align it to 16).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DigestKey {
     low: u64,
@@ -221,25 +221,25 @@ impl From<DigestKey> for KeyDigest {
 
 #[derive(Debug, Default)]
 pub struct Shard {
-    map: table::DigestTable,
+    table: table::DigestTable,
     disk_entries: u64,
     disk_bytes: u64,
 }
 
 impl Shard {
     pub fn get(&self, digest: KeyDigest) -> Option<&Entry> {
-        self.map.get(DigestKey::from(digest))
+        self.table.get(DigestKey::from(digest))
     }
 
     pub fn mark_accessed(&mut self, digest: KeyDigest) {
-        if let Some(entry) = self.map.get_mut(DigestKey::from(digest)) {
+        if let Some(entry) = self.table.get_mut(DigestKey::from(digest)) {
             entry.seq_accessed |= 1;
         }
     }
 
     pub fn insert(&mut self, digest: KeyDigest, entry: Entry) -> Option<Entry> {
         self.count_in(&entry);
-        let old = self.map.insert(DigestKey::from(digest), entry);
+        let old = self.table.insert(DigestKey::from(digest), entry);
         if let Some(old) = &old {
             self.count_out(old);
         }
@@ -247,7 +247,7 @@ impl Shard {
     }
 
     pub fn remove(&mut self, digest: KeyDigest) -> Option<Entry> {
-        let old = self.map.remove(DigestKey::from(digest));
+        let old = self.table.remove(DigestKey::from(digest));
         if let Some(old) = &old {
             self.count_out(old);
         }
@@ -257,7 +257,7 @@ impl Shard {
     /// Records that the put `seq` is now durable at `loc`, unless a newer
     /// put or a remove replaced it meanwhile. Returns whether it applied.
     pub fn set_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc, checksum: u64) -> bool {
-        let Some(entry) = self.map.get_mut(DigestKey::from(digest)) else {
+        let Some(entry) = self.table.get_mut(DigestKey::from(digest)) else {
             return false;
         };
         if entry.seq() != seq {
@@ -275,7 +275,7 @@ impl Shard {
     /// Forgets the disk copy of put `seq` if it is still at `loc`; an entry
     /// left in no tier is removed. Returns whether it applied.
     pub fn clear_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
-        let Some(entry) = self.map.get_mut(DigestKey::from(digest)) else {
+        let Some(entry) = self.table.get_mut(DigestKey::from(digest)) else {
             return false;
         };
         if entry.seq() != seq || entry.disk != Some(loc) {
@@ -289,7 +289,7 @@ impl Shard {
             // is a droppable cache entry.
             Some(slot) => slot.set_evictable(),
             None => {
-                self.map.remove(DigestKey::from(digest));
+                self.table.remove(DigestKey::from(digest));
             }
         }
         true
@@ -297,7 +297,7 @@ impl Shard {
 
     /// Points put `seq` at a new disk location (a carried value).
     pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
-        match self.map.get_mut(DigestKey::from(digest)) {
+        match self.table.get_mut(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == seq && entry.disk.is_some() => {
                 entry.disk = Some(loc);
                 true
@@ -308,7 +308,7 @@ impl Shard {
 
     /// Forgets put `seq`'s disk copy wherever it is.
     pub fn forget_disk(&mut self, digest: KeyDigest, seq: u64) -> bool {
-        let loc = match self.map.get(DigestKey::from(digest)) {
+        let loc = match self.table.get(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == seq => entry.disk,
             _ => None,
         };
@@ -324,7 +324,7 @@ impl Shard {
         loc: DiskLoc,
         new_seq: u64,
     ) -> bool {
-        match self.map.get_mut(DigestKey::from(digest)) {
+        match self.table.get_mut(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == old_seq && entry.disk == Some(loc) => {
                 debug_assert!(new_seq < 1 << 63);
                 entry.seq_accessed = new_seq << 1;
@@ -337,7 +337,7 @@ impl Shard {
     /// Drops the memory copy if the entry still holds `slot`; an entry left
     /// in no tier is removed. Returns whether it applied.
     pub fn drop_mem(&mut self, digest: KeyDigest, slot: &Arc<PoolSlot>) -> bool {
-        let Some(entry) = self.map.get_mut(DigestKey::from(digest)) else {
+        let Some(entry) = self.table.get_mut(DigestKey::from(digest)) else {
             return false;
         };
         if !entry.mem().is_some_and(|m| Arc::ptr_eq(m, slot)) {
@@ -345,7 +345,7 @@ impl Shard {
         }
         entry.mem_or_len.clear_slot();
         if entry.disk.is_none() {
-            self.map.remove(DigestKey::from(digest));
+            self.table.remove(DigestKey::from(digest));
         }
         true
     }
@@ -427,10 +427,10 @@ impl Index {
             starts[shard + 1] += starts[shard];
         }
         let mut next = starts;
-        let mut order = vec![(DigestKey { low: 0, high: 0 }, 0u32); digests.len()];
+        let mut order = vec![(DigestKey { low: 0, high: 0 }, 0usize); digests.len()];
         for (i, &digest) in digests.iter().enumerate() {
             let shard = self.shard_of(digest);
-            order[next[shard]] = (DigestKey::from(digest), i as u32);
+            order[next[shard]] = (DigestKey::from(digest), i);
             next[shard] += 1;
         }
         for shard in 0..SHARDS {
@@ -440,8 +440,8 @@ impl Index {
             }
             let locked = self.lock_shard(shard);
             locked
-                .map
-                .get_batch(group, |i, entry| found[i as usize] = look(entry));
+                .table
+                .get_batch(group, |i, entry| found[i] = look(entry));
         }
         found
     }
@@ -458,7 +458,7 @@ impl Index {
             let picked: Vec<T> = {
                 let shard = self.lock_shard(shard);
                 shard
-                    .map
+                    .table
                     .iter()
                     .filter_map(|(key, entry)| pick(KeyDigest::from(key), entry))
                     .collect()
@@ -491,7 +491,7 @@ impl Index {
         for shard in 0..SHARDS {
             let mut shard = self.lock_shard(shard);
             let hits: Vec<(KeyDigest, u64, DiskLoc)> = shard
-                .map
+                .table
                 .iter()
                 .filter_map(|(key, entry)| {
                     let loc = entry.disk?;
@@ -523,10 +523,10 @@ impl Index {
         let mut counts = IndexCounts::default();
         for shard in 0..SHARDS {
             let shard = self.lock_shard(shard);
-            counts.entries += shard.map.len() as u64;
+            counts.entries += shard.table.len() as u64;
             counts.disk_entries += shard.disk_entries;
             counts.disk_bytes += shard.disk_bytes;
-            counts.table_bytes += shard.map.memory_bytes() as u64;
+            counts.table_bytes += shard.table.memory_bytes() as u64;
         }
         counts
     }

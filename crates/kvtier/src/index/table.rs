@@ -248,11 +248,16 @@ impl DigestTable {
             .map(|stored| (stored.key, &stored.entry))
     }
 
-    /// Looks up a batch, calling `found(tag, entry)` for each key present,
-    /// with the cache misses of a group of keys overlapped: the group's
-    /// buckets are prefetched, then the arena entries their tags point at,
-    /// then the digests compared.
-    pub(super) fn get_batch(&self, keys: &[(DigestKey, u32)], mut found: impl FnMut(u32, &Entry)) {
+    /// Looks up a batch of (digest, caller's index) pairs, calling
+    /// `found(index, entry)` for each digest present, with the cache misses
+    /// of a group of keys overlapped: the group's buckets are prefetched,
+    /// then the arena entries their tags point at, then the digests
+    /// compared.
+    pub(super) fn get_batch(
+        &self,
+        keys: &[(DigestKey, usize)],
+        mut found: impl FnMut(usize, &Entry),
+    ) {
         const GROUP: usize = 16;
         if self.buckets.is_empty() {
             return;
@@ -262,18 +267,20 @@ impl DigestTable {
             for &(key, _) in group {
                 prefetch(&self.buckets[home(key, buckets)]);
             }
-            let mut candidates = [usize::MAX; GROUP];
+            let mut candidates = [None; GROUP];
             for (candidate, &(key, _)) in candidates.iter_mut().zip(group) {
-                if let Some((_, pos)) = self.probe(key, |slot, _| slot & TAG_MASK == tag(key)) {
-                    prefetch(self.stored(pos));
-                    *candidate = pos;
-                }
+                *candidate =
+                    self.probe(key, |slot, _| slot & TAG_MASK == tag(key))
+                        .map(|(_, pos)| {
+                            prefetch(self.stored(pos));
+                            pos
+                        });
             }
             for (&candidate, &(key, caller)) in candidates.iter().zip(group) {
-                if candidate == usize::MAX {
-                    // No slot with the tag: absent.
+                // No slot with the tag: absent.
+                let Some(candidate) = candidate else {
                     continue;
-                }
+                };
                 let stored = self.stored(candidate);
                 if stored.key == key {
                     found(caller, &stored.entry);
@@ -381,13 +388,13 @@ mod tests {
                         prop_assert_eq!(old, model.remove(&(key.low, key.high)));
                     }
                     Op::Batch(keys) => {
-                        let keys: Vec<(DigestKey, u32)> = keys
+                        let keys: Vec<(DigestKey, usize)> = keys
                             .iter()
                             .enumerate()
-                            .map(|(i, &(k, c))| (key(k, c), i as u32))
+                            .map(|(i, &(k, c))| (key(k, c), i))
                             .collect();
                         let mut seen = vec![None; keys.len()];
-                        table.get_batch(&keys, |i, e| seen[i as usize] = Some(e.seq()));
+                        table.get_batch(&keys, |i, e| seen[i] = Some(e.seq()));
                         for (i, (key, _)) in keys.iter().enumerate() {
                             prop_assert_eq!(seen[i], model.get(&(key.low, key.high)).copied());
                         }
@@ -424,10 +431,11 @@ mod tests {
                 Some(u64::from(n) + 1)
             );
         }
-        let keys: Vec<(DigestKey, u32)> = (0..300).map(|n| (key(n, true), u32::from(n))).collect();
+        let keys: Vec<(DigestKey, usize)> =
+            (0..300).map(|n| (key(n, true), usize::from(n))).collect();
         let mut hits = 0;
         table.get_batch(&keys, |i, e| {
-            assert_eq!(e.seq(), u64::from(i) + 1);
+            assert_eq!(e.seq(), i as u64 + 1);
             hits += 1;
         });
         assert_eq!(hits, 200);
