@@ -748,8 +748,11 @@ fn crosses_members(router: &Router<'_>, request: &Request<'_>) -> bool {
     !router.all_local(&keys)
 }
 
-/// Sends `reply` to `header`'s request and records it; whether the
-/// connection goes on (sent, and the reply does not close it).
+/// Records `reply` to `header`'s request and sends it; whether the
+/// connection goes on (sent, and the reply does not close it). The record
+/// comes first so that a client which has its reply also finds the request
+/// counted in `/metrics` (recording after the send raced the client's next
+/// scrape); the duration therefore ends where the reply starts to go out.
 fn answer(
     transport: &mut Transport,
     metrics: &Metrics,
@@ -757,6 +760,7 @@ fn answer(
     reply: Reply<'_>,
     started: Instant,
 ) -> bool {
+    metrics.record(header.op, started.elapsed(), reply.sample);
     let sent = send(
         transport,
         header.op,
@@ -765,7 +769,6 @@ fn answer(
         &reply.body,
         &reply.tail,
     );
-    metrics.record(header.op, started.elapsed(), reply.sample);
     sent.is_ok() && !reply.close
 }
 
