@@ -312,3 +312,116 @@ impl Pending {
         outcomes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_log::{put, TestLog};
+    use super::super::{DiskTier, RecoveryChecks};
+    use super::*;
+    use crate::config::EngineWrapper;
+    use crate::io::faulty::FaultyEngine;
+    use crate::io::IoEngine;
+
+    const LEN: usize = 10_000;
+
+    /// A tier whose bounded reads (of every file) go through `faulty`,
+    /// with one value of `LEN` bytes of 7s written; the read of it.
+    fn tier_with_value(faulty: &Arc<FaultyEngine>) -> (TestLog, DiskTier, ValueRead) {
+        let mut log = TestLog::new(1 << 20);
+        let wrapped = Arc::clone(faulty);
+        log.config = log
+            .config
+            .clone()
+            .io_deadline(Duration::from_millis(20))
+            .io_deadline_local(true)
+            .wrap_bounded_io_engine(EngineWrapper(Arc::new(move |_built: Arc<dyn IoEngine>| {
+                Arc::clone(&wrapped) as Arc<dyn IoEngine>
+            })));
+        let (tier, _, _) = log.open(RecoveryChecks::default());
+        let loc = log.write(&tier, &[put(b"a", 1, LEN, 7)]).unwrap()[0];
+        let key = super::super::test_log::qualified(b"a");
+        let digest = log.secret.digest_qualified(&key);
+        let read = ValueRead {
+            digest,
+            region: tier.region(loc.region()).unwrap(),
+            loc,
+            len: LEN,
+            checksum: crate::key::value_checksum(digest, &[7; LEN]),
+        };
+        assert!(read.region.bounded());
+        (log, tier, read)
+    }
+
+    fn faulty() -> Arc<FaultyEngine> {
+        FaultyEngine::new(Arc::new(crate::io::PsyncEngine::new(2)))
+    }
+
+    #[test]
+    fn a_read_in_time_lands_verified_in_the_callers_buffer() {
+        let engine = faulty();
+        let (_log, tier, read) = tier_with_value(&engine);
+        let bounded = tier.bounded.as_ref().unwrap();
+        let reads = [Some(read), None];
+        let mut a = vec![0u8; LEN];
+        let mut b = [0u8; 1];
+        let mut dests = [&mut a[..], &mut b[..]];
+        // Generous for a machine under load: nothing here stalls.
+        let pending = BoundedReads::new(
+            ValueReader::new(engine.clone(), Arc::clone(&bounded.reader.bounce), 1 << 20),
+            Duration::from_secs(600),
+        )
+        .start(&reads);
+        let outcomes = pending.finish(&reads, &mut dests);
+        assert!(
+            matches!(outcomes[0], Some(ReadOutcome::Verified)),
+            "{outcomes:?}"
+        );
+        assert!(outcomes[1].is_none());
+        assert!(a.iter().all(|&x| x == 7));
+    }
+
+    #[test]
+    fn a_stalled_read_times_out_holds_its_buffers_and_too_many_refuse_new_ones() {
+        let engine = faulty();
+        let (_log, tier, read) = tier_with_value(&engine);
+        let bounded = tier.bounded.as_ref().unwrap();
+        engine.stall(true, false);
+        let reads = [Some(read)];
+        let mut dest = vec![0u8; LEN];
+        for held in 1..=MAX_STUCK_BATCHES {
+            let outcomes = bounded.start(&reads).finish(&reads, &mut [&mut dest[..]]);
+            assert!(
+                matches!(outcomes[0], Some(ReadOutcome::TimedOut)),
+                "{outcomes:?}"
+            );
+            assert_eq!(bounded.stuck().0, held);
+        }
+        assert!(
+            dest.iter().all(|&x| x == 0),
+            "nothing landed in the caller's memory"
+        );
+        // Every held batch is a thread parked at the gate.
+        let until = Instant::now() + Duration::from_secs(120);
+        while engine.held().0 < MAX_STUCK_BATCHES && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(engine.held().0, MAX_STUCK_BATCHES);
+        // One more is refused without a thread.
+        let outcomes = bounded.start(&reads).finish(&reads, &mut [&mut dest[..]]);
+        assert!(matches!(outcomes[0], Some(ReadOutcome::TimedOut)));
+        assert_eq!(engine.held().1, MAX_STUCK_BATCHES, "no read started");
+        assert_eq!(
+            bounded.counters.deadline_misses.load(Ordering::Relaxed),
+            MAX_STUCK_BATCHES + 1
+        );
+        assert_eq!(bounded.counters.stalls.load(Ordering::Relaxed), 1);
+        // The file system answers again: the threads release what they
+        // held, and reads start again.
+        engine.resume();
+        while bounded.stuck() != (0, 0) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(bounded.stuck(), (0, 0));
+        assert!(dest.iter().all(|&x| x == 0));
+    }
+}

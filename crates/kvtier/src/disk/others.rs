@@ -6,10 +6,10 @@
 //! Only the writer of a file ever changes it; this side never writes,
 //! renames or removes another writer's file.
 
-use super::{read_batch_at, DiskTier, Region, RegionReader, OTHERS_BASE};
-use crate::disk::format::{RecordEntry, RecordFault};
+use super::format::RecordEntry;
+use super::scan::{scan_batches, BadPage, RegionReader};
+use super::{DiskTier, Region, OTHERS_BASE};
 use crate::key::KeySecret;
-use crate::units::PAGE_SIZE;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,10 +33,8 @@ pub(crate) struct NewBatches {
     /// Why the scan stopped before the end of the file (a record not yet
     /// whole: its writer is mid-flush, or died in one).
     pub stuck: Option<String>,
-    /// Pages skipped while resynchronising, and batches keyed with another
-    /// secret (stepped over).
+    /// Pages skipped while resynchronising.
     pub skipped_pages: u64,
-    pub foreign_batches: u64,
 }
 
 impl DiskTier {
@@ -140,41 +138,24 @@ pub(crate) fn scan_new_batches(
     resync: bool,
 ) -> NewBatches {
     let mut reader = RegionReader::new(file, file_len);
-    let mut out = NewBatches {
-        end: from,
-        ..NewBatches::default()
+    let mut batches = Vec::new();
+    let bad_page = if resync {
+        BadPage::Resync
+    } else {
+        BadPage::Stop
     };
-    let mut offset = from;
-    let mut resyncing = false;
-    while offset
-        .checked_add(PAGE_SIZE)
-        .is_some_and(|end| end <= file_len)
-    {
-        match read_batch_at(&mut reader, id, secret, offset, resyncing) {
-            Ok((batch_len, entries)) => {
-                out.batches.push((offset, entries));
-                offset += batch_len;
-                out.end = offset;
-                resyncing = false;
-            }
-            Err((RecordFault::ForeignDigests, batch_len)) => {
-                out.foreign_batches += 1;
-                offset += batch_len.unwrap_or(PAGE_SIZE);
-                out.end = offset;
-            }
-            Err((fault, _)) => {
-                if !resync {
-                    out.stuck = Some(fault.reason());
-                    return out;
-                }
-                out.skipped_pages += 1;
-                offset += PAGE_SIZE;
-                out.end = offset;
-                resyncing = true;
-            }
-        }
+    let scan = scan_batches(&mut reader, id, secret, from, bad_page, |at, entries| {
+        batches.push((at, entries))
+    });
+    NewBatches {
+        end: scan.end,
+        batches,
+        stuck: scan
+            .stopped
+            .then(|| scan.first_problem.map(|(_, reason)| reason))
+            .flatten(),
+        skipped_pages: scan.skipped_pages,
     }
-    out
 }
 
 /// Another writer's `log-head` (docs/design.md, "Log head and missing
@@ -195,7 +176,7 @@ pub(crate) fn read_other_head(writer_dir: &Path) -> std::io::Result<Option<u32>>
     };
     let mut text = String::new();
     file.take(256).read_to_string(&mut text)?;
-    super::parse_head(&text).map(Some).ok_or_else(|| {
+    super::names::parse_head(&text).map(Some).ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("{} does not parse as a log head", path.display()),
