@@ -10,7 +10,7 @@
 //! By concern: `format` (the bytes), `names` (file names and the log
 //! head), `region` (an open region file), `scan` (the one reader of batch
 //! records, for recovery, the reclaimer and other writers' logs),
-//! `recovery` with `set_aside` (quarantine), `write`, `reclaim`, `others` (other writers' files of a
+//! `recovery` with `set_aside` (quarantine), `write`, `reclaim`, `others` and `other_logs` (other writers' files of a
 //! shared directory), `read` and `deadline` (value reads, bounded where the
 //! file system can stall). This file composes them into [`DiskTier`].
 
@@ -20,6 +20,7 @@ pub mod format;
 mod locations;
 mod mount;
 mod names;
+mod other_logs;
 mod others;
 mod parallel_scan;
 mod read;
@@ -35,7 +36,8 @@ mod write;
 #[cfg(feature = "internals")]
 pub use locations::value_locations;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
-pub(crate) use others::{first_id_past_gaps, read_other_head, scan_new_batches};
+pub(crate) use other_logs::{RegionListing, RegionRead, NO_HANDLE};
+pub(crate) use others::read_other_head;
 pub(crate) use read::{Destination, ReadOutcome, ValueRead};
 pub use recovery::{RecoveredEntry, RecoveryChecks, RecoveryReport};
 pub use region::Region;
@@ -113,6 +115,8 @@ pub struct DiskTier {
     max_region_id: u32,
     /// Other writers' regions (a shared directory), by index handle.
     others: RwLock<std::collections::HashMap<u32, Arc<Region>>>,
+    /// Their handles and cursors, by writer and region id.
+    other_logs: Mutex<other_logs::OtherLogs>,
     /// Most of them held open at once (`set_other_files_budget`): each
     /// holds a descriptor, which would otherwise come out of what the
     /// server keeps for connections.
@@ -224,6 +228,7 @@ impl DiskTier {
                 MAX_REGION_ID
             },
             others: RwLock::new(std::collections::HashMap::new()),
+            other_logs: Mutex::default(),
             other_files_budget: std::sync::atomic::AtomicUsize::new(default_other_files_budget()),
             write_guard: write::WriteGuardSlot::default(),
         };

@@ -13,8 +13,8 @@
 
 use crate::disk::format::{RecordEntry, RecordKind};
 use crate::disk::{
-    first_id_past_gaps, parse_region_name, read_other_head, scan_new_batches, DiskTier,
-    OTHERS_BASE, REGION_DIR,
+    parse_region_name, read_other_head, value_loc, DiskTier, RegionListing, RegionRead, NO_HANDLE,
+    OTHERS_BASE,
 };
 use crate::index::{DiskLoc, Entry, Index};
 use crate::key::KeyDigest;
@@ -30,9 +30,9 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 /// A tombstone's origin: another writer's region (its handle), or this
-/// node's own log (`OWN`), whose tombstones are kept until the store
-/// closes.
-const OWN: u32 = u32::MAX;
+/// node's own log (`OWN`, a handle no region gets), whose tombstones are
+/// kept until the store closes.
+const OWN: u32 = NO_HANDLE;
 
 /// Which keys (by `KeyDigest::share_hash`) this node indexes of the
 /// other writers' logs in the bounded mode (`Config::shared_index_share`).
@@ -64,25 +64,14 @@ pub struct SharedWriter {
     pub last_change_unix_ms: u64,
 }
 
-#[derive(Debug)]
-struct Followed {
-    handle: u32,
-    file_name: String,
-    /// Where the next scan starts.
-    scanned_to: u64,
-    /// The file's length when last opened.
-    len: u64,
-    /// Lowest sequence number of any put entry in it (`u64::MAX` while
-    /// none was read; 0 when unknown: a region first learned from an index
-    /// checkpoint, which lists only live entries, so the puts other
-    /// writers' removals shadow are not in it).
-    min_put_seq: u64,
-    stuck: bool,
-}
-
 #[derive(Debug, Default)]
 struct WriterLog {
-    regions: BTreeMap<u32, Followed>,
+    /// Per followed region (by handle): the lowest sequence number of any
+    /// put entry in it (`u64::MAX` while none was read; 0 when unknown: a
+    /// region first learned from an index checkpoint, which lists only
+    /// live entries, so the puts other writers' removals shadow are not in
+    /// it). The regions themselves (files, cursors) are the disk tier's.
+    min_put_seq: HashMap<u32, u64>,
     /// The highest sequence number read from its log.
     newest_seq: u64,
     /// The write floor it published (`write_floor`), read before its
@@ -110,7 +99,6 @@ struct WriterLog {
 #[derive(Debug)]
 struct FollowState {
     writers: BTreeMap<String, WriterLog>,
-    next_handle: u32,
     /// Per key digest: the newest removal known (sequence number, origin),
     /// so a put with a lower number read later (a writer whose flush came
     /// after the remove, or whose log this node reads later) is not
@@ -223,7 +211,6 @@ impl Follower {
             log,
             state: Mutex::new(FollowState {
                 writers: BTreeMap::new(),
-                next_handle: OTHERS_BASE,
                 tombstones: own_tombstones
                     .into_iter()
                     .map(|(digest, seq)| (digest, (seq, OWN)))
@@ -310,12 +297,8 @@ impl Follower {
         state
             .tombstones
             .retain(|digest, (_, origin)| *origin == OWN || self.owns(KeyDigest(*digest)));
-        for log in state.writers.values_mut() {
-            for region in log.regions.values_mut() {
-                region.scanned_to = PAGE_SIZE;
-                region.len = 0;
-            }
-        }
+        drop(state);
+        self.disk.rewind_others();
         tracing::info!(
             dropped,
             "the index share changed; reading the other writers' records again"
@@ -345,14 +328,15 @@ impl Follower {
 
     /// Each other writer's log as seen now.
     pub fn writers(&self) -> Vec<SharedWriter> {
+        let sizes = self.disk.followed_sizes();
         let state = self.state.lock().unwrap();
         state
             .writers
             .iter()
             .map(|(node, log)| SharedWriter {
                 node: node.clone(),
-                regions: log.regions.len() as u64,
-                bytes: log.regions.values().map(|r| r.len).sum(),
+                regions: sizes.get(node).map_or(0, |s| s.0.regions),
+                bytes: sizes.get(node).map_or(0, |s| s.0.bytes),
                 newest_seq: log.newest_seq,
                 last_change_unix_ms: log
                     .last_change
@@ -427,9 +411,8 @@ impl Follower {
             .cloned()
             .collect();
         for node in gone {
-            if let Some(log) = state.writers.remove(&node) {
-                vanished.extend(log.regions.values().map(|r| r.handle));
-            }
+            state.writers.remove(&node);
+            vanished.extend(self.disk.forget_other_writer(&node));
         }
         // A directory this node does not follow yet is a writer only once
         // it holds a `LOCK` (every writer makes one before its first
@@ -460,7 +443,8 @@ impl Follower {
         }
         let mut floor = clock_at_start;
         let (mut regions, mut bytes, mut stuck, mut behind_gap) = (0u64, 0u64, 0u64, 0u64);
-        for log in state.writers.values() {
+        let sizes = self.disk.followed_sizes();
+        for (node, log) in state.writers.iter_mut() {
             // Puts it will write are at or above its published write floor
             // (one past its newest number without one: a writer of an older
             // version, or a damaged file); puts in its log at or above its
@@ -474,12 +458,18 @@ impl Follower {
                 floor = 0;
             }
             behind_gap += log.behind_gap;
-            for region in log.regions.values() {
-                floor = floor.min(region.min_put_seq);
-                regions += 1;
-                bytes += region.len;
-                stuck += u64::from(region.stuck);
+            let Some((followed, handles)) = sizes.get(node) else {
+                log.min_put_seq.clear();
+                continue;
+            };
+            // Regions no longer followed no longer hold the floor down.
+            log.min_put_seq.retain(|handle, _| handles.contains(handle));
+            for handle in handles {
+                floor = floor.min(log.min_put_seq.get(handle).copied().unwrap_or(u64::MAX));
             }
+            regions += followed.regions;
+            bytes += followed.bytes;
+            stuck += followed.stuck;
         }
         if self.pass_incomplete.load(Ordering::Relaxed) {
             floor = 0;
@@ -523,28 +513,11 @@ impl Follower {
     pub fn close_past_budget(&self) {
         let _one_pass = self.passes.lock().unwrap_or_else(|p| p.into_inner());
         let budget = self.disk.other_files_budget();
-        let mut state = self.state.lock().unwrap();
-        let mut held: Vec<(u32, String, u32)> = state
-            .writers
-            .iter()
-            .flat_map(|(node, log)| {
-                log.regions
-                    .iter()
-                    .map(move |(id, r)| (r.handle, node.clone(), *id))
-            })
-            .collect();
-        if held.len() <= budget {
+        let closed: HashSet<u32> = self.disk.close_others_past(budget).into_iter().collect();
+        if closed.is_empty() {
             return;
         }
-        held.sort_unstable_by_key(|h| std::cmp::Reverse(h.0));
-        let excess = held.len() - budget;
-        let mut closed: HashSet<u32> = HashSet::new();
-        for (handle, node, id) in held.into_iter().take(excess) {
-            if let Some(log) = state.writers.get_mut(&node) {
-                log.regions.remove(&id);
-            }
-            closed.insert(handle);
-        }
+        let excess = closed.len();
         self.floor.store(0, Ordering::Release);
         self.counters
             .regions
@@ -552,7 +525,6 @@ impl Follower {
         self.counters
             .regions_over_budget
             .fetch_add(excess as u64, Ordering::Relaxed);
-        drop(state);
         for handle in &closed {
             self.disk.drop_other(*handle);
         }
@@ -602,11 +574,11 @@ impl Follower {
             if log.verified_after_stop == Some(newest) {
                 return;
             }
-            let Some(region) = log.regions.get(&newest) else {
+            let Some(handle) = self.disk.other_region_handle(node, newest) else {
                 return;
             };
             log.verified_after_stop = Some(newest);
-            region.handle
+            handle
         };
         let Some(region) = self.disk.region(handle) else {
             return;
@@ -683,6 +655,13 @@ impl Follower {
         if self.disk.room_for_other_file() {
             return true;
         }
+        self.note_over_budget(path);
+        false
+    }
+
+    /// A region not followed for want of a descriptor (see
+    /// `room_for_another_file`).
+    fn note_over_budget(&self, path: &Path) {
         self.pass_incomplete.store(true, Ordering::Relaxed);
         self.over_budget_this_pass.fetch_add(1, Ordering::Relaxed);
         if !self.over_budget_said.swap(true, Ordering::Relaxed) {
@@ -695,7 +674,6 @@ impl Follower {
                  look for junk writer directories in the shared directory"
             );
         }
-        false
     }
 
     /// What reading another writer's `what` gave: a failure marks the pass
@@ -755,46 +733,16 @@ impl Follower {
                 "keeping every removal, and a deleted newest region of its log would not be noticed, until it reads",
             )
         };
-        let region_dir = dir.join(REGION_DIR);
-        let listing = match std::fs::read_dir(&region_dir) {
-            Ok(listing) => listing,
+        let listing = match self.disk.list_other_regions(node, dir, head) {
+            Ok(Some(listing)) => listing,
             // A writer that has not created its first region yet.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Ok(None) => return,
             Err(e) => {
-                tracing::warn!(dir = %region_dir.display(), error = %e, "cannot list another writer's regions; will retry");
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot list another writer's regions; will retry");
                 self.pass_incomplete.store(true, Ordering::Relaxed);
                 return;
             }
         };
-        // Region id -> file name; of two names for one id (a copy made by
-        // hand), the longer file (its writer keeps the longest too).
-        let mut files: BTreeMap<u32, (String, u64)> = BTreeMap::new();
-        for item in listing.flatten() {
-            let name = item.file_name().to_string_lossy().into_owned();
-            let Some(parsed) = parse_region_name(&name) else {
-                continue;
-            };
-            if parsed.node != Some(node) || parsed.id >= OTHERS_BASE {
-                continue;
-            }
-            let len = item.metadata().map_or(0, |m| m.len());
-            let id = parsed.id;
-            match files.get(&id) {
-                Some((_, held)) if *held >= len => {}
-                _ => {
-                    files.insert(id, (name, len));
-                }
-            }
-        }
-        // The gap rule its writer applies to its own log at recovery: no
-        // region older than a missing one is indexed (the missing one may
-        // have held the removals of their puts).
-        let ids: Vec<u32> = files.keys().copied().collect();
-        let first_indexed = first_id_past_gaps(&ids, head);
-        let before = files.len();
-        files.retain(|id, _| first_indexed.is_some_and(|first| *id >= first));
-        let behind_gap = (before - files.len()) as u64;
-        let newest = files.keys().next_back().copied();
         let first_sight = self
             .state
             .lock()
@@ -803,161 +751,83 @@ impl Follower {
             .get(node)
             .is_none_or(|log| !log.listed);
         if first_sight {
-            self.load_checkpoint(node, dir, &region_dir, &files);
+            self.load_checkpoint(node, dir, &listing);
         }
-        let mut state = self.state.lock().unwrap();
-        let log = state.writers.entry(node.to_string()).or_default();
-        log.listed = true;
-        if log.behind_gap == 0 && behind_gap > 0 {
-            tracing::error!(writer = node, regions = behind_gap, "region files are missing from the middle of another writer's log (deleted, renamed or unreadable): its older regions are not indexed, since the missing ones may have removed their puts");
-        }
-        log.behind_gap = behind_gap;
-        // Regions gone (reclaimed by their writer), behind a gap, replaced
-        // by another file under the same id, or cut shorter than this node
-        // has read (what was indexed past the cut would answer `exists`
-        // for values no read can return): dropped, and a file still there
-        // is read again from its start.
-        let doomed: Vec<u32> = log
-            .regions
-            .iter()
-            .filter(|(id, r)| {
-                files
-                    .get(id)
-                    .is_none_or(|(name, len)| *name != r.file_name || *len < r.len)
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        // Handles of files still listed (cut short or replaced): their
-        // entries go before the file is read again, or the same entries
-        // read again (same numbers) would not replace them and the end of
-        // the pass would then drop both.
-        let mut reread: Vec<u32> = Vec::new();
-        for id in doomed {
-            if let Some(region) = log.regions.remove(&id) {
-                vanished.insert(region.handle);
-                if files.contains_key(&id) {
-                    reread.push(region.handle);
-                }
+        let reconciled = self.disk.reconcile_other(node, &listing);
+        {
+            let mut state = self.state.lock().unwrap();
+            let log = state.writers.entry(node.to_string()).or_default();
+            log.listed = true;
+            if log.behind_gap == 0 && listing.behind_gap > 0 {
+                tracing::error!(writer = node, regions = listing.behind_gap, "region files are missing from the middle of another writer's log (deleted, renamed or unreadable): its older regions are not indexed, since the missing ones may have removed their puts");
+            }
+            log.behind_gap = listing.behind_gap;
+            if !reconciled.dropped.is_empty() {
                 log.last_change = Some(SystemTime::now());
             }
         }
-        let known: Vec<(u32, u64, bool)> = log
-            .regions
-            .iter()
-            .map(|(id, r)| (*id, r.len, r.stuck))
-            .collect();
-        drop(state);
-        if !reread.is_empty() {
-            self.index.clear_regions(|region| reread.contains(&region));
+        // Regions gone, behind a gap, replaced or cut short: dropped; the
+        // entries of a file still listed go before it is read again.
+        vanished.extend(reconciled.dropped.iter().copied());
+        if !reconciled.reread.is_empty() {
+            self.index
+                .clear_regions(|region| reconciled.reread.contains(&region));
         }
-        for (id, (name, listed_len)) in files {
-            let sealed = newest.is_some_and(|n| n > id);
-            let path = region_dir.join(&name);
-            // Scanned again when it grew, or when its tail did not verify
-            // last time: the record is written after the values, in place,
-            // so a batch becomes whole without the file growing.
-            let unchanged = known
-                .iter()
-                .any(|&(known_id, len, stuck)| known_id == id && !stuck && listed_len <= len);
-            if unchanged {
-                continue;
-            }
-            self.scan_region(node, id, &name, &path, sealed, vanished);
+        for (id, sealed) in reconciled.to_read {
+            self.read_region(node, id, &listing, sealed, vanished);
         }
-        if let Some(newest) = newest {
+        if let Some(newest) = listing.newest() {
             self.verify_after_unclean_stop(node, dir, newest);
         }
     }
 
-    /// Opens region `id` of `node` afresh (a new open is what makes a
-    /// distributed file system show another client's appends: close-to-
-    /// open consistency) and indexes the batches past where the last scan
-    /// stopped.
-    fn scan_region(
+    /// Indexes the batches of region `id` of `node` past where the last
+    /// read stopped (the disk tier opens it afresh and verifies every
+    /// record).
+    fn read_region(
         &self,
         node: &str,
         id: u32,
-        name: &str,
-        path: &Path,
+        listing: &RegionListing,
         sealed: bool,
         vanished: &mut HashSet<u32>,
     ) {
-        let known = self
-            .state
-            .lock()
-            .unwrap()
-            .writers
-            .get(node)
-            .is_some_and(|log| log.regions.contains_key(&id));
-        if !known && !self.room_for_another_file(path) {
-            return;
-        }
-        let opened = match self.disk.open_other(path) {
-            Ok(opened) => opened,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot open another writer's region; will retry");
+        let path = || {
+            let name = listing.files.get(&id).map_or("", |(name, _)| name.as_str());
+            listing.region_dir.join(name)
+        };
+        let (handle, batches, skipped_pages) = match self
+            .disk
+            .read_other_region(node, id, listing, sealed)
+        {
+            RegionRead::Read {
+                handle,
+                batches,
+                skipped_pages,
+            } => (handle, batches, skipped_pages),
+            RegionRead::OverBudget => return self.note_over_budget(&path()),
+            RegionRead::Gone | RegionRead::NoHandle => return,
+            RegionRead::Failed(e) => {
+                tracing::warn!(path = %path().display(), error = %e, "cannot open another writer's region; will retry");
                 self.pass_incomplete.store(true, Ordering::Relaxed);
                 return;
             }
-        };
-        let (handle, from) = {
-            let mut state = self.state.lock().unwrap();
-            let existing = state
-                .writers
-                .get(node)
-                .and_then(|log| log.regions.get(&id))
-                .map(|r| (r.handle, r.scanned_to));
-            match existing {
-                Some(found) => found,
-                None => {
-                    let handle = state.next_handle;
-                    if handle == OWN {
-                        tracing::error!("this process has followed 2^31 regions of other writers; restart it to follow more");
-                        return;
-                    }
-                    state.next_handle += 1;
-                    state
-                        .writers
-                        .entry(node.to_string())
-                        .or_default()
-                        .regions
-                        .insert(
-                            id,
-                            Followed {
-                                handle,
-                                file_name: name.to_string(),
-                                scanned_to: PAGE_SIZE,
-                                len: 0,
-                                min_put_seq: u64::MAX,
-                                stuck: false,
-                            },
-                        );
-                    (handle, PAGE_SIZE)
-                }
+            RegionRead::Shrunk {
+                handle,
+                len,
+                scanned_to,
+            } => {
+                // No writer truncates a region, so this is damage or a
+                // replacement. Its entries go; a later pass meets it as
+                // a new file only if its name changes.
+                tracing::warn!(path = %path().display(), len, scanned_to, "another writer's region shrank; dropping its entries");
+                vanished.insert(handle);
+                return;
             }
         };
-        let len = opened.len;
-        if len < from {
-            // Shrank under its writer's name: no writer truncates a region,
-            // so this is damage or a replacement. Its entries go; a later
-            // pass meets it as a new file only if its name changes.
-            tracing::warn!(path = %path.display(), len, scanned_to = from, "another writer's region shrank; dropping its entries");
-            let mut state = self.state.lock().unwrap();
-            if let Some(log) = state.writers.get_mut(node) {
-                log.regions.remove(&id);
-            }
-            vanished.insert(handle);
-            return;
-        }
-        let scan = scan_new_batches(&opened.file, id, len, from, self.disk.secret(), sealed);
-        // Reads of values go through this fresh descriptor from now on.
-        self.disk.set_other(handle, opened, path.to_path_buf());
-        let mut batches = 0u64;
         let mut min_put_seq = u64::MAX;
         let mut max_seq = 0u64;
-        for (batch_start, entries) in &scan.batches {
-            batches += 1;
+        for (batch_start, entries) in &batches {
             for entry in entries {
                 if entry.kind == RecordKind::Put {
                     min_put_seq = min_put_seq.min(entry.seq);
@@ -973,25 +843,23 @@ impl Follower {
                 self.apply(handle, *batch_start, entry);
             }
         }
-        if scan.skipped_pages > 0 {
-            tracing::warn!(path = %path.display(), pages = scan.skipped_pages, "pages without a valid batch in another writer's sealed region (a torn tail or damage); skipped them");
+        if skipped_pages > 0 {
+            tracing::warn!(path = %path().display(), pages = skipped_pages, "pages without a valid batch in another writer's sealed region (a torn tail or damage); skipped them");
         }
         let mut state = self.state.lock().unwrap();
         let Some(log) = state.writers.get_mut(node) else {
             return;
         };
-        if batches > 0 {
+        if !batches.is_empty() {
             log.newest_seq = log.newest_seq.max(max_seq);
             log.last_change = Some(SystemTime::now());
         }
-        if let Some(region) = log.regions.get_mut(&id) {
-            region.scanned_to = scan.end;
-            region.len = len;
-            region.min_put_seq = region.min_put_seq.min(min_put_seq);
-            region.stuck = scan.stuck.is_some();
-        }
+        let least = log.min_put_seq.entry(handle).or_insert(u64::MAX);
+        *least = (*least).min(min_put_seq);
         drop(state);
-        self.counters.batches.fetch_add(batches, Ordering::Relaxed);
+        self.counters
+            .batches
+            .fetch_add(batches.len() as u64, Ordering::Relaxed);
     }
 
     /// Whether an entry numbered `seq` reads too far ahead of this node's
@@ -1018,18 +886,14 @@ impl Follower {
         match entry.kind {
             RecordKind::Tombstone => self.apply_tombstone(handle, entry.digest, entry.seq),
             RecordKind::Put => {
-                let Some(page) = batch_start
-                    .checked_add(entry.value_offset)
-                    .map(|at| at / PAGE_SIZE)
-                    .and_then(|page| u32::try_from(page).ok())
-                else {
+                let Some(loc) = value_loc(handle, batch_start, entry) else {
                     return;
                 };
                 self.apply_put(
                     entry.digest,
                     entry.seq,
                     entry.checksum,
-                    DiskLoc::new(handle, page),
+                    loc,
                     entry.value_len,
                 );
             }
@@ -1108,13 +972,7 @@ impl Follower {
     /// time: the regions it covers are then read only past what it covers.
     /// A checkpoint that does not verify, or whose regions are gone or
     /// differ, is passed over (the records are read instead).
-    fn load_checkpoint(
-        &self,
-        node: &str,
-        dir: &Path,
-        region_dir: &Path,
-        files: &BTreeMap<u32, (String, u64)>,
-    ) {
+    fn load_checkpoint(&self, node: &str, dir: &Path, listing: &RegionListing) {
         let Some((_, path)) = checkpoint::list(&dir.join(checkpoint::CHECKPOINT_DIR), node).pop()
         else {
             return;
@@ -1127,9 +985,11 @@ impl Follower {
             }
         };
         let mut handles: HashMap<u32, u32> = HashMap::new();
-        let mut regions: BTreeMap<u32, Followed> = BTreeMap::new();
+        // The newest region adopted (id, handle): its handle carries the
+        // checkpoint's removals.
+        let mut newest: Option<(u32, u32)> = None;
         for covered in &loaded.regions {
-            let Some((name, listed_len)) = files.get(&covered.id) else {
+            let Some((name, listed_len)) = listing.files.get(&covered.id) else {
                 continue;
             };
             let same_file =
@@ -1137,40 +997,24 @@ impl Follower {
             if !same_file || *listed_len < covered.covered || covered.covered < PAGE_SIZE {
                 continue;
             }
-            if !self.room_for_another_file(&region_dir.join(name)) {
+            if !self.room_for_another_file(&listing.region_dir.join(name)) {
                 continue;
             }
-            let Ok(opened) = self.disk.open_other(&region_dir.join(name)) else {
+            let Some(handle) = self.disk.adopt_other_region(
+                node,
+                covered.id,
+                &listing.region_dir,
+                name,
+                covered.covered,
+            ) else {
                 continue;
             };
-            let handle = {
-                let mut state = self.state.lock().unwrap();
-                let handle = state.next_handle;
-                if handle == OWN {
-                    return;
-                }
-                state.next_handle += 1;
-                handle
-            };
-            self.disk.set_other(handle, opened, region_dir.join(name));
             handles.insert(covered.id, handle);
-            regions.insert(
-                covered.id,
-                Followed {
-                    handle,
-                    file_name: name.clone(),
-                    scanned_to: covered.covered,
-                    len: covered.covered,
-                    // The checkpoint lists live entries only: the puts it
-                    // leaves out (removed or overwritten elsewhere) may be
-                    // older than every one it lists. Unknown, so the floor
-                    // keeps every removal while this region exists.
-                    min_put_seq: 0,
-                    stuck: false,
-                },
-            );
+            if newest.is_none_or(|(id, _)| id < covered.id) {
+                newest = Some((covered.id, handle));
+            }
         }
-        let Some(&origin) = regions.values().next_back().map(|r| &r.handle) else {
+        let Some((_, origin)) = newest else {
             return;
         };
         let max_seq = loaded
@@ -1186,7 +1030,12 @@ impl Follower {
         {
             let mut state = self.state.lock().unwrap();
             let log = state.writers.entry(node.to_string()).or_default();
-            log.regions = regions;
+            // The checkpoint lists live entries only: the puts it leaves
+            // out (removed or overwritten elsewhere) may be older than
+            // every one it lists. Unknown, so the floor keeps every removal
+            // while these regions exist.
+            log.min_put_seq
+                .extend(handles.values().map(|&handle| (handle, 0)));
             log.newest_seq = max_seq;
             log.last_change = Some(SystemTime::now());
         }
@@ -1220,5 +1069,343 @@ impl Follower {
         self.counters
             .checkpoint_entries
             .fetch_add(applied, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The follower over a bare index, write log and disk tier (no store):
+    //! another writer's log is written by the disk tier's own writer, in
+    //! the layout of a shared directory.
+    use super::*;
+    use crate::config::{Config, IoEngineKind};
+    use crate::disk::format::RecordEntry;
+    use crate::disk::{PendingBatch, RecoveryChecks};
+    use crate::io::AlignedBuf;
+    use crate::key::{value_checksum, KeySecret, KEY_SECRET_LEN};
+
+    const OWN_NODE: &str = "00000000000000000000000000000001";
+    const OTHER: &str = "00000000000000000000000000000002";
+
+    struct Setup {
+        root: tempfile::TempDir,
+        secret: Arc<KeySecret>,
+        config: Config,
+        follower: Follower,
+        index: Arc<Index>,
+        own_disk: Arc<DiskTier>,
+        floor: Arc<AtomicU64>,
+        /// Sequence numbers of the test's entries count from here: a
+        /// second behind this node's clock when the test began.
+        base: u64,
+    }
+
+    fn config(root: &Path) -> Config {
+        let config = Config::new(root.join("unused"))
+            .disk_capacity(1 << 30)
+            .region_size(64 << 10)
+            .shared_dir(root);
+        Config {
+            io_engine: IoEngineKind::Psync,
+            ..config
+        }
+    }
+
+    fn open_log(
+        setup_root: &Path,
+        config: &Config,
+        secret: &Arc<KeySecret>,
+        node: &str,
+    ) -> DiskTier {
+        let dir = setup_root.join(NODES_DIR).join(node);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(crate::shared::dir::WRITER_LOCK_FILE), b"").unwrap();
+        let (tier, _) = DiskTier::open(
+            config,
+            &dir,
+            Arc::clone(secret),
+            node,
+            RecoveryChecks::default(),
+            |_| {},
+        )
+        .unwrap();
+        tier
+    }
+
+    fn setup() -> Setup {
+        let root = tempfile::tempdir().unwrap();
+        let secret = Arc::new(KeySecret::from_bytes([3; KEY_SECRET_LEN]));
+        let config = config(root.path());
+        let own_disk = Arc::new(open_log(root.path(), &config, &secret, OWN_NODE));
+        let index = Arc::new(Index::default());
+        let log = Arc::new(WriteLog::with_clock(1, false, true));
+        let floor = Arc::new(AtomicU64::new(u64::MAX));
+        let follower = Follower::new(
+            root.path(),
+            OWN_NODE,
+            Arc::clone(&own_disk),
+            Arc::clone(&index),
+            Arc::clone(&log),
+            HashMap::new(),
+            Arc::clone(&floor),
+        );
+        Setup {
+            root,
+            secret,
+            config,
+            follower,
+            index,
+            own_disk,
+            floor,
+            base: log.wall_nanos() - 1_000_000_000,
+        }
+    }
+
+    impl Setup {
+        fn digest(&self, key: &str) -> KeyDigest {
+            let mut qualified = vec![0u8];
+            qualified.extend_from_slice(key.as_bytes());
+            self.secret.digest_qualified(&qualified)
+        }
+
+        /// The test's `n`th sequence number.
+        fn seq(&self, n: u64) -> u64 {
+            self.base + n
+        }
+
+        /// Writes `puts` (key, seq, value length) and `removes` (key, seq)
+        /// to `writer`'s log as one batch.
+        fn write(&self, writer: &DiskTier, puts: &[(&str, u64, usize)], removes: &[(&str, u64)]) {
+            let bufs: Vec<AlignedBuf> = puts
+                .iter()
+                .map(|&(_, _, len)| {
+                    let mut buf = AlignedBuf::zeroed(len.div_ceil(4096) * 4096);
+                    buf.as_mut_slice()[..len].fill(0x5A);
+                    buf
+                })
+                .collect();
+            let mut batch = PendingBatch::default();
+            for (&(key, seq, len), buf) in puts.iter().zip(&bufs) {
+                let digest = self.digest(key);
+                batch.entries.push(RecordEntry {
+                    kind: RecordKind::Put,
+                    seq,
+                    digest,
+                    value_offset: 0,
+                    value_len: len as u32,
+                    checksum: value_checksum(digest, &buf.as_slice()[..len]),
+                    key: [&[0u8][..], key.as_bytes()].concat(),
+                });
+                batch.values.push(buf.as_slice());
+            }
+            for &(key, seq) in removes {
+                batch.entries.push(RecordEntry {
+                    kind: RecordKind::Tombstone,
+                    seq,
+                    digest: self.digest(key),
+                    value_offset: 0,
+                    value_len: 0,
+                    checksum: 0,
+                    key: [&[0u8][..], key.as_bytes()].concat(),
+                });
+            }
+            let first = puts
+                .iter()
+                .map(|p| p.1)
+                .chain(removes.iter().map(|r| r.1))
+                .min();
+            writer.write_batch(&mut batch, first.unwrap()).unwrap();
+        }
+
+        fn other(&self) -> DiskTier {
+            open_log(self.root.path(), &self.config, &self.secret, OTHER)
+        }
+
+        /// The index's entry for `key`: (seq, handle) if it names a disk
+        /// location.
+        fn indexed(&self, key: &str) -> Option<(u64, u32)> {
+            let digest = self.digest(key);
+            let shard = self.index.lock(digest);
+            let entry = shard.get(digest)?;
+            Some((entry.seq(), entry.disk()?.region()))
+        }
+    }
+
+    #[test]
+    fn another_writers_puts_are_indexed_where_its_values_are() {
+        let s = setup();
+        let other = s.other();
+        s.write(&other, &[("a", s.seq(1), 5000), ("b", s.seq(2), 100)], &[]);
+        s.follower.poll();
+        let (seq, handle) = s.indexed("a").unwrap();
+        assert_eq!(seq, s.seq(1));
+        assert!(
+            handle >= OTHERS_BASE,
+            "another writer's region gets a handle"
+        );
+        // The handle reads that writer's file, and the value verifies.
+        let region = s.own_disk.region(handle).unwrap();
+        assert_eq!(region.path(), other.region(0).unwrap().path());
+        let digest = s.digest("a");
+        let (loc, checksum) = {
+            let shard = s.index.lock(digest);
+            let entry = shard.get(digest).unwrap();
+            (entry.disk().unwrap(), entry.checksum())
+        };
+        let read = crate::disk::ValueRead {
+            digest,
+            region,
+            loc,
+            len: 5000,
+            checksum,
+        };
+        let mut buf = vec![0u8; 5000];
+        let outcomes = s.own_disk.read_verified(&[Some(read)], &mut [&mut buf[..]]);
+        assert!(matches!(
+            outcomes[0],
+            Some(crate::disk::ReadOutcome::Verified)
+        ));
+        assert!(buf.iter().all(|&b| b == 0x5A));
+        // The floor: its lowest put (no write floor published).
+        assert_eq!(s.floor.load(Ordering::Acquire), s.seq(1));
+        let writers = s.follower.writers();
+        assert_eq!(writers.len(), 1);
+        assert_eq!((writers[0].node.as_str(), writers[0].regions), (OTHER, 1));
+        assert_eq!(writers[0].newest_seq, s.seq(2));
+    }
+
+    #[test]
+    fn later_batches_are_read_from_where_the_last_pass_stopped() {
+        let s = setup();
+        let other = s.other();
+        s.write(&other, &[("a", s.seq(1), 100)], &[]);
+        s.follower.poll();
+        assert_eq!(s.follower.counters.batches.load(Ordering::Relaxed), 1);
+        // Nothing new: nothing read again.
+        s.follower.poll();
+        assert_eq!(s.follower.counters.batches.load(Ordering::Relaxed), 1);
+        s.write(&other, &[("b", s.seq(3), 100)], &[("a", s.seq(2))]);
+        s.follower.poll();
+        assert_eq!(s.follower.counters.batches.load(Ordering::Relaxed), 2);
+        assert!(s.indexed("a").is_none(), "removed by a newer tombstone");
+        assert_eq!(s.indexed("b").map(|e| e.0), Some(s.seq(3)));
+        // An older put read after the removal stays removed.
+        s.write(&other, &[("a", s.seq(1), 100)], &[]);
+        s.follower.poll();
+        assert!(s.indexed("a").is_none());
+    }
+
+    #[test]
+    fn reclaimed_regions_and_vanished_writers_take_their_entries_with_them() {
+        let s = setup();
+        let other = s.other();
+        // 40 KiB values in 64 KiB regions: one batch per region.
+        for (i, key) in ["a", "b", "c"].iter().enumerate() {
+            s.write(&other, &[(key, s.seq(i as u64 + 1), 40 << 10)], &[]);
+        }
+        s.follower.poll();
+        assert_eq!(s.follower.writers()[0].regions, 3);
+        let handle_a = s.indexed("a").unwrap().1;
+        other.remove_region(0).unwrap();
+        s.follower.poll();
+        assert!(s.indexed("a").is_none());
+        assert!(
+            s.own_disk.region(handle_a).is_none(),
+            "its reader is dropped"
+        );
+        assert!(s.indexed("b").is_some() && s.indexed("c").is_some());
+        assert_eq!(s.floor.load(Ordering::Acquire), s.seq(2));
+        drop(other);
+        std::fs::remove_dir_all(s.root.path().join(NODES_DIR).join(OTHER)).unwrap();
+        s.follower.poll();
+        assert!(s.indexed("b").is_none() && s.indexed("c").is_none());
+        assert!(s.follower.writers().is_empty());
+    }
+
+    #[test]
+    fn regions_behind_a_missing_one_are_not_followed() {
+        let s = setup();
+        let other = s.other();
+        for (i, key) in ["a", "b", "c"].iter().enumerate() {
+            s.write(&other, &[(key, s.seq(i as u64 + 1), 40 << 10)], &[]);
+        }
+        std::fs::remove_file(other.region(1).unwrap().path()).unwrap();
+        s.follower.poll();
+        assert!(s.indexed("a").is_none() && s.indexed("b").is_none());
+        assert!(s.indexed("c").is_some());
+        assert_eq!(
+            s.follower
+                .counters
+                .regions_behind_gap
+                .load(Ordering::Relaxed),
+            1
+        );
+        assert_eq!(
+            s.floor.load(Ordering::Acquire),
+            0,
+            "what they hold is unknown"
+        );
+    }
+
+    #[test]
+    fn regions_past_the_descriptor_budget_are_not_followed_and_can_be_closed() {
+        let s = setup();
+        let other = s.other();
+        for (i, key) in ["a", "b", "c"].iter().enumerate() {
+            s.write(&other, &[(key, s.seq(i as u64 + 1), 40 << 10)], &[]);
+        }
+        s.own_disk.set_other_files_budget(2);
+        s.follower.poll();
+        assert_eq!(
+            s.follower
+                .counters
+                .regions_over_budget
+                .load(Ordering::Relaxed),
+            1
+        );
+        assert_eq!(s.follower.writers()[0].regions, 2);
+        assert!(s.indexed("a").is_some() && s.indexed("b").is_some());
+        assert!(s.indexed("c").is_none(), "a miss, never a wrong block");
+        assert_eq!(s.floor.load(Ordering::Acquire), 0);
+        // The budget lowered below what is open: the newest handles close.
+        s.own_disk.set_other_files_budget(1);
+        s.follower.close_past_budget();
+        assert_eq!(s.follower.writers()[0].regions, 1);
+        assert!(s.indexed("a").is_some() && s.indexed("b").is_none());
+        // Room again: the next pass follows them all.
+        s.own_disk.set_other_files_budget(100);
+        s.follower.poll();
+        assert!(["a", "b", "c"].iter().all(|k| s.indexed(k).is_some()));
+        assert_eq!(s.floor.load(Ordering::Acquire), s.seq(1));
+    }
+
+    #[test]
+    fn a_torn_tail_waits_in_the_newest_region_and_is_read_once_whole() {
+        use std::os::unix::fs::FileExt;
+        let s = setup();
+        let other = s.other();
+        s.write(&other, &[("a", s.seq(1), 100)], &[]);
+        s.write(&other, &[("b", s.seq(2), 100)], &[]);
+        // The second batch's record not yet whole (its writer mid-flush).
+        let path = other.region(0).unwrap().path().to_path_buf();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let at = 3 * 4096;
+        let mut saved = [0u8; 64];
+        file.read_exact_at(&mut saved, at).unwrap();
+        file.write_all_at(&[0; 64], at).unwrap();
+        s.follower.poll();
+        assert!(s.indexed("a").is_some() && s.indexed("b").is_none());
+        assert_eq!(s.follower.counters.stuck_regions.load(Ordering::Relaxed), 1);
+        file.write_all_at(&saved, at).unwrap();
+        s.follower.poll();
+        assert!(
+            s.indexed("b").is_some(),
+            "read again though the file did not grow"
+        );
+        assert_eq!(s.follower.counters.stuck_regions.load(Ordering::Relaxed), 0);
     }
 }
