@@ -26,6 +26,7 @@
 // Every module is private: the crate's surface is the `pub use` list
 // below, so dead-code lints see every item. `internals` (fuzzing, the
 // bench) and `test_util` (fault injection) are features.
+mod collect;
 mod config;
 mod data_dir;
 mod disk;
@@ -70,9 +71,8 @@ pub mod private_files {
         check_dir, check_socket_dir, create_dir, open_secret, DIR_MODE, FILE_MODE,
     };
 }
-pub use shared::{
-    collect_dead_writers, collect_dead_writers_where, CollectedWriter, Collection, SharedWriter,
-};
+pub use collect::{collect_dead_writers, collect_dead_writers_where, CollectedWriter, Collection};
+pub use shared::SharedWriter;
 pub use stats::{StatValue, Stats};
 pub use store::{
     NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,

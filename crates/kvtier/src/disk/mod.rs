@@ -298,6 +298,12 @@ impl DiskTier {
         self.regions.read().unwrap().get(&id).cloned()
     }
 
+    /// Whether `loc` names another writer's region of a shared directory
+    /// (a handle, not one of this log's ids).
+    pub(crate) fn is_other_writers(&self, loc: DiskLoc) -> bool {
+        loc.region() >= OTHERS_BASE && self.max_region_id < OTHERS_BASE
+    }
+
     /// The id the next new region will get.
     pub(crate) fn next_region_id(&self) -> u32 {
         self.writer.lock().unwrap().next_region

@@ -520,6 +520,18 @@ fn host_name() -> String {
     }
 }
 
+/// Whether a process holds the writer's lock now (the file opened as
+/// hostile: regular files only, never blocking on a FIFO).
+pub(crate) fn writer_lock_held(dir: &Path) -> bool {
+    let mut options = fs::OpenOptions::new();
+    options.read(true);
+    let Ok(file) = crate::private::open_untrusted(&dir.join(WRITER_LOCK_FILE), &options, 0) else {
+        return false;
+    };
+    // Released when the file closes at return.
+    crate::lock::flock_exclusive(&file).is_err()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

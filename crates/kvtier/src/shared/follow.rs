@@ -560,7 +560,7 @@ impl Follower {
             }
             log.stop_checked_at = Some(std::time::Instant::now());
         }
-        let stopped_uncleanly = !crate::shared::gc::writer_lock_held(dir)
+        let stopped_uncleanly = !crate::shared::writer_lock_held(dir)
             && !dir.join(crate::data_dir::CLEAN_MARKER_FILE).exists();
         let handle = {
             let mut state = self.state.lock().unwrap();

@@ -7,11 +7,11 @@
 mod checkpoint;
 mod dir;
 mod follow;
-mod gc;
 mod write_floor;
 
 pub(crate) use checkpoint::CheckpointWriter;
+pub(crate) use checkpoint::CHECKPOINT_DIR;
+pub(crate) use dir::{writer_lock_held, WRITER_LOCK_FILE};
 pub(crate) use dir::{Holder, SharedDir};
 pub use follow::SharedWriter;
 pub(crate) use follow::{FollowCounters, Follower};
-pub use gc::{collect_dead_writers, collect_dead_writers_where, CollectedWriter, Collection};

@@ -147,7 +147,7 @@ impl Inner {
             match outcome {
                 ReadOutcome::Verified => {
                     Counters::add(&self.counters.disk_hits, 1);
-                    if read.loc.region() >= crate::disk::OTHERS_BASE && self.follower.is_some() {
+                    if disk.is_other_writers(read.loc) {
                         Counters::add(&self.counters.shared_reads, 1);
                     }
                 }
@@ -166,9 +166,7 @@ impl Inner {
                     Counters::add(&self.counters.misses, 1);
                     results[i] = Ok(None);
                 }
-                ReadOutcome::Failed(e)
-                    if read.loc.region() >= crate::disk::OTHERS_BASE && self.follower.is_some() =>
-                {
+                ReadOutcome::Failed(e) if disk.is_other_writers(read.loc) => {
                     // Another writer's file: it may have been reclaimed (or
                     // replaced) since this node last looked, which some
                     // file systems report as EIO rather than keep the

@@ -6,11 +6,13 @@
 //! then reclaims every region the log had, oldest first, with the shared
 //! reclaim rules (values dropped; removals another log may still need are
 //! rewritten). A log left with nothing is removed with its directory.
+//!
+//! It opens a store, so it sits above `store/` in the crate's layers; the
+//! shared directory's mechanisms below the store name no `Store`.
 
 use crate::config::Config;
 use crate::error::{ErrorKind, Result};
-use crate::shared::checkpoint::CHECKPOINT_DIR;
-use crate::shared::dir::{SharedDir, WRITER_LOCK_FILE};
+use crate::shared::{writer_lock_held, SharedDir, CHECKPOINT_DIR, WRITER_LOCK_FILE};
 use crate::store::Store;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -206,16 +208,4 @@ fn idle_for(dir: &Path) -> Duration {
     newest
         .and_then(|t| SystemTime::now().duration_since(t).ok())
         .unwrap_or(Duration::ZERO)
-}
-
-/// Whether a process holds the writer's lock now (the file opened as
-/// hostile: regular files only, never blocking on a FIFO).
-pub(crate) fn writer_lock_held(dir: &Path) -> bool {
-    let mut options = fs::OpenOptions::new();
-    options.read(true);
-    let Ok(file) = crate::private::open_untrusted(&dir.join(WRITER_LOCK_FILE), &options, 0) else {
-        return false;
-    };
-    // Released when the file closes at return.
-    crate::lock::flock_exclusive(&file).is_err()
 }
