@@ -36,7 +36,7 @@ pub struct DemoArgs {
 /// Bytes standing in for a block's KV tensors: derived from the key so a
 /// read of the wrong block can never verify.
 fn block_bytes(key: &[u8], len: usize) -> Vec<u8> {
-    kvtier::internals::pattern::value(key, len)
+    kvtier::pattern::value(key, len)
 }
 
 pub fn run(args: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {

@@ -28,7 +28,9 @@ enum Command {
     /// admin HTTP.
     Serve(Box<serve::ServeArgs>),
     /// Measure throughput and latency against raw-device and memcpy
-    /// baselines run in the same process.
+    /// baselines run in the same process (the `bench` build feature, on by
+    /// default).
+    #[cfg(feature = "bench")]
     Bench(Box<kvtier_bench::BenchArgs>),
     /// Cluster mode: show a cluster's members (needs the `cluster` build
     /// feature).
@@ -55,6 +57,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Demo(args) => demo::run(args),
+        #[cfg(feature = "bench")]
         Command::Bench(args) => kvtier_bench::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Cluster(command) => cluster::run(command),

@@ -614,7 +614,7 @@ mod tests {
 
     fn value(key: &[u8], len: usize) -> Vec<u8> {
         let mut v = vec![0u8; len];
-        kvtier::internals::pattern::fill(key, &mut v);
+        kvtier::pattern::fill(key, &mut v);
         v
     }
 

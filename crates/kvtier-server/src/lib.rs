@@ -3,6 +3,7 @@
 //!
 //! - `lib.rs` (here): configuration, listeners, accepting under the
 //!   connection cap, shutdown.
+//! - `context`: what every connection of one server shares.
 //! - `limits`: every limit and its default; the server-wide budgets.
 //! - `trust`: every admission and authorisation decision about a peer.
 //! - `session`: one connection: hello, deadlines, shared buffers.
@@ -12,6 +13,7 @@
 //! Why threads and not an async runtime: see docs/server.md.
 
 mod admin;
+mod context;
 mod handlers;
 pub mod kv_events;
 pub mod limits;
@@ -26,6 +28,7 @@ pub use trust::{
     check_token, data_dir_token, read_tenants, Auth, Peer, Scope, Tenant, MIN_TOKEN_LEN, TOKEN_FILE,
 };
 
+use crate::context::{RateLimitedWarning, Shared, POLL};
 use crate::metrics::Metrics;
 use kvtier::Store;
 use kvtier_wire::protocol::{code, Header};
@@ -99,39 +102,6 @@ impl Default for ServerConfig {
 pub struct Server {
     shared: Arc<Shared>,
 }
-
-/// What every connection of one server shares.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub store: Arc<Store>,
-    pub config: ServerConfig,
-    pub auth: Auth,
-    pub stopping: Arc<AtomicBool>,
-    pub metrics: Arc<Metrics>,
-    /// Connection slots, before and after hello.
-    pub admission: trust::Admission,
-    /// Token comparisons that may fail, server-wide.
-    pub guesses: trust::GuessBudget,
-    /// Bytes of shared memory registered by all connections.
-    pub registered: Arc<Budget>,
-    /// Shared buffers registered by all connections (each is a mapping).
-    pub registered_buffers: Arc<Budget>,
-    /// Bytes of streamed put values still arriving (their pool extents).
-    pub receiving: Arc<Budget>,
-    /// Heap buffers clients cause: request bodies and reply staging
-    /// (`Limits::max_buffer_bytes`).
-    pub buffers: Arc<Budget>,
-    /// Each tenant's shares of `buffers` and `receiving`, by name.
-    pub tenant_budgets: std::collections::HashMap<String, (limits::Budgets, limits::Budgets)>,
-    /// Connections to the other cluster members, in cluster mode.
-    pub peers: Option<Arc<kvtier_client::routing::Peers>>,
-    /// Refused connections, warned about at most once a second.
-    pub refusal_log: RateLimitedWarning,
-}
-
-/// How often idle reads and accept loops look at the stop flag and the
-/// deadlines.
-const POLL: Duration = Duration::from_millis(100);
 
 impl Server {
     /// Checks the configuration: TCP and a non-loopback admin port need a
@@ -567,26 +537,5 @@ fn refuse_connection(shared: &Shared, mut transport: Transport, message: &str) {
             refused_since_last_warning = also,
             "refused a connection over a cap"
         );
-    }
-}
-
-/// A warning said at most once a second, with how many occurrences it
-/// stood for (a lockout attempt refused thousands of connections a
-/// second and logged each).
-#[derive(Debug, Default)]
-pub(crate) struct RateLimitedWarning(std::sync::Mutex<(Option<Instant>, u64)>);
-
-impl RateLimitedWarning {
-    /// `Some(occurrences since the last warning)` when a warning is due.
-    pub(crate) fn due(&self) -> Option<u64> {
-        let mut state = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        let (last, count) = &mut *state;
-        *count += 1;
-        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
-            return None;
-        }
-        *last = Some(now);
-        Some(std::mem::take(count))
     }
 }

@@ -2,10 +2,11 @@
 //! deadlines that bound how long a peer may hold the connection, the
 //! shared buffers it registered, and dispatch to the handlers.
 
+use crate::context::{Shared, POLL};
 use crate::handlers::{self, Reply};
 use crate::limits::Permit;
 use crate::metrics::Metrics;
-use crate::{streamed_put, Shared, POLL};
+use crate::streamed_put;
 use kvtier::AlignedBuf;
 use kvtier::Namespace;
 use kvtier_client::routing::Router;

@@ -38,8 +38,9 @@ mod index;
 mod io;
 mod key;
 mod lock;
-#[cfg(any(test, feature = "internals"))]
-mod pattern;
+/// Deterministic value bytes derived from a key: what the demo, the bench
+/// and the tests write and check byte for byte.
+pub mod pattern;
 mod pool;
 mod prefix;
 mod private;
@@ -88,19 +89,16 @@ pub const INDEX_SLOT_BYTES: usize = index::SLOT_BYTES;
 /// The core's internals for the fuzz targets and the bench (feature
 /// `internals`): the record codec, the disk tier opened on its own, the
 /// index, the flusher's batching rule, the io-engine seam and its write
-/// chunk, and the value pattern. Not a stable API.
+/// chunk. Not a stable API.
 #[cfg(feature = "internals")]
 pub mod internals {
     pub use crate::disk::format;
+    pub use crate::disk::DiskLoc;
     pub use crate::disk::{value_locations, DiskTier, RecoveredEntry, RecoveryChecks};
     pub use crate::flusher::{BatchBudget, MAX_BATCH_ENTRIES};
-    pub use crate::index::{prefetch, DiskLoc, Entry, Index};
+    pub use crate::index::{prefetch, Entry, Index};
     pub use crate::io::uring::WRITE_CHUNK;
     pub use crate::io::{is_direct_io_aligned, IoEngine, ReadOp};
-    /// Deterministic value bytes derived from a key.
-    pub mod pattern {
-        pub use crate::pattern::{fill, value, verify};
-    }
 }
 
 /// Test seams (feature `test-util`): the fault-injecting io engine, with

@@ -73,12 +73,12 @@ enum Known {
 fn value(key: &[u8], version: u64, len: usize) -> Vec<u8> {
     let mut named = key.to_vec();
     named.extend_from_slice(&version.to_le_bytes());
-    kvtier::internals::pattern::value(&named, len)
+    kvtier::pattern::value(&named, len)
 }
 
 fn value_len(key: &[u8], version: u64) -> usize {
     // 4 KiB to 1 MiB, fixed per (key, version) so a get knows the length.
-    let h = kvtier::internals::pattern::value(&[key, &version.to_le_bytes()].concat(), 8);
+    let h = kvtier::pattern::value(&[key, &version.to_le_bytes()].concat(), 8);
     4096 + (u64::from_le_bytes(h.try_into().unwrap()) % ((1 << 20) - 4096 + 1)) as usize
 }
 

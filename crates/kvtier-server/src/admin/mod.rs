@@ -12,9 +12,9 @@
 mod history;
 mod page;
 
+use crate::context::{Shared, POLL};
 use crate::limits::Budget;
 use crate::metrics;
-use crate::Shared;
 use bytes::Bytes;
 use history::History;
 use http_body_util::Full;
@@ -27,9 +27,6 @@ use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// How often the accept loop looks at the stop flag.
-const POLL: Duration = Duration::from_millis(100);
 
 /// Sent to a connection over the cap, without reading its request.
 const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n";
@@ -335,7 +332,7 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
 
 /// What the buffer and receiving budgets hold now, server-wide and by
 /// tenant (docs/server.md, "Limits").
-fn budgets_json(shared: &crate::Shared) -> serde_json::Value {
+fn budgets_json(shared: &Shared) -> serde_json::Value {
     let tenants: serde_json::Map<String, serde_json::Value> = shared
         .tenant_budgets
         .iter()

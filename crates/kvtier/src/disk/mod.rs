@@ -7,7 +7,8 @@
 //! before anything in it is reported durable. Recovery reads only the
 //! records. See docs/design.md for the bytes and the crash protocol.
 //!
-//! By concern: `format` (the bytes), `names` (file names and the log
+//! By concern: `format` (the bytes), `loc` (a value's address in the
+//! index), `names` (file names and the log
 //! head), `region` (an open region file), `scan` (the one reader of batch
 //! records, for recovery, the reclaimer and other writers' logs),
 //! `recovery` with `set_aside` (quarantine), `write`, `reclaim`, `others` and `other_logs` (other writers' files of a
@@ -16,6 +17,7 @@
 
 mod deadline;
 pub mod format;
+mod loc;
 #[cfg(feature = "internals")]
 mod locations;
 mod mount;
@@ -33,6 +35,7 @@ mod set_aside;
 mod test_log;
 mod write;
 
+pub use loc::DiskLoc;
 #[cfg(feature = "internals")]
 pub use locations::value_locations;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
@@ -46,7 +49,6 @@ pub use write::PendingBatch;
 
 use crate::config::{Config, IoEngineKind};
 use crate::error::{Error, Result};
-use crate::index::DiskLoc;
 use crate::io::{uring, BufferPool, IoEngine, PsyncEngine};
 use crate::key::KeySecret;
 use crate::units::PAGE_SIZE;

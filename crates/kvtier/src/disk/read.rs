@@ -9,8 +9,8 @@
 //! nothing computes page offsets or touches region files.
 
 use super::{DiskTier, Region};
+use crate::disk::DiskLoc;
 use crate::error::Error;
-use crate::index::DiskLoc;
 use crate::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
 use crate::io::{BufferPool, IoEngine};
 use crate::key::{KeyDigest, ValueChecksum};

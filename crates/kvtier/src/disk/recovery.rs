@@ -7,8 +7,8 @@
 use super::format::{self, RecordEntry};
 use super::names::{parse_region_name, RegionName};
 use super::{parallel_scan, value_loc, DiskTier, Region};
+use crate::disk::DiskLoc;
 use crate::error::{Error, Result};
-use crate::index::DiskLoc;
 use crate::io::{pread_full, AlignedBuf};
 use crate::key::ValueChecksum;
 use crate::units::page_round_up;

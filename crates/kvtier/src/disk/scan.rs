@@ -5,7 +5,7 @@
 //! its entries are handed over.
 
 use super::format::{self, BatchHeader, RecordEntry, RecordFault};
-use crate::index::DiskLoc;
+use crate::disk::DiskLoc;
 use crate::io::{pread_full, AlignedBuf};
 use crate::key::KeySecret;
 use crate::units::{page_round_up, PAGE_SIZE};

@@ -5,8 +5,8 @@
 use super::format::{RecordEntry, RecordKind};
 use super::{DiskTier, PendingBatch, RecoveredEntry, RecoveryChecks, RecoveryReport};
 use crate::config::{Config, IoEngineKind};
+use crate::disk::DiskLoc;
 use crate::error::Result;
-use crate::index::DiskLoc;
 use crate::io::AlignedBuf;
 use crate::key::{value_checksum, KeySecret, KEY_SECRET_LEN};
 use crate::units::page_round_up;

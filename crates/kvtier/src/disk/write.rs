@@ -4,8 +4,8 @@
 
 use super::format::{self, RecordEntry, RegionHeader, REGION_HEADER_LEN};
 use super::{sync_dir, DiskTier, Region};
+use crate::disk::DiskLoc;
 use crate::error::{Error, Result};
-use crate::index::DiskLoc;
 use crate::io::AlignedBuf;
 use crate::units::{page_round_up, PAGE_SIZE};
 use std::fs;

@@ -11,10 +11,10 @@ mod table;
 #[cfg(feature = "internals")]
 pub use table::prefetch;
 
+use crate::disk::DiskLoc;
 use crate::key::KeyDigest;
 use crate::pool::PoolSlot;
 use std::mem::ManuallyDrop;
-use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 const SHARDS: usize = 64;
@@ -22,34 +22,6 @@ const SHARDS: usize = 64;
 /// Bytes one entry holds in its shard's table before load-factor slack:
 /// the digest and the entry in the arena, and the table's slot.
 pub const SLOT_BYTES: usize = table::STORED_BYTES + table::SLOT_BYTES;
-
-/// Where a value lives in the disk tier: a region and the value's offset
-/// in it, in 4 KiB pages. Stored as region + 1 so that `Option<DiskLoc>`
-/// costs no extra bytes in every index entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DiskLoc {
-    region_plus_one: NonZeroU32,
-    page: u32,
-}
-
-impl DiskLoc {
-    /// Region ids stop below `u32::MAX` (the region allocator refuses it).
-    pub fn new(region: u32, page: u32) -> Self {
-        DiskLoc {
-            region_plus_one: NonZeroU32::new(region.wrapping_add(1))
-                .expect("region id below u32::MAX"),
-            page,
-        }
-    }
-
-    pub fn region(self) -> u32 {
-        self.region_plus_one.get() - 1
-    }
-
-    pub fn page(self) -> u32 {
-        self.page
-    }
-}
 
 /// One index entry: 32 bytes, so with its digest 48 in the table's arena
 /// (plus an 8-byte slot, see `table`). At 10 million entries every byte here

@@ -12,11 +12,12 @@
 //! highest sequence number wins, a tombstone on a tie.
 
 use crate::disk::format::{RecordEntry, RecordKind};
+use crate::disk::DiskLoc;
 use crate::disk::{
     parse_region_name, read_other_head, value_loc, DiskTier, RegionListing, RegionRead, NO_HANDLE,
     OTHERS_BASE,
 };
-use crate::index::{DiskLoc, Entry, Index};
+use crate::index::{Entry, Index};
 use crate::key::KeyDigest;
 use crate::shared::checkpoint;
 use crate::shared::dir::{SharedDir, NODES_DIR};

@@ -18,7 +18,7 @@ pub const MIB: u64 = 1024 * 1024;
 pub fn value_for(key: &[u8], version: u64, len: usize) -> Vec<u8> {
     let mut named = key.to_vec();
     named.extend_from_slice(&version.to_le_bytes());
-    kvtier::internals::pattern::value(&named, len)
+    kvtier::pattern::value(&named, len)
 }
 
 /// A small store: 4 MiB pool, 32 MiB disk in 1 MiB regions.

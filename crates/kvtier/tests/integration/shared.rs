@@ -2,7 +2,7 @@
 //! directories and one shared directory, in one process, on the local file
 //! system. The same behaviour on a real distributed file system (two
 //! JuiceFS mounts, real `kvtier serve` processes) is tested in
-//! `kvtier-cli/tests/shared_storage.rs`.
+//! `kvtier-cli/tests/suites/shared_storage.rs`.
 
 use crate::common::*;
 use kvtier::{Config, FlushPolicy, Store};

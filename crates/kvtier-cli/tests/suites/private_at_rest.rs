@@ -6,9 +6,7 @@
 //! Reading as another uid needs root: without it these tests fail (they
 //! never skip), saying so.
 
-mod common;
-
-use common::{options, ServerProcess, TEST_TOKEN};
+use crate::common::{options, ServerProcess, TEST_TOKEN};
 use kvtier_client::Client;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;

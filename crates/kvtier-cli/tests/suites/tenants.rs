@@ -2,9 +2,7 @@
 //! a tenant uses only its own namespaces, sees no server-wide view, and
 //! the admin endpoint (every tenant's traffic) asks for the server's token.
 
-mod common;
-
-use common::{options, ServerProcess, TEST_TOKEN};
+use crate::common::{options, ServerProcess, TEST_TOKEN};
 use kvtier_client::{Client, ClientOptions};
 use std::os::unix::fs::PermissionsExt;
 
@@ -34,13 +32,13 @@ fn said_hello(server: &ServerProcess, token: &str, namespace: &str) -> std::net:
     let mut s = std::net::TcpStream::connect(&server.tcp).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
         .unwrap();
-    s.write_all(&common::frame(
+    s.write_all(&crate::common::frame(
         Op::Hello,
         1,
-        &common::hello_body(token, namespace),
+        &crate::common::hello_body(token, namespace),
     ))
     .unwrap();
-    assert_eq!(common::read_reply(&mut s).0, 0, "hello refused");
+    assert_eq!(crate::common::read_reply(&mut s).0, 0, "hello refused");
     s
 }
 
@@ -195,7 +193,7 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
         &format!("[[tenant]]\nname = \"a\"\ntoken = \"{TOKEN_A}\"\nnamespaces = [\"tenant-a/\"]\n"),
         0o600,
     );
-    let config = common::small_buffer_config(dir.path());
+    let config = crate::common::small_buffer_config(dir.path());
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &[
@@ -212,7 +210,7 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
             .map(|_| {
                 scope.spawn(|| {
                     let mut s = connect(TOKEN_A, "tenant-a/x");
-                    common::send_all_but_last_byte(&mut s, Op::BatchExists, FRAME);
+                    crate::common::send_all_but_last_byte(&mut s, Op::BatchExists, FRAME);
                     s
                 })
             })
@@ -224,11 +222,11 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
     // in the half tenant a cannot take (answered PROTOCOL: the body is
     // not a valid BatchExists, which shows it was read, not refused).
     let mut own = connect(TEST_TOKEN, "");
-    let mut head = common::frame(Op::BatchExists, 2, &[]);
+    let mut head = crate::common::frame(Op::BatchExists, 2, &[]);
     head[16..20].copy_from_slice(&(FRAME as u32).to_le_bytes());
     own.write_all(&head).unwrap();
     own.write_all(&vec![0xffu8; FRAME]).unwrap();
-    let (status, body) = common::read_reply(&mut own);
+    let (status, body) = crate::common::read_reply(&mut own);
     assert_ne!(
         status,
         code::LIMIT,
@@ -238,7 +236,7 @@ fn a_tenant_holds_at_most_its_share_of_the_buffers() {
     let mut limited = 0;
     for s in &mut held {
         s.write_all(&[0]).unwrap();
-        if common::read_reply(s).0 == code::LIMIT {
+        if crate::common::read_reply(s).0 == code::LIMIT {
             limited += 1;
         }
     }
@@ -300,7 +298,7 @@ fn tenant_prefixes_are_whole_components_and_may_not_overlap() {
         &dir.path().join("d2"),
         &[
             "--auth-token",
-            common::TEST_TOKEN,
+            crate::common::TEST_TOKEN,
             "--tenants",
             tenants.to_str().unwrap(),
         ],
@@ -430,7 +428,7 @@ fn busy_tenants_leave_room_for_an_idle_tenant_and_the_servers_own_clients() {
         );
         assert!(refused.contains(said), "{refused}");
     }
-    let config = common::small_buffer_config(dir.path());
+    let config = crate::common::small_buffer_config(dir.path());
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &[
@@ -452,7 +450,7 @@ fn busy_tenants_leave_room_for_an_idle_tenant_and_the_servers_own_clients() {
                 let connect = &connect;
                 scope.spawn(move || {
                     let mut s = connect(token, namespace);
-                    common::send_all_but_last_byte(&mut s, Op::BatchExists, BODY);
+                    crate::common::send_all_but_last_byte(&mut s, Op::BatchExists, BODY);
                     s
                 })
             })
@@ -507,11 +505,11 @@ fn busy_tenants_leave_room_for_an_idle_tenant_and_the_servers_own_clients() {
         (TEST_TOKEN, "", 30 * MIB),
     ] {
         let mut s = connect(token, namespace);
-        let mut head = common::frame(Op::BatchExists, 2, &[]);
+        let mut head = crate::common::frame(Op::BatchExists, 2, &[]);
         head[16..20].copy_from_slice(&(len as u32).to_le_bytes());
         s.write_all(&head).unwrap();
         s.write_all(&vec![0xffu8; len]).unwrap();
-        let (status, body) = common::read_reply(&mut s);
+        let (status, body) = crate::common::read_reply(&mut s);
         assert_ne!(
             status,
             code::LIMIT,

@@ -2,9 +2,7 @@
 //! that never say hello, and idle admin connections, must not keep trusted
 //! clients or a liveness probe out. Loopback only; every loop is bounded.
 
-mod common;
-
-use common::{options, ServerProcess};
+use crate::common::{options, ServerProcess};
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::Op;
 use std::io::{Read, Write};
@@ -27,7 +25,7 @@ fn raise_open_files() {
 
 fn round_trip(client: &mut Client, tag: &str) {
     let key = format!("trusted/{tag}").into_bytes();
-    let value = kvtier::internals::pattern::value(&key, 100_000);
+    let value = kvtier::pattern::value(&key, 100_000);
     client.batch_put(&[&key], &[&value]).unwrap()[0]
         .as_ref()
         .unwrap();
@@ -262,7 +260,7 @@ fn guessing_connections_never_lock_a_tcp_client_out() {
     let mut body = vec![7u8; kvtier_wire::proof::NONCE_LEN];
     body.extend_from_slice(&[9u8; kvtier_wire::proof::TOKEN_ID_LEN]);
     let challenge: &'static [u8] =
-        Box::leak(common::frame(Op::Challenge, 1, &body).into_boxed_slice());
+        Box::leak(crate::common::frame(Op::Challenge, 1, &body).into_boxed_slice());
     lockout_attempt(
         "guessing",
         200,

@@ -1,9 +1,7 @@
 //! The real `kvtier serve` binary under load, abuse and crashes, driven by
 //! the Rust client over TCP and the Unix socket.
 
-mod common;
-
-use common::{frame, hello_body, options, ServerProcess, TEST_TOKEN};
+use crate::common::{frame, hello_body, options, ServerProcess, TEST_TOKEN};
 use kvtier::test_util::Dice;
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::{Header, Op, Writer};
@@ -14,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn value_for(key: &[u8], len: usize) -> Vec<u8> {
-    kvtier::internals::pattern::value(key, len)
+    kvtier::pattern::value(key, len)
 }
 
 fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
@@ -304,6 +302,17 @@ fn half_batch_client_child() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
+/// The full name of test `name` of this module, as the test binary that
+/// holds it lists it (without the crate name).
+fn child_test_name(name: &str) -> String {
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    if module.is_empty() {
+        name.to_string()
+    } else {
+        format!("{module}::{name}")
+    }
+}
+
 #[test]
 fn a_client_killed_mid_batch_leaks_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -311,7 +320,9 @@ fn a_client_killed_mid_batch_leaks_nothing() {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "half_batch_client_child",
+            // The test's name in this binary: its module path below the
+            // crate root (`server::half_batch_client_child`).
+            &child_test_name("half_batch_client_child"),
             "--nocapture",
             "--test-threads=1",
         ])

@@ -4,9 +4,7 @@
 //! verify in client memory is read again into the server's private memory
 //! before anything counts as a checksum failure.
 
-mod common;
-
-use common::{frame, hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
+use crate::common::{frame, hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
 use kvtier_client::Client;
 use kvtier_wire::protocol::{Op, Writer};
 use std::io::Write;
@@ -41,7 +39,7 @@ fn a_client_scribbling_on_its_get_destination_loses_no_durable_entry() {
         let server = ServerProcess::start(dir.path(), &[]);
         let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
         for i in 0..KEYS {
-            let value = kvtier::internals::pattern::value(&key(i), VALUE);
+            let value = kvtier::pattern::value(&key(i), VALUE);
             client.batch_put(&[&key(i)], &[&value]).unwrap()[0]
                 .as_ref()
                 .unwrap();
@@ -119,7 +117,7 @@ fn a_client_scribbling_on_its_get_destination_loses_no_durable_entry() {
             &Some(VALUE),
             "key {i} was dropped after the scribbled reads"
         );
-        assert!(kvtier::internals::pattern::verify(&key(i), &buf), "key {i}");
+        assert!(kvtier::pattern::verify(&key(i), &buf), "key {i}");
     }
     let stats = server.stats();
     let failures = stats["store"]["checksum_failures"].as_u64().unwrap();

@@ -2,9 +2,7 @@
 //! the right CA gets verified bytes; a plaintext client, a client that
 //! trusts another CA, and an off-loopback listener without TLS are refused.
 
-mod common;
-
-use common::{options, tls_files, ServerProcess};
+use crate::common::{options, tls_files, ServerProcess};
 use kvtier_client::{Client, ClientOptions};
 
 #[test]
@@ -32,7 +30,7 @@ fn tls_clients_round_trip_and_others_are_refused() {
     let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("tls/{i}").into_bytes()).collect();
     let values: Vec<Vec<u8>> = keys
         .iter()
-        .map(|k| kvtier::internals::pattern::value(k, 3 << 20))
+        .map(|k| kvtier::pattern::value(k, 3 << 20))
         .collect();
     for r in client.batch_put(&keys, &values).unwrap() {
         r.unwrap();

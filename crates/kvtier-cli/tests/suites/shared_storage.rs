@@ -7,10 +7,8 @@
 //! with real processes on a local shared directory (`LocalShared`), where
 //! a file system's caching is not the point.
 
-mod common;
-
-use common::juicefs::{Mount, Volume};
-use common::{options, ServerProcess};
+use crate::common::juicefs::{Mount, Volume};
+use crate::common::{options, ServerProcess};
 use kvtier::test_util::Dice;
 use kvtier_client::Client;
 use std::collections::HashMap;
@@ -22,7 +20,7 @@ const VALUE: usize = 64 * 1024;
 fn value(key: &[u8], version: u64, len: usize) -> Vec<u8> {
     let mut named = key.to_vec();
     named.extend_from_slice(&version.to_le_bytes());
-    kvtier::internals::pattern::value(&named, len)
+    kvtier::pattern::value(&named, len)
 }
 
 fn key(i: u64) -> Vec<u8> {
@@ -429,7 +427,7 @@ fn shared_gc_collects_a_killed_writers_log_and_leaves_the_live_one() {
     b.signal(libc::SIGKILL);
     b.wait();
     // Collected through C's mount: another host's view of the directory.
-    let out = std::process::Command::new(common::kvtier_binary())
+    let out = std::process::Command::new(crate::common::kvtier_binary())
         .args(["shared", "gc", "--older-than", "0s", "--shared-dir"])
         .arg(&hosts.shared.1)
         .output()
@@ -1023,7 +1021,7 @@ impl LocalShared {
 
     /// `kvtier shared gc --older-than 0s` on this directory, as a process.
     fn collect(&self) -> std::process::Child {
-        std::process::Command::new(common::kvtier_binary())
+        std::process::Command::new(crate::common::kvtier_binary())
             .args(["shared", "gc", "--older-than", "0s", "--shared-dir"])
             .arg(&self.shared)
             .env("RUST_LOG", "error")

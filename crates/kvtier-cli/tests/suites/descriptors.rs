@@ -3,9 +3,7 @@
 //! the connection caps are fitted under the limit, and durable puts and
 //! new clients keep working however many buffers and sockets clients hold.
 
-mod common;
-
-use common::{frame, hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
+use crate::common::{frame, hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::{Op, Writer};
 use std::io::Write;
@@ -89,7 +87,7 @@ fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
     .unwrap();
     for i in 0..64u32 {
         let key = format!("durable/{i}").into_bytes();
-        let value = kvtier::internals::pattern::value(&key, 256 << 10);
+        let value = kvtier::pattern::value(&key, 256 << 10);
         client.batch_put(&[&key], &[&value]).unwrap()[0]
             .as_ref()
             .unwrap();
@@ -102,7 +100,7 @@ fn registered_buffers_and_sockets_cannot_starve_durable_puts_of_descriptors() {
     let mut buf = vec![0u8; 256 << 10];
     let got = tcp.batch_get_into(&[&key], &mut [&mut buf[..]]).unwrap();
     assert_eq!(got[0].as_ref().unwrap(), &Some(256 << 10));
-    assert!(kvtier::internals::pattern::verify(&key, &buf));
+    assert!(kvtier::pattern::verify(&key, &buf));
     assert!(
         started.elapsed() < Duration::from_secs(10),
         "{:?}",
@@ -154,7 +152,7 @@ fn planted_writer_directories_cannot_take_the_descriptors_connections_need() {
         let mut client = Client::connect_with(&b.tcp_url(), options()).unwrap();
         let values: Vec<Vec<u8>> = keys
             .iter()
-            .map(|k| kvtier::internals::pattern::value(k, 64 << 10))
+            .map(|k| kvtier::pattern::value(k, 64 << 10))
             .collect();
         for r in client.batch_put(&keys, &values).unwrap() {
             r.unwrap();
@@ -184,7 +182,7 @@ fn planted_writer_directories_cannot_take_the_descriptors_connections_need() {
             .batch_get_into(&keys[..1], &mut [&mut buf[..]])
             .unwrap();
         if let Ok(Some(n)) = &got[0] {
-            assert!(kvtier::internals::pattern::verify(&keys[0], &buf[..*n]));
+            assert!(kvtier::pattern::verify(&keys[0], &buf[..*n]));
         }
         clients.push(client);
     }

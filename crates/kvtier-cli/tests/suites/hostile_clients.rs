@@ -2,9 +2,7 @@
 //! hoard connections, lie about their shared memory or bring no token. In
 //! every case the server must stay small and keep serving everyone else.
 
-mod common;
-
-use common::{hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
+use crate::common::{hello_body, memfd, options, read_reply, ServerProcess, TEST_TOKEN};
 use kvtier_client::{Client, ClientOptions};
 use kvtier_wire::protocol::{Header, Op, Writer, HEADER_LEN};
 use std::io::{Read, Write};
@@ -62,7 +60,7 @@ fn closed_while_trickling(stream: &mut TcpStream, every: Duration, limit: Durati
 
 fn verified_round_trip(client: &mut Client, tag: &str) {
     let key = format!("bystander/{tag}").into_bytes();
-    let value = kvtier::internals::pattern::value(&key, 200_000);
+    let value = kvtier::pattern::value(&key, 200_000);
     for r in client.batch_put(&[&key], &[&value]).unwrap() {
         r.unwrap();
     }
@@ -351,7 +349,7 @@ fn peak_rss_bytes(pid: u32) -> u64 {
 #[test]
 fn reply_staging_follows_the_data_not_the_request() {
     let dir = tempfile::tempdir().unwrap();
-    let big = kvtier::internals::pattern::value(b"staged/big", 256 << 10);
+    let big = kvtier::pattern::value(b"staged/big", 256 << 10);
     {
         let server = ServerProcess::start(dir.path(), &[]);
         let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
@@ -439,7 +437,7 @@ fn announced_put_values_pin_at_most_their_share_of_the_pool() {
         .map(|i| format!("victim/{i}").into_bytes())
         .collect();
     for key in &keys {
-        let value = kvtier::internals::pattern::value(key, 1 << 20);
+        let value = kvtier::pattern::value(key, 1 << 20);
         victim.batch_put(&[key], &[&value]).unwrap()[0]
             .as_ref()
             .unwrap();
@@ -467,7 +465,7 @@ fn announced_put_values_pin_at_most_their_share_of_the_pool() {
     for key in &keys {
         let got = victim.batch_get_into(&[key], &mut [&mut buf[..]]).unwrap();
         assert_eq!(got[0].as_ref().unwrap(), &Some(1 << 20));
-        assert!(kvtier::internals::pattern::verify(key, &buf));
+        assert!(kvtier::pattern::verify(key, &buf));
     }
     let after = server.stats()["store"].clone();
     let memory = after["memory_hits"].as_u64().unwrap() - before["memory_hits"].as_u64().unwrap();
@@ -481,7 +479,7 @@ fn announced_put_values_pin_at_most_their_share_of_the_pool() {
     // so (one token's clients are not told apart yet: per-tenant shares
     // are what would keep it flowing), and goes through once the
     // announcers are gone.
-    let value = kvtier::internals::pattern::value(b"victim/new", 4 << 20);
+    let value = kvtier::pattern::value(b"victim/new", 4 << 20);
     let started = std::time::Instant::now();
     let during = victim.batch_put(&[b"victim/new"], &[&value]).unwrap();
     assert!(
@@ -508,7 +506,7 @@ fn announced_put_values_pin_at_most_their_share_of_the_pool() {
 fn request_bodies_come_out_of_one_buffer_budget() {
     const FRAME: usize = 60 << 20;
     let dir = tempfile::tempdir().unwrap();
-    let config = common::small_buffer_config(dir.path());
+    let config = crate::common::small_buffer_config(dir.path());
     let server = ServerProcess::start(
         &dir.path().join("data"),
         &["--config", config.to_str().unwrap()],
@@ -527,7 +525,7 @@ fn request_bodies_come_out_of_one_buffer_budget() {
                     let mut s = TcpStream::connect(&server.tcp).unwrap();
                     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
                     hello(&mut s);
-                    common::send_all_but_last_byte(&mut s, Op::BatchExists, FRAME);
+                    crate::common::send_all_but_last_byte(&mut s, Op::BatchExists, FRAME);
                     s
                 })
             })

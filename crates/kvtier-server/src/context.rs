@@ -1,0 +1,66 @@
+//! What every connection of one server shares: the store, the
+//! configuration, authentication, the budgets every peer draws from, the
+//! cluster peers and the metrics. Built by `Server::start`; the sessions
+//! and the admin endpoint read it.
+
+use crate::limits::{self, Budget};
+use crate::metrics::Metrics;
+use crate::{trust, Auth, ServerConfig};
+use kvtier::Store;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What every connection of one server shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub store: Arc<Store>,
+    pub config: ServerConfig,
+    pub auth: Auth,
+    pub stopping: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
+    /// Connection slots, before and after hello.
+    pub admission: trust::Admission,
+    /// Token comparisons that may fail, server-wide.
+    pub guesses: trust::GuessBudget,
+    /// Bytes of shared memory registered by all connections.
+    pub registered: Arc<Budget>,
+    /// Shared buffers registered by all connections (each is a mapping).
+    pub registered_buffers: Arc<Budget>,
+    /// Bytes of streamed put values still arriving (their pool extents).
+    pub receiving: Arc<Budget>,
+    /// Heap buffers clients cause: request bodies and reply staging
+    /// (`Limits::max_buffer_bytes`).
+    pub buffers: Arc<Budget>,
+    /// Each tenant's shares of `buffers` and `receiving`, by name.
+    pub tenant_budgets: std::collections::HashMap<String, (limits::Budgets, limits::Budgets)>,
+    /// Connections to the other cluster members, in cluster mode.
+    pub peers: Option<Arc<kvtier_client::routing::Peers>>,
+    /// Refused connections, warned about at most once a second.
+    pub refusal_log: RateLimitedWarning,
+}
+
+/// How often idle reads and accept loops look at the stop flag and the
+/// deadlines.
+pub(crate) const POLL: Duration = Duration::from_millis(100);
+
+/// A warning said at most once a second, with how many occurrences it
+/// stood for (a lockout attempt refused thousands of connections a
+/// second and logged each).
+#[derive(Debug, Default)]
+pub(crate) struct RateLimitedWarning(std::sync::Mutex<(Option<Instant>, u64)>);
+
+impl RateLimitedWarning {
+    /// `Some(occurrences since the last warning)` when a warning is due.
+    pub(crate) fn due(&self) -> Option<u64> {
+        let mut state = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let (last, count) = &mut *state;
+        *count += 1;
+        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(count))
+    }
+}
