@@ -1,12 +1,24 @@
 //! The operations a request of the protocol runs on, whatever serves it:
-//! this process's store ([`NamespacedStore`]), the cluster ([`Router`]:
-//! this node's share on its store, the rest on their owners), or another
-//! server ([`ClientPool`]). The server dispatches each request once, over
-//! this trait, instead of once per kind of backend.
+//! this process's store ([`Store`], or one namespace of it:
+//! [`NamespacedStore`]), the cluster ([`Router`]: this node's share on its
+//! store, the rest on their owners), or another server ([`ClientPool`],
+//! through shared memory where the caller's buffers lie in its registered
+//! region). The server dispatches each request once, over this trait,
+//! instead of once per kind of backend, and so does the Python binding.
+//!
+//! Every call returns a whole-call `Result`: an error reaching the backend
+//! (a transport failure) is an error, never "absent" or "not present";
+//! batch calls also answer per key inside it.
 
+use crate::client::Client;
 use crate::pool::ClientPool;
 use crate::routing::Router;
-use kvtier::{NamespacedStore, PutOptions, Result, ValueLease};
+use kvtier::{Error, NamespacedStore, PutOptions, Result, Store, ValueLease};
+
+/// Each key's result of a batch, or the whole call's error for each key.
+pub fn per_key<T>(whole: Result<Vec<Result<T>>>, keys: usize) -> Vec<Result<T>> {
+    whole.unwrap_or_else(|e| (0..keys).map(|_| Err(e.duplicate())).collect())
+}
 
 pub trait KvBackend {
     /// Stores each value (given as segments laid end to end) under its key.
@@ -15,7 +27,20 @@ pub trait KvBackend {
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
-    ) -> Vec<Result<()>>;
+    ) -> Result<Vec<Result<()>>>;
+
+    /// Stores each value, given whole. Default: `batch_put` with one
+    /// segment each.
+    fn batch_put_whole(
+        &self,
+        keys: &[&[u8]],
+        values: &[&[u8]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let one: Vec<[&[u8]; 1]> = values.iter().map(|v| [*v]).collect();
+        let segments: Vec<&[&[u8]]> = one.iter().map(|v| &v[..]).collect();
+        self.batch_put(keys, &segments, options)
+    }
 
     /// Reads each key's value into its segments: `Ok(Some(n))`, `Ok(None)`
     /// for a miss, or an error such as `BufferTooSmall`.
@@ -23,7 +48,43 @@ pub trait KvBackend {
         &self,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
-    ) -> Vec<Result<Option<usize>>>;
+    ) -> Result<Vec<Result<Option<usize>>>>;
+
+    /// Reads each key's value into one buffer. Default: `batch_get` with
+    /// one segment each.
+    fn batch_get_whole(
+        &self,
+        keys: &[&[u8]],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let mut one: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
+        let mut segments: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
+        self.batch_get(keys, &mut segments)
+    }
+
+    /// One whole value, or `None` for a miss. Default: its length probed,
+    /// then read.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let len = match self.probe_lens(&[key])[0] {
+            KnownLen::Absent => return Ok(None),
+            KnownLen::Len(len) => len,
+            KnownLen::Unknown => {
+                return Err(Error::invalid(
+                    "this backend cannot tell the value's length before reading it",
+                ))
+            }
+        };
+        let mut buf = vec![0u8; len];
+        let got = self.batch_get_whole(&[key], &mut [&mut buf[..]])?;
+        match got.into_iter().next() {
+            Some(Ok(Some(n))) => {
+                buf.truncate(n);
+                Ok(Some(buf))
+            }
+            Some(Ok(None)) | None => Ok(None),
+            Some(Err(e)) => Err(e),
+        }
+    }
 
     /// Leases on values held in this process's memory, sent with no copy
     /// (see [`NamespacedStore::batch_memory_leases`]); `None` for keys
@@ -53,14 +114,15 @@ pub trait KvBackend {
         keys.iter().map(|k| self.known_len(k)).collect()
     }
 
-    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<bool>;
+    fn batch_exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
 
     /// How many leading keys are present.
-    fn prefix_len(&self, keys: &[&[u8]]) -> usize {
-        self.batch_exists(keys)
+    fn prefix_len(&self, keys: &[&[u8]]) -> Result<usize> {
+        Ok(self
+            .batch_exists(keys)?
             .into_iter()
             .take_while(|&present| present)
-            .count()
+            .count())
     }
 
     /// Removes `key`; whether it was present.
@@ -68,6 +130,18 @@ pub trait KvBackend {
 
     /// Returns once everything acknowledged so far is durable.
     fn flush(&self) -> Result<()>;
+
+    /// The `/stats` document of whatever serves this backend. Default: an
+    /// error (the cluster has no one document).
+    fn stats(&self) -> Result<serde_json::Value> {
+        Err(Error::invalid("this backend has no stats document"))
+    }
+
+    /// Lets go of what this backend holds (the store closes, connections
+    /// close). Default: nothing to do.
+    fn close(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// The store itself, when this backend is one (it then reads from and
     /// writes to foreign memory directly: `batch_put_foreign`,
@@ -94,16 +168,20 @@ impl KvBackend for NamespacedStore {
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
-    ) -> Vec<Result<()>> {
-        self.batch_put_segments(keys, values, options)
+    ) -> Result<Vec<Result<()>>> {
+        Ok(self.batch_put_segments(keys, values, options))
     }
 
     fn batch_get(
         &self,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
-    ) -> Vec<Result<Option<usize>>> {
-        self.batch_get_segments(keys, dests)
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Ok(self.batch_get_segments(keys, dests))
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        NamespacedStore::get(self, key)
     }
 
     fn batch_memory_leases(
@@ -121,14 +199,14 @@ impl KvBackend for NamespacedStore {
         }
     }
 
-    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<bool> {
-        NamespacedStore::batch_exists(self, keys)
+    fn batch_exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        Ok(NamespacedStore::batch_exists(self, keys))
     }
 
-    fn prefix_len(&self, keys: &[&[u8]]) -> usize {
+    fn prefix_len(&self, keys: &[&[u8]]) -> Result<usize> {
         // The store's own: an engine's prompt lookup feeds the adaptive
         // eviction policy.
-        NamespacedStore::prefix_len(self, keys)
+        Ok(NamespacedStore::prefix_len(self, keys))
     }
 
     fn remove(&self, key: &[u8]) -> Result<bool> {
@@ -144,22 +222,103 @@ impl KvBackend for NamespacedStore {
     }
 }
 
-impl KvBackend for Router<'_> {
+/// The store's default namespace, as the Python binding's embedded
+/// engine drives it; `close` closes the store.
+impl KvBackend for Store {
     fn batch_put(
         &self,
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
-    ) -> Vec<Result<()>> {
-        self.put(keys, values, options)
+    ) -> Result<Vec<Result<()>>> {
+        Ok(self.batch_put_segments(keys, values, options))
+    }
+
+    fn batch_put_whole(
+        &self,
+        keys: &[&[u8]],
+        values: &[&[u8]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Ok(self.batch_put_with(keys, values, options))
     }
 
     fn batch_get(
         &self,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
-    ) -> Vec<Result<Option<usize>>> {
-        self.get(keys, dests)
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Ok(self.batch_get_segments(keys, dests))
+    }
+
+    fn batch_get_whole(
+        &self,
+        keys: &[&[u8]],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Ok(self.batch_get_into(keys, bufs))
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Store::get(self, key)
+    }
+
+    fn batch_memory_leases(
+        &self,
+        keys: &[&[u8]],
+        capacities: &[usize],
+    ) -> Vec<Option<Result<ValueLease>>> {
+        Store::batch_memory_leases(self, keys, capacities)
+    }
+
+    fn known_len(&self, key: &[u8]) -> KnownLen {
+        match self.value_len(key) {
+            Ok(Some(len)) => KnownLen::Len(len),
+            _ => KnownLen::Absent,
+        }
+    }
+
+    fn batch_exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        Ok(Store::batch_exists(self, keys))
+    }
+
+    fn prefix_len(&self, keys: &[&[u8]]) -> Result<usize> {
+        Ok(Store::prefix_len(self, keys))
+    }
+
+    fn remove(&self, key: &[u8]) -> Result<bool> {
+        Store::remove(self, key)
+    }
+
+    fn flush(&self) -> Result<()> {
+        Store::flush(self)
+    }
+
+    fn stats(&self) -> Result<serde_json::Value> {
+        Ok(kvtier_wire::stats::stats_json(&Store::stats(self)))
+    }
+
+    fn close(&self) -> Result<()> {
+        Store::close(self)
+    }
+}
+
+impl KvBackend for Router<'_> {
+    fn batch_put(
+        &self,
+        keys: &[&[u8]],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Ok(self.put(keys, values, options))
+    }
+
+    fn batch_get(
+        &self,
+        keys: &[&[u8]],
+        dests: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Ok(Router::get(self, keys, dests))
     }
 
     /// Keys this node reads first (it owns them) are leased from its store
@@ -203,8 +362,8 @@ impl KvBackend for Router<'_> {
         self.value_lens(keys)
     }
 
-    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<bool> {
-        self.exists(keys)
+    fn batch_exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        Ok(self.exists(keys))
     }
 
     fn remove(&self, key: &[u8]) -> Result<bool> {
@@ -216,33 +375,79 @@ impl KvBackend for Router<'_> {
     }
 }
 
+/// Another server, through a pool of clients. Values and destinations
+/// that lie inside a client's registered shared region move through it
+/// (the server reads and writes them in place); the others travel in the
+/// frames.
 impl KvBackend for ClientPool {
     fn batch_put(
         &self,
         keys: &[&[u8]],
         values: &[&[&[u8]]],
         options: &PutOptions,
-    ) -> Vec<Result<()>> {
-        self.with(|c| c.batch_put_segments(keys, values, options))
-            .unwrap_or_else(|e| keys.iter().map(|_| Err(e.duplicate())).collect())
+    ) -> Result<Vec<Result<()>>> {
+        self.with(|c| {
+            if let Some(segments) = shm_segments(c, values.iter().map(|v| v.iter().copied())) {
+                return c.batch_put_registered_segments(keys, &segments, options);
+            }
+            c.batch_put_segments(keys, values, options)
+        })
+    }
+
+    fn batch_put_whole(
+        &self,
+        keys: &[&[u8]],
+        values: &[&[u8]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        self.with(|c| {
+            if let Some(segments) = shm_segments(c, values.iter().map(|v| std::iter::once(*v))) {
+                let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
+                return c.batch_put_registered(keys, &ranges, options);
+            }
+            c.batch_put_with(keys, values, options)
+        })
     }
 
     fn batch_get(
         &self,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
-    ) -> Vec<Result<Option<usize>>> {
-        self.with(|c| c.batch_get_segments(keys, dests))
-            .unwrap_or_else(|e| keys.iter().map(|_| Err(e.duplicate())).collect())
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        self.with(|c| {
+            let in_shm = shm_segments(c, dests.iter().map(|b| b.iter().map(|s| &s[..])));
+            if let Some(segments) = in_shm {
+                return c.batch_get_registered_segments(keys, &segments);
+            }
+            c.batch_get_segments(keys, dests)
+        })
     }
 
-    fn batch_exists(&self, keys: &[&[u8]]) -> Vec<bool> {
+    fn batch_get_whole(
+        &self,
+        keys: &[&[u8]],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        self.with(|c| {
+            let in_shm = shm_segments(c, bufs.iter().map(|b| std::iter::once(&b[..])));
+            if let Some(segments) = in_shm {
+                let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
+                return c.batch_get_registered(keys, &ranges);
+            }
+            c.batch_get_into(keys, bufs)
+        })
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.with(|c| c.get(key))
+    }
+
+    fn batch_exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         self.with(|c| c.batch_exists(keys))
-            .unwrap_or_else(|_| vec![false; keys.len()])
     }
 
-    fn prefix_len(&self, keys: &[&[u8]]) -> usize {
-        self.with(|c| c.prefix_len(keys)).unwrap_or(0)
+    fn prefix_len(&self, keys: &[&[u8]]) -> Result<usize> {
+        self.with(|c| c.prefix_len(keys))
     }
 
     fn remove(&self, key: &[u8]) -> Result<bool> {
@@ -252,4 +457,36 @@ impl KvBackend for ClientPool {
     fn flush(&self) -> Result<()> {
         self.with(|c| c.flush())
     }
+
+    fn stats(&self) -> Result<serde_json::Value> {
+        self.with(|c| c.stats())
+    }
+
+    fn close(&self) -> Result<()> {
+        ClientPool::close(self);
+        Ok(())
+    }
+}
+
+/// Every value's segments as `(offset, len)` in the client's registered
+/// shared region, or `None` if any segment lies outside it (or there is
+/// no region).
+pub fn shm_segments<'a, V, S>(client: &Client, values: V) -> Option<Vec<Vec<(u64, u64)>>>
+where
+    V: Iterator<Item = S>,
+    S: Iterator<Item = &'a [u8]>,
+{
+    let region = client.registered_region()?;
+    let base = region.as_ptr() as usize;
+    let end = base + region.len();
+    values
+        .map(|segments| {
+            segments
+                .map(|s| {
+                    let p = s.as_ptr() as usize;
+                    (p >= base && p + s.len() <= end).then(|| ((p - base) as u64, s.len() as u64))
+                })
+                .collect()
+        })
+        .collect()
 }

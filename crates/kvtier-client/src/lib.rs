@@ -1,13 +1,17 @@
-//! The Rust client of a kvtier server: one connection type (`Client`) over
-//! a Unix socket (with shared memory) or TCP (optionally TLS), a pool of
-//! them for concurrent callers (`ClientPool`), and cluster routing (a
-//! request split by owner, run on every member at once).
+//! The Rust client of a kvtier server, in layers: a connection to one
+//! server (`Connection`, over a Unix socket with shared memory, or TCP,
+//! optionally TLS), cluster routing over connections to every member
+//! (`routing`: a request split by owner, run on every member at once),
+//! `Client` composing the two, and a pool of clients for concurrent
+//! callers (`ClientPool`).
 
 pub mod backend;
 pub mod client;
+pub mod conn;
 pub mod pool;
 pub mod routing;
 
 pub use backend::{KnownLen, KvBackend};
-pub use client::{Client, ClientOptions};
+pub use client::Client;
+pub use conn::{ClientOptions, Connection};
 pub use pool::{ClientPool, Pending};

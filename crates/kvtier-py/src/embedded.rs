@@ -66,7 +66,7 @@ impl Store_ {
         let store = py.detach(|| Store::open(config)).map_err(to_py_err)?;
         log_recovery(py, &store)?;
         let engine = Engine {
-            backend: Arc::new(Backend::Store(Arc::new(store))),
+            backend: Arc::new(Backend::new(Arc::new(store))),
             registered: Registered::default(),
         };
         Ok(PyClassInitializer::from(engine).add_subclass(Store_))

@@ -75,7 +75,7 @@ impl Client_ {
             .map_err(to_py_err)?;
         let region = client.registered_region();
         let engine = Engine {
-            backend: Arc::new(Backend::Client(Box::new(
+            backend: Arc::new(Backend::new(Arc::new(
                 ClientPool::new(client, connections).map_err(to_py_err)?,
             ))),
             registered: Registered::default(),

@@ -5,6 +5,7 @@
 use crate::metrics::Sample;
 use kvtier::ValueLease;
 use kvtier::{AlignedBuf, ForeignSegments};
+use kvtier_client::backend::per_key;
 use kvtier_client::{KnownLen, KvBackend};
 use kvtier_wire::protocol::{code, put_flags, Writer};
 use kvtier_wire::shm::SharedRegion;
@@ -184,7 +185,10 @@ pub(crate) fn batch_put<'b>(
     let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
     let one: Vec<[&[u8]; 1]> = items.iter().map(|i| [i.1]).collect();
     let values: Vec<&[&[u8]]> = one.iter().map(|v| &v[..]).collect();
-    let results = backend.batch_put(&keys, &values, &put_flags::decode(flags));
+    let results = per_key(
+        backend.batch_put(&keys, &values, &put_flags::decode(flags)),
+        keys.len(),
+    );
     let codes: Vec<i32> = results.iter().map(result_code).collect();
     put_reply(&codes, items.iter().map(|i| i.1.len() as u64).sum())
 }
@@ -341,7 +345,7 @@ pub(crate) fn batch_get<'b>(
         }
         let mut dests: Vec<&mut [&mut [u8]]> = slices.iter_mut().map(|s| &mut s[..]).collect();
         let read_keys: Vec<&[u8]> = to_read.iter().chain(&absent).map(|&i| keys[i]).collect();
-        let answers = backend.batch_get(&read_keys, &mut dests);
+        let answers = per_key(backend.batch_get(&read_keys, &mut dests), read_keys.len());
         for (n, (&i, result)) in to_read.iter().chain(&absent).zip(answers).enumerate() {
             results[i] = match result {
                 // Absent at the length lookup, or shorter there than the
@@ -405,7 +409,10 @@ pub(crate) fn get_reply<'b>(
 }
 
 pub(crate) fn batch_exists<'b>(backend: &dyn KvBackend, keys: &[&[u8]]) -> Reply<'b> {
-    exists_reply(&backend.batch_exists(keys))
+    match backend.batch_exists(keys) {
+        Ok(present) => exists_reply(&present),
+        Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
+    }
 }
 
 /// The reply to a BatchExists: `u32 n, n × u8`.
@@ -422,7 +429,10 @@ pub(crate) fn exists_reply<'b>(present: &[bool]) -> Reply<'b> {
 }
 
 pub(crate) fn prefix_len<'b>(backend: &dyn KvBackend, keys: &[&[u8]]) -> Reply<'b> {
-    prefix_reply(backend.prefix_len(keys), keys.len())
+    match backend.prefix_len(keys) {
+        Ok(leading) => prefix_reply(leading, keys.len()),
+        Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
+    }
 }
 
 /// The reply to a PrefixLen over `keys` keys: `u64` leading keys present.
@@ -496,7 +506,7 @@ pub(crate) fn batch_put_shm<'b, S: AsRef<[(u64, u64)]>>(
                 .collect();
             let parts: Vec<[&[u8]; 1]> = copies.iter().map(|c| [&c[..]]).collect();
             let refs: Vec<&[&[u8]]> = parts.iter().map(|p| &p[..]).collect();
-            backend.batch_put(&keys, &refs, &options)
+            per_key(backend.batch_put(&keys, &refs, &options), keys.len())
         }
     };
     for (slot, result) in slots.into_iter().zip(&results) {
@@ -570,7 +580,7 @@ pub(crate) fn batch_get_shm<'b, S: AsRef<[(u64, u64)]>>(
             let mut copies: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
             let mut parts: Vec<[&mut [u8]; 1]> = copies.iter_mut().map(|c| [&mut c[..]]).collect();
             let mut refs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(|p| &mut p[..]).collect();
-            let mut got = backend.batch_get(&keys, &mut refs);
+            let mut got = per_key(backend.batch_get(&keys, &mut refs), keys.len());
             for (i, result) in got.iter_mut().enumerate() {
                 match result {
                     Ok(Some(n)) => dests[i].copy_in(&copies[i][..*n]),

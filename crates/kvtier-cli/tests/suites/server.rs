@@ -1168,3 +1168,58 @@ fn the_bounded_shared_index_needs_cluster_mode() {
     );
     assert!(unknown.contains("`all` or `share`"), "{unknown}");
 }
+
+/// A pool of clients as a `KvBackend` (what the Python binding drives):
+/// values and destinations inside the registered region move through
+/// shared memory, the others in frames, and a server that is gone is an
+/// error for the whole call, never keys reported absent.
+#[test]
+fn a_client_pool_backend_uses_shared_memory_and_reports_a_lost_server() {
+    use kvtier_client::KvBackend;
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(&dir.path().join("data"), &[]);
+    let first = Client::connect_with(&server.unix_url(), options()).unwrap();
+    let region = first.registered_region().expect("a Unix socket registers a region");
+    let pool = kvtier_client::ClientPool::new(first, 2).unwrap();
+    let backend: &dyn KvBackend = &pool;
+    let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("pool-backend-{i}").into_bytes()).collect();
+    let key_refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 100_000)).collect();
+    // The first two values from the shared region, the others from the heap.
+    // SAFETY: this test is the region's only writer, and no call is in
+    // flight while it writes.
+    let shared = unsafe { region.range_mut(0, 200_000) }.unwrap();
+    shared[..100_000].copy_from_slice(&values[0]);
+    shared[100_000..].copy_from_slice(&values[1]);
+    let shared: &[u8] = shared;
+    let whole: Vec<&[u8]> = vec![&shared[..100_000], &shared[100_000..]];
+    for r in backend
+        .batch_put_whole(&key_refs[..2], &whole, &Default::default())
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let heap: Vec<&[u8]> = values[2..].iter().map(|v| &v[..]).collect();
+    for r in backend
+        .batch_put_whole(&key_refs[2..], &heap, &Default::default())
+        .unwrap()
+    {
+        r.unwrap();
+    }
+    let ops = server.stats()["server"]["ops"].clone();
+    assert_eq!(ops["batch_put_shm"]["keys"], 2, "{ops}");
+    assert_eq!(ops["batch_put"]["keys"], 2, "{ops}");
+    assert_eq!(backend.batch_exists(&key_refs).unwrap(), vec![true; 4]);
+    assert_eq!(backend.prefix_len(&key_refs).unwrap(), 4);
+    for (key, value) in key_refs.iter().zip(&values) {
+        assert_eq!(backend.get(key).unwrap().as_deref(), Some(&value[..]));
+    }
+    drop(server);
+    let err = backend.batch_exists(&key_refs).unwrap_err();
+    assert_eq!(err.kind(), kvtier::ErrorKind::Io, "{err}");
+    assert!(backend.prefix_len(&key_refs).is_err());
+    let mut buf = vec![0u8; 100_000];
+    assert!(backend
+        .batch_get_whole(&key_refs[..1], &mut [&mut buf[..]])
+        .is_err());
+}

@@ -1,11 +1,11 @@
-//! Connections to the other members, and what they cost: idle clients
+//! Connections to the other members, and what they cost: idle connections
 //! kept per member (at most `IDLE_PER_MEMBER`, reused by namespace, see
 //! `idle_pool`), every call bounded by the peer timeout, and a member that
 //! failed is skipped for a moment so a dead node costs one timeout, not
 //! one per request.
 
 use super::idle_pool::{IdlePool, IDLE_PER_MEMBER, MAX_IDLE};
-use crate::client::{Client, ClientOptions};
+use crate::conn::{ClientOptions, Connection};
 use kvtier_wire::cluster::{ClusterView, Member};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -35,7 +35,7 @@ pub struct Peers {
     /// CA that signs the members' certificates, for members that speak TLS.
     tls_ca: Option<std::path::PathBuf>,
     timeout: Duration,
-    idle: Mutex<IdlePool<Client>>,
+    idle: Mutex<IdlePool<Connection>>,
     skip_until: Mutex<HashMap<String, Instant>>,
     stats: Mutex<BTreeMap<String, PeerStats>>,
 }
@@ -67,7 +67,7 @@ impl Peers {
         member: &Member,
         namespace: &str,
         keys: usize,
-        call: impl FnOnce(&mut Client) -> kvtier::Result<T>,
+        call: impl FnOnce(&mut Connection) -> kvtier::Result<T>,
     ) -> Option<T> {
         if self
             .skip_until
@@ -87,7 +87,7 @@ impl Peers {
         let started = Instant::now();
         let client = match pooled {
             Some(client) => Ok(client),
-            None => Client::connect_with(
+            None => Connection::connect_with(
                 &format!(
                     "{}://{}",
                     if member.tls { "tls" } else { "tcp" },

@@ -1,0 +1,1242 @@
+//! One connection to one kvtier server: the store's batch operations over
+//! `tcp://host:port`, `tls://host:port` or `unix:///path` (which adds a
+//! registered shared-memory buffer, so values move through shared memory
+//! instead of the socket). It knows no routing: `Client` puts cluster
+//! routing above it, and the router's peers hold connections.
+
+use crate::backend::KnownLen;
+use kvtier::{Error, ErrorKind, PutOptions, Result};
+use kvtier_wire::proof;
+use kvtier_wire::protocol::{self, code, put_flags, Header, HelloReply, Op, Reader, Writer};
+use kvtier_wire::shm::{self, SharedRegion};
+use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Connection options. Defaults: the token from `KVTIER_AUTH_TOKEN` (TCP
+/// needs one; a Unix-socket client running as the server's user does
+/// not), the empty namespace, 60 s timeout, 256 MiB shared buffer on Unix
+/// sockets.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub auth_token: Option<String>,
+    /// Every key of this client lives in this namespace (see
+    /// `kvtier::Store::namespace`): e.g. "llama3-8b/bf16/tp0of2/page64".
+    pub namespace: String,
+    /// PEM file of the CA that signs the server's certificate, for
+    /// `tls://` URLs. Default: `KVTIER_TLS_CA`.
+    pub tls_ca: Option<std::path::PathBuf>,
+    pub timeout: Duration,
+    /// Bytes of shared memory to register on a Unix socket (0: none).
+    pub shm_size: usize,
+    /// Ask the server to answer from its own store only, never forwarding
+    /// to the cluster members that own a key: what cluster peers send
+    /// each other (see docs/protocol.md, request flags). Default: false.
+    pub local_only: bool,
+    /// In cluster mode, send each key straight to the members that own it
+    /// (one hop) instead of through the server this client connected to
+    /// (two hops for the keys it does not own). The client then learns the
+    /// member list from its server (every second) and keeps a connection
+    /// to each member. Applies to the socket forms of the batch calls;
+    /// the shared-memory forms always go through the local server, which
+    /// reads remote values straight into the shared buffer. Default: false.
+    pub route: bool,
+    /// The cluster member this client means to reach (its node id, from
+    /// its signed member record): the challenge names it and the server
+    /// must prove it is that member, so a process on a dead member's
+    /// address that relays the challenge to a live member is refused
+    /// (docs/protocol.md, "Hello"). Needs a token. Default: none.
+    pub member: Option<String>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            auth_token: std::env::var("KVTIER_AUTH_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty()),
+            namespace: String::new(),
+            tls_ca: std::env::var_os("KVTIER_TLS_CA")
+                .filter(|p| !p.is_empty())
+                .map(Into::into),
+            timeout: Duration::from_secs(60),
+            shm_size: 256 << 20,
+            local_only: false,
+            route: false,
+            member: None,
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Tcp(addr) => write!(f, "tcp://{addr}"),
+            Endpoint::Tls { addr, .. } => write!(f, "tls://{addr}"),
+            Endpoint::Unix(path) => write!(f, "unix://{}", path.display()),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Endpoint {
+    Tcp(String),
+    Tls {
+        addr: String,
+        server_name: rustls_pki_types::ServerName<'static>,
+        config: Arc<rustls::ClientConfig>,
+    },
+    Unix(std::path::PathBuf),
+}
+
+/// Connects to the first address `addr` resolves to that answers within
+/// `timeout` (a host that is down must not hold a caller for the system's
+/// minutes-long connect timeout).
+fn connect_within(addr: &str, timeout: Duration) -> std::io::Result<TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for candidate in addr.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&candidate, timeout) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            "the address resolves to nothing",
+        )
+    }))
+}
+
+/// A connection to a kvtier server. Not shared between threads: open one
+/// per thread. A broken connection is re-established on the next call.
+#[derive(Debug)]
+pub struct Connection {
+    endpoint: Endpoint,
+    options: ClientOptions,
+    transport: Option<Transport>,
+    next_id: u64,
+    max_frame: u64,
+    max_batch: u32,
+    max_value: u64,
+    /// The shared buffer, created once and registered again on every
+    /// reconnect, so views of it handed out stay on the zero-copy path
+    /// across a server restart.
+    shm_region: Option<Arc<SharedRegion>>,
+    /// Its id on the current connection.
+    shm_id: Option<u32>,
+    /// Reused request and response buffers (they only grow).
+    request: Vec<u8>,
+    response: Vec<u8>,
+}
+
+pub(crate) fn protocol_error(message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Io, message)
+}
+
+fn code_error(c: i32, message: &str) -> Error {
+    let kind = code::kind(c);
+    let detail = if message.is_empty() {
+        String::new()
+    } else {
+        format!(": {message}")
+    };
+    Error::new(
+        kind,
+        format!("server answered {} ({c}){detail}", code::name(c)),
+    )
+}
+
+/// Why one exchange with the server failed, which decides what becomes
+/// of the connection.
+#[derive(Debug)]
+enum CallError {
+    /// Sending or receiving failed: the connection is dropped (a call on
+    /// one that had been idle is retried once on a new one).
+    Transport(Error),
+    /// The reply breaks the protocol (wrong id, a table that does not fit
+    /// the request): the connection is dropped as for `Transport`.
+    Protocol(Error),
+    /// The server answered with an error code: the connection is fine.
+    Server(Error),
+    /// Refused here, before anything was sent.
+    Request(Error),
+}
+
+impl CallError {
+    fn drops_connection(&self) -> bool {
+        matches!(self, CallError::Transport(_) | CallError::Protocol(_))
+    }
+}
+
+impl From<CallError> for Error {
+    fn from(e: CallError) -> Error {
+        match e {
+            CallError::Transport(e)
+            | CallError::Protocol(e)
+            | CallError::Server(e)
+            | CallError::Request(e) => e,
+        }
+    }
+}
+
+fn read_error(e: ReadError) -> CallError {
+    match e {
+        ReadError::Io(e) => CallError::Transport(Error::io("transport: reading a response", e)),
+        ReadError::Protocol(e) => CallError::Protocol(protocol_error(format!("transport: {e}"))),
+    }
+}
+
+impl Connection {
+    /// Connects to `tcp://host:port` or `unix:///path/to.sock`.
+    pub fn connect(url: &str) -> Result<Connection> {
+        Connection::connect_with(url, ClientOptions::default())
+    }
+
+    pub fn connect_with(url: &str, options: ClientOptions) -> Result<Connection> {
+        let endpoint = if let Some(addr) = url.strip_prefix("tcp://") {
+            Endpoint::Tcp(addr.to_string())
+        } else if let Some(addr) = url.strip_prefix("tls://") {
+            let Some(ca) = &options.tls_ca else {
+                return Err(Error::invalid(format!(
+                    "{url} needs the CA certificate that signed the server's: set tls_ca or \
+                     KVTIER_TLS_CA to its PEM file"
+                )));
+            };
+            let config = kvtier_wire::tls::client_config(ca)
+                .map_err(|e| Error::invalid(format!("TLS for {url}: {e}")))?;
+            let host = addr
+                .rsplit_once(':')
+                .map_or(addr, |(host, _)| host)
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let server_name = rustls_pki_types::ServerName::try_from(host.to_string())
+                .map_err(|e| Error::invalid(format!("TLS server name {host:?}: {e}")))?;
+            Endpoint::Tls {
+                addr: addr.to_string(),
+                server_name,
+                config,
+            }
+        } else if let Some(path) = url.strip_prefix("unix://") {
+            Endpoint::Unix(path.into())
+        } else {
+            return Err(Error::invalid(format!(
+                "unsupported URL {url:?}: use tcp://host:port, tls://host:port or unix:///path"
+            )));
+        };
+        let mut client = Connection {
+            endpoint,
+            options,
+            transport: None,
+            next_id: 1,
+            max_frame: protocol::DEFAULT_MAX_FRAME,
+            max_batch: protocol::DEFAULT_MAX_BATCH,
+            max_value: 0,
+            shm_region: None,
+            shm_id: None,
+            request: Vec::new(),
+            response: Vec::new(),
+        };
+        client.reconnect()?;
+        Ok(client)
+    }
+
+    /// A second connection to the same server with the same options,
+    /// registering the same shared buffer (so views of it work on either).
+    pub fn sibling(&self) -> Result<Connection> {
+        let mut client = self.sibling_template();
+        client.reconnect()?;
+        Ok(client)
+    }
+
+    /// This client's settings and shared buffer, without a connection (a
+    /// call on it connects first).
+    pub(crate) fn sibling_template(&self) -> Connection {
+        Connection {
+            endpoint: self.endpoint.clone(),
+            options: self.options.clone(),
+            transport: None,
+            next_id: 1,
+            max_frame: self.max_frame,
+            max_batch: self.max_batch,
+            max_value: self.max_value,
+            shm_region: self.shm_region.clone(),
+            shm_id: None,
+            request: Vec::new(),
+            response: Vec::new(),
+        }
+    }
+
+    fn reconnect(&mut self) -> Result<()> {
+        self.transport = None;
+        self.shm_id = None;
+        let transport = match &self.endpoint {
+            Endpoint::Tcp(addr) => {
+                let stream = connect_within(addr, self.options.timeout)
+                    .map_err(|e| Error::io(format!("connecting to tcp://{addr}"), e))?;
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| Error::io("configuring the socket", e))?;
+                Transport::Tcp(stream)
+            }
+            Endpoint::Tls {
+                addr,
+                server_name,
+                config,
+            } => {
+                let stream = connect_within(addr, self.options.timeout)
+                    .map_err(|e| Error::io(format!("connecting to tls://{addr}"), e))?;
+                stream
+                    .set_nodelay(true)
+                    .map_err(|e| Error::io("configuring the socket", e))?;
+                let connection =
+                    rustls::ClientConnection::new(Arc::clone(config), server_name.clone())
+                        .map_err(|e| Error::invalid(format!("TLS for tls://{addr}: {e}")))?;
+                Transport::TlsClient(Box::new(rustls::StreamOwned::new(connection, stream)))
+            }
+            Endpoint::Unix(path) => {
+                Transport::Unix(UnixStream::connect(path).map_err(|e| {
+                    Error::io(format!("connecting to unix://{}", path.display()), e)
+                })?)
+            }
+        };
+        transport
+            .set_timeouts(Some(self.options.timeout), Some(self.options.timeout))
+            .map_err(|e| Error::io("configuring the socket", e))?;
+        self.transport = Some(transport);
+        let namespace = self.options.namespace.clone();
+        kvtier::validate_namespace(&namespace)?;
+        // The token never crosses the wire: the server proves it holds the
+        // token first (a forged member or a squatter on a dead member's
+        // port cannot), then the hello carries this side's proof.
+        let credential = match self.options.auth_token.clone() {
+            Some(token) if !token.is_empty() => self.prove_token(token.as_bytes(), &namespace)?,
+            _ => Vec::new(),
+        };
+        let mut w = Writer::default();
+        w.u32(credential.len() as u32)
+            .bytes(&credential)
+            .u16(namespace.len() as u16)
+            .bytes(namespace.as_bytes());
+        let len = self.call(Op::Hello, &w.buf, None)?;
+        let hello = HelloReply::decode(&self.response[..len]).map_err(|e| protocol_error(e.0))?;
+        let (max_frame, max_batch, max_value) = (hello.max_frame, hello.max_batch, hello.max_value);
+        self.max_frame = max_frame;
+        self.max_batch = max_batch;
+        self.max_value = max_value;
+        if matches!(self.endpoint, Endpoint::Unix(_)) && self.options.shm_size > 0 {
+            let region = match &self.shm_region {
+                Some(region) => Arc::clone(region),
+                None => Arc::new(
+                    SharedRegion::create(self.options.shm_size)
+                        .map_err(|e| Error::io("creating the shared buffer", e))?,
+                ),
+            };
+            self.shm_region = Some(Arc::clone(&region));
+            let mut w = Writer::default();
+            w.u64(region.len() as u64);
+            let len = self.call(Op::RegisterBuffer, &w.buf, region.fd())?;
+            let body = &self.response[..len];
+            let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
+            self.shm_id = Some(id);
+        }
+        Ok(())
+    }
+
+    /// The challenge half of the hello: checks the server's proof of the
+    /// token and returns this side's proof for the hello.
+    fn prove_token(&mut self, token: &[u8], namespace: &str) -> Result<Vec<u8>> {
+        let key = proof::TokenKey::new(token);
+        let client_nonce = proof::nonce().map_err(|e| Error::io("drawing a nonce", e))?;
+        let member = self.options.member.clone();
+        let mut w = Writer::default();
+        w.bytes(&client_nonce).bytes(&key.id());
+        if let Some(member) = &member {
+            if member.is_empty() || member.len() > proof::MAX_MEMBER_ID_LEN {
+                return Err(Error::invalid(format!(
+                    "a member id of {} bytes (1 to {})",
+                    member.len(),
+                    proof::MAX_MEMBER_ID_LEN
+                )));
+            }
+            w.u16(member.len() as u16).bytes(member.as_bytes());
+        }
+        let len = self.call(Op::Challenge, &w.buf, None)?;
+        let body = &self.response[..len];
+        let fixed = proof::NONCE_LEN + proof::PROOF_LEN;
+        let stated = match &member {
+            None if body.len() == fixed => None,
+            Some(_) if body.len() > fixed + 2 => {
+                let mut r = Reader::new(&body[fixed..]);
+                let id_len = usize::from(r.u16().map_err(|e| protocol_error(e.0))?);
+                let id = r.bytes(id_len).map_err(|e| protocol_error(e.0))?;
+                r.finish().map_err(|e| protocol_error(e.0))?;
+                Some(String::from_utf8_lossy(id).into_owned())
+            }
+            _ => {
+                return Err(protocol_error(format!(
+                    "a challenge answer of {} bytes{}",
+                    body.len(),
+                    if member.is_some() {
+                        " without the member id it was asked for"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
+        let server_nonce: [u8; proof::NONCE_LEN] = body[..proof::NONCE_LEN]
+            .try_into()
+            .expect("NONCE_LEN bytes");
+        let expected = match &stated {
+            None => key.server_proof(&client_nonce, &server_nonce),
+            Some(id) => key.server_proof_as(&client_nonce, &server_nonce, id),
+        };
+        if !proof::proofs_equal(&body[proof::NONCE_LEN..fixed], &expected) {
+            return Err(Error::new(
+                code::kind(code::UNAUTHORIZED),
+                format!(
+                    "{} did not prove it holds the auth token (not a server of this \
+                     deployment, or one with another token); the hello was not sent",
+                    self.endpoint
+                ),
+            ));
+        }
+        match (&member, &stated) {
+            (Some(meant), Some(id)) if meant != id => Err(Error::new(
+                code::kind(code::UNAUTHORIZED),
+                format!(
+                    "{} answered as cluster member {id:?}, not {meant:?}, the member this \
+                     client dialled (a process relaying another member, or a stale member \
+                     record); the hello was not sent",
+                    self.endpoint
+                ),
+            )),
+            (Some(meant), _) => Ok(key
+                .client_proof_for(&client_nonce, &server_nonce, namespace, meant)
+                .to_vec()),
+            (None, _) => Ok(key
+                .client_proof(&client_nonce, &server_nonce, namespace)
+                .to_vec()),
+        }
+    }
+
+    /// Sends one request and returns the response body's length; the body
+    /// is `self.response[..len]`.
+    fn call(&mut self, op: Op, body: &[u8], fd: Option<i32>) -> Result<usize> {
+        self.call_parts(op, &[body], fd)
+    }
+
+    /// [`call`](Self::call) with the body given as parts laid end to end
+    /// (sent with vectored writes: values go from the caller's memory to
+    /// the socket with no copy into a request buffer).
+    fn call_parts(&mut self, op: Op, body: &[&[u8]], fd: Option<i32>) -> Result<usize> {
+        let fresh = self.transport.is_none();
+        if fresh {
+            self.reconnect()?;
+        }
+        let result = self.exchange(op, body, fd);
+        match &result {
+            Err(e) if e.drops_connection() => {
+                self.transport = None;
+                self.shm_id = None;
+                // A connection that had been idle may have died with its
+                // server (a restart): reconnect and send once more. Every
+                // operation is safe to repeat (a put stores the same bytes
+                // again); a challenge, hello or buffer registration is part
+                // of reconnecting itself (retrying one would reconnect
+                // within the reconnect, without end). Shared-memory requests start with the
+                // buffer's id, which the new connection assigns afresh.
+                if fresh || matches!(op, Op::Challenge | Op::Hello | Op::RegisterBuffer) {
+                    return result.map_err(Error::from);
+                }
+                self.reconnect()?;
+                let shm_op = matches!(
+                    op,
+                    Op::BatchPutShm
+                        | Op::BatchGetShm
+                        | Op::BatchPutShmSegments
+                        | Op::BatchGetShmSegments
+                );
+                let retried = if shm_op {
+                    let mut again = body.concat();
+                    again[..4].copy_from_slice(&self.shm_id()?.to_le_bytes());
+                    self.exchange(op, &[&again], fd)
+                } else {
+                    self.exchange(op, body, fd)
+                };
+                if retried.as_ref().is_err_and(CallError::drops_connection) {
+                    self.transport = None;
+                    self.shm_id = None;
+                }
+                retried.map_err(Error::from)
+            }
+            _ => result.map_err(Error::from),
+        }
+    }
+
+    fn exchange(
+        &mut self,
+        op: Op,
+        body: &[&[u8]],
+        fd: Option<i32>,
+    ) -> std::result::Result<usize, CallError> {
+        let body_len: usize = body.iter().map(|p| p.len()).sum();
+        if body_len as u64 > self.max_frame {
+            return Err(CallError::Request(Error::invalid(format!(
+                "request of {body_len} bytes exceeds the server's {}-byte frame limit; split the batch",
+                self.max_frame
+            ))));
+        }
+        let id = self.send_request(op, body, fd)?;
+        let transport = self.transport.as_mut().expect("connected");
+        let read = transport.read_frame(
+            &mut self.response,
+            &FrameLimits::client(self.max_frame + 64, self.options.timeout),
+        );
+        match read {
+            Ok(FrameRead::Frame { header, .. }) => {
+                let len = header.body_len as usize;
+                if header.status != code::OK {
+                    return Err(CallError::Server(code_error(
+                        header.status,
+                        &String::from_utf8_lossy(&self.response[..len]),
+                    )));
+                }
+                if header.request_id != id || header.op != op as u16 {
+                    return Err(CallError::Protocol(protocol_error(
+                        "transport: response does not match the request",
+                    )));
+                }
+                Ok(len)
+            }
+            Ok(_) => Err(CallError::Transport(protocol_error(
+                "transport: the server closed the connection",
+            ))),
+            Err(e) => Err(read_error(e)),
+        }
+    }
+
+    /// Sends one request frame; returns its id.
+    fn send_request(
+        &mut self,
+        op: Op,
+        body: &[&[u8]],
+        fd: Option<i32>,
+    ) -> std::result::Result<u64, CallError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let header = Header {
+            op: op as u16,
+            request_id: id,
+            body_len: body.iter().map(|p| p.len()).sum::<usize>() as u32,
+            status: if self.options.local_only {
+                protocol::request_flags::LOCAL_ONLY
+            } else {
+                0
+            },
+        };
+        let transport = self.transport.as_mut().expect("connected");
+        let sent = match (transport as &mut Transport, fd) {
+            (Transport::Unix(stream), Some(fd)) => {
+                let mut frame = header.encode().to_vec();
+                for part in body {
+                    frame.extend_from_slice(part);
+                }
+                shm::send_with_fd(stream, &frame, fd)
+            }
+            (transport, _) => {
+                let head = header.encode();
+                let mut parts = Vec::with_capacity(1 + body.len());
+                parts.push(&head[..]);
+                parts.extend_from_slice(body);
+                transport.write_all_parts(&parts)
+            }
+        };
+        sent.map_err(|e| CallError::Transport(Error::io("transport: sending a request", e)))?;
+        Ok(id)
+    }
+
+    /// A BatchGet exchange whose values are read from the socket straight
+    /// into `bufs` (no copy through the response buffer): the header and
+    /// the per-key table first, then each value into its segments. A reply
+    /// that does not fit the request drops the connection.
+    /// Sends one BatchGet frame and reads its answer: per key the code and
+    /// length of the reply's table (OK values read into their buffers).
+    fn exchange_get(
+        &mut self,
+        body: &[u8],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> std::result::Result<Vec<(i32, u64)>, CallError> {
+        if body.len() as u64 > self.max_frame {
+            return Err(CallError::Request(Error::invalid(format!(
+                "request of {} bytes exceeds the server's {}-byte frame limit; split the batch",
+                body.len(),
+                self.max_frame
+            ))));
+        }
+        let id = self.send_request(Op::BatchGet, &[body], None)?;
+        let stall = self.options.timeout;
+        let max_body = self.max_frame + 64;
+        let transport = self.transport.as_mut().expect("connected");
+        let read =
+            |t: &mut Transport, buf: &mut [u8]| t.read_exact_within(buf, stall).map_err(read_error);
+        let mut head = [0u8; protocol::HEADER_LEN];
+        read(transport, &mut head)?;
+        let header = Header::decode(&head, max_body)
+            .map_err(|e| CallError::Protocol(protocol_error(format!("transport: {e}"))))?;
+        let len = header.body_len as usize;
+        if header.status != code::OK {
+            self.response.resize(len.max(self.response.len()), 0);
+            read(transport, &mut self.response[..len])?;
+            return Err(CallError::Server(code_error(
+                header.status,
+                &String::from_utf8_lossy(&self.response[..len]),
+            )));
+        }
+        if header.request_id != id || header.op != Op::BatchGet as u16 {
+            return Err(CallError::Protocol(protocol_error(
+                "transport: response does not match the request",
+            )));
+        }
+        let table_len = 4 + 12 * bufs.len();
+        if len < table_len {
+            return Err(CallError::Protocol(protocol_error(
+                "transport: response too short for its table",
+            )));
+        }
+        self.response.resize(table_len.max(self.response.len()), 0);
+        read(transport, &mut self.response[..table_len])?;
+        let mut r = Reader::new(&self.response[..table_len]);
+        let parsed =
+            (|| -> std::result::Result<(usize, Vec<(i32, u64)>), protocol::ProtocolError> {
+                let n = r.u32()? as usize;
+                let table = (0..bufs.len())
+                    .map(|_| Ok((r.i32()?, r.u64()?)))
+                    .collect::<std::result::Result<Vec<_>, protocol::ProtocolError>>()?;
+                Ok((n, table))
+            })();
+        let (n, table) = parsed
+            .map_err(|e| CallError::Protocol(protocol_error(format!("transport: {}", e.0))))?;
+        let values: u64 = table
+            .iter()
+            .filter(|(c, _)| *c == code::OK)
+            .map(|(_, l)| *l)
+            .sum();
+        let fits = table.iter().zip(bufs.iter()).all(|((c, l), b)| {
+            *c != code::OK || *l <= b.iter().map(|s| s.len() as u64).sum::<u64>()
+        });
+        if n != bufs.len() || table_len as u64 + values != len as u64 || !fits {
+            return Err(CallError::Protocol(protocol_error(
+                "transport: response does not fit the request",
+            )));
+        }
+        for ((c, value_len), buf) in table.iter().zip(bufs.iter_mut()) {
+            if *c == code::OK {
+                let mut left = *value_len as usize;
+                for segment in buf.iter_mut() {
+                    let take = segment.len().min(left);
+                    read(transport, &mut segment[..take])?;
+                    left -= take;
+                }
+            }
+        }
+        Ok(table)
+    }
+
+    /// One item per key.
+    pub(crate) fn check_batch_pairs(keys: usize, items: usize, what: &str) -> Result<()> {
+        if keys != items {
+            return Err(Error::invalid(format!(
+                "batch has {keys} keys but {items} {what}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Splits a batch into runs the server takes in one frame each: at most
+    /// `max_batch` items, and `fixed` plus the items' `sizes` within
+    /// `max_frame`. An item too large for a frame alone gets a run of its
+    /// own (and fails on its own). Callers see one batch: results come back
+    /// per key, in order.
+    fn runs(&self, sizes: impl Iterator<Item = u64>, fixed: u64) -> Vec<std::ops::Range<usize>> {
+        let mut runs = Vec::new();
+        let (mut start, mut bytes, mut end) = (0usize, fixed, 0usize);
+        for (i, size) in sizes.enumerate() {
+            let full = i - start >= self.max_batch as usize
+                || (i > start && bytes.saturating_add(size) > self.max_frame);
+            if full {
+                runs.push(start..i);
+                start = i;
+                bytes = fixed;
+            }
+            bytes = bytes.saturating_add(size);
+            end = i + 1;
+        }
+        if end > start {
+            runs.push(start..end);
+        }
+        runs
+    }
+
+    /// Whether a run of one item is too large for any frame.
+    fn oversized(&self, size: u64, fixed: u64) -> bool {
+        size.saturating_add(fixed) > self.max_frame
+    }
+
+    /// Sends a batch as `runs` of it, one `frame` call each, and joins the
+    /// per-key results in order.
+    fn in_runs<T>(
+        &mut self,
+        sizes: impl Iterator<Item = u64>,
+        fixed: u64,
+        mut frame: impl FnMut(&mut Self, std::ops::Range<usize>) -> Result<Vec<T>>,
+    ) -> Result<Vec<T>> {
+        let mut out = Vec::new();
+        for run in self.runs(sizes, fixed) {
+            out.extend(frame(self, run)?);
+        }
+        Ok(out)
+    }
+
+    /// The server's ClusterView answer: its member list in cluster mode,
+    /// `{"enabled": false}` otherwise (docs/protocol.md).
+    pub fn cluster_view(&mut self) -> Result<serde_json::Value> {
+        let len = self.call(Op::ClusterView, &[], None)?;
+        serde_json::from_slice(&self.response[..len])
+            .map_err(|e| protocol_error(format!("the cluster view is not JSON: {e}")))
+    }
+
+    /// Largest value the server accepts.
+    pub fn max_value(&self) -> u64 {
+        self.max_value
+    }
+
+    pub fn batch_put<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[V],
+    ) -> Result<Vec<Result<()>>> {
+        self.batch_put_with(keys, values, &PutOptions::default())
+    }
+
+    /// Puts each value (sent inline in the frame). Per-key results.
+    pub fn batch_put_with<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[V],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let values: Vec<[&[u8]; 1]> = values.iter().map(|v| [v.as_ref()]).collect();
+        let values: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
+        self.batch_put_segments(keys, &values, options)
+    }
+
+    /// Puts each value given as segments laid end to end (gathered into
+    /// the frame as it is built). Per-key results.
+    pub fn batch_put_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Self::check_batch_pairs(keys.len(), values.len(), "values")?;
+        let sizes: Vec<u64> = keys
+            .iter()
+            .zip(values)
+            .map(|(k, v)| {
+                10 + k.as_ref().len() as u64 + v.iter().map(|s| s.len() as u64).sum::<u64>()
+            })
+            .collect();
+        self.in_runs(sizes.iter().copied(), 5, |c, run| {
+            if run.len() == 1 && c.oversized(sizes[run.start], 5) {
+                return Ok(vec![Err(Error::invalid(format!(
+                    "value of {} bytes does not fit the server's {}-byte frame",
+                    sizes[run.start] - 10 - keys[run.start].as_ref().len() as u64,
+                    c.max_frame
+                )))]);
+            }
+            c.put_frame(&keys[run.clone()], &values[run], options)
+        })
+    }
+
+    /// One BatchPut frame.
+    fn put_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        values: &[&[&[u8]]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        // The keys and lengths go in the reused request buffer; the values
+        // are sent from the caller's memory (vectored writes, no copy).
+        let mut w = Writer {
+            buf: std::mem::take(&mut self.request),
+        };
+        w.buf.clear();
+        w.u8(put_flags::encode(options)).u32(keys.len() as u32);
+        let mut ends = Vec::with_capacity(keys.len());
+        for (k, v) in keys.iter().zip(values) {
+            if let Err(e) = check_key(k.as_ref()) {
+                self.request = w.buf;
+                return Err(e);
+            }
+            w.key(k.as_ref())
+                .u64(v.iter().map(|s| s.len() as u64).sum());
+            ends.push(w.buf.len());
+        }
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * keys.len() + 1);
+        let mut start = 0;
+        for (end, value) in ends.into_iter().zip(values) {
+            parts.push(&w.buf[start..end]);
+            parts.extend(value.iter().filter(|s| !s.is_empty()));
+            start = end;
+        }
+        let sent = self.call_parts(Op::BatchPut, &parts, None);
+        drop(parts);
+        self.request = w.buf;
+        let len = sent?;
+        let body = &self.response[..len];
+        put_results(body, keys.len())
+    }
+
+    /// The value under `key`, or `None`: one round trip, sized by the reply.
+    pub fn get(&mut self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let mut w = Writer::default();
+        w.u32(1).key(check_key(key.as_ref())?).u64(self.max_value);
+        let len = self.call(Op::BatchGet, &w.buf, None)?;
+        let mut r = Reader::new(&self.response[..len]);
+        let parse =
+            |r: &mut Reader<'_>| -> std::result::Result<(u32, i32, u64), protocol::ProtocolError> {
+                Ok((r.u32()?, r.i32()?, r.u64()?))
+            };
+        let (n, c, value_len) = parse(&mut r).map_err(|e| protocol_error(e.0))?;
+        if n != 1 {
+            return Err(protocol_error("response has the wrong number of results"));
+        }
+        match c {
+            code::OK => Ok(Some(
+                r.bytes(value_len as usize)
+                    .map_err(|e| protocol_error(e.0))?
+                    .to_vec(),
+            )),
+            code::NOT_FOUND => Ok(None),
+            c => Err(code_error(c, "")),
+        }
+    }
+
+    /// Gets each value into its buffer: `Some(n)` bytes, `None` for a miss.
+    pub fn batch_get_into<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let mut one: Vec<[&mut [u8]; 1]> = bufs.iter_mut().map(|b| [&mut b[..]]).collect();
+        let mut segments: Vec<&mut [&mut [u8]]> = one.iter_mut().map(|b| &mut b[..]).collect();
+        self.batch_get_segments(keys, &mut segments)
+    }
+
+    /// Gets each value scattered across its segments, in order.
+    pub fn batch_get_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Self::check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
+        // Each reply carries up to its buffers' capacity in values.
+        let sizes: Vec<u64> = bufs
+            .iter()
+            .zip(keys)
+            .map(|(b, k)| {
+                let capacity: u64 = b.iter().map(|s| s.len() as u64).sum();
+                (12 + capacity).max(10 + k.as_ref().len() as u64)
+            })
+            .collect();
+        let table = self.in_runs(sizes.into_iter(), 5, |c, run| {
+            c.get_frame(&keys[run.clone()], &mut bufs[run])
+        })?;
+        Ok(table
+            .into_iter()
+            .zip(bufs.iter())
+            .map(|((c, value_len), buf)| match c {
+                code::OK => Ok(Some(value_len as usize)),
+                code::NOT_FOUND => Ok(None),
+                code::BUFFER_TOO_SMALL if value_len > 0 => Err(Error::buffer_too_small(
+                    value_len,
+                    buf.iter().map(|s| s.len() as u64).sum(),
+                )),
+                c => Err(code_error(c, "")),
+            })
+            .collect())
+    }
+
+    /// What each key's value takes, learned without moving any value: a
+    /// get with no room, which a server answers per key NOT_FOUND (absent)
+    /// or BUFFER_TOO_SMALL with the value's length. A server that does not
+    /// say the length (before this was in the protocol) leaves the key
+    /// `Unknown`; so does any other answer.
+    pub fn batch_value_lens<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<KnownLen>> {
+        let mut none: Vec<[&mut [u8]; 0]> = keys.iter().map(|_| []).collect();
+        let mut bufs: Vec<&mut [&mut [u8]]> = none.iter_mut().map(|b| &mut b[..]).collect();
+        let sizes = keys.iter().map(|k| 12 + k.as_ref().len() as u64);
+        let table = self.in_runs(sizes, 5, |c, run| {
+            c.get_frame(&keys[run.clone()], &mut bufs[run])
+        })?;
+        Ok(table
+            .into_iter()
+            .map(|(c, value_len)| match c {
+                code::NOT_FOUND => KnownLen::Absent,
+                code::OK => KnownLen::Len(value_len as usize),
+                code::BUFFER_TOO_SMALL if value_len > 0 => KnownLen::Len(value_len as usize),
+                _ => KnownLen::Unknown,
+            })
+            .collect())
+    }
+
+    /// One BatchGet frame; a transport failure on a connection that was
+    /// idle is retried once on a new one, as `call` does.
+    fn get_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<(i32, u64)>> {
+        let mut w = Writer::default();
+        w.u32(keys.len() as u32);
+        for (k, b) in keys.iter().zip(bufs.iter()) {
+            let capacity: usize = b.iter().map(|s| s.len()).sum();
+            w.key(check_key(k.as_ref())?).u64(capacity as u64);
+        }
+        let fresh = self.transport.is_none();
+        if fresh {
+            self.reconnect()?;
+        }
+        let result = self.exchange_get(&w.buf, bufs);
+        match &result {
+            Err(e) if e.drops_connection() => {
+                self.transport = None;
+                self.shm_id = None;
+                if fresh {
+                    return result.map_err(Error::from);
+                }
+                self.reconnect()?;
+                let retried = self.exchange_get(&w.buf, bufs);
+                if retried.as_ref().is_err_and(CallError::drops_connection) {
+                    self.transport = None;
+                    self.shm_id = None;
+                }
+                retried.map_err(Error::from)
+            }
+            _ => result.map_err(Error::from),
+        }
+    }
+
+    /// The registered shared buffer (Unix sockets only): place values here
+    /// and use the `_registered` calls to move them without socket copies.
+    pub fn registered_buffer(&mut self) -> Option<&mut [u8]> {
+        let region = self.shm_region.as_ref()?;
+        // SAFETY: the whole region, borrowed mutably through `&mut self`;
+        // other handles from `registered_region` share the memory by
+        // design (it is shared with the server too), as documented there.
+        unsafe { region.range_mut(0, region.len() as u64) }
+    }
+
+    /// The registered shared region itself, for callers that hand out views
+    /// of it (the Python binding's `alloc_buffer`). Writes through such views
+    /// race with this client's calls unless the caller orders them.
+    pub fn registered_region(&self) -> Option<Arc<SharedRegion>> {
+        self.shm_region.clone()
+    }
+
+    /// Puts values already in the registered buffer, given as
+    /// `(offset, len)` ranges.
+    pub fn batch_put_registered<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Self::check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
+        self.in_runs(range_sizes(keys), 9, |c, run| {
+            c.put_registered_frame(&keys[run.clone()], &ranges[run], options)
+        })
+    }
+
+    fn put_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let id = self.shm_id()?;
+        let mut w = Writer::default();
+        w.u32(id)
+            .u8(put_flags::encode(options))
+            .u32(keys.len() as u32);
+        for (k, (offset, len)) in keys.iter().zip(ranges) {
+            w.key(check_key(k.as_ref())?).u64(*offset).u64(*len);
+        }
+        let len = self.call(Op::BatchPutShm, &w.buf, None)?;
+        let body = &self.response[..len];
+        put_results(body, keys.len())
+    }
+
+    /// Puts values gathered by the server from `(offset, len)` segments of
+    /// the registered buffer (Mooncake's multi-buffer put, no client copy).
+    pub fn batch_put_registered_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Self::check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
+        self.in_runs(segment_sizes(keys, segments), 9, |c, run| {
+            c.put_segments_registered_frame(&keys[run.clone()], &segments[run], options)
+        })
+    }
+
+    fn put_segments_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        let id = self.shm_id()?;
+        let items = segment_items(keys, segments)?;
+        let mut w = Writer::default();
+        w.u32(id).u8(put_flags::encode(options));
+        protocol::write_segment_items(&mut w, &items);
+        let len = self.call(Op::BatchPutShmSegments, &w.buf, None)?;
+        let body = &self.response[..len];
+        put_results(body, keys.len())
+    }
+
+    /// Gets values into the registered buffer at `(offset, capacity)`
+    /// ranges; the server copies from its pool (or reads the disk) straight
+    /// into them.
+    pub fn batch_get_registered<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Self::check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
+        self.in_runs(range_sizes(keys), 8, |c, run| {
+            c.get_registered_frame(&keys[run.clone()], &ranges[run])
+        })
+    }
+
+    fn get_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let id = self.shm_id()?;
+        let mut w = Writer::default();
+        w.u32(id).u32(keys.len() as u32);
+        for (k, (offset, cap)) in keys.iter().zip(ranges) {
+            w.key(check_key(k.as_ref())?).u64(*offset).u64(*cap);
+        }
+        let len = self.call(Op::BatchGetShm, &w.buf, None)?;
+        get_shm_results(&self.response[..len], keys.len())
+    }
+
+    /// Gets values scattered by the server across `(offset, capacity)`
+    /// segments of the registered buffer, in order.
+    pub fn batch_get_registered_segments<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Self::check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
+        self.in_runs(segment_sizes(keys, segments), 8, |c, run| {
+            c.get_segments_registered_frame(&keys[run.clone()], &segments[run])
+        })
+    }
+
+    fn get_segments_registered_frame<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        segments: &[Vec<(u64, u64)>],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let id = self.shm_id()?;
+        let items = segment_items(keys, segments)?;
+        let mut w = Writer::default();
+        w.u32(id);
+        protocol::write_segment_items(&mut w, &items);
+        let len = self.call(Op::BatchGetShmSegments, &w.buf, None)?;
+        get_shm_results(&self.response[..len], keys.len())
+    }
+
+    fn shm_id(&mut self) -> Result<u32> {
+        if self.transport.is_none() {
+            self.reconnect()?;
+        }
+        self.shm_id.ok_or_else(|| {
+            Error::invalid("no registered buffer: connect over unix:// with shm_size > 0")
+        })
+    }
+
+    pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
+        self.in_runs(sizes, 4, |c, run| c.exists_frame(&keys[run]))
+    }
+
+    fn exists_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
+        let len = self.call(Op::BatchExists, &encode_keys(keys)?, None)?;
+        let body = &self.response[..len];
+        let mut r = Reader::new(body);
+        let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+        if n != keys.len() {
+            return Err(protocol_error("response has the wrong number of results"));
+        }
+        (0..n)
+            .map(|_| r.u8().map(|b| b == 1).map_err(|e| protocol_error(e.0)))
+            .collect()
+    }
+
+    /// How many leading keys are present (over several frames when the
+    /// batch needs them: the count stops at the first run not wholly
+    /// present).
+    pub fn prefix_len<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
+        let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
+        let mut total = 0;
+        for run in self.runs(sizes, 4) {
+            let len = run.len();
+            let hit = self.prefix_frame(&keys[run])?;
+            total += hit;
+            if hit < len {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    fn prefix_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
+        let len = self.call(Op::PrefixLen, &encode_keys(keys)?, None)?;
+        let body = &self.response[..len];
+        Reader::new(body)
+            .u64()
+            .map(|n| n as usize)
+            .map_err(|e| protocol_error(e.0))
+    }
+
+    pub fn remove(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
+        let mut w = Writer::default();
+        w.key(check_key(key.as_ref())?);
+        let len = self.call(Op::Remove, &w.buf, None)?;
+        let body = &self.response[..len];
+        Ok(body.first() == Some(&1))
+    }
+
+    pub fn flush(&mut self) -> Result<()> {
+        self.call(Op::Flush, &[], None).map(|_| ())
+    }
+
+    /// The server's `/stats` document.
+    pub fn stats(&mut self) -> Result<serde_json::Value> {
+        let len = self.call(Op::Stats, &[], None)?;
+        let body = &self.response[..len];
+        serde_json::from_slice(body).map_err(|e| protocol_error(format!("stats are not JSON: {e}")))
+    }
+}
+
+/// The keys as slices, each checked as a frame would check it: a bad key
+/// fails the call here, not as a member's failure.
+pub(crate) fn checked_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<&[u8]>> {
+    keys.iter().map(|k| check_key(k.as_ref())).collect()
+}
+
+pub(crate) fn check_key(key: &[u8]) -> Result<&[u8]> {
+    kvtier::validate_key(key)?;
+    Ok(key)
+}
+
+fn encode_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<u8>> {
+    let mut w = Writer::default();
+    w.u32(keys.len() as u32);
+    for k in keys {
+        w.key(check_key(k.as_ref())?);
+    }
+    Ok(w.buf)
+}
+
+/// Per-key put results from a reply of codes.
+fn put_results(body: &[u8], expected: usize) -> Result<Vec<Result<()>>> {
+    Ok(codes(body, expected)?
+        .into_iter()
+        .map(|c| {
+            if c == code::OK {
+                Ok(())
+            } else {
+                Err(code_error(c, ""))
+            }
+        })
+        .collect())
+}
+
+fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {
+    let mut r = Reader::new(body);
+    let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+    if n != expected {
+        return Err(protocol_error("response has the wrong number of results"));
+    }
+    (0..n)
+        .map(|_| r.i32().map_err(|e| protocol_error(e.0)))
+        .collect()
+}
+
+/// Request bytes per key of a single-range shared-memory op.
+fn range_sizes<K: AsRef<[u8]>>(keys: &[K]) -> impl Iterator<Item = u64> + '_ {
+    keys.iter().map(|k| 18 + k.as_ref().len() as u64)
+}
+
+/// Request bytes per key of a segment op.
+fn segment_sizes<'a, K: AsRef<[u8]>>(
+    keys: &'a [K],
+    segments: &'a [Vec<(u64, u64)>],
+) -> impl Iterator<Item = u64> + 'a {
+    keys.iter()
+        .zip(segments)
+        .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64)
+}
+
+/// Checked keys paired with their segments, for the segment ops.
+fn segment_items<'k, K: AsRef<[u8]>>(
+    keys: &'k [K],
+    segments: &[Vec<(u64, u64)>],
+) -> Result<Vec<protocol::SegmentItem<'k>>> {
+    keys.iter()
+        .zip(segments)
+        .map(|(k, s)| {
+            if s.len() > protocol::MAX_SEGMENTS as usize {
+                return Err(Error::invalid(format!(
+                    "value of {} segments: at most {} are allowed",
+                    s.len(),
+                    protocol::MAX_SEGMENTS
+                )));
+            }
+            Ok((check_key(k.as_ref())?, s.clone()))
+        })
+        .collect()
+}
+
+/// The per-key table of a shared-memory get: `u32 n, n × (i32, u64 len)`.
+fn get_shm_results(body: &[u8], keys: usize) -> Result<Vec<Result<Option<usize>>>> {
+    let mut r = Reader::new(body);
+    let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
+    if n != keys {
+        return Err(protocol_error("response has the wrong number of results"));
+    }
+    (0..n)
+        .map(|_| {
+            let c = r.i32().map_err(|e| protocol_error(e.0))?;
+            let len = r.u64().map_err(|e| protocol_error(e.0))?;
+            Ok(match c {
+                code::OK => Ok(Some(len as usize)),
+                code::NOT_FOUND => Ok(None),
+                c => Err(code_error(c, "")),
+            })
+        })
+        .collect()
+}
