@@ -4,7 +4,6 @@ use crate::error::{Error, ErrorKind, Result};
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
 pub const LOCK_FILE: &str = "LOCK";
@@ -77,9 +76,9 @@ pub(crate) fn pid_has_let_go(pid: i32, id: (u64, u64)) -> bool {
     if pid as u32 == std::process::id() {
         return !LIVE.lock().unwrap().contains(&id);
     }
-    // SAFETY: signal 0 only checks that the process exists.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    // Signal 0 only checks that the process exists.
+    rustix::process::Pid::from_raw(pid)
+        .is_some_and(|pid| rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH))
 }
 
 /// The most of a holder line read back (`LOCK` files are one short line;
@@ -97,12 +96,8 @@ pub(crate) fn read_holder(path: &Path) -> String {
 
 /// `flock(LOCK_EX | LOCK_NB)` on `file`.
 pub(crate) fn flock_exclusive(file: &File) -> std::io::Result<()> {
-    // SAFETY: flock on a descriptor the caller owns.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .map_err(std::io::Error::from)
 }
 
 /// Locks `file` (which is `what`) like `flock_exclusive`, trying again

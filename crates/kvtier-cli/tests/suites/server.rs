@@ -1179,10 +1179,14 @@ fn a_client_pool_backend_uses_shared_memory_and_reports_a_lost_server() {
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(&dir.path().join("data"), &[]);
     let first = Client::connect_with(&server.unix_url(), options()).unwrap();
-    let region = first.registered_region().expect("a Unix socket registers a region");
+    let region = first
+        .registered_region()
+        .expect("a Unix socket registers a region");
     let pool = kvtier_client::ClientPool::new(first, 2).unwrap();
     let backend: &dyn KvBackend = &pool;
-    let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("pool-backend-{i}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..4)
+        .map(|i| format!("pool-backend-{i}").into_bytes())
+        .collect();
     let key_refs: Vec<&[u8]> = keys.iter().map(|k| &k[..]).collect();
     let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 100_000)).collect();
     // The first two values from the shared region, the others from the heap.

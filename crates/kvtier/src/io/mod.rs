@@ -11,7 +11,6 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fmt;
 use std::fs::File;
 use std::io::{self, IoSlice};
-use std::os::unix::io::AsRawFd;
 use std::sync::Arc;
 
 /// A heap buffer aligned to 4 KiB, as O_DIRECT requires.
@@ -196,29 +195,17 @@ impl PsyncEngine {
 
 pub(crate) fn pread_full(file: &File, mut offset: u64, mut buf: &mut [u8]) -> io::Result<()> {
     while !buf.is_empty() {
-        // SAFETY: `buf` is valid for writes of `buf.len()` bytes.
-        let n = unsafe {
-            libc::pread(
-                file.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                offset as libc::off_t,
-            )
+        let n = match std::os::unix::fs::FileExt::read_at(file, buf, offset) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
         };
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            if err.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(err);
-        }
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 format!("read past the end of the file at offset {offset}"),
             ));
         }
-        let n = n as usize;
         offset += n as u64;
         buf = &mut buf[n..];
     }
@@ -263,37 +250,24 @@ impl IoEngine for PsyncEngine {
         let mut index = 0;
         let mut skip = 0usize;
         while index < bufs.len() {
-            let mut iov: Vec<libc::iovec> = Vec::with_capacity((bufs.len() - index).min(1024));
-            for (i, buf) in bufs[index..].iter().take(1024).enumerate() {
-                let start = if i == 0 { skip } else { 0 };
-                iov.push(libc::iovec {
-                    iov_base: buf[start..].as_ptr() as *mut libc::c_void,
-                    iov_len: buf.len() - start,
-                });
-            }
-            // SAFETY: every iovec points into a live borrowed slice.
-            let n = unsafe {
-                libc::pwritev(
-                    file.as_raw_fd(),
-                    iov.as_ptr(),
-                    iov.len() as libc::c_int,
-                    offset as libc::off_t,
-                )
+            let iov: Vec<IoSlice<'_>> = bufs[index..]
+                .iter()
+                .take(1024)
+                .enumerate()
+                .map(|(i, buf)| IoSlice::new(&buf[if i == 0 { skip } else { 0 }..]))
+                .collect();
+            let n = match rustix::io::pwritev(file, &iov, offset) {
+                Ok(n) => n,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
             };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
-            }
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::WriteZero,
                     "pwritev wrote nothing",
                 ));
             }
-            let mut written = n as usize;
+            let mut written = n;
             offset += written as u64;
             while written > 0 && index < bufs.len() {
                 let left = bufs[index].len() - skip;

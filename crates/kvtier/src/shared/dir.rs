@@ -508,15 +508,12 @@ fn holder_on_this_host_let_go(holder: &str, id: (u64, u64)) -> bool {
 
 /// This host's name, for the lock holder's line.
 fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname writes at
-    // most that many bytes.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    if ok {
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
+    let name = rustix::system::uname();
+    let name = name.nodename().to_string_lossy();
+    if name.is_empty() {
         "an unknown host".to_string()
+    } else {
+        name.into_owned()
     }
 }
 
@@ -535,7 +532,6 @@ pub(crate) fn writer_lock_held(dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::io::AsRawFd;
 
     /// How many descriptors of this process have `path` open.
     fn open_count(path: &Path) -> usize {
@@ -701,15 +697,11 @@ mod tests {
         let id = format!("{:032x}", 3);
         let first = SharedDir::open(dir.path(), &id).unwrap().0;
         let lock = first._writer_lock.as_ref().unwrap();
-        let fd = lock.state.lock().unwrap().held[0].0.as_raw_fd();
-        // SAFETY: dup of a descriptor the test owns; closed below.
-        let copy = unsafe { libc::dup(fd) };
-        assert!(copy >= 0);
+        let copy = lock.state.lock().unwrap().held[0].0.try_clone().unwrap();
         drop(first);
         let closer = std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(300));
-            // SAFETY: the duplicate made above, closed once.
-            unsafe { libc::close(copy) };
+            drop(copy);
         });
         SharedDir::open(dir.path(), &id).expect("the lock is free once the copy closes");
         closer.join().unwrap();

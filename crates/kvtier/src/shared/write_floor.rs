@@ -127,9 +127,14 @@ mod tests {
         assert_eq!(read(dir.path()).unwrap(), None);
         // A FIFO in its place neither hangs the reader nor reads.
         fs::remove_dir(&path).unwrap();
-        let fifo = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: mkfifo with a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
         assert_eq!(read(dir.path()).unwrap(), None);
     }
 }
