@@ -88,7 +88,15 @@ pub(crate) struct Flusher {
     reclaim_before: Option<u32>,
     /// `Config::events`: a value is announced once its batch is durable.
     events: Option<Arc<EventSink>>,
+    /// Failed batch writes since the last one that landed, and when one
+    /// was last said: a failure that lasts (a lost writer lock, a full or
+    /// stalled file system) is retried without end, and said once, then
+    /// at most every `FAILURE_REPEAT` with how many attempts failed since.
+    failures: std::sync::Mutex<(u64, Option<std::time::Instant>)>,
 }
+
+/// How often a batch write failure that lasts is said again.
+const FAILURE_REPEAT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// See `Flusher::after_batch`.
 pub(crate) type AfterBatch = Box<dyn Fn() + Send>;
@@ -167,6 +175,7 @@ impl Flusher {
             after_batch,
             reclaim_before,
             events,
+            failures: std::sync::Mutex::new((0, None)),
         }
     }
 
@@ -289,13 +298,26 @@ impl Flusher {
                     }
                 }
                 Counters::add(&self.counters.flushed_batches, 1);
+                let failed = std::mem::take(&mut *self.failures.lock().unwrap()).0;
+                if failed > 0 {
+                    tracing::warn!(failed_attempts = failed, "batch writes land again");
+                }
                 if let Some(after) = &self.after_batch {
                     after();
                 }
                 Ok(())
             }
             Err(e) => {
-                tracing::error!(error = %e, entries = batch.entries.len(), "batch write failed; will retry");
+                let mut failures = self.failures.lock().unwrap();
+                failures.0 += 1;
+                if failures
+                    .1
+                    .is_none_or(|said| said.elapsed() >= FAILURE_REPEAT)
+                {
+                    failures.1 = Some(std::time::Instant::now());
+                    tracing::error!(error = %e, entries = batch.entries.len(), failed_attempts = failures.0, "batch write failed; will retry (said again at most every 10 s while it lasts; flush_errors counts every attempt)");
+                }
+                drop(failures);
                 Counters::add(&self.counters.flush_errors, 1);
                 Err(e)
             }
