@@ -63,7 +63,7 @@ pub(crate) struct Inner {
     closed: AtomicBool,
     lock: Mutex<Option<DirLock>>,
     recovery: RecoveryReport,
-    max_put_len: AtomicU64,
+    max_put_len: u64,
     /// The process that opened the store (see `check_owner`).
     owner_pid: u32,
     /// The data directory's digest key (see `crate::data_dir`).
@@ -408,7 +408,7 @@ impl Store {
     /// Largest value a put can accept with this configuration: the smallest
     /// of the max value size, the memory pool and (for disk puts) one batch.
     pub fn max_put_len(&self) -> u64 {
-        self.inner.max_put_len.load(Ordering::Relaxed)
+        self.inner.max_put_len
     }
 }
 

@@ -113,7 +113,7 @@ impl Store {
             _ => None,
         };
         let inner = Arc::new(Inner {
-            max_put_len: AtomicU64::new(max_put_len(&config, disk.as_deref())),
+            max_put_len: max_put_len(&config, disk.as_deref()),
             config,
             index,
             pool,

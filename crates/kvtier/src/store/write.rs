@@ -12,7 +12,6 @@ use crate::key::{validate_key, KeyDigest, Namespace, ValueChecksum};
 use crate::pool::PoolSlot;
 use crate::stats::Counters;
 use crate::write_log::QueuedWrite;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -64,7 +63,7 @@ impl Inner {
             )));
         }
         let to_disk = options.tier == PutTier::MemoryAndDisk && self.disk.is_some();
-        let limit = self.max_put_len.load(Ordering::Relaxed);
+        let limit = self.max_put_len;
         if len > limit {
             return Err(Error::no_space(format!(
                 "value is {len} bytes but at most {limit} fit (memory capacity {}, disk capacity {})",
