@@ -172,12 +172,29 @@ impl KvBackend for NamespacedStore {
         Ok(self.batch_put_segments(keys, values, options))
     }
 
+    fn batch_put_whole(
+        &self,
+        keys: &[&[u8]],
+        values: &[&[u8]],
+        options: &PutOptions,
+    ) -> Result<Vec<Result<()>>> {
+        Ok(self.batch_put_with(keys, values, options))
+    }
+
     fn batch_get(
         &self,
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Ok(self.batch_get_segments(keys, dests))
+    }
+
+    fn batch_get_whole(
+        &self,
+        keys: &[&[u8]],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        Ok(self.batch_get_into(keys, bufs))
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
@@ -222,8 +239,8 @@ impl KvBackend for NamespacedStore {
     }
 }
 
-/// The store's default namespace, as the Python binding's embedded
-/// engine drives it; `close` closes the store.
+/// The store's default namespace (its default view's calls), as the
+/// Python binding's embedded engine drives it; `close` closes the store.
 impl KvBackend for Store {
     fn batch_put(
         &self,
@@ -231,7 +248,7 @@ impl KvBackend for Store {
         values: &[&[&[u8]]],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        Ok(self.batch_put_segments(keys, values, options))
+        KvBackend::batch_put(self.default_view(), keys, values, options)
     }
 
     fn batch_put_whole(
@@ -240,7 +257,7 @@ impl KvBackend for Store {
         values: &[&[u8]],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        Ok(self.batch_put_with(keys, values, options))
+        self.default_view().batch_put_whole(keys, values, options)
     }
 
     fn batch_get(
@@ -248,7 +265,7 @@ impl KvBackend for Store {
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        Ok(self.batch_get_segments(keys, dests))
+        KvBackend::batch_get(self.default_view(), keys, dests)
     }
 
     fn batch_get_whole(
@@ -256,11 +273,11 @@ impl KvBackend for Store {
         keys: &[&[u8]],
         bufs: &mut [&mut [u8]],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        Ok(self.batch_get_into(keys, bufs))
+        self.default_view().batch_get_whole(keys, bufs)
     }
 
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        Store::get(self, key)
+        KvBackend::get(self.default_view(), key)
     }
 
     fn batch_memory_leases(
@@ -268,30 +285,27 @@ impl KvBackend for Store {
         keys: &[&[u8]],
         capacities: &[usize],
     ) -> Vec<Option<Result<ValueLease>>> {
-        Store::batch_memory_leases(self, keys, capacities)
+        KvBackend::batch_memory_leases(self.default_view(), keys, capacities)
     }
 
     fn known_len(&self, key: &[u8]) -> KnownLen {
-        match self.value_len(key) {
-            Ok(Some(len)) => KnownLen::Len(len),
-            _ => KnownLen::Absent,
-        }
+        self.default_view().known_len(key)
     }
 
     fn batch_exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
-        Ok(Store::batch_exists(self, keys))
+        KvBackend::batch_exists(self.default_view(), keys)
     }
 
     fn prefix_len(&self, keys: &[&[u8]]) -> Result<usize> {
-        Ok(Store::prefix_len(self, keys))
+        KvBackend::prefix_len(self.default_view(), keys)
     }
 
     fn remove(&self, key: &[u8]) -> Result<bool> {
-        Store::remove(self, key)
+        KvBackend::remove(self.default_view(), key)
     }
 
     fn flush(&self) -> Result<()> {
-        Store::flush(self)
+        KvBackend::flush(self.default_view())
     }
 
     fn stats(&self) -> Result<serde_json::Value> {
@@ -471,7 +485,7 @@ impl KvBackend for ClientPool {
 /// Every value's segments as `(offset, len)` in the client's registered
 /// shared region, or `None` if any segment lies outside it (or there is
 /// no region).
-pub fn shm_segments<'a, V, S>(client: &Client, values: V) -> Option<Vec<Vec<(u64, u64)>>>
+fn shm_segments<'a, V, S>(client: &Client, values: V) -> Option<Vec<Vec<(u64, u64)>>>
 where
     V: Iterator<Item = S>,
     S: Iterator<Item = &'a [u8]>,

@@ -60,11 +60,6 @@ impl Client {
         }
     }
 
-    /// The connection to this client's server.
-    pub fn connection(&mut self) -> &mut Connection {
-        &mut self.conn
-    }
-
     /// The server's ClusterView answer: its member list in cluster mode,
     /// `{"enabled": false}` otherwise (docs/protocol.md).
     pub fn cluster_view(&mut self) -> Result<serde_json::Value> {

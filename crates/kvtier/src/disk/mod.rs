@@ -294,7 +294,7 @@ impl DiskTier {
     /// The region an index entry names: this log's, or another writer's
     /// (handles from `OTHERS_BASE` up).
     pub fn region(&self, id: u32) -> Option<Arc<Region>> {
-        if id >= OTHERS_BASE && self.max_region_id < OTHERS_BASE {
+        if self.is_other_handle(id) {
             return self.others.read().unwrap().get(&id).cloned();
         }
         self.regions.read().unwrap().get(&id).cloned()
@@ -303,7 +303,13 @@ impl DiskTier {
     /// Whether `loc` names another writer's region of a shared directory
     /// (a handle, not one of this log's ids).
     pub(crate) fn is_other_writers(&self, loc: DiskLoc) -> bool {
-        loc.region() >= OTHERS_BASE && self.max_region_id < OTHERS_BASE
+        self.is_other_handle(loc.region())
+    }
+
+    /// Whether region id `id` is a handle of another writer's region (only
+    /// a log of a shared directory has them).
+    fn is_other_handle(&self, id: u32) -> bool {
+        id >= OTHERS_BASE && self.max_region_id < OTHERS_BASE
     }
 
     /// The id the next new region will get.

@@ -121,7 +121,9 @@ impl Store {
         self.default_view.namespace()
     }
 
-    fn default_view(&self) -> &NamespacedStore {
+    /// The store's default namespace as a view: what every call of the
+    /// store itself runs on.
+    pub fn default_view(&self) -> &NamespacedStore {
         &self.default_view
     }
 
