@@ -1,72 +1,88 @@
 //! Cluster mode on the command line: `serve --cluster NAME --etcd URLS`
-//! joins a cluster, `kvtier cluster status` shows one. Built with the
-//! `cluster` feature (etcd's client needs protoc to build); without it the
-//! flags exist and say how to get a binary that has it.
+//! joins a cluster (the node crate's membership), `kvtier cluster status`
+//! shows one. Built with the `cluster` feature (etcd's client needs protoc
+//! to build); without it the flags exist and say how to get a binary that
+//! has it.
 
-use kvtier_wire::cluster::ClusterView;
+#[cfg(feature = "cluster")]
 use std::net::SocketAddr;
-use std::sync::Arc;
 
-#[derive(Debug, Clone, clap::Args)]
+/// `serve`'s cluster flags: the node configuration's keys of the same
+/// names, laid over the config file's.
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct ClusterArgs {
     /// Join the cluster of this name, with membership on etcd (--etcd).
     /// Default: none (a single node).
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster: Option<String>,
     #[command(flatten)]
+    #[serde(flatten)]
     pub etcd: EtcdArgs,
     /// Members that own each block. Default: 1.
-    #[arg(long, default_value_t = 1)]
-    pub replicas: usize,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<usize>,
     /// Seconds a member stays listed without renewing its lease: a killed
     /// or partitioned node drops out within this. Default: 5.
-    #[arg(long, default_value_t = 5.0)]
-    pub lease_ttl: f64,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_ttl: Option<f64>,
     /// host:port that peers and clients use to reach this node's TCP
     /// listener. Default: the --listen address (which then must name a
     /// host, not 0.0.0.0).
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise: Option<String>,
     /// PEM file of the CA that signs the other members' certificates, for
     /// members whose listeners speak TLS. Default: KVTIER_TLS_CA, else none.
     #[arg(long, env = "KVTIER_TLS_CA")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_ca: Option<std::path::PathBuf>,
     /// With --shared-dir: seconds a writer of the shared directory that is
     /// no longer a member must have left its log unchanged before a member
     /// collects it (docs/design.md, "Dead writers"). Default: 300.
-    #[arg(long, default_value_t = 300.0)]
-    pub adopt_after: f64,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adopt_after: Option<f64>,
 }
 
 /// Where etcd is and how to reach it safely.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, clap::Args, serde::Serialize)]
 pub struct EtcdArgs {
     /// etcd client URLs, comma-separated (http://127.0.0.1:2379,...;
     /// https:// with --etcd-ca). Plain http:// is refused off loopback
     /// unless --etcd-allow-plaintext.
     #[arg(long = "etcd", value_delimiter = ',')]
+    #[serde(rename = "etcd", skip_serializing_if = "Vec::is_empty")]
     pub endpoints: Vec<String>,
     /// PEM file of the CA that signs etcd's server certificates. Default:
     /// none (then the endpoints must be http://).
     #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub etcd_ca: Option<std::path::PathBuf>,
     /// PEM client certificate and key for etcd's --client-cert-auth.
     /// Default: none.
     #[arg(long, requires = "etcd_key")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub etcd_cert: Option<std::path::PathBuf>,
     #[arg(long, requires = "etcd_cert")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub etcd_key: Option<std::path::PathBuf>,
     /// etcd user (etcd's `auth enable`); the password is read from
     /// --etcd-password-file. Default: none.
     #[arg(long, requires = "etcd_password_file")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub etcd_user: Option<String>,
     /// File holding the etcd user's password (owner-only, no link).
     #[arg(long, requires = "etcd_user")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub etcd_password_file: Option<std::path::PathBuf>,
     /// Allow plain http:// etcd endpoints off loopback (member records,
     /// leases and the etcd password then cross the network in the
     /// clear). Default: refused.
     #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub etcd_allow_plaintext: bool,
 }
 
@@ -74,208 +90,15 @@ impl EtcdArgs {
     /// The files read and checked, as the cluster crate takes them.
     #[cfg(feature = "cluster")]
     pub fn access(&self) -> Result<kvtier_cluster::EtcdAccess, String> {
-        let read = |path: &std::path::Path, what: &str| {
-            std::fs::read(path).map_err(|e| format!("{what} {}: {e}", path.display()))
-        };
-        let ca_pem = match &self.etcd_ca {
-            Some(path) => Some(read(path, "--etcd-ca")?),
-            None => None,
-        };
-        // Keys and passwords: never through a link, only our own
-        // owner-only file.
-        let read_secret = |path: &std::path::Path, what: &str| {
-            let mut bytes = Vec::new();
-            kvtier::private_files::open_secret(path)
-                .and_then(|mut file| std::io::Read::read_to_end(&mut file, &mut bytes))
-                .map_err(|e| format!("{what} {}: {e}", path.display()))?;
-            Ok::<_, String>(bytes)
-        };
-        let identity = match (&self.etcd_cert, &self.etcd_key) {
-            (Some(cert), Some(key)) => {
-                Some((read(cert, "--etcd-cert")?, read_secret(key, "--etcd-key")?))
-            }
-            _ => None,
-        };
-        let user = match (&self.etcd_user, &self.etcd_password_file) {
-            (Some(user), Some(path)) => {
-                let password = String::from_utf8(read_secret(path, "--etcd-password-file")?)
-                    .map_err(|_| format!("--etcd-password-file {}: not UTF-8", path.display()))?;
-                Some((
-                    user.clone(),
-                    password.trim_end_matches(['\n', '\r']).to_string(),
-                ))
-            }
-            _ => None,
-        };
-        let access = kvtier_cluster::EtcdAccess {
-            ca_pem,
-            identity,
-            user,
+        kvtier_node::etcd_access(&kvtier_node::EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            ca: self.etcd_ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+            user: self.etcd_user.clone(),
+            password_file: self.etcd_password_file.clone(),
             allow_plaintext: self.etcd_allow_plaintext,
-        };
-        access.check(&self.endpoints)?;
-        Ok(access)
-    }
-}
-
-/// This node in its cluster, from `serve`'s start to its end.
-pub struct Node {
-    pub view: Arc<ClusterView>,
-    #[cfg(feature = "cluster")]
-    membership: Option<kvtier_cluster::Membership>,
-    #[cfg(feature = "cluster")]
-    config: kvtier_cluster::MembershipConfig,
-}
-
-impl std::fmt::Debug for Node {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Node").field("view", &self.view).finish()
-    }
-}
-
-/// The node `serve` will be, when `--cluster` is given: `node_id` (the data
-/// directory's), a fresh incarnation and `capacity` as its weight.
-/// `token` is the servers' auth token: members share it, and it signs
-/// their records in etcd.
-pub fn prepare(
-    args: &ClusterArgs,
-    node_id: &str,
-    capacity: u64,
-    token: Option<&str>,
-) -> Result<Option<Node>, String> {
-    let Some(name) = &args.cluster else {
-        if !args.etcd.endpoints.is_empty() {
-            return Err("--etcd needs --cluster NAME".into());
-        }
-        return Ok(None);
-    };
-    if name.is_empty()
-        || name.len() > 64
-        || !name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-    {
-        return Err(format!(
-            "cluster name {name:?}: use 1-64 letters, digits, '-', '_' or '.'"
-        ));
-    }
-    if args.etcd.endpoints.is_empty() {
-        return Err("--cluster needs --etcd with at least one etcd URL".into());
-    }
-    if args.replicas == 0 {
-        return Err("--replicas must be at least 1".into());
-    }
-    let ttl = std::time::Duration::try_from_secs_f64(args.lease_ttl)
-        .ok()
-        .filter(|t| t.as_secs() >= 1)
-        .ok_or_else(|| {
-            format!(
-                "--lease-ttl {}: give at least 1 second (etcd leases count whole seconds)",
-                args.lease_ttl
-            )
-        })?;
-    let token = token.ok_or(
-        "cluster mode needs the TCP listener (--listen) and its auth token: members reach \
-         each other over TCP and sign their records with the token",
-    )?;
-    prepare_node(args, name, node_id, capacity, ttl, token)
-}
-
-#[cfg(feature = "cluster")]
-fn prepare_node(
-    args: &ClusterArgs,
-    name: &str,
-    node_id: &str,
-    capacity: u64,
-    ttl: std::time::Duration,
-    token: &str,
-) -> Result<Option<Node>, String> {
-    let me = kvtier_wire::cluster::Member {
-        id: node_id.to_string(),
-        address: String::new(),
-        capacity,
-        incarnation: kvtier_cluster::new_incarnation(),
-        admin: None,
-        tls: false,
-    };
-    let mut config =
-        kvtier_cluster::MembershipConfig::new(args.etcd.endpoints.clone(), token.as_bytes());
-    config.access = args.etcd.access()?;
-    config.lease_ttl = ttl;
-    Ok(Some(Node {
-        view: ClusterView::new(name, me, args.replicas),
-        membership: None,
-        config,
-    }))
-}
-
-#[cfg(not(feature = "cluster"))]
-fn prepare_node(
-    _: &ClusterArgs,
-    _: &str,
-    _: &str,
-    _: u64,
-    _: std::time::Duration,
-    _: &str,
-) -> Result<Option<Node>, String> {
-    Err(NOT_BUILT.into())
-}
-
-#[cfg(not(feature = "cluster"))]
-const NOT_BUILT: &str = "this kvtier was built without cluster mode: build it with \
-     `cargo build --release -p kvtier-cli --features cluster` (needs protoc: \
-     apt-get install protobuf-compiler libprotobuf-dev)";
-
-impl Node {
-    /// Registers once the listeners are bound: `tcp` is what was bound,
-    /// `--advertise` what peers should dial.
-    pub fn join(
-        &mut self,
-        args: &ClusterArgs,
-        tcp: Option<SocketAddr>,
-        tls: bool,
-        admin: Option<SocketAddr>,
-    ) -> Result<(), String> {
-        let address = match (&args.advertise, tcp) {
-            (Some(advertised), _) => advertised.clone(),
-            (None, Some(bound)) if !bound.ip().is_unspecified() => bound.to_string(),
-            (None, Some(bound)) => {
-                return Err(format!(
-                    "listening on {bound}: say which address peers reach this node at with --advertise HOST:PORT"
-                ))
-            }
-            (None, None) => {
-                return Err(
-                    "cluster mode needs the TCP listener (--listen): peers reach members over TCP"
-                        .into(),
-                )
-            }
-        };
-        self.view
-            .set_address(address, admin.map(|a| a.to_string()), tls);
-        self.start()
-    }
-
-    #[cfg(feature = "cluster")]
-    fn start(&mut self) -> Result<(), String> {
-        let membership =
-            kvtier_cluster::Membership::start(self.config.clone(), Arc::clone(&self.view))
-                .map_err(|e| format!("starting cluster membership: {e}"))?;
-        self.membership = Some(membership);
-        Ok(())
-    }
-
-    #[cfg(not(feature = "cluster"))]
-    fn start(&mut self) -> Result<(), String> {
-        Err(NOT_BUILT.into())
-    }
-
-    /// Leaves the cluster (revokes the lease) before the server stops.
-    pub fn leave(self) {
-        #[cfg(feature = "cluster")]
-        if let Some(membership) = self.membership {
-            membership.leave();
-        }
+        })
     }
 }
 
@@ -318,7 +141,7 @@ pub fn run(command: &ClusterCommand) -> Result<(), Box<dyn std::error::Error>> {
 
 #[cfg(not(feature = "cluster"))]
 fn status(_: &StatusArgs) -> Result<(), Box<dyn std::error::Error>> {
-    Err(NOT_BUILT.into())
+    Err(kvtier_node::CLUSTER_NOT_BUILT.into())
 }
 
 #[cfg(feature = "cluster")]

@@ -15,7 +15,6 @@
 mod admin;
 mod context;
 mod handlers;
-pub mod kv_events;
 pub mod limits;
 mod lobby;
 mod metrics;
@@ -75,8 +74,19 @@ pub struct ServerConfig {
     /// admin endpoint asks for the server's token on loopback too.
     /// Default: none.
     pub tenants: Vec<Tenant>,
-    /// The KV-event publisher, shown on /stats. Default: none.
-    pub kv_events: Option<Arc<kv_events::KvEventPublisher>>,
+    /// More sections of `/stats`, from the parts of a node that are not
+    /// the server (the KV-event feed). Default: none.
+    pub status_sections: Vec<Arc<dyn StatusSection>>,
+}
+
+/// A part of a node beside the server that shows its state on the admin
+/// endpoint's `/stats` as `"<name>": <json>` (the node crate's KV-event
+/// feed). Called on every `/stats` request, so it must not block.
+pub trait StatusSection: std::fmt::Debug + Send + Sync {
+    /// The key in `/stats`.
+    fn name(&self) -> &str;
+    /// The section's value.
+    fn json(&self) -> serde_json::Value;
 }
 
 impl Default for ServerConfig {
@@ -92,7 +102,7 @@ impl Default for ServerConfig {
             peer_tls_ca: None,
             admin_allowed_hosts: Vec::new(),
             tenants: Vec::new(),
-            kv_events: None,
+            status_sections: Vec::new(),
         }
     }
 }

@@ -226,14 +226,9 @@ impl Admin {
                 };
                 json["shared_storage"] = shared_storage_json(&shared.store);
                 json["budgets"] = budgets_json(shared);
-                json["kv_events"] = match &shared.config.kv_events {
-                    Some(events) => {
-                        let mut j = serde_json::to_value(events.stats()).unwrap_or_default();
-                        j["enabled"] = true.into();
-                        j
-                    }
-                    None => serde_json::json!({ "enabled": false }),
-                };
+                for section in &shared.config.status_sections {
+                    json[section.name()] = section.json();
+                }
                 json_reply(&json)
             }
             "/stats/history" => json_reply(&self.history.lock().unwrap().json()),

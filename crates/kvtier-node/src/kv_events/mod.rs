@@ -92,7 +92,7 @@ pub struct KvEventsConfig {
     /// password (any user name): the server's own token opens every
     /// namespace, a tenant's its own only (docs/integrations.md, "KV
     /// events"). Default: none.
-    pub credentials: Option<Arc<crate::trust::Auth>>,
+    pub credentials: Option<Arc<kvtier_server::Auth>>,
 }
 
 impl KvEventsConfig {
@@ -153,7 +153,7 @@ struct Published {
 
 /// The batch a peer with `scope` gets for `p`: itself where the scope
 /// opens its namespace, its redacted stand-in elsewhere.
-fn as_seen<'p>(scope: &Option<crate::trust::Scope>, p: &'p Arc<Published>) -> &'p Arc<Published> {
+fn as_seen<'p>(scope: &Option<kvtier_server::Scope>, p: &'p Arc<Published>) -> &'p Arc<Published> {
     match (scope, &p.namespace, &p.redacted) {
         (Some(scope), Some(ns), Some(redacted)) if scope.refuses_namespace(ns).is_some() => {
             redacted
@@ -171,7 +171,7 @@ fn greet(
     config: &KvEventsConfig,
     ours: &str,
     accepted: &[&str],
-) -> io::Result<Option<crate::trust::Scope>> {
+) -> io::Result<Option<kvtier_server::Scope>> {
     let deadline = std::time::Instant::now() + config.peer_timeout;
     let mut within = Deadlined { stream, deadline };
     match &config.credentials {
@@ -209,7 +209,7 @@ impl Published {
 #[derive(Debug)]
 struct Subscriber {
     /// What its credential opens (`None`: every namespace).
-    scope: Option<crate::trust::Scope>,
+    scope: Option<kvtier_server::Scope>,
     tx: SyncSender<Arc<Published>>,
     filters: Mutex<Vec<Vec<u8>>>,
     alive: AtomicBool,
@@ -1378,9 +1378,9 @@ mod tests {
             std::os::unix::fs::PermissionsExt::from_mode(0o600),
         )
         .unwrap();
-        let auth = crate::trust::Auth::new(Some("server-token-0123456789"))
+        let auth = kvtier_server::Auth::new(Some("server-token-0123456789"))
             .unwrap()
-            .with_tenants(crate::trust::read_tenants(&tenants).unwrap())
+            .with_tenants(kvtier_server::read_tenants(&tenants).unwrap())
             .unwrap();
         let (sink, rx) = EventSink::channel(1024);
         let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");

@@ -2,10 +2,10 @@
 //! memory-only stores, one feeding a `KvEventPublisher`, put into in
 //! alternating rounds. Prints the median rates and their ratio as JSON.
 //!
-//!     cargo run --release -p kvtier-server --example kv_events_cost [rounds]
+//!     cargo run --release -p kvtier-node --example kv_events_cost [rounds]
 
 use kvtier::{Config, EventSink, Store};
-use kvtier_server::kv_events::{KvEventPublisher, KvEventsConfig};
+use kvtier_node::kv_events::{KvEventPublisher, KvEventsConfig};
 use std::sync::Arc;
 use std::time::Instant;
 
