@@ -32,6 +32,7 @@ mod data_dir;
 mod disk;
 mod error;
 mod events;
+mod fail;
 mod flusher;
 mod foreign;
 mod index;
@@ -110,6 +111,13 @@ pub mod test_util {
     pub use crate::config::{EngineWrapper, WrapEngine};
     pub use crate::io::faulty::{Dice, FaultOp, FaultyEngine};
     pub use crate::io::IoEngine;
+}
+
+/// Fail points (feature `failpoints`, src/fail.rs): arm a named point of
+/// the store's logic to abort or panic the process there.
+#[cfg(feature = "failpoints")]
+pub mod fail_points {
+    pub use crate::fail::{arm, hits, POINTS};
 }
 
 /// The README's examples, compiled and run as doc tests.

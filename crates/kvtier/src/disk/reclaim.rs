@@ -79,6 +79,7 @@ impl DiskTier {
             return Err(e);
         }
         self.used.fetch_sub(region.len(), Ordering::AcqRel);
+        crate::fail::fail_point!("reclaim-region-unlinked");
         sync_dir(&self.dir).map_err(|e| Error::io(format!("syncing {}", self.dir.display()), e))
     }
 

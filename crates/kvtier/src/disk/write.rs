@@ -127,6 +127,7 @@ impl DiskTier {
             };
             values_written
                 .and_then(|()| {
+                    crate::fail::fail_point!("disk-values-synced");
                     self.engine.write_vectored_at(
                         &region.file,
                         start,

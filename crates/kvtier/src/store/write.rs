@@ -120,6 +120,7 @@ impl Inner {
                 checksum,
             })
         })?;
+        crate::fail::fail_point!("put-indexed");
         // Freed outside the queue lock.
         drop(replaced);
         self.timed(|| self.eviction.lock().unwrap().insert(&slot));

@@ -120,7 +120,7 @@ fn crash_child() {
 
 #[test]
 fn crash_cycles_lose_nothing_acknowledged() {
-    run_crash_cycles(false);
+    run_crash_cycles(false, None);
 }
 
 /// The same with a disk tier the children keep full: reclaim and carry are
@@ -128,14 +128,41 @@ fn crash_cycles_lose_nothing_acknowledged() {
 /// but nothing removed comes back and no read returns wrong bytes.
 #[test]
 fn crash_cycles_with_reclaim_never_resurrect_or_corrupt() {
-    run_crash_cycles(true);
+    run_crash_cycles(true, None);
 }
 
-fn run_crash_cycles(reclaim: bool) {
+/// Crashes exactly between two steps of the crash protocol, by fail point
+/// (src/fail.rs), not at a random moment: each child aborts at a random
+/// hit of one point, and the parent checks that the child died there.
+/// - after a batch's values are synced and before its record is written:
+///   the batch was never acknowledged, and nothing half-written is read;
+/// - after the index took a put and before the put returned;
+/// - after the reclaimer unlinked a region and before the directory sync:
+///   nothing that region's tombstones removed comes back.
+#[test]
+fn crashes_at_fail_points_lose_nothing_and_resurrect_nothing() {
+    for (point, reclaim, most_hits) in [
+        ("disk-values-synced", false, 40),
+        ("put-indexed", false, 400),
+        ("reclaim-region-unlinked", true, 4),
+    ] {
+        run_crash_cycles(reclaim, Some((point, most_hits)));
+    }
+}
+
+/// With `fail`: each child aborts at a random hit (1 to the given most)
+/// of that fail point instead of being killed.
+fn run_crash_cycles(reclaim: bool, fail: Option<(&str, u64)>) {
     let cycles: u64 = std::env::var("KVTIER_CRASH_CYCLES")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
+    // A quarter as many per fail point: each cycle crashes at the point.
+    let cycles = if fail.is_some() {
+        cycles.div_ceil(4)
+    } else {
+        cycles
+    };
     let (mut reclaimed, mut carried, mut reclaimed_away) = (0u64, 0u64, 0u64);
     let dir = tempfile::tempdir().unwrap();
     let exe = std::env::current_exe().unwrap();
@@ -146,8 +173,10 @@ fn run_crash_cycles(reclaim: bool) {
     let mut killed_mid_run = 0u64;
     // The last cycle's child runs to the end (`KVTIER_CRASH_TO_END`).
     let mut to_end_stats = None;
+    let mut died_at_point = 0u64;
     for cycle in 1..=cycles {
-        let to_end = cycle == cycles;
+        let to_end = cycle == cycles && fail.is_none();
+        let armed = fail.map(|(point, most)| format!("{point}=abort:{}", 1 + rng.below(most)));
         let mut child = Command::new(&exe)
             .args([
                 "--exact",
@@ -159,11 +188,23 @@ fn run_crash_cycles(reclaim: bool) {
             .env("KVTIER_CRASH_SEED", cycle.to_string())
             .envs(reclaim.then_some(("KVTIER_CRASH_RECLAIM", "1")))
             .envs(to_end.then_some(("KVTIER_CRASH_TO_END", "1")))
+            .envs(armed.as_ref().map(|spec| ("KVTIER_FAILPOINTS", spec)))
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(if fail.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .spawn()
             .unwrap();
         let stdout = child.stdout.take().unwrap();
+        let stderr = child.stderr.take().map(|mut err| {
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                let _ = std::io::Read::read_to_string(&mut err, &mut text);
+                text
+            })
+        });
         let kill_after = Duration::from_millis(5 + rng.below(100));
         // The kill window starts once the child has opened the store, so
         // recovery of a large directory does not eat it.
@@ -183,7 +224,7 @@ fn run_crash_cycles(reclaim: bool) {
             lines
         });
         let started = Instant::now();
-        if cycle == 1 {
+        if cycle == 1 && fail.is_none() {
             // While the child holds the directory, another process cannot
             // open it. Wait for the child's lock file to name it.
             let lock_path = dir.path().join("LOCK");
@@ -204,7 +245,30 @@ fn run_crash_cycles(reclaim: bool) {
             assert_eq!(err.kind(), kvtier::ErrorKind::Locked, "{err}");
             assert!(err.to_string().contains(&child_pid), "{err}");
         }
-        if to_end {
+        if let Some((point, _)) = fail {
+            // The child stops itself at the point; bounded only against a
+            // hang (the child works until it gets there).
+            let waited = Instant::now();
+            while child.try_wait().unwrap().is_none() {
+                if waited.elapsed() > Duration::from_secs(600) {
+                    child.kill().unwrap();
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let status = child.wait().unwrap();
+            use std::os::unix::process::ExitStatusExt;
+            let said = stderr.unwrap().join().unwrap();
+            assert_eq!(
+                status.signal(),
+                Some(6),
+                "cycle {cycle}: the child ended with {status} instead of aborting at {point}: {said}"
+            );
+            assert!(
+                said.contains(&format!("fail point {point}: aborting")),
+                "cycle {cycle}: the child aborted elsewhere than {point}: {said}"
+            );
+            died_at_point += 1;
+        } else if to_end {
             // Bounded only against a hang: the work is fixed, not its time.
             done_rx
                 .recv_timeout(Duration::from_secs(1800))
@@ -214,7 +278,9 @@ fn run_crash_cycles(reclaim: bool) {
             let _ = opened_rx.recv_timeout(Duration::from_secs(300));
             std::thread::sleep(kill_after);
         }
-        child.kill().unwrap();
+        if fail.is_none() {
+            child.kill().unwrap();
+        }
         child.wait().unwrap();
         let lines = reader.join().unwrap();
         if !lines.iter().any(|l| l == "DONE") {
@@ -306,6 +372,15 @@ fn run_crash_cycles(reclaim: bool) {
             );
         }
         drop(store);
+    }
+    if let Some((point, _)) = fail {
+        println!(
+            "crash test at fail point {point}: {cycles} cycles, each child aborted there; {} ops \
+             announced, {} key checks, {} present; values reclaimed away {reclaimed_away}",
+            totals.2, totals.0, totals.1
+        );
+        assert_eq!(died_at_point, cycles);
+        return;
     }
     println!(
         "crash test (reclaim {reclaim}): {cycles} cycles ({killed_mid_run} killed mid-run), {} ops \
