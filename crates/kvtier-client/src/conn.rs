@@ -7,7 +7,9 @@
 use crate::backend::KnownLen;
 use kvtier::{Error, ErrorKind, PutOptions, Result};
 use kvtier_wire::proof;
-use kvtier_wire::protocol::{self, code, put_flags, Header, HelloReply, Op, Reader, Writer};
+use kvtier_wire::protocol::{
+    self, code, frame_size, put_flags, Header, HelloReply, Op, Reader, Request, Writer,
+};
 use kvtier_wire::shm::{self, SharedRegion};
 use kvtier_wire::transport::{FrameLimits, FrameRead, ReadError, Transport};
 use std::net::TcpStream;
@@ -316,12 +318,11 @@ impl Connection {
             Some(token) if !token.is_empty() => self.prove_token(token.as_bytes(), &namespace)?,
             _ => Vec::new(),
         };
-        let mut w = Writer::default();
-        w.u32(credential.len() as u32)
-            .bytes(&credential)
-            .u16(namespace.len() as u16)
-            .bytes(namespace.as_bytes());
-        let len = self.call(Op::Hello, &w.buf, None)?;
+        let hello = Request::Hello {
+            token: &credential,
+            namespace: &namespace,
+        };
+        let len = self.call(Op::Hello, &hello.encode(), None)?;
         let hello = HelloReply::decode(&self.response[..len]).map_err(|e| protocol_error(e.0))?;
         let (max_frame, max_batch, max_value) = (hello.max_frame, hello.max_batch, hello.max_value);
         self.max_frame = max_frame;
@@ -336,9 +337,10 @@ impl Connection {
                 ),
             };
             self.shm_region = Some(Arc::clone(&region));
-            let mut w = Writer::default();
-            w.u64(region.len() as u64);
-            let len = self.call(Op::RegisterBuffer, &w.buf, region.fd())?;
+            let register = Request::RegisterBuffer {
+                size: region.len() as u64,
+            };
+            let len = self.call(Op::RegisterBuffer, &register.encode(), region.fd())?;
             let body = &self.response[..len];
             let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
             self.shm_id = Some(id);
@@ -352,8 +354,6 @@ impl Connection {
         let key = proof::TokenKey::new(token);
         let client_nonce = proof::nonce().map_err(|e| Error::io("drawing a nonce", e))?;
         let member = self.options.member.clone();
-        let mut w = Writer::default();
-        w.bytes(&client_nonce).bytes(&key.id());
         if let Some(member) = &member {
             if member.is_empty() || member.len() > proof::MAX_MEMBER_ID_LEN {
                 return Err(Error::invalid(format!(
@@ -362,9 +362,14 @@ impl Connection {
                     proof::MAX_MEMBER_ID_LEN
                 )));
             }
-            w.u16(member.len() as u16).bytes(member.as_bytes());
         }
-        let len = self.call(Op::Challenge, &w.buf, None)?;
+        let token_id = key.id();
+        let challenge = Request::Challenge {
+            client_nonce: &client_nonce,
+            token_id: &token_id,
+            member: member.as_deref(),
+        };
+        let len = self.call(Op::Challenge, &challenge.encode(), None)?;
         let body = &self.response[..len];
         let fixed = proof::NONCE_LEN + proof::PROOF_LEN;
         let stated = match &member {
@@ -748,14 +753,15 @@ impl Connection {
             .iter()
             .zip(values)
             .map(|(k, v)| {
-                10 + k.as_ref().len() as u64 + v.iter().map(|s| s.len() as u64).sum::<u64>()
+                frame_size::put_item(k.as_ref().len(), v.iter().map(|s| s.len() as u64).sum())
             })
             .collect();
-        self.in_runs(sizes.iter().copied(), 5, |c, run| {
-            if run.len() == 1 && c.oversized(sizes[run.start], 5) {
+        let fixed = frame_size::fixed(Op::BatchPut);
+        self.in_runs(sizes.iter().copied(), fixed, |c, run| {
+            if run.len() == 1 && c.oversized(sizes[run.start], fixed) {
+                let value_len: u64 = values[run.start].iter().map(|s| s.len() as u64).sum();
                 return Ok(vec![Err(Error::invalid(format!(
-                    "value of {} bytes does not fit the server's {}-byte frame",
-                    sizes[run.start] - 10 - keys[run.start].as_ref().len() as u64,
+                    "value of {value_len} bytes does not fit the server's {}-byte frame",
                     c.max_frame
                 )))]);
             }
@@ -804,9 +810,10 @@ impl Connection {
 
     /// The value under `key`, or `None`: one round trip, sized by the reply.
     pub fn get(&mut self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        let mut w = Writer::default();
-        w.u32(1).key(check_key(key.as_ref())?).u64(self.max_value);
-        let len = self.call(Op::BatchGet, &w.buf, None)?;
+        let get = Request::BatchGet {
+            items: vec![(check_key(key.as_ref())?, self.max_value)],
+        };
+        let len = self.call(Op::BatchGet, &get.encode(), None)?;
         let mut r = Reader::new(&self.response[..len]);
         let parse =
             |r: &mut Reader<'_>| -> std::result::Result<(u32, i32, u64), protocol::ProtocolError> {
@@ -851,10 +858,11 @@ impl Connection {
             .zip(keys)
             .map(|(b, k)| {
                 let capacity: u64 = b.iter().map(|s| s.len() as u64).sum();
-                (12 + capacity).max(10 + k.as_ref().len() as u64)
+                frame_size::get_reply_item(capacity).max(frame_size::get_item(k.as_ref().len()))
             })
             .collect();
-        let table = self.in_runs(sizes.into_iter(), 5, |c, run| {
+        let fixed = frame_size::fixed(Op::BatchGet);
+        let table = self.in_runs(sizes.into_iter(), fixed, |c, run| {
             c.get_frame(&keys[run.clone()], &mut bufs[run])
         })?;
         Ok(table
@@ -880,8 +888,10 @@ impl Connection {
     pub fn batch_value_lens<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<KnownLen>> {
         let mut none: Vec<[&mut [u8]; 0]> = keys.iter().map(|_| []).collect();
         let mut bufs: Vec<&mut [&mut [u8]]> = none.iter_mut().map(|b| &mut b[..]).collect();
-        let sizes = keys.iter().map(|k| 12 + k.as_ref().len() as u64);
-        let table = self.in_runs(sizes, 5, |c, run| {
+        let sizes = keys
+            .iter()
+            .map(|k| frame_size::get_reply_item(0).max(frame_size::get_item(k.as_ref().len())));
+        let table = self.in_runs(sizes, frame_size::fixed(Op::BatchGet), |c, run| {
             c.get_frame(&keys[run.clone()], &mut bufs[run])
         })?;
         Ok(table
@@ -902,17 +912,22 @@ impl Connection {
         keys: &[K],
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<(i32, u64)>> {
-        let mut w = Writer::default();
-        w.u32(keys.len() as u32);
-        for (k, b) in keys.iter().zip(bufs.iter()) {
-            let capacity: usize = b.iter().map(|s| s.len()).sum();
-            w.key(check_key(k.as_ref())?).u64(capacity as u64);
-        }
+        let items = keys
+            .iter()
+            .zip(bufs.iter())
+            .map(|(k, b)| {
+                Ok((
+                    check_key(k.as_ref())?,
+                    b.iter().map(|s| s.len() as u64).sum(),
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let body = Request::BatchGet { items }.encode();
         let fresh = self.transport.is_none();
         if fresh {
             self.reconnect()?;
         }
-        let result = self.exchange_get(&w.buf, bufs);
+        let result = self.exchange_get(&body, bufs);
         match &result {
             Err(e) if e.drops_connection() => {
                 self.transport = None;
@@ -921,7 +936,7 @@ impl Connection {
                     return result.map_err(Error::from);
                 }
                 self.reconnect()?;
-                let retried = self.exchange_get(&w.buf, bufs);
+                let retried = self.exchange_get(&body, bufs);
                 if retried.as_ref().is_err_and(CallError::drops_connection) {
                     self.transport = None;
                     self.shm_id = None;
@@ -958,9 +973,11 @@ impl Connection {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         Self::check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
-        self.in_runs(range_sizes(keys), 9, |c, run| {
-            c.put_registered_frame(&keys[run.clone()], &ranges[run], options)
-        })
+        self.in_runs(
+            range_sizes(keys),
+            frame_size::fixed(Op::BatchPutShm),
+            |c, run| c.put_registered_frame(&keys[run.clone()], &ranges[run], options),
+        )
     }
 
     fn put_registered_frame<K: AsRef<[u8]>>(
@@ -970,14 +987,12 @@ impl Connection {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         let id = self.shm_id()?;
-        let mut w = Writer::default();
-        w.u32(id)
-            .u8(put_flags::encode(options))
-            .u32(keys.len() as u32);
-        for (k, (offset, len)) in keys.iter().zip(ranges) {
-            w.key(check_key(k.as_ref())?).u64(*offset).u64(*len);
-        }
-        let len = self.call(Op::BatchPutShm, &w.buf, None)?;
+        let put = Request::BatchPutShm {
+            buffer: id,
+            flags: put_flags::encode(options),
+            items: range_items(keys, ranges)?,
+        };
+        let len = self.call(Op::BatchPutShm, &put.encode(), None)?;
         let body = &self.response[..len];
         put_results(body, keys.len())
     }
@@ -991,7 +1006,8 @@ impl Connection {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         Self::check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
-        self.in_runs(segment_sizes(keys, segments), 9, |c, run| {
+        let fixed = frame_size::fixed(Op::BatchPutShmSegments);
+        self.in_runs(segment_sizes(keys, segments), fixed, |c, run| {
             c.put_segments_registered_frame(&keys[run.clone()], &segments[run], options)
         })
     }
@@ -1003,11 +1019,12 @@ impl Connection {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         let id = self.shm_id()?;
-        let items = segment_items(keys, segments)?;
-        let mut w = Writer::default();
-        w.u32(id).u8(put_flags::encode(options));
-        protocol::write_segment_items(&mut w, &items);
-        let len = self.call(Op::BatchPutShmSegments, &w.buf, None)?;
+        let put = Request::BatchPutShmSegments {
+            buffer: id,
+            flags: put_flags::encode(options),
+            items: segment_items(keys, segments)?,
+        };
+        let len = self.call(Op::BatchPutShmSegments, &put.encode(), None)?;
         let body = &self.response[..len];
         put_results(body, keys.len())
     }
@@ -1021,9 +1038,11 @@ impl Connection {
         ranges: &[(u64, u64)],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Self::check_batch_pairs(keys.len(), ranges.len(), "ranges")?;
-        self.in_runs(range_sizes(keys), 8, |c, run| {
-            c.get_registered_frame(&keys[run.clone()], &ranges[run])
-        })
+        self.in_runs(
+            range_sizes(keys),
+            frame_size::fixed(Op::BatchGetShm),
+            |c, run| c.get_registered_frame(&keys[run.clone()], &ranges[run]),
+        )
     }
 
     fn get_registered_frame<K: AsRef<[u8]>>(
@@ -1032,12 +1051,11 @@ impl Connection {
         ranges: &[(u64, u64)],
     ) -> Result<Vec<Result<Option<usize>>>> {
         let id = self.shm_id()?;
-        let mut w = Writer::default();
-        w.u32(id).u32(keys.len() as u32);
-        for (k, (offset, cap)) in keys.iter().zip(ranges) {
-            w.key(check_key(k.as_ref())?).u64(*offset).u64(*cap);
-        }
-        let len = self.call(Op::BatchGetShm, &w.buf, None)?;
+        let get = Request::BatchGetShm {
+            buffer: id,
+            items: range_items(keys, ranges)?,
+        };
+        let len = self.call(Op::BatchGetShm, &get.encode(), None)?;
         get_shm_results(&self.response[..len], keys.len())
     }
 
@@ -1049,7 +1067,8 @@ impl Connection {
         segments: &[Vec<(u64, u64)>],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Self::check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
-        self.in_runs(segment_sizes(keys, segments), 8, |c, run| {
+        let fixed = frame_size::fixed(Op::BatchGetShmSegments);
+        self.in_runs(segment_sizes(keys, segments), fixed, |c, run| {
             c.get_segments_registered_frame(&keys[run.clone()], &segments[run])
         })
     }
@@ -1060,11 +1079,11 @@ impl Connection {
         segments: &[Vec<(u64, u64)>],
     ) -> Result<Vec<Result<Option<usize>>>> {
         let id = self.shm_id()?;
-        let items = segment_items(keys, segments)?;
-        let mut w = Writer::default();
-        w.u32(id);
-        protocol::write_segment_items(&mut w, &items);
-        let len = self.call(Op::BatchGetShmSegments, &w.buf, None)?;
+        let get = Request::BatchGetShmSegments {
+            buffer: id,
+            items: segment_items(keys, segments)?,
+        };
+        let len = self.call(Op::BatchGetShmSegments, &get.encode(), None)?;
         get_shm_results(&self.response[..len], keys.len())
     }
 
@@ -1078,12 +1097,20 @@ impl Connection {
     }
 
     pub fn batch_exists<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
-        let sizes = keys.iter().map(|k| 2 + k.as_ref().len() as u64);
-        self.in_runs(sizes, 4, |c, run| c.exists_frame(&keys[run]))
+        let sizes = keys.iter().map(|k| frame_size::key(k.as_ref().len()));
+        let fixed = frame_size::fixed(Op::BatchExists);
+        self.in_runs(sizes, fixed, |c, run| c.exists_frame(&keys[run]))
     }
 
     fn exists_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<bool>> {
-        let len = self.call(Op::BatchExists, &encode_keys(keys)?, None)?;
+        let len = self.call(
+            Op::BatchExists,
+            &Request::BatchExists {
+                keys: checked_keys(keys)?,
+            }
+            .encode(),
+            None,
+        )?;
         let body = &self.response[..len];
         let mut r = Reader::new(body);
         let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
@@ -1113,7 +1140,14 @@ impl Connection {
     }
 
     fn prefix_frame<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<usize> {
-        let len = self.call(Op::PrefixLen, &encode_keys(keys)?, None)?;
+        let len = self.call(
+            Op::PrefixLen,
+            &Request::PrefixLen {
+                keys: checked_keys(keys)?,
+            }
+            .encode(),
+            None,
+        )?;
         let body = &self.response[..len];
         Reader::new(body)
             .u64()
@@ -1122,9 +1156,10 @@ impl Connection {
     }
 
     pub fn remove(&mut self, key: impl AsRef<[u8]>) -> Result<bool> {
-        let mut w = Writer::default();
-        w.key(check_key(key.as_ref())?);
-        let len = self.call(Op::Remove, &w.buf, None)?;
+        let remove = Request::Remove {
+            key: check_key(key.as_ref())?,
+        };
+        let len = self.call(Op::Remove, &remove.encode(), None)?;
         let body = &self.response[..len];
         Ok(body.first() == Some(&1))
     }
@@ -1152,13 +1187,16 @@ pub(crate) fn check_key(key: &[u8]) -> Result<&[u8]> {
     Ok(key)
 }
 
-fn encode_keys<K: AsRef<[u8]>>(keys: &[K]) -> Result<Vec<u8>> {
-    let mut w = Writer::default();
-    w.u32(keys.len() as u32);
-    for k in keys {
-        w.key(check_key(k.as_ref())?);
-    }
-    Ok(w.buf)
+/// Checked keys paired with their `(offset, len)` ranges, for the
+/// registered-buffer ops.
+fn range_items<'k, K: AsRef<[u8]>>(
+    keys: &'k [K],
+    ranges: &[(u64, u64)],
+) -> Result<Vec<(&'k [u8], u64, u64)>> {
+    keys.iter()
+        .zip(ranges)
+        .map(|(k, &(offset, len))| Ok((check_key(k.as_ref())?, offset, len)))
+        .collect()
 }
 
 /// Per-key put results from a reply of codes.
@@ -1188,7 +1226,8 @@ fn codes(body: &[u8], expected: usize) -> Result<Vec<i32>> {
 
 /// Request bytes per key of a single-range shared-memory op.
 fn range_sizes<K: AsRef<[u8]>>(keys: &[K]) -> impl Iterator<Item = u64> + '_ {
-    keys.iter().map(|k| 18 + k.as_ref().len() as u64)
+    keys.iter()
+        .map(|k| frame_size::range_item(k.as_ref().len()))
 }
 
 /// Request bytes per key of a segment op.
@@ -1198,7 +1237,7 @@ fn segment_sizes<'a, K: AsRef<[u8]>>(
 ) -> impl Iterator<Item = u64> + 'a {
     keys.iter()
         .zip(segments)
-        .map(|(k, s)| 6 + k.as_ref().len() as u64 + 16 * s.len() as u64)
+        .map(|(k, s)| frame_size::segment_item(k.as_ref().len(), s.len()))
 }
 
 /// Checked keys paired with their segments, for the segment ops.

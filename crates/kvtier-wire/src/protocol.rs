@@ -683,6 +683,63 @@ impl Request<'_> {
     }
 }
 
+/// What a batch request and its reply take on the wire, so a client cuts
+/// a batch into frames that fit before it writes them: `Request::encode`
+/// writes exactly these sizes (`sizes_are_what_encode_writes` checks), and
+/// a client that sends values from its own memory (BatchPut, written
+/// vectored) counts with the same functions.
+pub mod frame_size {
+    use super::Op;
+
+    /// Bytes of a request body before its items (the flags, the buffer id
+    /// and the item count); 0 for requests without items.
+    pub const fn fixed(op: Op) -> u64 {
+        match op {
+            Op::BatchPut => 1 + 4,
+            Op::BatchGet | Op::BatchExists | Op::PrefixLen => 4,
+            Op::BatchPutShm | Op::BatchPutShmSegments => 4 + 1 + 4,
+            Op::BatchGetShm | Op::BatchGetShmSegments => 4 + 4,
+            Op::Hello
+            | Op::Remove
+            | Op::Flush
+            | Op::Stats
+            | Op::RegisterBuffer
+            | Op::ClusterView
+            | Op::Challenge => 0,
+        }
+    }
+
+    /// A key: its u16 length, then its bytes.
+    pub const fn key(key_len: usize) -> u64 {
+        2 + key_len as u64
+    }
+
+    /// A BatchPut item: the key, the value's u64 length, the value.
+    pub const fn put_item(key_len: usize, value_len: u64) -> u64 {
+        key(key_len) + 8 + value_len
+    }
+
+    /// A BatchGet item: the key and the u64 capacity.
+    pub const fn get_item(key_len: usize) -> u64 {
+        key(key_len) + 8
+    }
+
+    /// A BatchPutShm or BatchGetShm item: the key, u64 offset, u64 length.
+    pub const fn range_item(key_len: usize) -> u64 {
+        key(key_len) + 16
+    }
+
+    /// A segment item: the key, the u32 count, 16 bytes a segment.
+    pub const fn segment_item(key_len: usize, segments: usize) -> u64 {
+        key(key_len) + 4 + 16 * segments as u64
+    }
+
+    /// A BatchGet reply item: the i32 code, the u64 length, the value.
+    pub const fn get_reply_item(value_len: u64) -> u64 {
+        4 + 8 + value_len
+    }
+}
+
 /// `u32 n, n × (key, u32 count, count × (u64 offset, u64 len))`.
 pub fn write_segment_items<K: AsRef<[u8]>>(w: &mut Writer, items: &[(K, Vec<(u64, u64)>)]) {
     w.u32(items.len() as u32);
@@ -926,6 +983,49 @@ mod tests {
                 prop_assert_eq!(decode_request(op, &body, 64).unwrap(), request);
                 let cut = cut % body.len();
                 prop_assert!(decode_request(op, &body[..cut], 64).is_err());
+            }
+        }
+    }
+
+    proptest! {
+        /// The sizes clients cut batches by are the bytes `encode` writes.
+        #[test]
+        fn sizes_are_what_encode_writes(
+            items in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 1..40), proptest::collection::vec(any::<u8>(), 0..100), proptest::collection::vec((any::<u64>(), any::<u64>()), 0..6)), 0..8),
+        ) {
+            let keys: Vec<&[u8]> = items.iter().map(|(k, _, _)| &k[..]).collect();
+            let sum = |f: &dyn Fn(usize) -> u64| (0..items.len()).map(f).sum::<u64>();
+            let checks: Vec<(Request<'_>, u64)> = vec![
+                (
+                    Request::BatchPut { flags: 0, items: items.iter().map(|(k, v, _)| (&k[..], &v[..])).collect() },
+                    sum(&|i| frame_size::put_item(items[i].0.len(), items[i].1.len() as u64)),
+                ),
+                (
+                    Request::BatchGet { items: keys.iter().map(|k| (*k, 7)).collect() },
+                    sum(&|i| frame_size::get_item(items[i].0.len())),
+                ),
+                (Request::BatchExists { keys: keys.clone() }, sum(&|i| frame_size::key(items[i].0.len()))),
+                (Request::PrefixLen { keys: keys.clone() }, sum(&|i| frame_size::key(items[i].0.len()))),
+                (
+                    Request::BatchPutShm { buffer: 1, flags: 0, items: keys.iter().map(|k| (*k, 1, 2)).collect() },
+                    sum(&|i| frame_size::range_item(items[i].0.len())),
+                ),
+                (
+                    Request::BatchGetShm { buffer: 1, items: keys.iter().map(|k| (*k, 1, 2)).collect() },
+                    sum(&|i| frame_size::range_item(items[i].0.len())),
+                ),
+                (
+                    Request::BatchPutShmSegments { buffer: 1, flags: 0, items: items.iter().map(|(k, _, s)| (&k[..], s.clone())).collect() },
+                    sum(&|i| frame_size::segment_item(items[i].0.len(), items[i].2.len())),
+                ),
+                (
+                    Request::BatchGetShmSegments { buffer: 1, items: items.iter().map(|(k, _, s)| (&k[..], s.clone())).collect() },
+                    sum(&|i| frame_size::segment_item(items[i].0.len(), items[i].2.len())),
+                ),
+            ];
+            for (request, items_len) in checks {
+                let op = request.op();
+                prop_assert_eq!(request.encode().len() as u64, frame_size::fixed(op) + items_len, "{:?}", op);
             }
         }
     }
