@@ -13,7 +13,8 @@ use std::path::PathBuf;
 #[derive(Debug, clap::Args, Serialize)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_poll,
+    /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_read,
+    /// shared_poll,
     /// io_deadline, io_deadline_local,
     /// shared_index, kv_events, kv_events_replay, kv_events_topic, kv_events_unauthenticated,
     /// kv_events_auth, auth_token, tenants_file, the cluster's keys (cluster, etcd, etcd_ca,
@@ -108,6 +109,13 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shared_dir: Option<PathBuf>,
+    /// How other nodes' files in --shared-dir are read: `auto` (by file
+    /// system: through the page cache on network and FUSE file systems,
+    /// O_DIRECT on local disks), `direct` or `buffered` (docs/design.md,
+    /// "Read modes per mount"). Default: auto.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shared_read: Option<String>,
     /// Seconds between looks for other nodes' new blocks in --shared-dir.
     /// Default: 0.2.
     #[arg(long)]

@@ -69,6 +69,10 @@ pub struct NodeConfig {
     pub shared_dir: Option<PathBuf>,
     /// Seconds between looks for other writers' blocks. Default: 0.2.
     pub shared_poll: Option<f64>,
+    /// How other writers' files are read: `auto` (by file system:
+    /// buffered on network and FUSE, O_DIRECT on local disks), `direct`
+    /// or `buffered`. Default: auto.
+    pub shared_read: Option<String>,
     /// Seconds a caller waits on a file system that can stall; 0: none.
     /// Default: 5.
     pub io_deadline: Option<f64>,
@@ -249,6 +253,10 @@ impl NodeConfig {
         }
         if let Some(dir) = &self.shared_dir {
             config = config.shared_dir(dir);
+        }
+        if let Some(mode) = &self.shared_read {
+            config = config
+                .shared_read_mode(kvtier::SharedReadMode::parse(mode).map_err(|e| e.to_string())?);
         }
         if let Some(every) = seconds(self.shared_poll, "shared_poll")? {
             config = config.shared_poll(every);
@@ -497,6 +505,11 @@ mod tests {
         let config: NodeConfig = toml::from_str("shared_poll = 0\n").unwrap();
         let err = config.store_config().unwrap_err();
         assert!(err.contains("shared_poll"), "{err}");
+        let config: NodeConfig = toml::from_str("shared_read = \"cached\"\n").unwrap();
+        assert!(config
+            .store_config()
+            .unwrap_err()
+            .contains("auto, direct or buffered"));
         let config: NodeConfig = toml::from_str("tenant_share_percent = 0\n").unwrap();
         assert!(config
             .limits()

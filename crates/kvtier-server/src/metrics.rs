@@ -594,6 +594,16 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_regions")],
     },
     StoreFamily {
+        name: "kvtier_shared_buffered_regions",
+        help: "Region files of other writers held open and read through the page cache \
+               (buffered: the read mode of network and FUSE file systems); the rest are read \
+               O_DIRECT.",
+        bytes: false,
+        counter: false,
+        label: None,
+        members: &[("", "shared_buffered_regions")],
+    },
+    StoreFamily {
         name: "kvtier_shared",
         help: "Bytes of the region files of other writers this node follows.",
         bytes: true,

@@ -123,6 +123,7 @@ pub struct Config {
     /// "Shared directory"); `None`: the log stays under `data_dir`.
     pub(crate) shared_dir: Option<PathBuf>,
     pub(crate) shared_poll: Duration,
+    pub(crate) shared_read_mode: crate::disk::SharedReadMode,
     pub(crate) shared_checkpoint_interval: Duration,
     pub(crate) shared_index_share: bool,
     /// `shared::collect_dead_writers`: write this (dead) writer's log of the
@@ -192,6 +193,7 @@ impl Config {
             namespace: String::new(),
             shared_dir: None,
             shared_poll: Duration::from_millis(200),
+            shared_read_mode: crate::disk::SharedReadMode::Auto,
             shared_checkpoint_interval: Duration::from_secs(60),
             shared_index_share: false,
             adopt_writer: None,
@@ -386,6 +388,17 @@ impl Config {
     /// Default: 200 ms.
     pub fn shared_poll(mut self, every: Duration) -> Self {
         self.shared_poll = every;
+        self
+    }
+
+    /// How this node reads other writers' region files of the shared
+    /// directory: `Auto` by the file system each lives on (buffered, with
+    /// sequential readahead, on network and FUSE file systems: JuiceFS,
+    /// CephFS, Lustre, NFS, 3FS's FUSE client; O_DIRECT on local disks),
+    /// or `Direct` or `Buffered` for every file (docs/design.md, "Read
+    /// modes per mount"). Default: Auto.
+    pub fn shared_read_mode(mut self, mode: crate::disk::SharedReadMode) -> Self {
+        self.shared_read_mode = mode;
         self
     }
 

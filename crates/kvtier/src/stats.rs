@@ -124,6 +124,10 @@ stats! {
     /// and those files' bytes.
     shared_writers: u64,
     shared_regions: u64,
+    /// Those held open read through the page cache (`shared_read_mode`:
+    /// buffered on network and FUSE file systems by default); the rest
+    /// are read O_DIRECT.
+    shared_buffered_regions: u64,
     shared_bytes: u64,
     /// Their batches indexed since open.
     shared_batches: u64,

@@ -38,6 +38,7 @@ mod write;
 pub use loc::DiskLoc;
 #[cfg(feature = "internals")]
 pub use locations::value_locations;
+pub use mount::SharedReadMode;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
 pub(crate) use other_logs::{RegionListing, RegionRead, NO_HANDLE};
 pub(crate) use others::read_other_head;
@@ -92,6 +93,8 @@ pub struct DiskTier {
     dir: PathBuf,
     engine: Arc<dyn IoEngine>,
     direct_io: AtomicBool,
+    /// `Config::shared_read_mode`: how other writers' files are read.
+    shared_read_mode: SharedReadMode,
     capacity: u64,
     region_size: u64,
     regions: RwLock<BTreeMap<u32, Arc<Region>>>,
@@ -210,6 +213,7 @@ impl DiskTier {
             #[cfg(not(feature = "test-util"))]
             single_sync: false,
             direct_io: AtomicBool::new(config.direct_io),
+            shared_read_mode: config.shared_read_mode,
             capacity: config.disk_capacity,
             region_size: config.effective_region_size(),
             regions: RwLock::new(BTreeMap::new()),

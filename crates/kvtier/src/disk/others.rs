@@ -7,6 +7,7 @@
 //! renames or removes another writer's file.
 
 use super::format::RecordEntry;
+use super::mount::ReadMode;
 use super::scan::{scan_batches, BadPage, RegionReader};
 use super::{DiskTier, Region, OTHERS_BASE};
 use crate::key::KeySecret;
@@ -38,27 +39,23 @@ pub(crate) struct NewBatches {
 }
 
 impl DiskTier {
-    /// Opens another writer's region file for reading: O_DIRECT unless this
-    /// node's `direct_io` is off or the file system refuses it.
+    /// Opens another writer's region file for reading, in the read mode
+    /// its mount does best (`super::mount::read_mode`): O_DIRECT on a local
+    /// disk, buffered (with sequential readahead) on a network or FUSE
+    /// file system, unless `shared_read_mode` says otherwise, this node's
+    /// `direct_io` is off, or the file system refuses O_DIRECT.
     pub(crate) fn open_other(&self, path: &Path) -> std::io::Result<OtherFile> {
         // Another writer's file is hostile until verified: no links, no
         // blocking open (a FIFO), regular files only.
         let mut options = OpenOptions::new();
         options.read(true);
-        let open = |extra| crate::private::open_untrusted(path, &options, extra);
-        let mut direct = false;
-        let file = if self.direct_io() {
-            match open(libc::O_DIRECT) {
-                Ok(file) => {
-                    direct = true;
-                    file
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open(0)?,
-                Err(e) => return Err(e),
-            }
-        } else {
-            open(0)?
-        };
+        let file = crate::private::open_untrusted(path, &options, 0)?;
+        let direct = self.direct_io()
+            && super::mount::read_mode(&file, self.shared_read_mode) == ReadMode::Direct
+            && super::mount::set_direct(&file);
+        if !direct {
+            super::mount::advise_sequential(&file);
+        }
         let meta = file.metadata()?;
         Ok(OtherFile {
             file,
@@ -95,6 +92,17 @@ impl DiskTier {
             < self
                 .other_files_budget
                 .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Other writers' region files held open that are read through the
+    /// page cache (`Config::shared_read_mode`).
+    pub(crate) fn buffered_other_files(&self) -> u64 {
+        self.others
+            .read()
+            .unwrap()
+            .values()
+            .filter(|r| !r.direct_io())
+            .count() as u64
     }
 
     /// Most other writers' region files held open at once; regions past
@@ -147,6 +155,10 @@ pub(crate) fn scan_new_batches(
     let scan = scan_batches(&mut reader, id, secret, from, bad_page, |at, entries| {
         batches.push((at, entries))
     });
+    // What the scan read of a buffered file may have been read before its
+    // writer's bytes landed (a record page mid-flush): never keep it for
+    // the next scan or a value read (`mount::drop_cached`).
+    super::mount::drop_cached(file, from, file_len.saturating_sub(from));
     NewBatches {
         end: scan.end,
         batches,

@@ -249,6 +249,20 @@ impl ValueReader {
         dests: &mut [D],
         caller_memory: bool,
     ) -> Vec<Option<ReadOutcome>> {
+        self.read_checked_once(reads, dests, caller_memory, true)
+    }
+
+    /// `read_checked`; with `second_look`, a value that fails verification
+    /// where the bytes seen may not be the disk's (the caller's memory, or
+    /// a buffered file's page cache) is read again into private memory,
+    /// once, before it is called damaged.
+    fn read_checked_once<D: Destination>(
+        &self,
+        reads: &[Option<ValueRead>],
+        dests: &mut [D],
+        caller_memory: bool,
+        second_look: bool,
+    ) -> Vec<Option<ReadOutcome>> {
         assert_eq!(reads.len(), dests.len(), "one destination per read");
         let piece_len = self.read_piece;
         // Per read: the bytes to read (a page multiple under O_DIRECT) and
@@ -355,21 +369,48 @@ impl ValueReader {
                 // read landed, so the bytes seen are no verdict on the disk.
                 // Decide from a read into private memory before calling the
                 // value damaged (which drops it from the index).
-                Ok(()) if bounce.is_none() && caller_memory => match self.reread_privately(read) {
-                    Some(private) => {
-                        tracing::warn!(
-                            region = read.loc.region(),
-                            page = read.loc.page(),
-                            "a value read into the caller's memory did not verify there but \
+                // A buffered file's page cache may hold a copy read before
+                // its writer's bytes landed (`mount::drop_cached`): drop
+                // it and read the file system's bytes before deciding.
+                Ok(()) if second_look && !read.region.direct_io() => {
+                    let offset = u64::from(read.loc.page()) * PAGE_SIZE;
+                    super::mount::drop_cached(
+                        &read.region.file,
+                        offset,
+                        page_round_up(read.len as u64),
+                    );
+                    match self.reread_privately(read) {
+                        Some(private) => {
+                            tracing::debug!(
+                                region = read.loc.region(),
+                                page = read.loc.page(),
+                                "a buffered read did not verify from the page cache but did \
+                                 from the file system: a stale cached copy was dropped"
+                            );
+                            dest.fill_from(&private.as_slice()[..read.len]);
+                            self.bounce.give_back(private);
+                            ReadOutcome::Verified
+                        }
+                        None => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
+                    }
+                }
+                Ok(()) if second_look && bounce.is_none() && caller_memory => {
+                    match self.reread_privately(read) {
+                        Some(private) => {
+                            tracing::warn!(
+                                region = read.loc.region(),
+                                page = read.loc.page(),
+                                "a value read into the caller's memory did not verify there but \
                              did in private memory: the caller's buffer changed during the \
                              read"
-                        );
-                        dest.fill_from(&private.as_slice()[..read.len]);
-                        self.bounce.give_back(private);
-                        ReadOutcome::Verified
+                            );
+                            dest.fill_from(&private.as_slice()[..read.len]);
+                            self.bounce.give_back(private);
+                            ReadOutcome::Verified
+                        }
+                        None => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
                     }
-                    None => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
-                },
+                }
                 Ok(()) => ReadOutcome::Rejected("checksum or key digest mismatch".into()),
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => ReadOutcome::Rejected(
                     format!("value lies past the end of its region file: {e}"),
@@ -414,8 +455,9 @@ impl ValueReader {
         let outcome = {
             let mut dest: &mut [u8] = &mut private.as_mut_slice()[..padded];
             let reads = [Some(read.clone())];
-            // Private memory: this verdict is final (no second retry).
-            self.read_checked(&reads, std::slice::from_mut(&mut dest), false)
+            // Private memory, read after any stale cached copy was
+            // dropped: this verdict is final (no second look).
+            self.read_checked_once(&reads, std::slice::from_mut(&mut dest), false, false)
         };
         if matches!(outcome.first(), Some(Some(ReadOutcome::Verified))) {
             Some(private)

@@ -84,6 +84,8 @@ pub struct FaultyEngine {
     /// Operations held at the gate: a file system that stopped answering.
     gate: Mutex<Gate>,
     gate_opened: Condvar,
+    /// Read batches still to come back stale (`stale_reads`).
+    stale_reads: AtomicU64,
 }
 
 /// What `FaultyEngine::stall` holds, and how many operations wait there.
@@ -139,7 +141,15 @@ impl FaultyEngine {
             cut_at: AtomicU64::new(0),
             gate: Mutex::default(),
             gate_opened: Condvar::new(),
+            stale_reads: AtomicU64::new(0),
         })
+    }
+
+    /// The next `batches` read batches return every piece with its first
+    /// byte flipped, as a page cache's copy read before another writer's
+    /// bytes landed would (the reads themselves succeed).
+    pub fn stale_reads(&self, batches: u64) {
+        self.stale_reads.store(batches, Ordering::Release);
     }
 
     /// Holds every later read (with `reads`) and every write and sync
@@ -368,7 +378,23 @@ impl IoEngine for FaultyEngine {
             }
             return;
         }
-        self.inner.read_batch_then(reads, on_read);
+        let stale = self
+            .stale_reads
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        if !stale {
+            self.inner.read_batch_then(reads, on_read);
+            return;
+        }
+        self.inner.read_batch_then(reads, &|_, _| {});
+        for (i, read) in reads.iter_mut().enumerate() {
+            if read.result.is_ok() {
+                if let Some(first) = read.buf.first_mut() {
+                    *first ^= 0xff;
+                }
+                on_read(i, read.buf);
+            }
+        }
     }
 
     fn write_vectored_at(&self, file: &File, offset: u64, bufs: &[IoSlice<'_>]) -> io::Result<()> {

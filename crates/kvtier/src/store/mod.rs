@@ -573,6 +573,7 @@ impl Inner {
             shared_dir: self.shared.is_some(),
             shared_writers: self.follow_count(|f| &f.writers),
             shared_regions: self.follow_count(|f| &f.regions),
+            shared_buffered_regions: self.disk.as_ref().map_or(0, |d| d.buffered_other_files()),
             shared_bytes: self.follow_count(|f| &f.bytes),
             shared_batches: self.follow_count(|f| &f.batches),
             shared_stuck_regions: self.follow_count(|f| &f.stuck_regions),

@@ -1444,3 +1444,58 @@ fn directories_that_never_held_a_writer_lock_are_not_followed() {
     }
     assert_eq!(d.store().stats().shared_dirs_without_lock, 5);
 }
+
+/// Other writers' files read through the page cache (`shared_read_mode`
+/// buffered, the default on network and FUSE file systems) may meet a
+/// cached copy read before the writer's bytes landed: such a value is read
+/// again from the file system, once, and served; the same bytes from an
+/// O_DIRECT file are damage (a miss, counted, the entry dropped). A stale
+/// read is made here by the fault-injecting engine (a local file system's
+/// page cache is coherent).
+#[test]
+fn a_stale_cached_copy_of_another_writers_value_is_read_again_not_dropped() {
+    for (mode, served) in [
+        (kvtier::SharedReadMode::Buffered, true),
+        (kvtier::SharedReadMode::Direct, false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Node::start(dir.path(), "b", 64 * MIB);
+        let keys: Vec<Vec<u8>> = (0..4).map(key).collect();
+        let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 300_000)).collect();
+        for result in b.store().batch_put(&keys, &values) {
+            result.unwrap();
+        }
+        b.store().flush().unwrap();
+        let config = Node::config(
+            &dir.path().join("c"),
+            &dir.path().join("shared"),
+            64 * MIB,
+            FlushPolicy::WriteThrough,
+        )
+        .shared_read_mode(mode);
+        let (c, faulty) = open_faulty(config);
+        c.follow_shared_now();
+        assert_eq!(c.prefix_len(&keys), keys.len());
+        assert_eq!(
+            c.stats().shared_buffered_regions > 0,
+            served,
+            "{mode:?}: regions read through the page cache"
+        );
+        let mut buf = vec![0u8; values[1].len()];
+        faulty.stale_reads(1);
+        let got = c.batch_get_into(&keys[1..2], &mut [&mut buf[..]]);
+        let stats = c.stats();
+        if served {
+            assert_eq!(got[0].as_ref().unwrap(), &Some(values[1].len()), "{mode:?}");
+            assert_eq!(buf, values[1]);
+            assert_eq!(stats.checksum_failures, 0, "{mode:?}");
+            assert!(c.exists(&keys[1]), "the entry stays");
+        } else {
+            assert_eq!(got[0].as_ref().unwrap(), &None, "{mode:?}");
+            assert_eq!(stats.checksum_failures, 1, "{mode:?}");
+            assert!(!c.exists(&keys[1]), "damage drops the entry");
+        }
+        // Other values read as ever either way.
+        assert_eq!(read(&c, &keys[2]).unwrap(), values[2]);
+    }
+}
