@@ -4,14 +4,20 @@
 //! same directory through its own mount, finds them by following B's
 //! records and reads them straight from B's files. The get rows compare
 //! C's reads with raw reads of the same files through C's mount, in the
-//! same rounds (the disk get cases' sides).
+//! same rounds: first both O_DIRECT (C's `shared_read_mode` direct, against
+//! the disk get cases' sides: the engine against the raw device path),
+//! then as a user runs it (C's default read mode for the mount) against a
+//! plain program's buffered reads of the same values, cold (page cache
+//! copies dropped before each side) and warm (read again at once).
 
 use super::disk::{get_cases, Copies};
 use super::{SizeCases, PUT_ROUNDS};
 use crate::report::Row;
-use crate::sides::store::{prepare_round, put_disk};
-use crate::{BenchResult, Measurement, Progress};
-use kvtier::{format_size, Store};
+use crate::sides::device;
+use crate::sides::plain::PlainReader;
+use crate::sides::store::{get_round, host_buffers, prepare_round, put_disk};
+use crate::{data, on_callers, BenchResult, Measurement, Progress};
+use kvtier::{format_size, Config, SharedReadMode, Store};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -58,7 +64,8 @@ pub(super) fn run(
         let copy_of = |copy: &'static str| {
             let config = size
                 .config_in(dir("c", batch, copy))
-                .shared_dir(shared(mounts.1, batch, copy));
+                .shared_dir(shared(mounts.1, batch, copy))
+                .shared_read_mode(SharedReadMode::Direct);
             // B's log as C's mount shows it: what the raw sides read.
             let b_log = shared(mounts.1, batch, copy)
                 .join("nodes")
@@ -72,11 +79,131 @@ pub(super) fn run(
             region_dirs: [one_log, two_log],
         }
     });
+    let result = result.and_then(|()| {
+        plain_cases(size, progress, rows, |batch| {
+            size.config_in(dir("c-plain", batch, ""))
+                .shared_dir(shared(mounts.1, batch, ""))
+        })
+    });
     for &batch in &args.batches {
+        let _ = std::fs::remove_dir_all(dir("c-plain", batch, ""));
         for copy in ["", "-twin"] {
             let _ = std::fs::remove_dir_all(dir("b", batch, copy));
             let _ = std::fs::remove_dir_all(shared(mounts.0, batch, copy));
         }
     }
     result
+}
+
+/// The user's view: C in its default read mode for the mount against a
+/// plain program's buffered reads of the same values through the same
+/// mount, batch by batch: each side reads a batch cold (its page cache
+/// copies dropped just before), then each reads it again warm. Which side
+/// reads first alternates by batch, as the second reader of a batch finds
+/// the file system's own cache (JuiceFS's local block cache) warm.
+fn plain_cases(
+    size: &SizeCases<'_>,
+    progress: &mut Progress,
+    rows: &mut Vec<Row>,
+    config: impl Fn(usize) -> Config,
+) -> BenchResult<()> {
+    let value_size = size.value_size;
+    for &batch in &size.args.batches {
+        let case = size.case(batch);
+        progress.case(
+            &format!(
+                "get shared (plain reads) {} x{batch}",
+                format_size(value_size)
+            ),
+            case.batches as usize,
+        );
+        let store = Store::open(config(batch))?;
+        store.follow_shared_now();
+        let keys = case.batches * batch as u64;
+        let plain = PlainReader::new(
+            device::locations(
+                &store,
+                (0..keys).map(|i| data::key("disk", value_size, batch, i)),
+            )?,
+            batch,
+        )?;
+        let slot = (value_size as usize).div_ceil(4096) * 4096;
+        let mut hosts = host_buffers(&case, 1);
+        let mut plain_hosts = host_buffers(&case, 1);
+        let (mut store_cold, mut plain_cold, mut store_warm, mut plain_warm) = (
+            Measurement::new(),
+            Measurement::new(),
+            Measurement::new(),
+            Measurement::new(),
+        );
+        let mut verified = 0u64;
+        for b in 0..case.batches {
+            let one = b..b + 1;
+            let bytes = case.bytes(&one);
+            let mut store_side = |m: &mut Measurement| {
+                get_round(&store, &case, "disk", one.clone(), u64::MAX, &mut hosts, m)
+            };
+            let mut plain_side = |m: &mut Measurement| {
+                on_callers(one.clone(), &mut plain_hosts, m, bytes, |b, host| {
+                    plain.read_batch(b, host.as_mut_slice(), slot)
+                })
+            };
+            if b % 2 == 0 {
+                plain.drop_cached(b);
+                verified += store_side(&mut store_cold)?;
+                plain.drop_cached(b);
+                plain_side(&mut plain_cold)?;
+                verified += store_side(&mut store_warm)?;
+                plain_side(&mut plain_warm)?;
+            } else {
+                plain.drop_cached(b);
+                plain_side(&mut plain_cold)?;
+                plain.drop_cached(b);
+                verified += store_side(&mut store_cold)?;
+                plain_side(&mut plain_warm)?;
+                verified += store_side(&mut store_warm)?;
+            }
+            progress.round_done();
+        }
+        let stats = store.stats();
+        if stats.memory_hits > 0 || stats.shared_reads == 0 {
+            return Err(format!(
+                "a shared get was not read from another writer's files ({} memory hits, {} \
+                 shared reads): the case is invalid",
+                stats.memory_hits, stats.shared_reads
+            )
+            .into());
+        }
+        let mode = if stats.shared_buffered_regions > 0 {
+            "buffered"
+        } else {
+            "O_DIRECT"
+        };
+        for (tier, store_side, plain_side, half) in [
+            ("shared-cold", &store_cold, &plain_cold, verified / 2),
+            (
+                "shared-warm",
+                &store_warm,
+                &plain_warm,
+                verified - verified / 2,
+            ),
+        ] {
+            let mut row = Row::new(
+                "get",
+                tier,
+                value_size,
+                batch,
+                store_side,
+                plain_side,
+                &format!("plain buffered pread per value; the store read {mode}"),
+                stats.io_engine,
+                half,
+            );
+            row.tier = tier.to_string();
+            progress.row(&row);
+            rows.push(row);
+        }
+        store.close()?;
+    }
+    Ok(())
 }

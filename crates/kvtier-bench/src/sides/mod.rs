@@ -9,9 +9,12 @@
 //!   run it, in cache-resident buffers and in the batch's memory) and the
 //!   shape-matched stream (exactly the store's requests, raw);
 //! - `memcpy`: the memory cases' baseline;
+//! - `plain`: a plain program's buffered reads through a mount, the
+//!   shared cases' baseline, cold and warm;
 //! - `tcp`: raw loopback streams, the remote memory cases' baseline.
 
 pub mod device;
 pub mod memcpy;
+pub mod plain;
 pub mod store;
 pub mod tcp;
