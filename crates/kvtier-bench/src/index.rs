@@ -3,7 +3,7 @@
 use super::report::Row;
 use hdrhistogram::Histogram;
 use kvtier::internals::{prefetch, DiskLoc, Entry, Index};
-use kvtier::{Config, IoEngineKind, KeyDigest, KeySecret, Namespace, PutOptions, Store};
+use kvtier::{Config, IoEngineKind, KeySecret, Namespace, PutOptions, Store};
 use std::path::Path;
 use std::time::Instant;
 
@@ -56,7 +56,7 @@ pub fn exists_case(entries: u64, dir: &Path) -> Result<Row, Box<dyn std::error::
         let first = state % entries.saturating_sub(1024).max(1);
         let keys: Vec<Vec<u8>> = (first..first + 1024).map(key).collect();
         let started = Instant::now();
-        let digests: Vec<KeyDigest> = keys.iter().map(|k| namespace.digest(k)).collect();
+        let digests = namespace.digest_many(&keys);
         let hashed = started.elapsed();
         let present = index.contains_many(&digests);
         let total = started.elapsed();

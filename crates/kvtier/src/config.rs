@@ -529,7 +529,7 @@ impl Config {
         }
         if self.read_piece < PAGE_SIZE
             || self.read_piece > 64 * MIB
-            || self.read_piece % PAGE_SIZE != 0
+            || !self.read_piece.is_multiple_of(PAGE_SIZE)
         {
             return Err(Error::invalid(format!(
                 "read_piece {} must be a multiple of 4096 from 4 KiB to 64 MiB",
@@ -573,7 +573,7 @@ impl Config {
         }
         if self.disk_enabled() {
             let region_size = self.effective_region_size();
-            if region_size < 64 * KIB || region_size % PAGE_SIZE != 0 {
+            if region_size < 64 * KIB || !region_size.is_multiple_of(PAGE_SIZE) {
                 return Err(Error::invalid(format!(
                     "region size {} must be a multiple of 4096 and at least 64 KiB",
                     region_size

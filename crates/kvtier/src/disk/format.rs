@@ -173,7 +173,7 @@ impl BatchHeader {
         if record_len < (BATCH_HEADER_LEN + TRAILER_LEN) as u64 || record_len > MAX_RECORD_LEN {
             return Err(format!("implausible record length {record_len}"));
         }
-        if header.batch_len % PAGE_SIZE != 0
+        if !header.batch_len.is_multiple_of(PAGE_SIZE)
             || header.batch_len < header.padded_record_len()
             || header.batch_len > MAX_BATCH_LEN
         {
@@ -288,7 +288,7 @@ pub fn decode_record(
             // Checked: a length from disk must not wrap past the batch.
             let end = entry.value_offset.checked_add(u64::from(entry.value_len));
             if entry.value_len == 0
-                || entry.value_offset % PAGE_SIZE != 0
+                || !entry.value_offset.is_multiple_of(PAGE_SIZE)
                 || entry.value_offset < header.padded_record_len()
                 || end.is_none_or(|end| end > header.batch_len)
             {

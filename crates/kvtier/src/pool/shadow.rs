@@ -150,7 +150,7 @@ impl Shadow {
         // Mixed once more: sampling must not follow any structure of the
         // key space.
         let mixed = (digest as u64 ^ (digest >> 64) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        mixed % self.rate == 0
+        mixed.is_multiple_of(self.rate)
     }
 
     /// A request for a prompt's blocks, in prefix order (`prefix_len`).

@@ -4,7 +4,7 @@ use super::{check_buffer, mismatched, Inner, PutOptions, StreamedPuts, ValueLeas
 use crate::disk::DiskLocation;
 use crate::error::{ErrorKind, Result};
 use crate::foreign::{ForeignSegments, Source};
-use crate::key::{validate_key, KeyDigest, Namespace};
+use crate::key::{validate_key, Namespace};
 use crate::stats::Counters;
 use crate::units::PAGE_SIZE;
 use std::sync::Arc;
@@ -300,12 +300,12 @@ impl NamespacedStore {
         if keys.len() != capacities.len() || self.inner.check_open().is_err() {
             return keys.iter().map(|_| None).collect();
         }
+        let digests = self.namespace.digest_many(keys);
         keys.iter()
             .zip(capacities)
-            .map(|(key, &capacity)| {
-                let key = key.as_ref();
-                validate_key(key).ok()?;
-                let digest = self.namespace.digest(key);
+            .zip(digests)
+            .map(|((key, &capacity), digest)| {
+                validate_key(key.as_ref()).ok()?;
                 let mut shard = self.inner.index.lock(digest);
                 let slot = Arc::clone(shard.get(digest)?.mem()?);
                 slot.record_hit();
@@ -326,10 +326,7 @@ impl NamespacedStore {
         if self.inner.check_open().is_err() {
             return vec![false; keys.len()];
         }
-        let digests: Vec<KeyDigest> = keys
-            .iter()
-            .map(|k| self.namespace.digest(k.as_ref()))
-            .collect();
+        let digests = self.namespace.digest_many(keys);
         let mut found = self
             .inner
             .index

@@ -36,7 +36,7 @@ impl Inner {
             .iter()
             .map(|k| validate_key(k.as_ref()).is_ok())
             .collect();
-        let digests: Vec<KeyDigest> = keys.iter().map(|k| ns.digest(k.as_ref())).collect();
+        let digests = ns.digest_many(keys);
         seen(&digests);
         let mut found = self.index.contains_many(&digests);
         for (present, valid) in found.iter_mut().zip(valid) {
@@ -92,30 +92,28 @@ impl Inner {
         let mut disk_reads: Vec<Option<ValueRead>> = Vec::with_capacity(keys.len());
         // The index entry each disk read came from.
         let mut seqs: Vec<u64> = Vec::with_capacity(keys.len());
-        for (key, buf) in keys.iter().zip(bufs.iter_mut()) {
+        let digests = ns.digest_many(keys);
+        for ((key, buf), &digest) in keys.iter().zip(bufs.iter_mut()).zip(&digests) {
             let key = key.as_ref();
             let mut disk_read = None;
             let mut seq = 0;
-            let result = validate_key(key).and_then(|()| {
-                let digest = ns.digest(key);
-                match self.lookup(digest) {
-                    Found::Miss => {
-                        Counters::add(&self.counters.misses, 1);
-                        Ok(None)
-                    }
-                    Found::Memory(slot) => {
-                        check_buffer(slot.len(), buf.capacity())?;
-                        buf.fill_from(slot.bytes());
-                        Counters::add(&self.counters.memory_hits, 1);
-                        Ok(Some(slot.len()))
-                    }
-                    Found::Disk(read, entry_seq) => {
-                        check_buffer(read.len, buf.capacity())?;
-                        let len = read.len;
-                        disk_read = Some(read);
-                        seq = entry_seq;
-                        Ok(Some(len))
-                    }
+            let result = validate_key(key).and_then(|()| match self.lookup(digest) {
+                Found::Miss => {
+                    Counters::add(&self.counters.misses, 1);
+                    Ok(None)
+                }
+                Found::Memory(slot) => {
+                    check_buffer(slot.len(), buf.capacity())?;
+                    buf.fill_from(slot.bytes());
+                    Counters::add(&self.counters.memory_hits, 1);
+                    Ok(Some(slot.len()))
+                }
+                Found::Disk(read, entry_seq) => {
+                    check_buffer(read.len, buf.capacity())?;
+                    let len = read.len;
+                    disk_read = Some(read);
+                    seq = entry_seq;
+                    Ok(Some(len))
                 }
             });
             results.push(result);

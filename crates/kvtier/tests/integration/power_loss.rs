@@ -74,7 +74,7 @@ fn open_case(dir: &Path, single_sync: bool, case: u64) -> (Store, Arc<FaultyEngi
 
 /// Cases alternate io engines.
 fn engine_of_case(case: u64) -> kvtier::IoEngineKind {
-    if case % 2 == 0 {
+    if case.is_multiple_of(2) {
         kvtier::IoEngineKind::Uring
     } else {
         kvtier::IoEngineKind::Psync

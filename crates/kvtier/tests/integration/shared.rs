@@ -558,7 +558,7 @@ fn a_bounded_node_indexes_its_share_and_reads_again_when_it_changes() {
     // No share given yet: none of B's entries.
     assert_eq!(c.stats().entries, 0);
     assert_eq!(read(&c, &keys[0]), None);
-    let even = |h: u64| h % 2 == 0;
+    let even = |h: u64| h.is_multiple_of(2);
     let in_even: Vec<bool> = keys.iter().map(|k| even(c.share_hash(k))).collect();
     let evens = in_even.iter().filter(|e| **e).count();
     assert!(
