@@ -158,8 +158,11 @@ pub fn policy_probe(dir: &Path) -> Result<(u64, u64), Box<dyn std::error::Error>
     Ok((stats.policy_bytes, stats.memory_entries))
 }
 
-/// Writes `entries` 4 KiB values through a store, closes it cleanly, and
-/// times `Store::open` (recovery from the batch records). The pool is
+/// Writes `entries` 4 KiB values through a store, closes it cleanly
+/// (writing its index checkpoint), and times `Store::open` twice: loading
+/// that checkpoint (the `checkpoint` row, with the close's time), then,
+/// with the checkpoint removed, reading every batch record (the `disk`
+/// row; docs/design.md, "Recovery" and "Local index checkpoints"). The pool is
 /// kept small (16 MiB) so the open time is recovery, not backing the pool
 /// with memory, which is measured on its own just before: an empty
 /// directory opened with a 256 MiB pool (on the development VM, right
@@ -169,7 +172,7 @@ pub fn reopen_case(
     dir: &Path,
     entries: u64,
     engine: IoEngineKind,
-) -> Result<Row, Box<dyn std::error::Error>> {
+) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
     let _ = std::fs::remove_dir_all(dir);
     let value = 4096u64;
     let config = Config::new(dir)
@@ -191,7 +194,10 @@ pub fn reopen_case(
         }
         next += keys.len() as u64;
     }
+    // The clean close writes the index checkpoint the first reopen loads.
+    let started = Instant::now();
     store.close()?;
+    let close_seconds = started.elapsed().as_secs_f64();
     drop(store);
     // Beside it, at the same moment of the machine (just after the writes):
     // an empty directory with a 256 MiB pool.
@@ -207,21 +213,38 @@ pub fn reopen_case(
     .close()?;
     let pool_open_seconds = started.elapsed().as_secs_f64();
     let _ = std::fs::remove_dir_all(&empty_dir);
-    let started = Instant::now();
-    let store = Store::open(config)?;
-    let seconds = started.elapsed().as_secs_f64();
-    let stats = store.stats();
-    if stats.entries != entries {
-        return Err(format!("reopen found {} of {entries} entries", stats.entries).into());
-    }
-    let mut row = empty_row("open", "disk", engine_name);
-    row.seconds = seconds;
-    row.p50_us = (seconds * 1e6) as u64;
-    row.bytes = stats.disk_used_bytes;
-    row.index_entries = Some(stats.entries);
-    row.pool_open_seconds = Some(pool_open_seconds);
-    store.close()?;
-    Ok(row)
+    let reopen =
+        |config: Config, loaded: u64, tier: &str| -> Result<Row, Box<dyn std::error::Error>> {
+            let started = Instant::now();
+            let store = Store::open(config)?;
+            let seconds = started.elapsed().as_secs_f64();
+            let stats = store.stats();
+            if stats.entries != entries {
+                return Err(format!("reopen found {} of {entries} entries", stats.entries).into());
+            }
+            if stats.checkpoint_entries_loaded != loaded {
+                return Err(format!(
+                    "the {tier} reopen loaded {} entries from a checkpoint, not {loaded}",
+                    stats.checkpoint_entries_loaded
+                )
+                .into());
+            }
+            let mut row = empty_row("open", tier, engine_name);
+            row.seconds = seconds;
+            row.p50_us = (seconds * 1e6) as u64;
+            row.bytes = stats.disk_used_bytes;
+            row.index_entries = Some(stats.entries);
+            store.close()?;
+            Ok(row)
+        };
+    // From the checkpoint the clean close wrote; then, with it removed and
+    // none written at that close, reading every batch record.
+    let mut from_checkpoint = reopen(config.clone(), entries, "checkpoint")?;
+    from_checkpoint.close_seconds = Some(close_seconds);
+    std::fs::remove_dir_all(dir.join("checkpoints"))?;
+    let mut from_records = reopen(config.local_index_checkpoints(false), 0, "disk")?;
+    from_records.pool_open_seconds = Some(pool_open_seconds);
+    Ok(vec![from_records, from_checkpoint])
 }
 
 /// A node starting beside another writer's log of `entries` blocks in a

@@ -46,6 +46,10 @@ pub struct Row {
     /// out by using a 16 MiB pool.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool_open_seconds: Option<f64>,
+    /// For the open row from a checkpoint: seconds the clean close before
+    /// it took, the checkpoint's write and sync included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub close_seconds: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index_lookup_p50_us: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -270,7 +274,7 @@ impl Row {
         if self.op == "open" {
             let entries = self.index_entries.unwrap_or(0);
             return format!(
-                "{:<4} {:<6} reopened {} entries ({} of region files) in {:.3} s ({:.2} M entries/s){}",
+                "{:<4} {:<6} reopened {} entries ({} of region files) in {:.3} s ({:.2} M entries/s){}{}",
                 self.op,
                 self.tier,
                 entries,
@@ -279,6 +283,9 @@ impl Row {
                 entries as f64 / self.seconds.max(1e-9) / 1e6,
                 self.pool_open_seconds.map_or(String::new(), |s| format!(
                     "; an empty directory with a 256 MiB pool opens in {s:.3} s"
+                )),
+                self.close_seconds.map_or(String::new(), |s| format!(
+                    "; the clean close that wrote the checkpoint took {s:.3} s"
                 ))
             );
         }
@@ -469,9 +476,14 @@ pub fn markdown(rows: &[Row]) -> String {
             "open" => {
                 let _ = writeln!(
                     out,
-                    "\nReopen after a clean close with {} entries ({} of region files): {:.3} s.",
+                    "\nReopen after a clean close with {} entries ({} of region files), {}: {:.3} s.",
                     r.index_entries.unwrap_or(0),
                     format_size(r.bytes),
+                    if r.tier == "checkpoint" {
+                        "loading its index checkpoint"
+                    } else {
+                        "reading every batch record"
+                    },
                     r.seconds
                 );
             }

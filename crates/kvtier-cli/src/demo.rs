@@ -51,12 +51,19 @@ pub fn run(args: &DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
     let opened = Instant::now();
     let store = Store::open(config)?;
     let report = store.recovery_report().clone();
+    let recovered = if report.from_checkpoint {
+        format!(
+            "{} entries from its index checkpoint",
+            report.checkpoint_entries
+        )
+    } else {
+        format!("{} records recovered", report.records)
+    };
     println!(
-        "opened {} in {:.1} ms: {} regions, {} records recovered, {} entries",
+        "opened {} in {:.1} ms: {} regions, {recovered}, {} entries",
         args.data_dir.display(),
         opened.elapsed().as_secs_f64() * 1e3,
         report.regions,
-        report.records,
         store.stats().entries
     );
 

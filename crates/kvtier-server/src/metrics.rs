@@ -416,7 +416,8 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         name: "kvtier_recovery_findings",
         help: "What the last open found and did, by kind: damaged_headers (kept), \
                foreign_regions (quarantined), skipped_region_files, buffered_regions \
-               (no O_DIRECT), regions_behind_gap (not indexed), scrub_dropped (values).",
+               (no O_DIRECT), regions_behind_gap (not indexed), scrub_dropped (values), \
+               checkpoint_entries_loaded (indexed from a local index checkpoint).",
         bytes: false,
         counter: false,
         label: Some("kind"),
@@ -427,6 +428,7 @@ const STORE_FAMILIES: &[StoreFamily] = &[
             ("buffered_regions", "buffered_regions"),
             ("regions_behind_gap", "regions_behind_gap"),
             ("scrub_dropped", "scrub_dropped"),
+            ("checkpoint_entries_loaded", "checkpoint_entries_loaded"),
         ],
     },
     StoreFamily {

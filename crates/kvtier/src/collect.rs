@@ -10,9 +10,10 @@
 //! It opens a store, so it sits above `store/` in the crate's layers; the
 //! shared directory's mechanisms below the store name no `Store`.
 
+use crate::checkpoint::CHECKPOINT_DIR;
 use crate::config::Config;
 use crate::error::{ErrorKind, Result};
-use crate::shared::{writer_lock_held, SharedDir, CHECKPOINT_DIR, WRITER_LOCK_FILE};
+use crate::shared::{writer_lock_held, SharedDir, WRITER_LOCK_FILE};
 use crate::store::Store;
 use std::fs;
 use std::os::unix::fs::MetadataExt;

@@ -56,6 +56,9 @@ stats! {
     buffered_regions: u64,
     regions_behind_gap: u64,
     scrub_dropped: u64,
+    /// Entries the last open indexed from a local index checkpoint instead
+    /// of reading batch records (0: it read every record).
+    checkpoint_entries_loaded: u64,
     memory_hits: u64,
     disk_hits: u64,
     misses: u64,

@@ -171,9 +171,10 @@ pub fn run_cases(args: &BenchArgs, engine: IoEngineKind) -> BenchResult<Vec<Row>
         rows.extend(index::follow_case(&store_dir, entries, engine)?);
     }
     if args.reopen_entries > 0 {
-        let row = index::reopen_case(&store_dir, args.reopen_entries, engine)?;
-        println!("{}", row.line());
-        rows.push(row);
+        for row in index::reopen_case(&store_dir, args.reopen_entries, engine)? {
+            println!("{}", row.line());
+            rows.push(row);
+        }
         let _ = std::fs::remove_dir_all(&store_dir);
     }
     Ok(rows)

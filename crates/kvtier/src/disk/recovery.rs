@@ -6,6 +6,7 @@
 
 use super::format::{self, RecordEntry};
 use super::names::{parse_region_name, RegionName};
+use super::recorded::RecordedRegion;
 use super::{parallel_scan, value_loc, DiskTier, Region};
 use crate::disk::DiskLoc;
 use crate::error::{Error, Result};
@@ -25,7 +26,7 @@ const SCRUB_PIECE: usize = 8 << 20;
 
 /// What recovery may assume, decided by the store from the data
 /// directory's files before the disk tier opens.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RecoveryChecks {
     /// The key-secret matched its check value: no need to refuse a
     /// directory where no record verifies (older directories have no check
@@ -35,6 +36,11 @@ pub struct RecoveryChecks {
     /// The previous run did not close cleanly: verify the values of the
     /// newest region's batches before indexing them.
     pub scrub_tail: bool,
+    /// The regions an index checkpoint written at the last clean close
+    /// recorded: if the directory holds exactly those, they are opened
+    /// without reading their records (the caller indexes the
+    /// checkpoint's entries); see `recorded`.
+    pub recorded: Option<Arc<[RecordedRegion]>>,
 }
 
 /// A put that recovery found in a valid batch record.
@@ -91,6 +97,11 @@ pub struct RecoveryReport {
     pub scrubbed_entries: u64,
     pub scrub_dropped: u64,
     pub scrub_ms: u64,
+    /// The regions were opened as an index checkpoint recorded them, and
+    /// no record was read (`RecoveryChecks::recorded`); the store then
+    /// indexes the checkpoint's entries, counted here.
+    pub from_checkpoint: bool,
+    pub checkpoint_entries: u64,
 }
 
 impl DiskTier {
@@ -105,6 +116,18 @@ impl DiskTier {
         apply: &mut impl FnMut(RecoveredEntry),
     ) -> Result<RecoveryReport> {
         let mut report = RecoveryReport::default();
+        if let Some(recorded) = &checks.recorded {
+            match self.open_recorded(recorded, &mut report) {
+                Ok(()) => {
+                    report.from_checkpoint = true;
+                    return Ok(report);
+                }
+                Err(reason) => {
+                    report = RecoveryReport::default();
+                    tracing::info!(%reason, "the index checkpoint does not match the log; reading every record instead");
+                }
+            }
+        }
         let mut candidates: BTreeMap<u32, Vec<PathBuf>> = BTreeMap::new();
         let listing = fs::read_dir(&self.dir)
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;

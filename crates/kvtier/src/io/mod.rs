@@ -74,7 +74,8 @@ impl fmt::Debug for AlignedBuf {
 
 /// Whether a buffer may be handed to an O_DIRECT transfer as it is.
 pub fn is_direct_io_aligned(buf: &[u8]) -> bool {
-    (buf.as_ptr() as usize).is_multiple_of(PAGE_SIZE as usize) && buf.len().is_multiple_of(PAGE_SIZE as usize)
+    (buf.as_ptr() as usize).is_multiple_of(PAGE_SIZE as usize)
+        && buf.len().is_multiple_of(PAGE_SIZE as usize)
 }
 
 /// One read of a batch: fill all of `buf` from `file` at `offset`.

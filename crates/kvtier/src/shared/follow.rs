@@ -11,6 +11,7 @@
 //! here after this node saw a put outranks that put everywhere. Per key the
 //! highest sequence number wins, a tombstone on a tie.
 
+use crate::checkpoint;
 use crate::disk::format::{RecordEntry, RecordKind};
 use crate::disk::DiskLoc;
 use crate::disk::{
@@ -19,7 +20,6 @@ use crate::disk::{
 };
 use crate::index::{Entry, Index};
 use crate::key::KeyDigest;
-use crate::shared::checkpoint;
 use crate::shared::dir::{SharedDir, NODES_DIR};
 use crate::shared::write_floor;
 use crate::units::PAGE_SIZE;

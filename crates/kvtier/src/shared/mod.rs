@@ -4,13 +4,10 @@
 //! grows, so any node reads any node's blocks straight from the file
 //! system.
 
-mod checkpoint;
 mod dir;
 mod follow;
 mod write_floor;
 
-pub(crate) use checkpoint::CheckpointWriter;
-pub(crate) use checkpoint::CHECKPOINT_DIR;
 pub(crate) use dir::{writer_lock_held, WRITER_LOCK_FILE};
 pub(crate) use dir::{Holder, SharedDir};
 pub use follow::SharedWriter;

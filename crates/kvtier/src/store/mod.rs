@@ -12,6 +12,7 @@
 //! call goes through), `options` (per-call put options). This file holds
 //! the shared state, the facade and closing.
 
+mod local_checkpoint;
 mod namespaced;
 mod open;
 mod options;
@@ -56,8 +57,9 @@ pub(crate) struct Inner {
     /// With a shared directory: the follower of the other writers' logs,
     /// and this node's writer directory (locked while the store lives).
     follower: Option<Arc<crate::shared::Follower>>,
-    /// This node's index checkpoints (with a shared directory).
-    checkpoints: Option<Arc<crate::shared::CheckpointWriter>>,
+    /// This log's index checkpoints: in the shared directory for the
+    /// other nodes, or in the data directory for this store's next open.
+    checkpoints: Option<Arc<crate::checkpoint::CheckpointWriter>>,
     shared: Option<crate::shared::SharedDir>,
     counters: Arc<Counters>,
     closed: AtomicBool,
@@ -295,7 +297,8 @@ impl Store {
         }
         if let (Ok(()), Some(checkpoints)) = (&result, &self.inner.checkpoints) {
             // The flusher is joined: the log is still. Other nodes starting
-            // later read this instead of every record.
+            // later (or, in a local directory, this store's next open) read
+            // this instead of every record.
             if let Err(e) = checkpoints.write_now() {
                 tracing::warn!(error = %e, "could not write an index checkpoint at close");
             }
@@ -398,7 +401,9 @@ impl Store {
     /// put so far durable. Returns the checkpoint's path. Nodes that start
     /// later load it instead of reading every record of this log.
     pub fn write_checkpoint(&self) -> Result<std::path::PathBuf> {
-        let Some(checkpoints) = &self.inner.checkpoints else {
+        // A local directory's checkpoint is written at a clean close only:
+        // one written earlier stops matching the log at its next write.
+        let (Some(checkpoints), Some(_)) = (&self.inner.checkpoints, &self.inner.shared) else {
             return Err(Error::invalid("index checkpoints need a shared directory"));
         };
         self.flush()?;
@@ -535,6 +540,7 @@ impl Inner {
             buffered_regions: self.recovery.buffered_regions,
             regions_behind_gap: self.recovery.regions_behind_gap,
             scrub_dropped: self.recovery.scrub_dropped,
+            checkpoint_entries_loaded: self.recovery.checkpoint_entries,
             memory_hits: Counters::get(&c.memory_hits),
             disk_hits: Counters::get(&c.disk_hits),
             misses: Counters::get(&c.misses),

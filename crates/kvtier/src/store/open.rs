@@ -5,6 +5,7 @@
 //! must happen.
 
 use super::{Inner, NamespacedStore, Store};
+use crate::checkpoint::CheckpointWriter;
 use crate::config::{Config, FlushPolicy};
 use crate::data_dir::Identity;
 use crate::disk::format::{self, RecordKind};
@@ -15,7 +16,7 @@ use crate::index::{Entry, Index};
 use crate::key::{KeyDigest, KeySecret, Namespace};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
-use crate::shared::{CheckpointWriter, Follower, SharedDir};
+use crate::shared::{Follower, SharedDir};
 use crate::units::{page_round_up, PAGE_SIZE};
 use crate::write_log::{WriteLog, EARLIEST_PLAUSIBLE_CLOCK_NANOS, LATEST_PLAUSIBLE_CLOCK_NANOS};
 use std::collections::HashMap;
@@ -107,9 +108,23 @@ impl Store {
                 Arc::clone(disk),
                 Arc::clone(&index),
                 Arc::clone(&log),
-                Arc::clone(follower),
+                Some(Arc::clone(follower)),
                 config.shared_checkpoint_interval,
             ))),
+            // A local directory's: written at a clean close only (the
+            // flusher has no hook without a follower), for the next open.
+            (None, Some(disk), _) if config.local_checkpoints => {
+                Some(Arc::new(CheckpointWriter::new(
+                    &config.data_dir,
+                    &place.node_id,
+                    Arc::clone(&place.secret),
+                    Arc::clone(disk),
+                    Arc::clone(&index),
+                    Arc::clone(&log),
+                    None,
+                    config.shared_checkpoint_interval,
+                )))
+            }
             _ => None,
         };
         let inner = Arc::new(Inner {
@@ -246,6 +261,11 @@ fn recover_disk(
             lost,
         });
     }
+    // After a clean close, the checkpoint written then (if the log is
+    // still exactly as it recorded; the disk tier checks the files).
+    let checkpoint = (clean && place.shared.is_none() && config.local_checkpoints)
+        .then(|| super::local_checkpoint::load(&config.data_dir, &place.node_id, &place.secret))
+        .flatten();
     let checks = RecoveryChecks {
         // In a shared directory `key-check` travels with `key-secret` (both
         // copied from another directory confirm each other), so it proves
@@ -254,6 +274,9 @@ fn recover_disk(
         // region.
         identity_confirmed: place.identity_confirmed && place.shared.is_none(),
         scrub_tail: !clean,
+        recorded: checkpoint
+            .as_ref()
+            .map(|c| super::local_checkpoint::recorded_regions(c).into()),
     };
     let (disk, report) = DiskTier::open(
         config,
@@ -271,6 +294,11 @@ fn recover_disk(
             apply_recovered(index, &mut own_tombstones, recovered)
         },
     )?;
+    let mut report = report;
+    if let (true, Some(checkpoint)) = (report.from_checkpoint, &checkpoint) {
+        report.checkpoint_entries = super::local_checkpoint::index_entries(index, checkpoint);
+        report.max_seq = report.max_seq.max(checkpoint.seq);
+    }
     Ok(Recovered {
         disk: Some(disk),
         report,
@@ -297,6 +325,7 @@ fn log_opened(config: &Config, disk: &DiskTier, recovery: &RecoveryReport, index
         regions = recovery.regions,
         batches = recovery.batches,
         records = recovery.records,
+        from_checkpoint = recovery.from_checkpoint,
         entries = index.counts().entries,
         damaged_regions = recovery.damaged_regions,
         skipped_pages = recovery.skipped_pages,

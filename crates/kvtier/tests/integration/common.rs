@@ -163,6 +163,16 @@ pub fn region_id(path: &Path) -> u32 {
     u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap()
 }
 
+/// Removes the index checkpoint a clean close left in `dir`, so that the
+/// next open reads every batch record: for tests of what recovery does
+/// with damaged records (with the checkpoint, an open after a clean close
+/// reads no record; local_checkpoint.rs tests that path).
+pub fn forget_checkpoint(dir: &Path) {
+    let checkpoints = dir.join("checkpoints");
+    assert!(checkpoints.is_dir(), "a clean close leaves a checkpoint");
+    fs::remove_dir_all(checkpoints).unwrap();
+}
+
 /// The value size of the damage suites.
 pub const DAMAGE_VALUE: usize = 64 * 1024;
 

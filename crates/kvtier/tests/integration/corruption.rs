@@ -69,6 +69,7 @@ fn flipped_record_bytes_drop_batches_not_correctness() {
         let offsets = batch_offsets(&files[0]);
         assert!(offsets.len() >= 3, "{offsets:?}");
         flip(&files[0], offsets[1] + 40); // the first entry: every record has one
+        forget_checkpoint(dir.path());
         let store = open(small_config(dir.path()));
         let report = store.recovery_report().clone();
         assert_eq!(report.damaged_regions, 1, "{report:?}");
@@ -201,6 +202,7 @@ fn a_tombstone_after_a_damaged_record_still_holds() {
         let offsets = batch_offsets(&files[0]);
         assert!(offsets.len() >= 4, "{offsets:?}");
         flip(&files[0], offsets[1] + 40); // the bystander's record
+        forget_checkpoint(dir.path());
         let store = open(small_config(dir.path()));
         assert_eq!(store.recovery_report().damaged_regions, 1);
         assert_eq!(

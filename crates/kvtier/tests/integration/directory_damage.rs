@@ -104,6 +104,7 @@ fn a_wrapping_batch_length_never_hangs_the_open() {
         file.write_all_at(&page, at).unwrap();
         file.sync_all().unwrap();
         drop(file);
+        forget_checkpoint(dir.path());
         let store = open_bounded(dir.path()).unwrap();
         let hits = check_all(&store, n);
         assert!(
@@ -277,6 +278,7 @@ fn a_damaged_region_header_keeps_its_batches_and_its_removes() {
         let files = region_files(dir.path());
         assert_eq!(files.len(), 1, "one region holds the puts and removes");
         flip(&files[0], 13); // the region id in the header
+        forget_checkpoint(dir.path());
         let store = open(small_config(dir.path()));
         let report = store.recovery_report().clone();
         assert_eq!(report.damaged_headers, 1, "{report:?}");

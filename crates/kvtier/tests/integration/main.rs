@@ -12,6 +12,7 @@ mod events;
 mod full_disk;
 mod io_deadline;
 mod io_faults;
+mod local_checkpoint;
 mod model;
 mod power_loss;
 mod shared;

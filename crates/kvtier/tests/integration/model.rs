@@ -183,6 +183,10 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy, engine: IoEngineKind) -> Result<(),
             Op::Reopen => {
                 drop(store);
                 store = Store::open(config(dir.path(), policy, engine)).unwrap();
+                // A clean close: the open loaded its index checkpoint, so
+                // the checks below hold it to the model.
+                let stats = store.stats();
+                prop_assert_eq!(stats.checkpoint_entries_loaded, stats.entries);
                 for (k, expected) in model.iter_mut() {
                     check_key(&store, k, expected, true)?;
                     // What came back is what the model holds from now on.

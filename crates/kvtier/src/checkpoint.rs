@@ -1,9 +1,11 @@
-//! Index checkpoints of a shared directory's writers (docs/design.md,
-//! "Index checkpoints"): a writer's live entries and removals up to a
-//! point of its log, in one file, so that a node starting beside a large
-//! log loads the newest checkpoint and reads only the records after it
-//! instead of every record. Authenticated with a MAC keyed by the shared
-//! secret: only a node of the directory can make one that is read.
+//! Index checkpoints (docs/design.md, "Index checkpoints"): a log's live
+//! entries and removals up to a point of it, in one file. A node starting
+//! beside another writer's large log in a shared directory loads that
+//! writer's newest checkpoint and reads only the records after it; a store
+//! reopening its own log after a clean close loads the checkpoint it wrote
+//! at that close and reads no record at all ("Local index checkpoints").
+//! Authenticated with a MAC keyed by the directory's secret: only a holder
+//! of the secret can make one that is read.
 //!
 //! Layout (little endian): a 32-byte header, the covered regions, the
 //! entries, the removals, a 32-byte footer of counts, a 32-byte MAC.
@@ -222,7 +224,7 @@ fn verify_mac_streaming(
     file.read_exact(&mut mac)
         .map_err(|e| format!("changed while read ({e})"))?;
     if hasher.finalize() != blake3::Hash::from_bytes(mac) {
-        return Err("its MAC does not verify under the shared secret".into());
+        return Err("its MAC does not verify under the directory's secret".into());
     }
     Ok(())
 }
@@ -268,7 +270,7 @@ pub fn read(
     let mut hasher = mac_hasher(secret);
     hasher.update(body);
     if hasher.finalize() != blake3::Hash::from_bytes(mac.try_into().expect("32 bytes")) {
-        return Err("its MAC does not verify under the shared secret".into());
+        return Err("its MAC does not verify under the directory's secret".into());
     }
     if &body[..8] != MAGIC || u32_at(body, 8) != VERSION {
         return Err("not a version-1 checkpoint".into());
@@ -377,7 +379,11 @@ pub(crate) struct CheckpointWriter {
     disk: Arc<DiskTier>,
     index: Arc<Index>,
     log: Arc<WriteLog>,
-    follower: Arc<Follower>,
+    /// The shared directory's follower, which knows this log's removals;
+    /// none for a local directory, whose checkpoints are read only when
+    /// they match the log exactly (no record is read, so no removal is
+    /// needed to hide an older put).
+    follower: Option<Arc<Follower>>,
     every: Duration,
     /// When the last checkpoint was written, and the batch count then.
     last: Mutex<(Instant, u64)>,
@@ -401,7 +407,7 @@ impl CheckpointWriter {
         disk: Arc<DiskTier>,
         index: Arc<Index>,
         log: Arc<WriteLog>,
-        follower: Arc<Follower>,
+        follower: Option<Arc<Follower>>,
         every: Duration,
     ) -> CheckpointWriter {
         CheckpointWriter {
@@ -446,7 +452,10 @@ impl CheckpointWriter {
                 covered,
             })
             .collect();
-        let tombstones = self.follower.own_tombstones();
+        let tombstones = self
+            .follower
+            .as_ref()
+            .map_or_else(Vec::new, |follower| follower.own_tombstones());
         let seq = self.log.next_seq().saturating_sub(1);
         let started = Instant::now();
         let mut count = 0u64;
