@@ -62,15 +62,29 @@ impl ForeignSegments {
     }
 
     /// Copies `bytes` to the front of the segments, through raw pointers.
-    pub fn copy_in(&self, mut bytes: &[u8]) {
-        assert!(bytes.len() <= self.len, "a copy past the segments");
+    pub fn copy_in(&self, bytes: &[u8]) {
+        self.copy_in_at(0, bytes);
+    }
+
+    /// Copies `bytes` to the segments from byte `at` on.
+    pub fn copy_in_at(&self, mut at: usize, mut bytes: &[u8]) {
+        assert!(
+            at.checked_add(bytes.len())
+                .is_some_and(|end| end <= self.len),
+            "a copy past the segments"
+        );
         for &(ptr, len) in &self.segments {
             if bytes.is_empty() {
                 return;
             }
-            let n = len.min(bytes.len());
-            // SAFETY: as in `copy_out`.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, n) };
+            if at >= len {
+                at -= len;
+                continue;
+            }
+            let n = (len - at).min(bytes.len());
+            // SAFETY: as in `copy_out`; `at + n` is within this segment.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.add(at), n) };
+            at = 0;
             bytes = &bytes[n..];
         }
     }
@@ -81,14 +95,14 @@ impl Destination for ForeignSegments {
         self.len
     }
 
-    /// Never one slice: disk reads land in a private bounce buffer and are
-    /// verified there before `fill_from` copies them out.
+    /// Never one slice: disk reads land in a private buffer and are copied
+    /// out from there (a value that fails verification is zeroed after).
     fn contiguous(&mut self) -> Option<&mut [u8]> {
         None
     }
 
-    fn fill_from(&mut self, bytes: &[u8]) {
-        self.copy_in(bytes);
+    fn fill_at(&mut self, at: usize, bytes: &[u8]) {
+        self.copy_in_at(at, bytes);
     }
 }
 

@@ -13,14 +13,36 @@
 //! NFS read cannot be cancelled), then frees them. Reads held past their
 //! deadline are counted; while too many are, new bounded batches answer
 //! misses at once instead of tying up a thread and buffers each.
+//!
+//! A batch of values in buffered files (network and FUSE file systems in
+//! the default read mode) is **streamed** instead: its thread reads the
+//! values one after another, in order, in pieces of `STREAM_PIECE` into a
+//! ring of `STREAM_PIECES` buffers of its own, checksumming each piece as
+//! it lands, and hands the pieces over; the caller copies each into its
+//! destination while the next is read, and takes each value's verdict
+//! when its last piece is in. So a value's bytes cross memory about as
+//! often as in a plain program's `read` (the ring stays in cache), and
+//! the file is read as one sequential stream, as readahead likes it. The
+//! bound is the same: only the thread writes the ring, only the caller
+//! writes its destinations, and a caller past its deadline zeroes what it
+//! copied of values without a verdict, answers them as misses, and leaves
+//! the ring to the thread.
 
 use super::read::{Destination, ReadOutcome, ValueRead, ValueReader};
 use crate::error::Error;
-use crate::io::AlignedBuf;
-use crate::units::page_round_up;
+use crate::io::{AlignedBuf, ReadOp};
+use crate::key::ValueChecksum;
+use crate::units::{page_round_up, PAGE_SIZE};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+/// Bytes per piece of a streamed value read.
+const STREAM_PIECE: usize = 2 << 20;
+/// Pieces of a streamed batch in flight: one being read, one being copied
+/// out, one spare.
+const STREAM_PIECES: usize = 3;
 
 /// Bounded batches that may be held past their deadline at once before
 /// new ones answer misses without reading: each holds a thread (parked in
@@ -85,6 +107,12 @@ enum Started {
         counters: Arc<StallCounters>,
         reader: Arc<ValueReader>,
     },
+    /// Values of buffered files, streamed piece by piece.
+    Streaming {
+        stream: Stream,
+        deadline: Instant,
+        limit: Duration,
+    },
     /// Not started: too many reads are held past their deadline.
     Refused(Arc<StallCounters>),
     /// Not started: no thread could be made for it.
@@ -117,6 +145,9 @@ impl BoundedReads {
             if stuck.batches >= MAX_STUCK_BATCHES || stuck.bytes >= MAX_STUCK_BYTES {
                 return Pending(Started::Refused(Arc::clone(&self.counters)));
             }
+        }
+        if reads.iter().flatten().all(|r| !r.region.direct_io()) {
+            return self.start_streamed(reads);
         }
         let mut bufs: Vec<Option<AlignedBuf>> = reads
             .iter()
@@ -200,6 +231,386 @@ impl BoundedReads {
     }
 }
 
+impl BoundedReads {
+    /// Starts streaming every `Some` of `reads` (values of buffered files)
+    /// on a thread of its own.
+    fn start_streamed(&self, reads: &[Option<ValueRead>]) -> Pending {
+        let deadline = Instant::now() + self.deadline;
+        match spawn_stream(&self.reader, &self.stuck, &self.counters, reads) {
+            Ok(stream) => Pending(Started::Streaming {
+                stream,
+                deadline,
+                limit: self.deadline,
+            }),
+            Err(why) => Pending(Started::Failed(why)),
+        }
+    }
+}
+
+/// Starts the thread of a streamed batch, with its ring of buffers.
+fn spawn_stream(
+    reader: &Arc<ValueReader>,
+    stuck: &Arc<Mutex<Stuck>>,
+    counters: &Arc<StallCounters>,
+    reads: &[Option<ValueRead>],
+) -> Result<Stream, String> {
+    let (free_tx, free_rx) = mpsc::channel();
+    for _ in 0..STREAM_PIECES {
+        let _ = free_tx.send(reader.bounce.take(STREAM_PIECE));
+    }
+    let (filled_tx, filled_rx) = mpsc::channel();
+    let job = Arc::new(Mutex::new(StreamPhase::Running));
+    let bytes = (STREAM_PIECES * STREAM_PIECE) as u64;
+    let reads_owned = reads.to_vec();
+    let (thread_job, thread_reader, thread_stuck, thread_counters) = (
+        Arc::clone(&job),
+        Arc::clone(reader),
+        Arc::clone(stuck),
+        Arc::clone(counters),
+    );
+    std::thread::Builder::new()
+        .name("kvtier-bounded-read".into())
+        .spawn(move || {
+            let reader = thread_reader;
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                stream_values(&reader, &reads_owned, &free_rx, &filled_tx)
+            }));
+            // Every buffer this side still holds goes back to the pool.
+            drop(filled_tx);
+            while let Ok(buf) = free_rx.try_recv() {
+                reader.bounce.give_back(buf);
+            }
+            let mut phase = thread_job.lock().unwrap();
+            if matches!(*phase, StreamPhase::Abandoned) {
+                drop(phase);
+                release(&thread_stuck, &thread_counters, bytes);
+            } else {
+                *phase = StreamPhase::Done;
+            }
+        })
+        .map_err(|e| format!("could not start a read thread: {e}"))?;
+    Ok(Stream {
+        job,
+        free: free_tx,
+        filled: filled_rx,
+        bytes,
+        reader: Arc::clone(reader),
+        stuck: Arc::clone(stuck),
+        counters: Arc::clone(counters),
+    })
+}
+
+/// The caller's end of a streamed batch.
+struct Stream {
+    job: Arc<Mutex<StreamPhase>>,
+    /// Buffers handed back to the thread once copied out.
+    free: Sender<AlignedBuf>,
+    filled: Receiver<StreamMsg>,
+    /// Buffer bytes the ring holds.
+    bytes: u64,
+    reader: Arc<ValueReader>,
+    stuck: Arc<Mutex<Stuck>>,
+    counters: Arc<StallCounters>,
+}
+
+enum StreamPhase {
+    Running,
+    /// The thread read every value and left.
+    Done,
+    /// The caller gave up on it; the thread uncounts it when it leaves.
+    Abandoned,
+}
+
+/// What the thread of a streamed batch hands over, in order.
+enum StreamMsg {
+    /// The value's bytes at `at..at + len`, in `buf`.
+    Piece {
+        value: usize,
+        at: usize,
+        len: usize,
+        buf: AlignedBuf,
+    },
+    /// Every piece of the value was handed over.
+    Read { value: usize },
+    /// The value could not be read (an error, or it lies past the end of
+    /// its file).
+    Failed { value: usize, outcome: ReadOutcome },
+}
+
+/// The caller went away: stop reading.
+struct CallerGone;
+
+/// The thread of a streamed batch: each value in order, piece by piece.
+/// It only reads; the caller checksums and copies (so the thread's reads
+/// go as fast as a plain program's).
+fn stream_values(
+    reader: &ValueReader,
+    reads: &[Option<ValueRead>],
+    free: &Receiver<AlignedBuf>,
+    filled: &Sender<StreamMsg>,
+) -> Result<(), CallerGone> {
+    for (value, read) in reads.iter().enumerate() {
+        let Some(read) = read else { continue };
+        let message = match stream_value(reader, value, read, free, filled)? {
+            None => StreamMsg::Read { value },
+            Some(outcome) => StreamMsg::Failed { value, outcome },
+        };
+        filled.send(message).map_err(|_| CallerGone)?;
+    }
+    Ok(())
+}
+
+/// Streams one value's pieces; what went wrong, if anything.
+fn stream_value(
+    reader: &ValueReader,
+    value: usize,
+    read: &ValueRead,
+    free: &Receiver<AlignedBuf>,
+    filled: &Sender<StreamMsg>,
+) -> Result<Option<ReadOutcome>, CallerGone> {
+    let offset = u64::from(read.loc.page()) * PAGE_SIZE;
+    let mut at = 0;
+    while at < read.len {
+        let mut buf = free.recv().map_err(|_| CallerGone)?;
+        let len = (read.len - at).min(STREAM_PIECE);
+        let mut ops = [ReadOp::new(
+            &read.region.file,
+            offset + at as u64,
+            &mut buf.as_mut_slice()[..len],
+        )];
+        reader.engine.read_batch_then(&mut ops, &|_, _| {});
+        let [op] = ops;
+        if let Err(e) = op.result {
+            reader.bounce.give_back(buf);
+            return Ok(Some(if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                ReadOutcome::Rejected(format!("value lies past the end of its region file: {e}"))
+            } else {
+                ReadOutcome::Failed(Error::io(
+                    format!(
+                        "reading region {} page {}",
+                        read.loc.region(),
+                        read.loc.page()
+                    ),
+                    e,
+                ))
+            }));
+        }
+        filled
+            .send(StreamMsg::Piece {
+                value,
+                at,
+                len,
+                buf,
+            })
+            .map_err(|_| CallerGone)?;
+        at += len;
+    }
+    Ok(None)
+}
+
+/// How a streamed batch ended for its caller.
+struct StreamEnd {
+    outcomes: Vec<Option<ReadOutcome>>,
+    /// Values whose bytes did not verify (zeroed), for a second look.
+    mismatched: Vec<usize>,
+    /// The deadline passed; the values without an outcome are late.
+    timed_out: bool,
+    /// This batch was the first held past its deadline since all answered.
+    first_stall: bool,
+}
+
+impl Stream {
+    /// Checksums and copies pieces out, and takes each value's verdict,
+    /// until every value has one or until `deadline`: then the values
+    /// without a verdict have what was copied of them zeroed, and the batch
+    /// is given up (counted as stuck until its thread leaves).
+    fn finish<D: Destination>(
+        self,
+        reads: &[Option<ValueRead>],
+        dests: &mut [D],
+        deadline: Instant,
+    ) -> StreamEnd {
+        let mut end = StreamEnd {
+            outcomes: reads.iter().map(|_| None).collect(),
+            mismatched: Vec::new(),
+            timed_out: false,
+            first_stall: false,
+        };
+        let mut checksums: Vec<Option<ValueChecksum>> = reads
+            .iter()
+            .map(|r| r.as_ref().map(|r| ValueChecksum::new(r.digest)))
+            .collect();
+        // Bytes copied into each destination so far (zeroed if its value
+        // does not verify or does not finish).
+        let mut copied = vec![0usize; reads.len()];
+        loop {
+            let now = Instant::now();
+            let message = if now >= deadline {
+                Err(RecvTimeoutError::Timeout)
+            } else {
+                self.filled.recv_timeout(deadline - now)
+            };
+            match message {
+                Ok(StreamMsg::Piece {
+                    value,
+                    at,
+                    len,
+                    buf,
+                }) => {
+                    let bytes = &buf.as_slice()[..len];
+                    if let Some(checksum) = &mut checksums[value] {
+                        checksum.update(bytes);
+                    }
+                    dests[value].fill_at(at, bytes);
+                    copied[value] = copied[value].max(at + len);
+                    if let Err(mpsc::SendError(buf)) = self.free.send(buf) {
+                        self.reader.bounce.give_back(buf);
+                    }
+                }
+                Ok(StreamMsg::Read { value }) => {
+                    let verified = match (&checksums[value], &reads[value]) {
+                        (Some(checksum), Some(read)) => checksum.finish() == read.checksum,
+                        _ => false,
+                    };
+                    if verified {
+                        end.outcomes[value] = Some(ReadOutcome::Verified);
+                    } else {
+                        dests[value].fill_at(0, &vec![0; copied[value]]);
+                        end.mismatched.push(value);
+                    }
+                }
+                Ok(StreamMsg::Failed { value, outcome }) => {
+                    dests[value].fill_at(0, &vec![0; copied[value]]);
+                    end.outcomes[value] = Some(outcome);
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    let mut phase = self.job.lock().unwrap();
+                    if !matches!(*phase, StreamPhase::Running) {
+                        // The thread left just now: what it sent is all
+                        // there is; take it without waiting.
+                        drop(phase);
+                        continue;
+                    }
+                    // Counted while the phase is locked: the thread, which
+                    // uncounts it, sees `Abandoned` only after this.
+                    let mut held = self.stuck.lock().unwrap();
+                    held.batches += 1;
+                    held.bytes += self.bytes;
+                    held.since.get_or_insert(now);
+                    end.first_stall = held.batches == 1;
+                    drop(held);
+                    *phase = StreamPhase::Abandoned;
+                    drop(phase);
+                    for (value, read) in reads.iter().enumerate() {
+                        if read.is_some() && end.outcomes[value].is_none() {
+                            dests[value].fill_at(0, &vec![0; copied[value]]);
+                        }
+                    }
+                    end.mismatched.clear();
+                    end.timed_out = true;
+                    return end;
+                }
+            }
+        }
+        // The thread left without a verdict for these (it panicked).
+        for (value, read) in reads.iter().enumerate() {
+            if read.is_some() && end.outcomes[value].is_none() && !end.mismatched.contains(&value) {
+                dests[value].fill_at(0, &vec![0; copied[value]]);
+                end.outcomes[value] = Some(ReadOutcome::Failed(Error::io(
+                    "a bounded read",
+                    std::io::Error::other("the read thread ended early"),
+                )));
+            }
+        }
+        end
+    }
+}
+
+/// Finishes a streamed batch; values that did not verify are dropped from
+/// the page cache (it may hold a copy read before another writer's bytes
+/// landed) and streamed once more, within the same deadline, before they
+/// are called damaged.
+fn finish_streamed<D: Destination>(
+    stream: Stream,
+    reads: &[Option<ValueRead>],
+    dests: &mut [D],
+    deadline: Instant,
+    limit: Duration,
+) -> Vec<Option<ReadOutcome>> {
+    let (reader, stuck, counters) = (
+        Arc::clone(&stream.reader),
+        Arc::clone(&stream.stuck),
+        Arc::clone(&stream.counters),
+    );
+    let mut end = stream.finish(reads, dests, deadline);
+    if !end.mismatched.is_empty() {
+        let mut again: Vec<Option<ValueRead>> = reads.iter().map(|_| None).collect();
+        for &value in &end.mismatched {
+            if let Some(read) = &reads[value] {
+                let offset = u64::from(read.loc.page()) * PAGE_SIZE;
+                super::mount::drop_cached(
+                    &read.region.file,
+                    offset,
+                    page_round_up(read.len as u64),
+                );
+                again[value] = Some(read.clone());
+            }
+        }
+        match spawn_stream(&reader, &stuck, &counters, &again) {
+            Ok(stream) => {
+                let mut second = stream.finish(&again, dests, deadline);
+                for &value in &end.mismatched {
+                    end.outcomes[value] = if second.mismatched.contains(&value) {
+                        Some(ReadOutcome::Rejected(
+                            "checksum or key digest mismatch".into(),
+                        ))
+                    } else {
+                        second.outcomes[value].take()
+                    };
+                    if matches!(end.outcomes[value], Some(ReadOutcome::Verified)) {
+                        tracing::debug!(
+                            value,
+                            "a buffered read did not verify from the page cache but did from \
+                             the file system: a stale cached copy was dropped"
+                        );
+                    }
+                }
+                end.timed_out |= second.timed_out;
+                end.first_stall |= second.first_stall;
+            }
+            Err(why) => {
+                for &value in &end.mismatched {
+                    end.outcomes[value] = Some(ReadOutcome::Failed(Error::io(
+                        "a bounded read",
+                        std::io::Error::other(why.clone()),
+                    )));
+                }
+            }
+        }
+    }
+    let mut late = 0;
+    for (outcome, read) in end.outcomes.iter_mut().zip(reads) {
+        if read.is_some() && outcome.is_none() {
+            *outcome = Some(ReadOutcome::TimedOut);
+            late += 1;
+        }
+    }
+    if late > 0 {
+        counters.deadline_misses.fetch_add(late, Ordering::Relaxed);
+    }
+    if end.first_stall {
+        counters.stalls.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            deadline = ?limit,
+            "reads of a file system did not complete within the storage deadline \
+             (io_deadline): their values are answered as misses until it answers \
+             again (its FUSE daemon or server may be stopped or overloaded)"
+        );
+    }
+    end.outcomes
+}
+
 /// A batch held past its deadline came back.
 fn release(stuck: &Mutex<Stuck>, counters: &StallCounters, bytes: u64) {
     let mut stuck = stuck.lock().unwrap();
@@ -252,6 +663,11 @@ impl Pending {
             // Counted like a read past its deadline: the file system holds
             // too many already.
             Started::Refused(counters) => return timed_out(&counters),
+            Started::Streaming {
+                stream,
+                deadline,
+                limit,
+            } => return finish_streamed(stream, reads, dests, deadline, limit),
             Started::Running {
                 job,
                 deadline,
@@ -325,31 +741,42 @@ mod tests {
     const LEN: usize = 10_000;
 
     /// A tier whose bounded reads (of every file) go through `faulty`,
-    /// with one value of `LEN` bytes of 7s written; the read of it.
-    fn tier_with_value(faulty: &Arc<FaultyEngine>) -> (TestLog, DiskTier, ValueRead) {
-        let mut log = TestLog::new(1 << 20);
+    /// its files O_DIRECT or buffered (streamed), with one value of `len`
+    /// bytes of 7s written; the read of it.
+    fn tier_with(
+        faulty: &Arc<FaultyEngine>,
+        direct: bool,
+        len: usize,
+    ) -> (TestLog, DiskTier, ValueRead) {
+        let mut log = TestLog::new(64 << 20);
         let wrapped = Arc::clone(faulty);
         log.config = log
             .config
             .clone()
+            .direct_io(direct)
             .io_deadline(Duration::from_millis(20))
             .io_deadline_local(true)
             .wrap_bounded_io_engine(EngineWrapper(Arc::new(move |_built: Arc<dyn IoEngine>| {
                 Arc::clone(&wrapped) as Arc<dyn IoEngine>
             })));
         let (tier, _, _) = log.open(RecoveryChecks::default());
-        let loc = log.write(&tier, &[put(b"a", 1, LEN, 7)]).unwrap()[0];
+        let loc = log.write(&tier, &[put(b"a", 1, len, 7)]).unwrap()[0];
         let key = super::super::test_log::qualified(b"a");
         let digest = log.secret.digest_qualified(&key);
         let read = ValueRead {
             digest,
             region: tier.region(loc.region()).unwrap(),
             loc,
-            len: LEN,
-            checksum: crate::key::value_checksum(digest, &[7; LEN]),
+            len,
+            checksum: crate::key::value_checksum(digest, &vec![7; len]),
         };
         assert!(read.region.bounded());
+        assert_eq!(read.region.direct_io(), direct);
         (log, tier, read)
+    }
+
+    fn tier_with_value(faulty: &Arc<FaultyEngine>, direct: bool) -> (TestLog, DiskTier, ValueRead) {
+        tier_with(faulty, direct, LEN)
     }
 
     fn faulty() -> Arc<FaultyEngine> {
@@ -358,8 +785,14 @@ mod tests {
 
     #[test]
     fn a_read_in_time_lands_verified_in_the_callers_buffer() {
+        for direct in [true, false] {
+            read_in_time(direct);
+        }
+    }
+
+    fn read_in_time(direct: bool) {
         let engine = faulty();
-        let (_log, tier, read) = tier_with_value(&engine);
+        let (_log, tier, read) = tier_with_value(&engine, direct);
         let bounded = tier.bounded.as_ref().unwrap();
         let reads = [Some(read), None];
         let mut a = vec![0u8; LEN];
@@ -382,8 +815,14 @@ mod tests {
 
     #[test]
     fn a_stalled_read_times_out_holds_its_buffers_and_too_many_refuse_new_ones() {
+        for direct in [true, false] {
+            stalled_reads(direct);
+        }
+    }
+
+    fn stalled_reads(direct: bool) {
         let engine = faulty();
-        let (_log, tier, read) = tier_with_value(&engine);
+        let (_log, tier, read) = tier_with_value(&engine, direct);
         let bounded = tier.bounded.as_ref().unwrap();
         engine.stall(true, false);
         let reads = [Some(read)];
@@ -423,5 +862,91 @@ mod tests {
         }
         assert_eq!(bounded.stuck(), (0, 0));
         assert!(dest.iter().all(|&x| x == 0));
+    }
+
+    /// A buffered value of several pieces, streamed into a destination of
+    /// odd segments: the first attempt's pieces come back stale (a cached
+    /// copy older than the writer's bytes), so the value is read again and
+    /// verified; with every attempt stale it is rejected and what was
+    /// copied is zeroed.
+    #[test]
+    fn a_streamed_value_lands_in_segments_and_a_stale_copy_is_read_again() {
+        let len = 2 * STREAM_PIECE + 12_345;
+        let engine = faulty();
+        let (_log, tier, read) = tier_with(&engine, false, len);
+        let bounded = BoundedReads::new(
+            ValueReader::new(
+                engine.clone(),
+                Arc::clone(&tier.bounded.as_ref().unwrap().reader.bounce),
+                1 << 20,
+            ),
+            Duration::from_secs(600),
+        );
+        let reads = [Some(read)];
+        let mut whole = vec![0u8; len + 10];
+        for (stale, verified) in [(0, true), (2, true), (6, false)] {
+            engine.stale_reads(stale);
+            whole.fill(1);
+            let (a, rest) = whole.split_at_mut(1000);
+            let (b, c) = rest.split_at_mut(STREAM_PIECE + 7);
+            let mut segments: [&mut [u8]; 3] = [a, b, c];
+            let mut dests = [&mut segments[..]];
+            let outcomes = bounded.start(&reads).finish(&reads, &mut dests);
+            if verified {
+                assert!(
+                    matches!(outcomes[0], Some(ReadOutcome::Verified)),
+                    "{stale}: {outcomes:?}"
+                );
+                assert!(whole[..len].iter().all(|&x| x == 7), "{stale}");
+            } else {
+                assert!(
+                    matches!(outcomes[0], Some(ReadOutcome::Rejected(_))),
+                    "{outcomes:?}"
+                );
+                assert!(
+                    whole[..len].iter().all(|&x| x == 0),
+                    "what was copied is zeroed"
+                );
+            }
+            assert!(
+                whole[len..].iter().all(|&x| x == 1),
+                "nothing past the value"
+            );
+        }
+    }
+
+    /// A stream stalled after its first piece: the caller answers a miss at
+    /// its deadline with what it had copied zeroed, and the thread gives
+    /// the ring back when the file system answers.
+    #[test]
+    fn a_stream_stalled_midway_zeroes_what_it_copied() {
+        let len = 3 * STREAM_PIECE;
+        let engine = faulty();
+        let (_log, tier, read) = tier_with(&engine, false, len);
+        let bounded = tier.bounded.as_ref().unwrap();
+        // The first piece reads; the second stalls.
+        let reads = [Some(read)];
+        let mut dest = vec![1u8; len];
+        let pending = bounded.start(&reads);
+        let until = Instant::now() + Duration::from_secs(120);
+        while engine.held().1 == 0 && Instant::now() < until {
+            engine.stall(true, false);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let outcomes = pending.finish(&reads, &mut [&mut dest[..]]);
+        engine.resume();
+        match &outcomes[0] {
+            Some(ReadOutcome::TimedOut) => assert!(
+                dest.iter().all(|&x| x != 7),
+                "what was copied is zeroed, and nothing lands after"
+            ),
+            // The whole value was read before the stall took hold.
+            Some(ReadOutcome::Verified) => assert!(dest.iter().all(|&x| x == 7)),
+            other => panic!("{other:?}"),
+        }
+        while bounded.stuck() != (0, 0) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(bounded.stuck(), (0, 0));
     }
 }

@@ -25,7 +25,12 @@ pub(crate) trait Destination {
     /// The destination as one slice, when it is one (direct reads need it).
     fn contiguous(&mut self) -> Option<&mut [u8]>;
     /// Copies `bytes` (at most `capacity()`) to the front of the destination.
-    fn fill_from(&mut self, bytes: &[u8]);
+    fn fill_from(&mut self, bytes: &[u8]) {
+        self.fill_at(0, bytes);
+    }
+    /// Copies `bytes` to the destination from byte `at` on (`at +
+    /// bytes.len()` at most `capacity()`).
+    fn fill_at(&mut self, at: usize, bytes: &[u8]);
 }
 
 impl Destination for &mut [u8] {
@@ -35,8 +40,8 @@ impl Destination for &mut [u8] {
     fn contiguous(&mut self) -> Option<&mut [u8]> {
         Some(&mut self[..])
     }
-    fn fill_from(&mut self, bytes: &[u8]) {
-        self[..bytes.len()].copy_from_slice(bytes);
+    fn fill_at(&mut self, at: usize, bytes: &[u8]) {
+        self[at..at + bytes.len()].copy_from_slice(bytes);
     }
 }
 
@@ -50,13 +55,18 @@ impl Destination for &mut [&mut [u8]] {
             _ => None,
         }
     }
-    fn fill_from(&mut self, mut bytes: &[u8]) {
+    fn fill_at(&mut self, mut at: usize, mut bytes: &[u8]) {
         for segment in self.iter_mut() {
             if bytes.is_empty() {
                 break;
             }
-            let n = segment.len().min(bytes.len());
-            segment[..n].copy_from_slice(&bytes[..n]);
+            if at >= segment.len() {
+                at -= segment.len();
+                continue;
+            }
+            let n = (segment.len() - at).min(bytes.len());
+            segment[at..at + n].copy_from_slice(&bytes[..n]);
+            at = 0;
             bytes = &bytes[n..];
         }
     }
@@ -86,8 +96,9 @@ pub(crate) enum ReadOutcome {
     /// The read itself failed; the destination's contents are undefined.
     Failed(Error),
     /// The read did not complete within the storage deadline
-    /// (`Config::io_deadline`): nothing was written to the destination,
-    /// and the read goes on into memory of the store's own.
+    /// (`Config::io_deadline`): the destination holds none of the value's
+    /// bytes (what was copied before the deadline has been zeroed), and
+    /// the read goes on into memory of the store's own.
     TimedOut,
 }
 
@@ -220,7 +231,7 @@ impl DiskTier {
 /// or the bounded reader's (`super::deadline`).
 #[derive(Debug)]
 pub(crate) struct ValueReader {
-    engine: Arc<dyn IoEngine>,
+    pub(super) engine: Arc<dyn IoEngine>,
     /// Bounce buffers, shared by every reader of one disk tier.
     pub(super) bounce: Arc<BufferPool>,
     /// Bytes per piece of a value read (`Config::read_piece`).
