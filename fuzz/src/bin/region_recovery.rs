@@ -17,6 +17,8 @@ fn recover(config: &Config, secret: &Arc<KeySecret>) -> Vec<(u64, u128, u32, u32
     let checks = RecoveryChecks {
         identity_confirmed: true,
         scrub_tail: true,
+        // Records only: the fuzzer's input is the region files.
+        recorded: None,
     };
     let log_dir = config.data_dir().to_path_buf();
     let (_tier, _report) =

@@ -445,8 +445,13 @@ impl Stream {
         let mut copied = vec![0usize; reads.len()];
         loop {
             let now = Instant::now();
+            // Past the deadline, what is already sent is still taken (a
+            // thread that has left sent everything, then hung up).
             let message = if now >= deadline {
-                Err(RecvTimeoutError::Timeout)
+                self.filled.try_recv().map_err(|e| match e {
+                    mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                })
             } else {
                 self.filled.recv_timeout(deadline - now)
             };
@@ -487,9 +492,11 @@ impl Stream {
                 Err(RecvTimeoutError::Timeout) => {
                     let mut phase = self.job.lock().unwrap();
                     if !matches!(*phase, StreamPhase::Running) {
-                        // The thread left just now: what it sent is all
-                        // there is; take it without waiting.
+                        // The thread is leaving (it hangs up before it
+                        // says so): what it sent is all there is; take it
+                        // without waiting.
                         drop(phase);
+                        std::thread::yield_now();
                         continue;
                     }
                     // Counted while the phase is locked: the thread, which
@@ -600,15 +607,20 @@ fn finish_streamed<D: Destination>(
         counters.deadline_misses.fetch_add(late, Ordering::Relaxed);
     }
     if end.first_stall {
-        counters.stalls.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(
-            deadline = ?limit,
-            "reads of a file system did not complete within the storage deadline \
-             (io_deadline): their values are answered as misses until it answers \
-             again (its FUSE daemon or server may be stopped or overloaded)"
-        );
+        note_stall(&counters, limit);
     }
     end.outcomes
+}
+
+/// The first batch held past its deadline since every read answered.
+fn note_stall(counters: &StallCounters, limit: Duration) {
+    counters.stalls.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(
+        deadline = ?limit,
+        "reads of a file system did not complete within the storage deadline \
+         (io_deadline): their values are answered as misses until it answers \
+         again (its FUSE daemon or server may be stopped or overloaded)"
+    );
 }
 
 /// A batch held past its deadline came back.
@@ -696,13 +708,7 @@ impl Pending {
                 *state = JobState::Abandoned;
                 drop(state);
                 if first {
-                    counters.stalls.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        deadline = ?limit,
-                        "reads of a file system did not complete within the storage deadline \
-                         (io_deadline): their values are answered as misses until it answers \
-                         again (its FUSE daemon or server may be stopped or overloaded)"
-                    );
+                    note_stall(&counters, limit);
                 }
                 return timed_out(&counters);
             }
