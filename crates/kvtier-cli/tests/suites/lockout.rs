@@ -160,10 +160,15 @@ fn tcp_clients_served(server: &ServerProcess) -> (usize, Duration) {
     (served, slowest)
 }
 
-/// Waits (60 s at most) until the server's `stat` reaches `at_least`.
-fn wait_for_server_stat(server: &ServerProcess, stat: &str, at_least: u64) {
+/// Waits (60 s at most) until the server's `stat` reaches `at_least`;
+/// the value seen then.
+fn wait_for_server_stat(server: &ServerProcess, stat: &str, at_least: u64) -> u64 {
     let started = Instant::now();
-    while server.stats()["server"][stat].as_u64().unwrap() < at_least {
+    loop {
+        let seen = server.stats()["server"][stat].as_u64().unwrap();
+        if seen >= at_least {
+            return seen;
+        }
         assert!(
             started.elapsed() < Duration::from_secs(60),
             "the attack never reached the server ({stat})"
@@ -196,11 +201,17 @@ fn lockout_attempt(
         std::sync::Arc::clone(&stop),
     );
     let opened = held.recv().unwrap();
-    wait_for_server_stat(&server, reached.0, reached.1);
-    // The proof stat once the attack is in force, and again after the
-    // clients: a gauge such as `lobby_waiting` may fall back meanwhile
-    // (its sockets move on or close), a counter only grows.
-    let proof_in_force = server.stats()["server"][proof].as_u64().unwrap();
+    let reached_seen = wait_for_server_stat(&server, reached.0, reached.1);
+    // The proof stat once the attack is in force (the value that showed
+    // it, when it is the same stat), and again after the clients: a gauge
+    // such as `lobby_waiting` may fall back meanwhile (its sockets time
+    // out together before they are reopened; read once more it was 0 on
+    // a busy machine), a counter only grows.
+    let proof_in_force = if proof == reached.0 {
+        reached_seen
+    } else {
+        server.stats()["server"][proof].as_u64().unwrap()
+    };
     let (served, slowest) = tcp_clients_served(&server);
     let stats = server.stats()["server"].clone();
     let proof_seen = proof_in_force.max(stats[proof].as_u64().unwrap());
