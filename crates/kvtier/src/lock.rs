@@ -147,7 +147,11 @@ impl DirLock {
             .mode(crate::private::FILE_MODE)
             .open(&path)
             .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
-        flock_exclusive(&file).map_err(|e| refusal(e, &path, data_dir))?;
+        // The same wait as for the directory: on a FUSE mount a lock this
+        // process let go of is released by the daemon after `close`
+        // returns, so a store reopened at once may find it still held.
+        flock_waiting_for_let_go(&file, &path, || holder_has_let_go(data_dir, id))
+            .map_err(|e| refusal(e, &path, data_dir))?;
         let pid = std::process::id().to_string();
         file.set_len(0)
             .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
