@@ -100,33 +100,32 @@ impl Store {
             }
             _ => None,
         };
+        // The shared directory's (for the other nodes, with the follower's
+        // removals), or a local directory's: written at a clean close only
+        // (the flusher has no hook without a follower), for the next open.
         let checkpoints = match (&place.shared, &disk, &follower) {
-            (Some(shared), Some(disk), Some(follower)) => Some(Arc::new(CheckpointWriter::new(
-                &shared.writer_dir,
+            (Some(shared), Some(disk), Some(follower)) => Some((
+                shared.writer_dir.as_path(),
+                disk,
+                Some(Arc::clone(follower)),
+            )),
+            (None, Some(disk), _) if config.local_checkpoints => {
+                Some((config.data_dir.as_path(), disk, None))
+            }
+            _ => None,
+        }
+        .map(|(dir, disk, follower)| {
+            Arc::new(CheckpointWriter::new(
+                dir,
                 &place.node_id,
                 Arc::clone(&place.secret),
                 Arc::clone(disk),
                 Arc::clone(&index),
                 Arc::clone(&log),
-                Some(Arc::clone(follower)),
+                follower,
                 config.shared_checkpoint_interval,
-            ))),
-            // A local directory's: written at a clean close only (the
-            // flusher has no hook without a follower), for the next open.
-            (None, Some(disk), _) if config.local_checkpoints => {
-                Some(Arc::new(CheckpointWriter::new(
-                    &config.data_dir,
-                    &place.node_id,
-                    Arc::clone(&place.secret),
-                    Arc::clone(disk),
-                    Arc::clone(&index),
-                    Arc::clone(&log),
-                    None,
-                    config.shared_checkpoint_interval,
-                )))
-            }
-            _ => None,
-        };
+            ))
+        });
         let inner = Arc::new(Inner {
             max_put_len: max_put_len(&config, disk.as_deref()),
             config,

@@ -14,6 +14,16 @@ fn config(dir: &Path, checkpoints: bool) -> Config {
     small_config(dir).local_index_checkpoints(checkpoints)
 }
 
+/// The one checkpoint a clean close left in `dir`.
+fn only_checkpoint(dir: &Path) -> std::path::PathBuf {
+    let mut found: Vec<_> = fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(found.len(), 1, "one checkpoint, the newest: {found:?}");
+    found.pop().unwrap()
+}
+
 /// Which of 0..N are present, and each present one reads its `fill`
 /// value (check_all's rule: no wrong bytes, no phantoms).
 fn present(store: &Store) -> Vec<bool> {
@@ -106,12 +116,7 @@ fn a_damaged_or_foreign_checkpoint_is_refused_and_every_record_read() {
     fill(dir.path(), N);
     let store = open(config(dir.path(), true));
     store.close().unwrap();
-    let path = fs::read_dir(dir.path().join("checkpoints"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let path = only_checkpoint(dir.path());
     let original = fs::read(&path).unwrap();
     // One byte of an entry changed: the MAC no longer verifies.
     let mut damaged = original.clone();
@@ -130,18 +135,8 @@ fn a_damaged_or_foreign_checkpoint_is_refused_and_every_record_read() {
     // this node's name: refused.
     let other = tempfile::tempdir().unwrap();
     fill(other.path(), 5);
-    let theirs = fs::read_dir(other.path().join("checkpoints"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    let ours = fs::read_dir(dir.path().join("checkpoints"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let theirs = only_checkpoint(other.path());
+    let ours = only_checkpoint(dir.path());
     fs::copy(&theirs, &ours).unwrap();
     let store = open(config(dir.path(), true));
     assert_eq!(store.stats().checkpoint_entries_loaded, 0);
