@@ -3,7 +3,8 @@
 //! than `Config::io_deadline` and a read that outlives it can never land
 //! in memory the caller has taken back.
 //!
-//! A bounded batch is read on a thread of its own, through `pread` (never
+//! A bounded batch is read on a thread of its own (one the tier keeps
+//! between batches, `super::read_threads`), through `pread` (never
 //! an io_uring ring, which a read stuck in the kernel would hold, and
 //! with it every read sent to that ring), into buffers of the store's own;
 //! the caller waits for it until the deadline. Done in time: the verified
@@ -29,6 +30,7 @@
 //! the ring to the thread.
 
 use super::read::{Destination, ReadOutcome, ValueRead, ValueReader};
+use super::read_threads::ReadThreads;
 use crate::error::Error;
 use crate::io::{AlignedBuf, ReadOp};
 use crate::key::ValueChecksum;
@@ -43,6 +45,26 @@ const STREAM_PIECE: usize = 2 << 20;
 /// Pieces of a streamed batch in flight: one being read, one being copied
 /// out, one spare.
 const STREAM_PIECES: usize = 3;
+/// The smallest piece the last value of a streamed batch ends with. The
+/// caller's checksum and copy of the batch's last piece overlap no read,
+/// so the last `STREAM_PIECE` of the batch is read in halving pieces down
+/// to this size: what is left unhidden is one small piece's copy, not a
+/// whole piece's (about 7 % of a single 16 MiB value read warm).
+const TAIL_PIECE: usize = 128 << 10;
+
+/// The length of the next piece of a value with `left` bytes still to
+/// read; `last` for the batch's last value.
+fn piece_len(left: usize, last: bool) -> usize {
+    if !last || left > STREAM_PIECE {
+        return left.min(STREAM_PIECE);
+    }
+    if left <= 2 * TAIL_PIECE {
+        return left;
+    }
+    // Half of what is left, in whole pages (buffered reads need no
+    // alignment, but page-sized pieces keep the page cache's copies whole).
+    (left / 2).next_multiple_of(PAGE_SIZE as usize)
+}
 
 /// Bounded batches that may be held past their deadline at once before
 /// new ones answer misses without reading: each holds a thread (parked in
@@ -77,6 +99,7 @@ pub(crate) struct BoundedReads {
     deadline: Duration,
     stuck: Arc<Mutex<Stuck>>,
     pub counters: Arc<StallCounters>,
+    threads: Arc<ReadThreads>,
 }
 
 enum JobState {
@@ -126,6 +149,7 @@ impl BoundedReads {
             deadline,
             stuck: Arc::default(),
             counters: Arc::default(),
+            threads: Arc::default(),
         }
     }
 
@@ -173,48 +197,46 @@ impl BoundedReads {
             Arc::clone(&self.counters),
         );
         let deadline = Instant::now() + self.deadline;
-        let spawned = std::thread::Builder::new()
-            .name("kvtier-bounded-read".into())
-            .spawn(move || {
-                let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    let mut dests: Vec<&mut [u8]> = bufs
-                        .iter_mut()
-                        .map(|b| match b {
-                            Some(b) => b.as_mut_slice(),
-                            None => &mut [][..],
+        let spawned = self.threads.run(Box::new(move || {
+            let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut dests: Vec<&mut [u8]> = bufs
+                    .iter_mut()
+                    .map(|b| match b {
+                        Some(b) => b.as_mut_slice(),
+                        None => &mut [][..],
+                    })
+                    .collect();
+                // Memory no caller sees: the verdict is final.
+                reader.read_checked(&reads, &mut dests, false)
+            }))
+            .unwrap_or_else(|_| {
+                reads
+                    .iter()
+                    .map(|r| {
+                        r.as_ref().map(|_| {
+                            ReadOutcome::Failed(Error::io(
+                                "a bounded read",
+                                std::io::Error::other("the read thread panicked"),
+                            ))
                         })
-                        .collect();
-                    // Memory no caller sees: the verdict is final.
-                    reader.read_checked(&reads, &mut dests, false)
-                }))
-                .unwrap_or_else(|_| {
-                    reads
-                        .iter()
-                        .map(|r| {
-                            r.as_ref().map(|_| {
-                                ReadOutcome::Failed(Error::io(
-                                    "a bounded read",
-                                    std::io::Error::other("the read thread panicked"),
-                                ))
-                            })
-                        })
-                        .collect()
-                });
-                let mut state = thread_job.state.lock().unwrap();
-                match *state {
-                    JobState::Running => {
-                        *state = JobState::Done(outcomes, bufs);
-                        thread_job.finished.notify_all();
-                    }
-                    JobState::Abandoned | JobState::Done(..) => {
-                        drop(state);
-                        for buf in bufs.into_iter().flatten() {
-                            reader.bounce.give_back(buf);
-                        }
-                        release(&stuck, &counters, thread_job.bytes);
-                    }
-                }
+                    })
+                    .collect()
             });
+            let mut state = thread_job.state.lock().unwrap();
+            match *state {
+                JobState::Running => {
+                    *state = JobState::Done(outcomes, bufs);
+                    thread_job.finished.notify_all();
+                }
+                JobState::Abandoned | JobState::Done(..) => {
+                    drop(state);
+                    for buf in bufs.into_iter().flatten() {
+                        reader.bounce.give_back(buf);
+                    }
+                    release(&stuck, &counters, thread_job.bytes);
+                }
+            }
+        }));
         match spawned {
             Ok(_) => Pending(Started::Running {
                 job,
@@ -236,7 +258,13 @@ impl BoundedReads {
     /// on a thread of its own.
     fn start_streamed(&self, reads: &[Option<ValueRead>]) -> Pending {
         let deadline = Instant::now() + self.deadline;
-        match spawn_stream(&self.reader, &self.stuck, &self.counters, reads) {
+        match spawn_stream(
+            &self.threads,
+            &self.reader,
+            &self.stuck,
+            &self.counters,
+            reads,
+        ) {
             Ok(stream) => Pending(Started::Streaming {
                 stream,
                 deadline,
@@ -249,6 +277,7 @@ impl BoundedReads {
 
 /// Starts the thread of a streamed batch, with its ring of buffers.
 fn spawn_stream(
+    threads: &Arc<ReadThreads>,
     reader: &Arc<ValueReader>,
     stuck: &Arc<Mutex<Stuck>>,
     counters: &Arc<StallCounters>,
@@ -268,9 +297,8 @@ fn spawn_stream(
         Arc::clone(stuck),
         Arc::clone(counters),
     );
-    std::thread::Builder::new()
-        .name("kvtier-bounded-read".into())
-        .spawn(move || {
+    threads
+        .run(Box::new(move || {
             let reader = thread_reader;
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 stream_values(&reader, &reads_owned, &free_rx, &filled_tx)
@@ -287,9 +315,10 @@ fn spawn_stream(
             } else {
                 *phase = StreamPhase::Done;
             }
-        })
+        }))
         .map_err(|e| format!("could not start a read thread: {e}"))?;
     Ok(Stream {
+        threads: Arc::clone(threads),
         job,
         free: free_tx,
         filled: filled_rx,
@@ -302,6 +331,7 @@ fn spawn_stream(
 
 /// The caller's end of a streamed batch.
 struct Stream {
+    threads: Arc<ReadThreads>,
     job: Arc<Mutex<StreamPhase>>,
     /// Buffers handed back to the thread once copied out.
     free: Sender<AlignedBuf>,
@@ -349,9 +379,10 @@ fn stream_values(
     free: &Receiver<AlignedBuf>,
     filled: &Sender<StreamMsg>,
 ) -> Result<(), CallerGone> {
+    let last = reads.iter().rposition(Option::is_some);
     for (value, read) in reads.iter().enumerate() {
         let Some(read) = read else { continue };
-        let message = match stream_value(reader, value, read, free, filled)? {
+        let message = match stream_value(reader, value, read, Some(value) == last, free, filled)? {
             None => StreamMsg::Read { value },
             Some(outcome) => StreamMsg::Failed { value, outcome },
         };
@@ -365,6 +396,7 @@ fn stream_value(
     reader: &ValueReader,
     value: usize,
     read: &ValueRead,
+    last: bool,
     free: &Receiver<AlignedBuf>,
     filled: &Sender<StreamMsg>,
 ) -> Result<Option<ReadOutcome>, CallerGone> {
@@ -372,7 +404,7 @@ fn stream_value(
     let mut at = 0;
     while at < read.len {
         let mut buf = free.recv().map_err(|_| CallerGone)?;
-        let len = (read.len - at).min(STREAM_PIECE);
+        let len = piece_len(read.len - at, last);
         let mut ops = [ReadOp::new(
             &read.region.file,
             offset + at as u64,
@@ -545,7 +577,8 @@ fn finish_streamed<D: Destination>(
     deadline: Instant,
     limit: Duration,
 ) -> Vec<Option<ReadOutcome>> {
-    let (reader, stuck, counters) = (
+    let (threads, reader, stuck, counters) = (
+        Arc::clone(&stream.threads),
         Arc::clone(&stream.reader),
         Arc::clone(&stream.stuck),
         Arc::clone(&stream.counters),
@@ -564,7 +597,7 @@ fn finish_streamed<D: Destination>(
                 again[value] = Some(read.clone());
             }
         }
-        match spawn_stream(&reader, &stuck, &counters, &again) {
+        match spawn_stream(&threads, &reader, &stuck, &counters, &again) {
             Ok(stream) => {
                 let mut second = stream.finish(&again, dests, deadline);
                 for &value in &end.mismatched {
@@ -745,6 +778,44 @@ mod tests {
     use crate::io::IoEngine;
 
     const LEN: usize = 10_000;
+
+    #[test]
+    fn pieces_cover_each_value_and_the_batch_ends_on_a_small_one() {
+        for len in (1..5 * STREAM_PIECE).step_by(4093).chain([
+            1,
+            TAIL_PIECE,
+            2 * TAIL_PIECE + 1,
+            STREAM_PIECE,
+            STREAM_PIECE + 1,
+            16 << 20,
+        ]) {
+            for last in [false, true] {
+                let (mut at, mut pieces) = (0, Vec::new());
+                while at < len {
+                    let piece = piece_len(len - at, last);
+                    assert!((1..=STREAM_PIECE).contains(&piece), "{len} {last}: {piece}");
+                    pieces.push(piece);
+                    at += piece;
+                }
+                assert_eq!(at, len, "{len} {last}: pieces {pieces:?}");
+                let end = *pieces.last().unwrap();
+                if last {
+                    assert!(end <= 2 * TAIL_PIECE, "{len}: ends on {end}");
+                    // Halving: a whole piece's tail costs at most a few more.
+                    assert!(
+                        pieces.len() <= len.div_ceil(STREAM_PIECE) + 5,
+                        "{len}: {pieces:?}"
+                    );
+                } else {
+                    assert_eq!(
+                        pieces.len(),
+                        len.div_ceil(STREAM_PIECE),
+                        "{len}: {pieces:?}"
+                    );
+                }
+            }
+        }
+    }
 
     /// A tier whose bounded reads (of every file) go through `faulty`,
     /// its files O_DIRECT or buffered (streamed), with one value of `len`

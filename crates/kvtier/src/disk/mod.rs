@@ -26,6 +26,7 @@ mod other_logs;
 mod others;
 mod parallel_scan;
 mod read;
+mod read_threads;
 mod reclaim;
 mod recorded;
 mod recovery;
