@@ -95,6 +95,15 @@ class _Engine:
     def flush(self) -> None: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+    def namespaces(self) -> dict[str, Any]:
+        """``{"node", "namespaces": [{"name", "blocks", "bytes",
+        "memory_only_blocks", "manifest", "last_used_unix_s"}]}``: a census
+        of what the store (or the server, within this credential) holds."""
+    def retire_namespace(self) -> dict[str, int]:
+        """Removes every block of this object's namespace, durably:
+        ``{"blocks", "bytes", "tombstones"}``."""
+    def describe_namespace(self, manifest: dict[str, Any] | str | bytes) -> None:
+        """Stores this namespace's manifest (a JSON object, at most 16 KiB)."""
 
 class Store(_Engine):
     """The embedded store, in this process."""

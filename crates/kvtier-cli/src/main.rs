@@ -2,6 +2,7 @@
 
 mod cluster;
 mod demo;
+mod namespaces;
 mod serve;
 mod shared;
 
@@ -37,6 +38,9 @@ enum Command {
     Cluster(cluster::ClusterCommand),
     /// Shared directories: collect the logs of writers that died.
     Shared(shared::SharedCommand),
+    /// A running server's namespaces: list them (blocks, bytes, manifest,
+    /// last use) or retire one whole.
+    Namespaces(namespaces::NamespacesCommand),
 }
 
 /// Log level from RUST_LOG (one of error, warn, info, debug, trace).
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args),
         Command::Cluster(command) => cluster::run(command),
         Command::Shared(command) => shared::run(command),
+        Command::Namespaces(command) => namespaces::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -131,10 +131,42 @@ pub trait KvBackend {
     /// Returns once everything acknowledged so far is durable.
     fn flush(&self) -> Result<()>;
 
+    /// Removes every block of the backend's namespace, durable on return
+    /// (see `NamespacedStore::retire`); a cluster retires it on every
+    /// member.
+    fn retire_namespace(&self) -> Result<kvtier::RetiredNamespace>;
+
     /// The `/stats` document of whatever serves this backend. Default: an
     /// error (the cluster has no one document).
     fn stats(&self) -> Result<serde_json::Value> {
         Err(Error::invalid("this backend has no stats document"))
+    }
+
+    /// The namespaces this backend's store (or server) holds, with their
+    /// census and manifests: `{"node": .., "namespaces": [..]}`. Default:
+    /// an error (a cluster has no one list).
+    fn namespaces(&self) -> Result<serde_json::Value> {
+        Err(Error::invalid("this backend has no namespace list"))
+    }
+
+    /// Stores the namespace's manifest (a JSON object), durable on return.
+    /// Default: the bytes as given, under `kvtier::MANIFEST_KEY`, put like
+    /// any value (a server stamps them first: see the client pool's).
+    fn describe_namespace(&self, manifest: &[u8]) -> Result<()> {
+        if manifest.is_empty() || manifest.len() > kvtier::MAX_MANIFEST_LEN {
+            return Err(Error::invalid(format!(
+                "a namespace manifest is 1 to {} bytes, not {}",
+                kvtier::MAX_MANIFEST_LEN,
+                manifest.len()
+            )));
+        }
+        let options = PutOptions {
+            durable: true,
+            ..PutOptions::default()
+        };
+        self.batch_put_whole(&[kvtier::MANIFEST_KEY], &[manifest], &options)?
+            .pop()
+            .unwrap_or_else(|| Err(Error::invalid("the manifest's put had no answer")))
     }
 
     /// Lets go of what this backend holds (the store closes, connections
@@ -234,6 +266,16 @@ impl KvBackend for NamespacedStore {
         NamespacedStore::flush(self)
     }
 
+    fn retire_namespace(&self) -> Result<kvtier::RetiredNamespace> {
+        NamespacedStore::retire(self)
+    }
+
+    fn namespaces(&self) -> Result<serde_json::Value> {
+        Err(Error::invalid(
+            "a namespace's view lists no namespaces: ask the store",
+        ))
+    }
+
     fn as_store(&self) -> Option<&NamespacedStore> {
         Some(self)
     }
@@ -306,6 +348,21 @@ impl KvBackend for Store {
 
     fn flush(&self) -> Result<()> {
         KvBackend::flush(self.default_view())
+    }
+
+    fn retire_namespace(&self) -> Result<kvtier::RetiredNamespace> {
+        KvBackend::retire_namespace(self.default_view())
+    }
+
+    fn namespaces(&self) -> Result<serde_json::Value> {
+        let census = Store::namespaces(self)?;
+        Ok(serde_json::json!({
+            "node": self.node_id(),
+            "namespaces": census
+                .iter()
+                .map(|c| kvtier_wire::stats::namespace_json(c, None))
+                .collect::<Vec<_>>(),
+        }))
     }
 
     fn stats(&self) -> Result<serde_json::Value> {
@@ -386,6 +443,10 @@ impl KvBackend for Router<'_> {
 
     fn flush(&self) -> Result<()> {
         Router::flush(self)
+    }
+
+    fn retire_namespace(&self) -> Result<kvtier::RetiredNamespace> {
+        Router::retire_namespace(self)
     }
 }
 
@@ -470,6 +531,18 @@ impl KvBackend for ClientPool {
 
     fn flush(&self) -> Result<()> {
         self.with(|c| c.flush())
+    }
+
+    fn retire_namespace(&self) -> Result<kvtier::RetiredNamespace> {
+        self.with(|c| c.retire_namespace())
+    }
+
+    fn namespaces(&self) -> Result<serde_json::Value> {
+        self.with(|c| c.namespaces())
+    }
+
+    fn describe_namespace(&self, manifest: &[u8]) -> Result<()> {
+        self.with(|c| c.describe_namespace(manifest))
     }
 
     fn stats(&self) -> Result<serde_json::Value> {

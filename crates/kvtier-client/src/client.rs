@@ -272,4 +272,21 @@ impl Client {
     pub fn stats(&mut self) -> Result<serde_json::Value> {
         self.conn.stats()
     }
+
+    /// The namespaces this client's credential covers, with their blocks,
+    /// bytes and manifests (the server it is connected to counts its own).
+    pub fn namespaces(&mut self) -> Result<serde_json::Value> {
+        self.conn.namespaces()
+    }
+
+    /// Removes every block of this client's namespace, durable on return;
+    /// a server in cluster mode retires it on every member.
+    pub fn retire_namespace(&mut self) -> Result<kvtier::RetiredNamespace> {
+        self.conn.retire_namespace()
+    }
+
+    /// Stores this client's namespace's manifest (a JSON object).
+    pub fn describe_namespace(&mut self, manifest: &[u8]) -> Result<()> {
+        self.conn.describe_namespace(manifest)
+    }
 }

@@ -1174,6 +1174,43 @@ impl Connection {
         let body = &self.response[..len];
         serde_json::from_slice(body).map_err(|e| protocol_error(format!("stats are not JSON: {e}")))
     }
+
+    /// The namespaces this connection's credential covers, as the server
+    /// counts them now: a JSON document (`docs/protocol.md`, NAMESPACES).
+    pub fn namespaces(&mut self) -> Result<serde_json::Value> {
+        let len = self.call(Op::Namespaces, &[], None)?;
+        let body = &self.response[..len];
+        serde_json::from_slice(body)
+            .map_err(|e| protocol_error(format!("the namespace list is not JSON: {e}")))
+    }
+
+    /// Removes every block of this connection's namespace (durable on
+    /// return; on every member in cluster mode).
+    pub fn retire_namespace(&mut self) -> Result<kvtier::RetiredNamespace> {
+        let len = self.call(Op::RetireNamespace, &[], None)?;
+        let mut r = Reader::new(&self.response[..len]);
+        let mut read = || r.u64().map_err(|e| protocol_error(e.0));
+        Ok(kvtier::RetiredNamespace {
+            blocks: read()?,
+            bytes: read()?,
+            tombstones: read()?,
+        })
+    }
+
+    /// Stores this connection's namespace's manifest: a JSON object of
+    /// readable fields (what the namespace's digest stands for).
+    pub fn describe_namespace(&mut self, manifest: &[u8]) -> Result<()> {
+        if manifest.is_empty() || manifest.len() > kvtier::MAX_MANIFEST_LEN {
+            return Err(Error::invalid(format!(
+                "a namespace manifest is 1 to {} bytes, not {}",
+                kvtier::MAX_MANIFEST_LEN,
+                manifest.len()
+            )));
+        }
+        let request = Request::DescribeNamespace { manifest };
+        self.call(Op::DescribeNamespace, &request.encode(), None)
+            .map(|_| ())
+    }
 }
 
 /// The keys as slices, each checked as a frame would check it: a bad key

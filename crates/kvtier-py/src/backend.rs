@@ -81,4 +81,16 @@ impl Backend {
     pub(crate) fn stats(&self) -> kvtier::Result<serde_json::Value> {
         self.0.stats()
     }
+
+    pub(crate) fn namespaces(&self) -> kvtier::Result<serde_json::Value> {
+        self.0.namespaces()
+    }
+
+    pub(crate) fn retire_namespace(&self) -> kvtier::Result<kvtier::RetiredNamespace> {
+        self.0.retire_namespace()
+    }
+
+    pub(crate) fn describe_namespace(&self, manifest: &[u8]) -> kvtier::Result<()> {
+        self.0.describe_namespace(manifest)
+    }
 }

@@ -321,4 +321,54 @@ impl Engine {
         let value = py.detach(|| self.backend.stats()).map_err(to_py_err)?;
         json_to_py(py, &value)
     }
+
+    /// The namespaces the store (or the server, within this client's
+    /// credential) holds: ``{"node": ..., "namespaces": [{"name",
+    /// "blocks", "bytes", "memory_only_blocks", "manifest",
+    /// "last_used_unix_s"}, ...]}``. A census: it reads every batch
+    /// record, about what a reopen costs.
+    pub(crate) fn namespaces(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let value = py.detach(|| self.backend.namespaces()).map_err(to_py_err)?;
+        json_to_py(py, &value)
+    }
+
+    /// Removes every block of this object's namespace (its manifest too),
+    /// durable on return, on every member in cluster mode: ``{"blocks",
+    /// "bytes", "tombstones"}``.
+    pub(crate) fn retire_namespace(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let retired = py
+            .detach(|| self.backend.retire_namespace())
+            .map_err(to_py_err)?;
+        json_to_py(
+            py,
+            &serde_json::json!({
+                "blocks": retired.blocks,
+                "bytes": retired.bytes,
+                "tombstones": retired.tombstones,
+            }),
+        )
+    }
+
+    /// Stores this namespace's manifest: the readable fields behind its
+    /// name (a dict, or its JSON text), at most 16 KiB; a server adds when
+    /// it was first and last described.
+    pub(crate) fn describe_namespace(
+        &self,
+        py: Python<'_>,
+        manifest: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let text: String = if let Ok(text) = manifest.extract::<String>() {
+            text
+        } else if let Ok(bytes) = manifest.extract::<Vec<u8>>() {
+            String::from_utf8(bytes).map_err(|_| {
+                pyo3::exceptions::PyValueError::new_err("a manifest is UTF-8 JSON text")
+            })?
+        } else {
+            py.import("json")?
+                .call_method1("dumps", (manifest,))?
+                .extract()?
+        };
+        py.detach(|| self.backend.describe_namespace(text.as_bytes()))
+            .map_err(to_py_err)
+    }
 }

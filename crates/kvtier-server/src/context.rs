@@ -38,6 +38,8 @@ pub(crate) struct Shared {
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
     /// Refused connections, warned about at most once a second.
     pub refusal_log: RateLimitedWarning,
+    /// When each namespace was last served, and the last census.
+    pub namespace_use: crate::namespaces::NamespaceUse,
 }
 
 /// How often idle reads and accept loops look at the stop flag and the

@@ -18,6 +18,7 @@ mod handlers;
 pub mod limits;
 mod lobby;
 mod metrics;
+mod namespaces;
 mod session;
 mod streamed_put;
 mod trust;
@@ -225,6 +226,7 @@ impl Server {
                 stopping: Arc::new(AtomicBool::new(false)),
                 metrics: Arc::new(Metrics::default()),
                 refusal_log: RateLimitedWarning::default(),
+                namespace_use: Default::default(),
             }),
         })
     }

@@ -58,6 +58,8 @@ struct State<'a> {
     scope: crate::trust::Scope,
     /// When the hello must be done by.
     hello_deadline: Instant,
+    /// Stamps the namespace's last use (set at hello).
+    use_clock: crate::namespaces::UseClock,
     /// The buffer and receiving budgets this connection's principal draws
     /// from (a tenant's shares after its hello).
     heap: crate::limits::Budgets,
@@ -119,6 +121,7 @@ impl<'a> Session<'a> {
                 slot,
                 scope: crate::trust::Scope::Full,
                 hello_deadline,
+                use_clock: crate::namespaces::UseClock::default(),
                 challenge: None,
                 heap: crate::limits::Budgets::server_wide(&shared.buffers),
                 receiving: crate::limits::Budgets::server_wide(&shared.receiving),
@@ -404,6 +407,7 @@ impl State<'_> {
             (Some(namespace), request) => (namespace.clone(), request),
         };
         let (namespace, request) = namespace;
+        self.use_clock.touch();
         let store = &shared.store.in_namespace(&namespace);
         // Cluster mode: keys other members own go to them (one hop at
         // most: what peers forward carries LOCAL_ONLY). One dispatch below
@@ -471,6 +475,12 @@ impl State<'_> {
             Request::Stats => {
                 let json = shared.metrics.json(&shared.store.stats());
                 Reply::ok(json.to_string().into_bytes())
+            }
+            // The caller's own namespaces (a tenant's within its prefixes).
+            Request::Namespaces => shared.namespace_use.list(&shared.store, &self.scope),
+            Request::RetireNamespace => crate::namespaces::retire(backend),
+            Request::DescribeNamespace { manifest } => {
+                crate::namespaces::describe(backend, manifest)
             }
             Request::ClusterView => {
                 let json = match &shared.peers {
@@ -604,6 +614,7 @@ impl State<'_> {
             Ok(namespace) => namespace,
             Err(e) => return Reply::error(code::INVALID_ARGUMENT, e.to_string()).closing(),
         };
+        self.use_clock = shared.namespace_use.clock(namespace.name());
         self.namespace = Some(namespace);
         let limits = &shared.config.limits;
         Reply::ok(
@@ -738,6 +749,9 @@ fn crosses_members(router: &Router<'_>, request: &Request<'_>) -> bool {
         Request::Remove { key } => vec![*key],
         // What other members acknowledged must reach their disks too.
         Request::Flush => return true,
+        // Every member holds some of the namespace's blocks.
+        Request::RetireNamespace => return true,
+        Request::DescribeNamespace { .. } => vec![kvtier::MANIFEST_KEY],
         Request::BatchPutShm { items, .. } | Request::BatchGetShm { items, .. } => {
             items.iter().map(|i| i.0).collect()
         }

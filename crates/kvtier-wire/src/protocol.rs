@@ -48,11 +48,21 @@ pub enum Op {
     /// Before hello: the client's nonce and token id; the reply is the
     /// server's nonce and its proof of the token (`proof`).
     Challenge = 15,
+    /// The namespaces the connection's scope covers, with their census
+    /// (blocks, bytes) and manifests: a JSON document.
+    Namespaces = 16,
+    /// Removes every block of the connection's namespace (durable on
+    /// return; in cluster mode on every member): two u64s, the blocks and
+    /// bytes removed.
+    RetireNamespace = 17,
+    /// Stores the connection's namespace's manifest (a JSON object of
+    /// readable fields, at most `kvtier::MAX_MANIFEST_LEN` bytes).
+    DescribeNamespace = 18,
 }
 
 impl Op {
     /// Every operation, in code order (codes run from 1 without gaps).
-    pub const ALL: [Op; 15] = [
+    pub const ALL: [Op; 18] = [
         Op::Hello,
         Op::BatchPut,
         Op::BatchGet,
@@ -68,6 +78,9 @@ impl Op {
         Op::BatchGetShmSegments,
         Op::ClusterView,
         Op::Challenge,
+        Op::Namespaces,
+        Op::RetireNamespace,
+        Op::DescribeNamespace,
     ];
 
     pub fn from_u16(code: u16) -> Option<Op> {
@@ -97,6 +110,9 @@ impl Op {
             Op::BatchGetShmSegments => "batch_get_shm_segments",
             Op::ClusterView => "cluster_view",
             Op::Challenge => "challenge",
+            Op::Namespaces => "namespaces",
+            Op::RetireNamespace => "retire_namespace",
+            Op::DescribeNamespace => "describe_namespace",
         }
     }
 
@@ -555,6 +571,12 @@ pub enum Request<'a> {
     Stats,
     /// The members a client may send keys to directly (cluster mode).
     ClusterView,
+    Namespaces,
+    RetireNamespace,
+    /// The manifest's bytes (the whole body).
+    DescribeNamespace {
+        manifest: &'a [u8],
+    },
     RegisterBuffer {
         size: u64,
     },
@@ -594,6 +616,9 @@ impl Request<'_> {
             Request::Flush => Op::Flush,
             Request::Stats => Op::Stats,
             Request::ClusterView => Op::ClusterView,
+            Request::Namespaces => Op::Namespaces,
+            Request::RetireNamespace => Op::RetireNamespace,
+            Request::DescribeNamespace { .. } => Op::DescribeNamespace,
             Request::RegisterBuffer { .. } => Op::RegisterBuffer,
             Request::BatchPutShm { .. } => Op::BatchPutShm,
             Request::BatchGetShm { .. } => Op::BatchGetShm,
@@ -646,7 +671,14 @@ impl Request<'_> {
             Request::Remove { key } => {
                 w.key(key);
             }
-            Request::Flush | Request::Stats | Request::ClusterView => {}
+            Request::Flush
+            | Request::Stats
+            | Request::ClusterView
+            | Request::Namespaces
+            | Request::RetireNamespace => {}
+            Request::DescribeNamespace { manifest } => {
+                w.bytes(manifest);
+            }
             Request::RegisterBuffer { size } => {
                 w.u64(*size);
             }
@@ -705,7 +737,10 @@ pub mod frame_size {
             | Op::Stats
             | Op::RegisterBuffer
             | Op::ClusterView
-            | Op::Challenge => 0,
+            | Op::Challenge
+            | Op::Namespaces
+            | Op::RetireNamespace
+            | Op::DescribeNamespace => 0,
         }
     }
 
@@ -840,6 +875,19 @@ pub fn decode_request<'a>(
         Op::Flush => Request::Flush,
         Op::Stats => Request::Stats,
         Op::ClusterView => Request::ClusterView,
+        Op::Namespaces => Request::Namespaces,
+        Op::RetireNamespace => Request::RetireNamespace,
+        Op::DescribeNamespace => {
+            let manifest = r.bytes(r.remaining())?;
+            if manifest.is_empty() || manifest.len() > kvtier::MAX_MANIFEST_LEN {
+                return Err(ProtocolError::new(format!(
+                    "a namespace manifest is 1 to {} bytes, not {}",
+                    kvtier::MAX_MANIFEST_LEN,
+                    manifest.len()
+                )));
+            }
+            Request::DescribeNamespace { manifest }
+        }
         Op::RegisterBuffer => Request::RegisterBuffer { size: r.u64()? },
         Op::BatchPutShm | Op::BatchGetShm => {
             let buffer = r.u32()?;

@@ -19,6 +19,29 @@ pub fn stats_json(stats: &Stats) -> serde_json::Value {
     serde_json::Value::Object(fields)
 }
 
+/// One namespace of a listing (the NAMESPACES reply, `kvtier namespaces`,
+/// an embedded store's `namespaces()`): its census, its manifest as JSON
+/// (a manifest that is not JSON is shown as unreadable, never dropped),
+/// and when the server last served it (`None`: not since it started, or
+/// not a server).
+pub fn namespace_json(
+    census: &kvtier::NamespaceCensus,
+    last_used_unix_s: Option<u64>,
+) -> serde_json::Value {
+    let manifest = census.manifest.as_deref().map(|bytes| {
+        serde_json::from_slice::<serde_json::Value>(bytes)
+            .unwrap_or_else(|e| serde_json::json!({ "unreadable": format!("not JSON: {e}") }))
+    });
+    serde_json::json!({
+        "name": census.name,
+        "blocks": census.blocks,
+        "bytes": census.bytes,
+        "memory_only_blocks": census.memory_only_blocks,
+        "manifest": manifest,
+        "last_used_unix_s": last_used_unix_s,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

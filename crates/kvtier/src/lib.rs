@@ -79,7 +79,8 @@ pub use collect::{collect_dead_writers, collect_dead_writers_where, CollectedWri
 pub use shared::SharedWriter;
 pub use stats::{StatValue, Stats};
 pub use store::{
-    NamespacedStore, PutOptions, PutTier, ReceivingValue, Store, StreamedPuts, ValueLease,
+    NamespaceCensus, NamespacedStore, PutOptions, PutTier, ReceivingValue, RetiredNamespace, Store,
+    StreamedPuts, ValueLease, MANIFEST_KEY, MAX_MANIFEST_LEN,
 };
 pub use units::{GIB, KIB, MIB, PAGE_SIZE};
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from .._native import Client, KvtierError
+
+logger = logging.getLogger("kvtier")
 
 # The README's first command serves this socket, relative to the directory
 # it was started in (./kvtier-data/kvtier.sock).
@@ -32,11 +35,22 @@ def resolve_url(configured: str | None) -> str:
     return url
 
 
-def connect(url: str, namespace: str, *, shm_size: int | str | None = None, timeout: float = 60.0) -> Client:
+def connect(
+    url: str,
+    namespace: str,
+    *,
+    shm_size: int | str | None = None,
+    timeout: float = 60.0,
+    describe: bool = True,
+) -> Client:
     """A client in ``namespace``; raises ``RuntimeError`` naming the server
-    when none answers (the engine should not start silently cacheless)."""
+    when none answers (the engine should not start silently cacheless).
+    With ``describe``, the namespace's manifest (the fields
+    ``namespace_for`` hashed into its name) is stored on the server, so an
+    operator's ``kvtier namespaces list`` says what the digest stands for;
+    a server that cannot store it (an older one) costs a warning only."""
     try:
-        return Client(url, namespace=namespace, shm_size=shm_size, timeout=timeout)
+        client = Client(url, namespace=namespace, shm_size=shm_size, timeout=timeout)
     except (KvtierError, OSError, ValueError) as e:
         raise RuntimeError(
             f"kvtier: no kvtier server answers at {url} ({e}). Start one beside the engine "
@@ -44,6 +58,35 @@ def connect(url: str, namespace: str, *, shm_size: int | str | None = None, time
             "with the `kvtier_url` config key or the KVTIER_URL environment variable "
             f"(default {DEFAULT_URL}); set KVTIER_AUTH_TOKEN if it listens on TCP."
         ) from e
+    manifest = _MANIFESTS.get(namespace) if describe else None
+    if manifest is not None:
+        try:
+            client.describe_namespace(manifest)
+        except (KvtierError, OSError, ValueError) as e:
+            logger.warning("kvtier: could not store the manifest of namespace %s: %s", namespace, e)
+    return client
+
+
+# The manifest of each namespace ``namespace_for`` made in this process
+# (JSON text), for ``connect`` to store: at most this many are kept.
+_MANIFESTS: OrderedDict[str, str] = OrderedDict()
+_MAX_MANIFESTS = 1024
+# Below the server's 16 KiB, leaving room for its timestamps.
+_MAX_MANIFEST_BYTES = 12 * 1024
+
+
+def _manifest_text(described: dict[str, Any]) -> str:
+    """The manifest of a namespace: its fields as JSON; a field too long to
+    keep (a large override, say) is replaced by its SHA-256, so the
+    manifest always fits."""
+    text = json.dumps(described, sort_keys=True, default=str)
+    if len(text.encode()) <= _MAX_MANIFEST_BYTES:
+        return text
+    shortened = {}
+    for name, value in described.items():
+        one = json.dumps(value, sort_keys=True, default=str)
+        shortened[name] = value if len(one) <= 256 else "sha256:" + hashlib.sha256(one.encode()).hexdigest()
+    return json.dumps(shortened, sort_keys=True, default=str)[:_MAX_MANIFEST_BYTES]
 
 
 # The server's limit on a namespace's length (bytes of UTF-8).
@@ -90,7 +133,12 @@ def namespace_for(engine: str, fields: dict[str, Any], prefix: str = "") -> str:
     head = f"{prefix}/" if prefix else ""
     room = MAX_NAMESPACE_BYTES - len(head.encode()) - DIGEST_CHARS - 1
     cut = readable.encode()[: max(room, 0)].decode(errors="ignore").rstrip("/")
-    return f"{head}{cut}/{digest}" if cut else f"{head}{digest}"
+    name = f"{head}{cut}/{digest}" if cut else f"{head}{digest}"
+    _MANIFESTS[name] = _manifest_text(described)
+    _MANIFESTS.move_to_end(name)
+    while len(_MANIFESTS) > _MAX_MANIFESTS:
+        _MANIFESTS.popitem(last=False)
+    return name
 
 
 def model_label(config: Any) -> str:

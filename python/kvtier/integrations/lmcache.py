@@ -92,7 +92,9 @@ class KvtierL2Connector:
         # Objects whose load failed: absent to lookups until stored again.
         self._failed = FailedKeys()
         # Fail at startup, not at the first request, when no server answers.
-        connect(self.url, namespace_for("lmcache", {"probe": True}, self.prefix), timeout=self.timeout).close()
+        connect(
+            self.url, namespace_for("lmcache", {"probe": True}, self.prefix), timeout=self.timeout, describe=False
+        ).close()
 
     # The interface LMCache's NativeConnectorL2Adapter calls.
 

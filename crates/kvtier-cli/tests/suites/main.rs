@@ -9,6 +9,7 @@ mod common;
 mod descriptors;
 mod hostile_clients;
 mod lockout;
+mod namespaces;
 mod private_at_rest;
 mod server;
 mod shared_storage;

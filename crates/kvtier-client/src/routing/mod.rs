@@ -473,6 +473,43 @@ impl<'a> Router<'a> {
         Ok(())
     }
 
+    /// Retires the namespace on every member (each removes what it
+    /// holds); the sums of what they removed. A member that cannot be
+    /// reached fails the call (what the others removed stays removed; the
+    /// call may be repeated).
+    pub fn retire_namespace(&self) -> kvtier::Result<kvtier::RetiredNamespace> {
+        let mut groups = Groups::new();
+        groups.insert(Target::Local, Vec::new());
+        for (m, member) in self.members.iter().enumerate() {
+            if member.id != self.me {
+                groups.insert(Target::Remote(m), Vec::new());
+            }
+        }
+        let answers = self.run(
+            groups,
+            |_, _| (),
+            |store_or_peer, ()| match store_or_peer {
+                None => Some(here(self.local).retire()),
+                Some((peers, member, namespace)) => peers
+                    .call(member, namespace, 0, |c| c.retire_namespace())
+                    .map(Ok),
+            },
+        );
+        let mut total = kvtier::RetiredNamespace::default();
+        for ((target, _), answer) in answers {
+            match answer {
+                Some(Ok(part)) => {
+                    total.blocks += part.blocks;
+                    total.bytes += part.bytes;
+                    total.tombstones += part.tombstones;
+                }
+                Some(Err(e)) => return Err(e),
+                None => return Err(self.unreachable(target)),
+            }
+        }
+        Ok(total)
+    }
+
     fn unreachable(&self, target: Target) -> kvtier::Error {
         let name = match target {
             Target::Local => "this node".to_string(),

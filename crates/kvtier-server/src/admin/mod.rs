@@ -211,6 +211,7 @@ impl Admin {
             }
             "/stats" => {
                 let mut json = shared.metrics.json(&shared.store.stats());
+                json["namespaces"] = shared.namespace_use.stats_json();
                 json["hit_rate_last_minute"] = self
                     .history
                     .lock()

@@ -29,6 +29,7 @@ mod read;
 mod read_threads;
 mod reclaim;
 mod recorded;
+mod records;
 mod recovery;
 mod region;
 mod scan;

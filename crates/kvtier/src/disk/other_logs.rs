@@ -372,6 +372,17 @@ impl DiskTier {
         }
     }
 
+    /// Every followed region of every other writer: its handle, its own
+    /// region id, and how far its records were read (what the index may
+    /// hold of it).
+    pub(crate) fn followed_regions(&self) -> Vec<(u32, u32, u64)> {
+        let logs = self.other_logs.lock().unwrap();
+        logs.writers
+            .values()
+            .flat_map(|regions| regions.iter().map(|(id, r)| (r.handle, *id, r.scanned_to)))
+            .collect()
+    }
+
     /// Stops following the newest regions past `budget` files; their
     /// handles (their readers stay until `drop_other`).
     pub(crate) fn close_others_past(&self, budget: usize) -> Vec<u32> {

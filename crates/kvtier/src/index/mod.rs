@@ -518,7 +518,10 @@ mod tests {
         assert_eq!(SLOT_BYTES, 56);
         let pool = PoolCore::new(1 << 20).unwrap();
         let digest = crate::key::test_namespace("").digest(b"k");
-        let slot = Arc::new(pool.try_allocate(5000, digest).unwrap());
+        let slot = Arc::new(
+            pool.try_allocate(5000, digest, Arc::from(&[0u8][..]))
+                .unwrap(),
+        );
         let mut shard = Shard::default();
         shard.insert(
             digest,

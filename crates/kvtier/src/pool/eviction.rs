@@ -256,7 +256,9 @@ mod tests {
             }
             let len = 4096 * (1 + (next() % 3) as usize);
             let slot = loop {
-                if let Some(slot) = pool.try_allocate(len, KeyDigest(u128::from(step))) {
+                if let Some(slot) =
+                    pool.try_allocate(len, KeyDigest(u128::from(step)), Arc::from(&[0u8][..]))
+                {
                     break slot;
                 }
                 let victim = queues

@@ -120,9 +120,15 @@ impl PoolCore {
         self.allocator.lock().unwrap().free_pages() * PAGE_SIZE
     }
 
-    /// Takes an extent for a value of `len` bytes, or `None` if no free run
-    /// is long enough right now.
-    pub fn try_allocate(self: &Arc<Self>, len: usize, digest: KeyDigest) -> Option<PoolSlot> {
+    /// Takes an extent for a value of `len` bytes of the namespace whose
+    /// qualified-key prefix is `namespace`, or `None` if no free run is long
+    /// enough right now.
+    pub fn try_allocate(
+        self: &Arc<Self>,
+        len: usize,
+        digest: KeyDigest,
+        namespace: Arc<[u8]>,
+    ) -> Option<PoolSlot> {
         let pages = (len as u64).div_ceil(PAGE_SIZE).max(1);
         // The counters change under the allocator's lock, as in `drop`: a
         // slot is counted only while it owns its pages, so `live_bytes`
@@ -141,6 +147,7 @@ impl PoolCore {
             pages,
             len,
             digest,
+            namespace,
             hits: AtomicU8::new(0),
             evictable: AtomicBool::new(false),
         })
@@ -188,6 +195,10 @@ pub struct PoolSlot {
     pages: u64,
     len: usize,
     digest: KeyDigest,
+    /// The namespace's length byte and name (shared with its handle): the
+    /// only record of a memory-only value's namespace, which no batch
+    /// record names (the namespace census and retirement read it).
+    namespace: Arc<[u8]>,
     /// Hits since the eviction policy last looked (capped at 3).
     hits: AtomicU8,
     /// Set once the value is durable on disk, or from the start for
@@ -206,6 +217,11 @@ impl PoolSlot {
 
     pub fn digest(&self) -> KeyDigest {
         self.digest
+    }
+
+    /// The value's namespace as a qualified-key prefix (length byte, name).
+    pub fn namespace_prefix(&self) -> &[u8] {
+        &self.namespace
     }
 
     pub fn pages(&self) -> u64 {
@@ -321,7 +337,8 @@ mod accounting_tests {
                 // Half the pool each: three workers keep it full.
                 let len = (PAGE_SIZE as usize) * 8;
                 for round in 0..50_000u32 {
-                    let slot = pool.try_allocate(len, KeyDigest(u128::from(round)));
+                    let slot =
+                        pool.try_allocate(len, KeyDigest(u128::from(round)), Arc::from(&[0u8][..]));
                     drop(slot);
                 }
                 done.store(true, Ordering::Release);

@@ -14,6 +14,7 @@
 
 mod local_checkpoint;
 mod namespaced;
+mod namespaces;
 mod open;
 mod options;
 mod read;
@@ -21,6 +22,7 @@ mod streamed_put;
 mod write;
 
 pub use namespaced::NamespacedStore;
+pub use namespaces::{NamespaceCensus, RetiredNamespace, MANIFEST_KEY, MAX_MANIFEST_LEN};
 pub use options::{PutOptions, PutTier};
 pub use streamed_put::StreamedPuts;
 pub use write::ReceivingValue;
@@ -254,6 +256,20 @@ impl Store {
     /// Returns whether the key was present.
     pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
         self.default_view().remove(key)
+    }
+
+    /// Every namespace holding a block or a manifest, sorted by name: its
+    /// blocks and bytes as the index holds them now (a census that reads
+    /// every batch record of the tier's regions beside the index: about
+    /// what a reopen reading records costs), and its manifest. See
+    /// docs/design.md, "Namespaces: census, manifests, retirement".
+    pub fn namespaces(&self) -> Result<Vec<NamespaceCensus>> {
+        self.inner.namespace_census()
+    }
+
+    /// Retires namespace `name`: see [`NamespacedStore::retire`].
+    pub fn retire_namespace(&self, name: &str) -> Result<RetiredNamespace> {
+        self.inner.retire_namespace(&self.namespace(name)?)
     }
 
     /// Returns once everything put so far is durable on disk. Fails if any

@@ -133,7 +133,9 @@ impl NamespacedStore {
             results.push(result.map(|_| ()));
         }
         results.reverse();
-        if options.durable && seqs.1 > 0 {
+        // Without a disk tier nothing is ever made durable (and no flusher
+        // would answer the wait): memory is all a put there promises.
+        if options.durable && seqs.1 > 0 && self.inner.disk.is_some() {
             if let Err(e) = self.inner.wait_durable(seqs.0, seqs.1) {
                 for result in results.iter_mut().filter(|r| r.is_ok()) {
                     *result = Err(e.duplicate());
@@ -349,5 +351,39 @@ impl NamespacedStore {
     /// Returns whether the key was present.
     pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
         self.inner.remove(&self.namespace, key.as_ref())
+    }
+
+    /// Stores this namespace's manifest: what its name's digest stands
+    /// for, in words an operator reads (the engine integrations store the
+    /// fields they hashed, as JSON; the store keeps the bytes as given).
+    /// Kept under [`MANIFEST_KEY`](crate::MANIFEST_KEY) in the namespace,
+    /// durable on return, listed by [`Store::namespaces`](crate::Store::namespaces),
+    /// removed with the namespace. At most
+    /// [`MAX_MANIFEST_LEN`](crate::MAX_MANIFEST_LEN) bytes.
+    pub fn describe(&self, manifest: &[u8]) -> Result<()> {
+        super::namespaces::check_manifest(manifest)?;
+        self.put_with(
+            super::namespaces::MANIFEST_KEY,
+            manifest,
+            &PutOptions {
+                durable: true,
+                ..PutOptions::default()
+            },
+        )
+    }
+
+    /// This namespace's manifest, if one is stored (see [`Self::describe`]).
+    pub fn manifest(&self) -> Result<Option<Vec<u8>>> {
+        self.get(super::namespaces::MANIFEST_KEY)
+    }
+
+    /// Removes every block of this namespace, its manifest included: one
+    /// tombstone per key, durable on return, a `Removed` event per block
+    /// (docs/design.md, "Namespaces: census, manifests, retirement").
+    /// Everything put in the namespace before the call is gone for good,
+    /// after any restart and on every node of a shared directory; puts
+    /// racing with the call may survive it.
+    pub fn retire(&self) -> Result<super::RetiredNamespace> {
+        self.inner.retire_namespace(&self.namespace)
     }
 }

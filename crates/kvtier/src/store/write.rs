@@ -74,7 +74,7 @@ impl Inner {
         if options.skip_existing && self.index.lock(digest).get(digest).is_some() {
             return Ok(None);
         }
-        let slot = self.allocate_slot(len as usize, digest)?;
+        let slot = self.allocate_slot(len as usize, digest, ns)?;
         Ok(Some(ReceivingValue {
             digest,
             slot,
@@ -142,10 +142,15 @@ impl Inner {
 
     /// An extent for `len` bytes: evicts what may be evicted, then waits
     /// (up to `put_wait`) for the flusher to make more evictable.
-    pub(super) fn allocate_slot(&self, len: usize, digest: KeyDigest) -> Result<PoolSlot> {
+    pub(super) fn allocate_slot(
+        &self,
+        len: usize,
+        digest: KeyDigest,
+        ns: &Namespace,
+    ) -> Result<PoolSlot> {
         let deadline = Instant::now() + self.config.put_wait;
         loop {
-            if let Some(slot) = self.pool.try_allocate(len, digest) {
+            if let Some(slot) = self.pool.try_allocate(len, digest, ns.prefix_shared()) {
                 return Ok(slot);
             }
             if self.evict_one() {

@@ -14,5 +14,6 @@ mod io_deadline;
 mod io_faults;
 mod local_checkpoint;
 mod model;
+mod namespaces;
 mod power_loss;
 mod shared;

@@ -174,6 +174,65 @@ fn removes_win_on_every_node_and_survive_restarts() {
 }
 
 #[test]
+fn a_namespace_retired_on_one_node_is_gone_on_every_node_and_after_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Node::start(dir.path(), "b", 64 * MIB);
+    let mut c = Node::start(dir.path(), "c", 64 * MIB);
+    let on = |node: &Node, name: &str| {
+        let store = node.store();
+        store.in_namespace(&store.namespace(name).unwrap())
+    };
+    let keys: Vec<Vec<u8>> = (0..12u8).map(|i| vec![b'k', i]).collect();
+    for k in &keys[..6] {
+        on(&b, "old-model").put(k, value_for(k, 1, 20_000)).unwrap();
+        on(&b, "kept").put(k, value_for(k, 2, 20_000)).unwrap();
+    }
+    for k in &keys[6..] {
+        on(&c, "old-model").put(k, value_for(k, 3, 20_000)).unwrap();
+    }
+    b.store().flush().unwrap();
+    c.store().flush().unwrap();
+    b.store().follow_shared_now();
+    c.store().follow_shared_now();
+    // C's census counts B's blocks it follows, as B's counts C's.
+    for node in [&b, &c] {
+        let census = node.store().namespaces().unwrap();
+        let blocks: Vec<(&str, u64)> = census.iter().map(|n| (n.name.as_str(), n.blocks)).collect();
+        assert_eq!(blocks, [("kept", 6), ("old-model", 12)]);
+    }
+    // Retired on C: B's blocks of it too (C read B's records for the keys).
+    let retired = on(&c, "old-model").retire().unwrap();
+    assert_eq!((retired.blocks, retired.tombstones), (12, 12));
+    b.store().follow_shared_now();
+    for node in [&b, &c] {
+        assert!(on(node, "old-model")
+            .batch_exists(&keys)
+            .iter()
+            .all(|&p| !p));
+        assert!(on(node, "kept").batch_exists(&keys[..6]).iter().all(|&p| p));
+    }
+    b.restart();
+    c.restart();
+    for node in [&b, &c] {
+        assert!(
+            on(node, "old-model")
+                .batch_exists(&keys)
+                .iter()
+                .all(|&p| !p),
+            "a retired block came back after a restart"
+        );
+        let names: Vec<String> = node
+            .store()
+            .namespaces()
+            .unwrap()
+            .into_iter()
+            .map(|n| n.name)
+            .collect();
+        assert_eq!(names, ["kept"]);
+    }
+}
+
+#[test]
 fn a_torn_batch_at_a_writers_tail_is_never_indexed() {
     let dir = tempfile::tempdir().unwrap();
     let mut b = Node::start(dir.path(), "b", 64 * MIB);

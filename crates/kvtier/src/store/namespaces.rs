@@ -1,0 +1,311 @@
+//! Namespaces as an operator sees them (docs/design.md, "Namespaces: census,
+//! manifests, retirement"): which namespaces hold blocks and how many bytes
+//! (a census of the index, read beside the log's batch records, which name
+//! every key), each one's manifest (what an integration says its digest
+//! stands for), and the retirement of a whole namespace in one call.
+//!
+//! The index keeps digests only (keyed hashes of namespace and key), so a
+//! namespace's blocks are found through what does name them: the batch
+//! records of every region the tier reads (this log's, and other writers'
+//! as far as they were followed), and, for values that no record names
+//! (memory-only puts), the pool slot, which keeps its namespace.
+
+use super::Inner;
+use crate::error::{Error, Result};
+use crate::events::{BlockEvent, Medium};
+use crate::key::{KeyDigest, Namespace};
+use crate::stats::Counters;
+use crate::write_log::QueuedWrite;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// The key a namespace's manifest is stored under, in the namespace
+/// itself: so it is kept, shared, routed and retired as the namespace's
+/// blocks are. Engines' keys are block hashes; this one starts with a
+/// byte no hex or decimal digest has.
+pub const MANIFEST_KEY: &[u8] = b"\xffkvtier-namespace-manifest";
+
+/// The largest manifest a namespace may have, in bytes.
+pub const MAX_MANIFEST_LEN: usize = 16 << 10;
+
+/// Tombstones queued before the retirement waits for them to be durable:
+/// bounds the keys held in the write queue at once.
+const RETIRE_CHUNK: usize = 4096;
+
+/// One namespace as the census found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceCensus {
+    /// The namespace's name (`""` is the default namespace).
+    pub name: String,
+    /// Blocks the index holds in it (its manifest not counted).
+    pub blocks: u64,
+    /// Their bytes (values' lengths).
+    pub bytes: u64,
+    /// Of `blocks`, those held in memory only (memory-only puts; the
+    /// census flushes queued puts first).
+    pub memory_only_blocks: u64,
+    /// Its manifest as stored (see [`NamespacedStore::describe`]), if one
+    /// is held and reads back verified.
+    ///
+    /// [`NamespacedStore::describe`]: crate::NamespacedStore::describe
+    pub manifest: Option<Vec<u8>>,
+}
+
+/// What retiring a namespace removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetiredNamespace {
+    /// Blocks the index held in it and no longer does (its manifest
+    /// included).
+    pub blocks: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Tombstones written: one per key any record names in it whose
+    /// newest record is a put or that the index held.
+    pub tombstones: u64,
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    blocks: u64,
+    bytes: u64,
+    memory_only_blocks: u64,
+    has_manifest: bool,
+}
+
+impl Inner {
+    /// Every namespace holding a block (or a manifest), sorted by name.
+    pub(super) fn namespace_census(self: &Arc<Self>) -> Result<Vec<NamespaceCensus>> {
+        self.check_open()?;
+        // Queued puts are written first, so that `memory_only_blocks`
+        // counts what memory alone holds by choice (memory-only puts), not
+        // what the flusher had not reached yet.
+        self.flush_all()?;
+        let mut tallies: HashMap<Vec<u8>, Tally> = HashMap::new();
+        if let Some(disk) = &self.disk {
+            disk.visit_records(|loc, entry| {
+                let Some(loc) = loc else { return };
+                // Live: the index entry is this record's (same place, same
+                // number), not an older or newer put of the key.
+                let live = self
+                    .index
+                    .lock(entry.digest)
+                    .get(entry.digest)
+                    .is_some_and(|e| e.disk() == Some(loc) && e.seq() == entry.seq);
+                let Some((name, key)) = crate::key::split_qualified(&entry.key) else {
+                    return;
+                };
+                if !live {
+                    return;
+                }
+                let prefix = &entry.key[..1 + name.len()];
+                let tally = tally_of(&mut tallies, prefix);
+                if key == MANIFEST_KEY {
+                    tally.has_manifest = true;
+                } else {
+                    tally.blocks += 1;
+                    tally.bytes += u64::from(entry.value_len);
+                }
+            });
+        }
+        for (digest, prefix, len) in self.memory_only_entries(None) {
+            let tally = tally_of(&mut tallies, &prefix);
+            if digest == self.manifest_digest(&prefix) {
+                tally.has_manifest = true;
+            } else {
+                tally.blocks += 1;
+                tally.bytes += u64::from(len);
+                tally.memory_only_blocks += 1;
+            }
+        }
+        let mut census = Vec::with_capacity(tallies.len());
+        for (prefix, tally) in tallies {
+            let name = String::from_utf8_lossy(&prefix[1..]).into_owned();
+            let manifest = if tally.has_manifest {
+                self.read_manifest(&name)?
+            } else {
+                None
+            };
+            census.push(NamespaceCensus {
+                name,
+                blocks: tally.blocks,
+                bytes: tally.bytes,
+                memory_only_blocks: tally.memory_only_blocks,
+                manifest,
+            });
+        }
+        census.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(census)
+    }
+
+    /// Removes every block of `ns` (its manifest too), durable on return,
+    /// with a `Removed` event for each block the index held. Puts into
+    /// `ns` that race with the call may survive it (they are acknowledged
+    /// after its scan); everything put before the call is gone.
+    pub(super) fn retire_namespace(&self, ns: &Namespace) -> Result<RetiredNamespace> {
+        self.check_open()?;
+        // Queued write-through puts are written first, so that a record
+        // names each of their keys (a key no record names gets no
+        // tombstone, and its put, written later, would come back).
+        self.flush_all()?;
+        let prefix = ns.prefix_shared();
+        // Per key of the namespace any record names: its newest record.
+        let mut newest: HashMap<u128, (u64, bool, Box<[u8]>)> = HashMap::new();
+        if let Some(disk) = &self.disk {
+            disk.visit_records(|_, entry| {
+                if !entry.key.starts_with(&prefix) {
+                    return;
+                }
+                let put = entry.kind == crate::disk::format::RecordKind::Put;
+                match newest.get_mut(&entry.digest.0) {
+                    Some(seen) if seen.0 >= entry.seq => {}
+                    Some(seen) => *seen = (entry.seq, put, entry.key.into_boxed_slice()),
+                    None => {
+                        newest.insert(entry.digest.0, (entry.seq, put, entry.key.into()));
+                    }
+                }
+            });
+        }
+        let doomed: Vec<(KeyDigest, Box<[u8]>)> = newest
+            .into_iter()
+            .filter(|(digest, (_, put, _))| {
+                *put || self
+                    .index
+                    .lock(KeyDigest(*digest))
+                    .get(KeyDigest(*digest))
+                    .is_some()
+            })
+            .map(|(digest, (_, _, key))| (KeyDigest(digest), key))
+            .collect();
+        let mut retired = RetiredNamespace::default();
+        for chunk in doomed.chunks(RETIRE_CHUNK) {
+            let mut removed = Vec::new();
+            let mut seqs = (u64::MAX, 0);
+            for (digest, key) in chunk {
+                let digest = *digest;
+                let seq = self.log.append(|seq| {
+                    let mut shard = self.index.lock(digest);
+                    if let Some(entry) = shard.remove(digest) {
+                        let medium = if entry.disk().is_some() {
+                            Medium::Storage
+                        } else {
+                            Medium::Memory
+                        };
+                        removed.push((digest, medium, entry.value_len()));
+                    }
+                    if let Some(follower) = &self.follower {
+                        // As for one remove: another writer's older put of
+                        // the key, read from now on, is not indexed.
+                        follower.note_removal(digest, seq);
+                    }
+                    drop(shard);
+                    self.disk.is_some().then(|| QueuedWrite::Tombstone {
+                        digest,
+                        key: key.clone(),
+                        seq,
+                    })
+                })?;
+                seqs = (seqs.0.min(seq), seqs.1.max(seq));
+            }
+            retired.tombstones += chunk.len() as u64;
+            if self.disk.is_some() && !chunk.is_empty() {
+                self.wait_durable(seqs.0, seqs.1)?;
+            }
+            // After the removals are durable: announced, they hold.
+            self.announce_removed(&removed, &mut retired);
+        }
+        // Values no record names: memory-only puts (a store without a
+        // disk tier holds only these). Nothing on disk can bring them
+        // back, so dropping them from the index is the whole removal.
+        let mut removed = Vec::new();
+        for (digest, _, _) in self.memory_only_entries(Some(&prefix)) {
+            let mut shard = self.index.lock(digest);
+            let still = shard.get(digest).is_some_and(|e| {
+                e.disk().is_none() && e.mem().is_some_and(|s| s.namespace_prefix() == &prefix[..])
+            });
+            if still {
+                if let Some(entry) = shard.remove(digest) {
+                    removed.push((digest, Medium::Memory, entry.value_len()));
+                }
+            }
+        }
+        self.announce_removed(&removed, &mut retired);
+        tracing::info!(
+            namespace = ns.name(),
+            blocks = retired.blocks,
+            bytes = retired.bytes,
+            tombstones = retired.tombstones,
+            "retired a namespace: every block put in it before the call is removed, durably"
+        );
+        Ok(retired)
+    }
+
+    fn announce_removed(
+        &self,
+        removed: &[(KeyDigest, Medium, u32)],
+        retired: &mut RetiredNamespace,
+    ) {
+        for &(digest, medium, len) in removed {
+            retired.blocks += 1;
+            retired.bytes += u64::from(len);
+            self.emit(|| BlockEvent::Removed { medium, digest });
+        }
+        Counters::add(&self.counters.removes, removed.len() as u64);
+    }
+
+    /// Index entries with a memory copy and no disk location (in the
+    /// namespace with qualified-key prefix `only`, or in any): digest,
+    /// namespace prefix, length.
+    fn memory_only_entries(&self, only: Option<&[u8]>) -> Vec<(KeyDigest, Vec<u8>, u32)> {
+        let mut found = Vec::new();
+        self.index.visit_by_shard(
+            |digest, entry| {
+                if entry.disk().is_some() {
+                    return None;
+                }
+                let slot = entry.mem()?;
+                let prefix = slot.namespace_prefix();
+                if only.is_some_and(|only| only != prefix) {
+                    return None;
+                }
+                Some((digest, prefix.to_vec(), entry.value_len()))
+            },
+            |picked| found.extend(picked),
+        );
+        found
+    }
+
+    /// The digest of the manifest key in the namespace with qualified-key
+    /// prefix `prefix`.
+    fn manifest_digest(&self, prefix: &[u8]) -> KeyDigest {
+        let mut qualified = prefix.to_vec();
+        qualified.extend_from_slice(MANIFEST_KEY);
+        self.secret.digest_qualified(&qualified)
+    }
+
+    /// The manifest stored in namespace `name`, read and verified as any
+    /// value is; `None` if there is none (or it is not a namespace name).
+    fn read_manifest(self: &Arc<Self>, name: &str) -> Result<Option<Vec<u8>>> {
+        let Ok(ns) = Namespace::new(Arc::clone(&self.secret), name) else {
+            return Ok(None);
+        };
+        super::NamespacedStore::new(Arc::clone(self), ns).get(MANIFEST_KEY)
+    }
+}
+
+fn tally_of<'t>(tallies: &'t mut HashMap<Vec<u8>, Tally>, prefix: &[u8]) -> &'t mut Tally {
+    if !tallies.contains_key(prefix) {
+        tallies.insert(prefix.to_vec(), Tally::default());
+    }
+    tallies.get_mut(prefix).expect("inserted above")
+}
+
+/// Checks a manifest before it is stored.
+pub(super) fn check_manifest(manifest: &[u8]) -> Result<()> {
+    if manifest.is_empty() || manifest.len() > MAX_MANIFEST_LEN {
+        return Err(Error::invalid(format!(
+            "a namespace manifest is 1 to {MAX_MANIFEST_LEN} bytes, not {}",
+            manifest.len()
+        )));
+    }
+    Ok(())
+}
