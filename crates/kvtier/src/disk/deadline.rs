@@ -3,8 +3,7 @@
 //! than `Config::io_deadline` and a read that outlives it can never land
 //! in memory the caller has taken back.
 //!
-//! A bounded batch is read on a thread of its own (one the tier keeps
-//! between batches, `super::read_threads`), through `pread` (never
+//! A bounded batch is read on a thread of its own, through `pread` (never
 //! an io_uring ring, which a read stuck in the kernel would hold, and
 //! with it every read sent to that ring), into buffers of the store's own;
 //! the caller waits for it until the deadline. Done in time: the verified
@@ -30,7 +29,6 @@
 //! the ring to the thread.
 
 use super::read::{Destination, ReadOutcome, ValueRead, ValueReader};
-use super::read_threads::ReadThreads;
 use crate::error::Error;
 use crate::io::{AlignedBuf, ReadOp};
 use crate::key::ValueChecksum;
@@ -45,26 +43,10 @@ const STREAM_PIECE: usize = 2 << 20;
 /// Pieces of a streamed batch in flight: one being read, one being copied
 /// out, one spare.
 const STREAM_PIECES: usize = 3;
-/// The smallest piece the last value of a streamed batch ends with. The
-/// caller's checksum and copy of the batch's last piece overlap no read,
-/// so the last `STREAM_PIECE` of the batch is read in halving pieces down
-/// to this size: what is left unhidden is one small piece's copy, not a
-/// whole piece's (about 7 % of a single 16 MiB value read warm).
-const TAIL_PIECE: usize = 128 << 10;
 
-/// The length of the next piece of a value with `left` bytes still to
-/// read; `last` for the batch's last value.
-fn piece_len(left: usize, last: bool) -> usize {
-    if !last || left > STREAM_PIECE {
-        return left.min(STREAM_PIECE);
-    }
-    if left <= 2 * TAIL_PIECE {
-        return left;
-    }
-    // Half of what is left, in whole pages (buffered reads need no
-    // alignment, but page-sized pieces keep the page cache's copies whole).
-    (left / 2).next_multiple_of(PAGE_SIZE as usize)
-}
+/// Bytes of a streamed piece checksummed and then copied out together:
+/// small enough to stay in the core's cache between the two.
+const COPY_CHUNK: usize = 64 << 10;
 
 /// Bounded batches that may be held past their deadline at once before
 /// new ones answer misses without reading: each holds a thread (parked in
@@ -99,7 +81,6 @@ pub(crate) struct BoundedReads {
     deadline: Duration,
     stuck: Arc<Mutex<Stuck>>,
     pub counters: Arc<StallCounters>,
-    threads: Arc<ReadThreads>,
 }
 
 enum JobState {
@@ -149,7 +130,6 @@ impl BoundedReads {
             deadline,
             stuck: Arc::default(),
             counters: Arc::default(),
-            threads: Arc::default(),
         }
     }
 
@@ -197,46 +177,48 @@ impl BoundedReads {
             Arc::clone(&self.counters),
         );
         let deadline = Instant::now() + self.deadline;
-        let spawned = self.threads.run(Box::new(move || {
-            let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let mut dests: Vec<&mut [u8]> = bufs
-                    .iter_mut()
-                    .map(|b| match b {
-                        Some(b) => b.as_mut_slice(),
-                        None => &mut [][..],
-                    })
-                    .collect();
-                // Memory no caller sees: the verdict is final.
-                reader.read_checked(&reads, &mut dests, false)
-            }))
-            .unwrap_or_else(|_| {
-                reads
-                    .iter()
-                    .map(|r| {
-                        r.as_ref().map(|_| {
-                            ReadOutcome::Failed(Error::io(
-                                "a bounded read",
-                                std::io::Error::other("the read thread panicked"),
-                            ))
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-bounded-read".into())
+            .spawn(move || {
+                let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut dests: Vec<&mut [u8]> = bufs
+                        .iter_mut()
+                        .map(|b| match b {
+                            Some(b) => b.as_mut_slice(),
+                            None => &mut [][..],
                         })
-                    })
-                    .collect()
-            });
-            let mut state = thread_job.state.lock().unwrap();
-            match *state {
-                JobState::Running => {
-                    *state = JobState::Done(outcomes, bufs);
-                    thread_job.finished.notify_all();
-                }
-                JobState::Abandoned | JobState::Done(..) => {
-                    drop(state);
-                    for buf in bufs.into_iter().flatten() {
-                        reader.bounce.give_back(buf);
+                        .collect();
+                    // Memory no caller sees: the verdict is final.
+                    reader.read_checked(&reads, &mut dests, false)
+                }))
+                .unwrap_or_else(|_| {
+                    reads
+                        .iter()
+                        .map(|r| {
+                            r.as_ref().map(|_| {
+                                ReadOutcome::Failed(Error::io(
+                                    "a bounded read",
+                                    std::io::Error::other("the read thread panicked"),
+                                ))
+                            })
+                        })
+                        .collect()
+                });
+                let mut state = thread_job.state.lock().unwrap();
+                match *state {
+                    JobState::Running => {
+                        *state = JobState::Done(outcomes, bufs);
+                        thread_job.finished.notify_all();
                     }
-                    release(&stuck, &counters, thread_job.bytes);
+                    JobState::Abandoned | JobState::Done(..) => {
+                        drop(state);
+                        for buf in bufs.into_iter().flatten() {
+                            reader.bounce.give_back(buf);
+                        }
+                        release(&stuck, &counters, thread_job.bytes);
+                    }
                 }
-            }
-        }));
+            });
         match spawned {
             Ok(_) => Pending(Started::Running {
                 job,
@@ -258,13 +240,7 @@ impl BoundedReads {
     /// on a thread of its own.
     fn start_streamed(&self, reads: &[Option<ValueRead>]) -> Pending {
         let deadline = Instant::now() + self.deadline;
-        match spawn_stream(
-            &self.threads,
-            &self.reader,
-            &self.stuck,
-            &self.counters,
-            reads,
-        ) {
+        match spawn_stream(&self.reader, &self.stuck, &self.counters, reads) {
             Ok(stream) => Pending(Started::Streaming {
                 stream,
                 deadline,
@@ -277,7 +253,6 @@ impl BoundedReads {
 
 /// Starts the thread of a streamed batch, with its ring of buffers.
 fn spawn_stream(
-    threads: &Arc<ReadThreads>,
     reader: &Arc<ValueReader>,
     stuck: &Arc<Mutex<Stuck>>,
     counters: &Arc<StallCounters>,
@@ -297,8 +272,9 @@ fn spawn_stream(
         Arc::clone(stuck),
         Arc::clone(counters),
     );
-    threads
-        .run(Box::new(move || {
+    std::thread::Builder::new()
+        .name("kvtier-bounded-read".into())
+        .spawn(move || {
             let reader = thread_reader;
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 stream_values(&reader, &reads_owned, &free_rx, &filled_tx)
@@ -315,10 +291,9 @@ fn spawn_stream(
             } else {
                 *phase = StreamPhase::Done;
             }
-        }))
+        })
         .map_err(|e| format!("could not start a read thread: {e}"))?;
     Ok(Stream {
-        threads: Arc::clone(threads),
         job,
         free: free_tx,
         filled: filled_rx,
@@ -331,7 +306,6 @@ fn spawn_stream(
 
 /// The caller's end of a streamed batch.
 struct Stream {
-    threads: Arc<ReadThreads>,
     job: Arc<Mutex<StreamPhase>>,
     /// Buffers handed back to the thread once copied out.
     free: Sender<AlignedBuf>,
@@ -379,10 +353,9 @@ fn stream_values(
     free: &Receiver<AlignedBuf>,
     filled: &Sender<StreamMsg>,
 ) -> Result<(), CallerGone> {
-    let last = reads.iter().rposition(Option::is_some);
     for (value, read) in reads.iter().enumerate() {
         let Some(read) = read else { continue };
-        let message = match stream_value(reader, value, read, Some(value) == last, free, filled)? {
+        let message = match stream_value(reader, value, read, free, filled)? {
             None => StreamMsg::Read { value },
             Some(outcome) => StreamMsg::Failed { value, outcome },
         };
@@ -396,7 +369,6 @@ fn stream_value(
     reader: &ValueReader,
     value: usize,
     read: &ValueRead,
-    last: bool,
     free: &Receiver<AlignedBuf>,
     filled: &Sender<StreamMsg>,
 ) -> Result<Option<ReadOutcome>, CallerGone> {
@@ -404,7 +376,7 @@ fn stream_value(
     let mut at = 0;
     while at < read.len {
         let mut buf = free.recv().map_err(|_| CallerGone)?;
-        let len = piece_len(read.len - at, last);
+        let len = (read.len - at).min(STREAM_PIECE);
         let mut ops = [ReadOp::new(
             &read.region.file,
             offset + at as u64,
@@ -494,11 +466,16 @@ impl Stream {
                     len,
                     buf,
                 }) => {
+                    // Checksummed and copied a chunk at a time, so the
+                    // piece is read from memory once (the copy finds each
+                    // chunk in the core's cache), not twice.
                     let bytes = &buf.as_slice()[..len];
-                    if let Some(checksum) = &mut checksums[value] {
-                        checksum.update(bytes);
+                    for (i, chunk) in bytes.chunks(COPY_CHUNK).enumerate() {
+                        if let Some(checksum) = &mut checksums[value] {
+                            checksum.update(chunk);
+                        }
+                        dests[value].fill_at(at + i * COPY_CHUNK, chunk);
                     }
-                    dests[value].fill_at(at, bytes);
                     copied[value] = copied[value].max(at + len);
                     if let Err(mpsc::SendError(buf)) = self.free.send(buf) {
                         self.reader.bounce.give_back(buf);
@@ -577,8 +554,7 @@ fn finish_streamed<D: Destination>(
     deadline: Instant,
     limit: Duration,
 ) -> Vec<Option<ReadOutcome>> {
-    let (threads, reader, stuck, counters) = (
-        Arc::clone(&stream.threads),
+    let (reader, stuck, counters) = (
         Arc::clone(&stream.reader),
         Arc::clone(&stream.stuck),
         Arc::clone(&stream.counters),
@@ -597,7 +573,7 @@ fn finish_streamed<D: Destination>(
                 again[value] = Some(read.clone());
             }
         }
-        match spawn_stream(&threads, &reader, &stuck, &counters, &again) {
+        match spawn_stream(&reader, &stuck, &counters, &again) {
             Ok(stream) => {
                 let mut second = stream.finish(&again, dests, deadline);
                 for &value in &end.mismatched {
@@ -778,44 +754,6 @@ mod tests {
     use crate::io::IoEngine;
 
     const LEN: usize = 10_000;
-
-    #[test]
-    fn pieces_cover_each_value_and_the_batch_ends_on_a_small_one() {
-        for len in (1..5 * STREAM_PIECE).step_by(4093).chain([
-            1,
-            TAIL_PIECE,
-            2 * TAIL_PIECE + 1,
-            STREAM_PIECE,
-            STREAM_PIECE + 1,
-            16 << 20,
-        ]) {
-            for last in [false, true] {
-                let (mut at, mut pieces) = (0, Vec::new());
-                while at < len {
-                    let piece = piece_len(len - at, last);
-                    assert!((1..=STREAM_PIECE).contains(&piece), "{len} {last}: {piece}");
-                    pieces.push(piece);
-                    at += piece;
-                }
-                assert_eq!(at, len, "{len} {last}: pieces {pieces:?}");
-                let end = *pieces.last().unwrap();
-                if last {
-                    assert!(end <= 2 * TAIL_PIECE, "{len}: ends on {end}");
-                    // Halving: a whole piece's tail costs at most a few more.
-                    assert!(
-                        pieces.len() <= len.div_ceil(STREAM_PIECE) + 5,
-                        "{len}: {pieces:?}"
-                    );
-                } else {
-                    assert_eq!(
-                        pieces.len(),
-                        len.div_ceil(STREAM_PIECE),
-                        "{len}: {pieces:?}"
-                    );
-                }
-            }
-        }
-    }
 
     /// A tier whose bounded reads (of every file) go through `faulty`,
     /// its files O_DIRECT or buffered (streamed), with one value of `len`

@@ -26,7 +26,6 @@ mod other_logs;
 mod others;
 mod parallel_scan;
 mod read;
-mod read_threads;
 mod reclaim;
 mod recorded;
 mod records;
