@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 import kvtier
+from kvtier import errors
 from kvtier.integrations import _common
 
 
@@ -18,7 +19,7 @@ def listed(engine):
 def test_an_embedded_store_lists_describes_and_retires_its_namespace(tmp_path):
     with kvtier.Store(str(tmp_path / "s"), memory="64MiB", disk="512MiB", namespace="model/a") as s:
         for i in range(10):
-            assert s.put(f"block-{i}".encode(), bytes([i + 1]) * 5000) == kvtier.OK
+            assert s.put(f"block-{i}".encode(), bytes([i + 1]) * 5000) == errors.OK
         s.describe_namespace({"model": "a", "dtype": "bfloat16"})
         got = listed(s)["model/a"]
         assert (got["blocks"], got["bytes"], got["memory_only_blocks"]) == (10, 50_000, 0)
@@ -36,8 +37,8 @@ def test_a_server_keeps_the_first_description_and_retires_one_namespace(server):
     mine, other = f"py/{uuid.uuid4().hex}", f"py/{uuid.uuid4().hex}"
     with kvtier.Client(server["unix"], namespace=mine) as a, kvtier.Client(server["unix"], namespace=other) as b:
         for i in range(6):
-            assert a.put(f"k{i}".encode(), b"a" * 1000) == kvtier.OK
-            assert b.put(f"k{i}".encode(), b"b" * 2000) == kvtier.OK
+            assert a.put(f"k{i}".encode(), b"a" * 1000) == errors.OK
+            assert b.put(f"k{i}".encode(), b"b" * 2000) == errors.OK
         a.describe_namespace(json.dumps({"engine": "test"}))
         first = listed(a)[mine]["manifest"]["first_described_unix_s"]
         a.describe_namespace({"engine": "test", "again": True})

@@ -355,6 +355,10 @@ struct PrefixCache(Option<Arc<[u8]>>);
 impl PrefixCache {
     fn key(&mut self, qualified: &[u8]) -> Option<QualifiedKey> {
         let (ns, key) = crate::key::split_qualified(qualified)?;
+        if key == crate::key::MANIFEST_KEY {
+            // A namespace's manifest is not a KV block: never announced.
+            return None;
+        }
         let prefix = &qualified[..1 + ns.len()];
         let shared = match &self.0 {
             Some(p) if &p[..] == prefix => Arc::clone(p),

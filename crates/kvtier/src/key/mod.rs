@@ -188,6 +188,13 @@ pub fn split_qualified(qualified: &[u8]) -> Option<(&[u8], &[u8])> {
     Some(rest.split_at(ns_len))
 }
 
+/// The key a namespace's manifest is stored under, in the namespace
+/// itself (`store::namespaces`): so it is kept, shared, routed and retired
+/// as the namespace's blocks are. Engines' keys are block hashes or prefix
+/// keys of a fixed form, which never equal it. Not a KV block: no block
+/// event announces it.
+pub const MANIFEST_KEY: &[u8] = b"\xffkvtier-namespace-manifest";
+
 /// Checks a namespace name against the documented limits.
 pub fn validate_namespace(name: &str) -> Result<()> {
     if name.len() > MAX_NAMESPACE_LEN {

@@ -19,11 +19,7 @@ use crate::write_log::QueuedWrite;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// The key a namespace's manifest is stored under, in the namespace
-/// itself: so it is kept, shared, routed and retired as the namespace's
-/// blocks are. Engines' keys are block hashes; this one starts with a
-/// byte no hex or decimal digest has.
-pub const MANIFEST_KEY: &[u8] = b"\xffkvtier-namespace-manifest";
+pub use crate::key::MANIFEST_KEY;
 
 /// The largest manifest a namespace may have, in bytes.
 pub const MAX_MANIFEST_LEN: usize = 16 << 10;
@@ -148,6 +144,7 @@ impl Inner {
         // tombstone, and its put, written later, would come back).
         self.flush_all()?;
         let prefix = ns.prefix_shared();
+        let manifest = self.manifest_digest(&prefix);
         // Per key of the namespace any record names: its newest record.
         let mut newest: HashMap<u128, (u64, bool, Box<[u8]>)> = HashMap::new();
         if let Some(disk) = &self.disk {
@@ -211,7 +208,7 @@ impl Inner {
                 self.wait_durable(seqs.0, seqs.1)?;
             }
             // After the removals are durable: announced, they hold.
-            self.announce_removed(&removed, &mut retired);
+            self.announce_removed(&removed, manifest, &mut retired);
         }
         // Values no record names: memory-only puts (a store without a
         // disk tier holds only these). Nothing on disk can bring them
@@ -228,7 +225,7 @@ impl Inner {
                 }
             }
         }
-        self.announce_removed(&removed, &mut retired);
+        self.announce_removed(&removed, manifest, &mut retired);
         tracing::info!(
             namespace = ns.name(),
             blocks = retired.blocks,
@@ -242,12 +239,16 @@ impl Inner {
     fn announce_removed(
         &self,
         removed: &[(KeyDigest, Medium, u32)],
+        manifest: KeyDigest,
         retired: &mut RetiredNamespace,
     ) {
         for &(digest, medium, len) in removed {
             retired.blocks += 1;
             retired.bytes += u64::from(len);
-            self.emit(|| BlockEvent::Removed { medium, digest });
+            // The manifest was never announced: it is not a KV block.
+            if digest != manifest {
+                self.emit(|| BlockEvent::Removed { medium, digest });
+            }
         }
         Counters::add(&self.counters.removes, removed.len() as u64);
     }

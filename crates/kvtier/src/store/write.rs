@@ -125,9 +125,10 @@ impl Inner {
         drop(replaced);
         self.timed(|| self.eviction.lock().unwrap().insert(&slot));
         Counters::add(&self.counters.puts, 1);
-        if !to_disk {
+        if !to_disk && key != crate::key::MANIFEST_KEY {
             // Durable only in memory: it can be served from now on. A
             // write-through value is announced by the flusher, once on disk.
+            // (A namespace's manifest is not a KV block: never announced.)
             self.emit(|| BlockEvent::Stored {
                 medium: Medium::Memory,
                 digest,
