@@ -523,6 +523,61 @@ fn two_replicas_keep_every_block_when_a_node_dies() {
 }
 
 #[test]
+fn a_namespace_retired_through_one_member_is_gone_from_every_member() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let nodes: Vec<ServerProcess> = (1..=3)
+        .map(|i| {
+            node(
+                &dir.path().join(format!("node{i}")),
+                &etcd,
+                &["--replicas", "2"],
+            )
+        })
+        .collect();
+    let refs: Vec<&ServerProcess> = nodes.iter().collect();
+    wait_for_members(&refs, 3, Duration::from_secs(20));
+    let in_namespace = |node: &ServerProcess, namespace: &str| {
+        Client::connect_with(
+            &node.unix_url(),
+            ClientOptions {
+                namespace: namespace.into(),
+                ..options()
+            },
+        )
+        .unwrap()
+    };
+    let all = keys(600);
+    put_all(&mut in_namespace(&nodes[0], "old-model"), &all);
+    put_all(&mut in_namespace(&nodes[1], "kept-model"), &all);
+    let entries = || -> u64 {
+        nodes
+            .iter()
+            .map(|s| s.stats()["store"]["entries"].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!(entries(), 2400, "every block on two members");
+    // Retired through the third member: every member removes its copies.
+    let retired = in_namespace(&nodes[2], "old-model")
+        .retire_namespace()
+        .unwrap();
+    assert_eq!(retired.blocks, 1200, "both copies of each block");
+    assert_eq!(retired.bytes, 1200 * VALUE_LEN as u64);
+    assert_eq!(entries(), 1200);
+    for node in &nodes {
+        let (hits, _, wrong, _) = read_all(&mut in_namespace(node, "old-model"), &all);
+        assert_eq!(
+            (hits, wrong),
+            (0, 0),
+            "a retired block read through {}",
+            node.unix
+        );
+        let (hits, _, wrong, _) = read_all(&mut in_namespace(node, "kept-model"), &all);
+        assert_eq!((hits, wrong), (600, 0));
+    }
+}
+
+#[test]
 fn members_whose_listeners_speak_tls_forward_over_tls() {
     let dir = tempfile::tempdir().unwrap();
     let certs = dir.path().join("certs");
