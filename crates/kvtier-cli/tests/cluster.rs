@@ -491,21 +491,22 @@ fn three_nodes_serve_one_cache_and_survive_failures() {
     }
 }
 
-#[test]
-fn two_replicas_keep_every_block_when_a_node_dies() {
-    let dir = tempfile::tempdir().unwrap();
-    let etcd = Etcd::start(dir.path(), 1);
+/// Three members of one cluster keeping two replicas of each block, all
+/// seeing each other; etcd with them (dropped last).
+fn three_members_two_replicas(dir: &Path) -> (Etcd, Vec<ServerProcess>) {
+    let etcd = Etcd::start(dir, 1);
     let nodes: Vec<ServerProcess> = (1..=3)
-        .map(|i| {
-            node(
-                &dir.path().join(format!("node{i}")),
-                &etcd,
-                &["--replicas", "2"],
-            )
-        })
+        .map(|i| node(&dir.join(format!("node{i}")), &etcd, &["--replicas", "2"]))
         .collect();
     let refs: Vec<&ServerProcess> = nodes.iter().collect();
     wait_for_members(&refs, 3, Duration::from_secs(20));
+    (etcd, nodes)
+}
+
+#[test]
+fn two_replicas_keep_every_block_when_a_node_dies() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_etcd, nodes) = three_members_two_replicas(dir.path());
     let all = keys(3000);
     let mut c1 = Client::connect_with(&nodes[0].unix_url(), options()).unwrap();
     put_all(&mut c1, &all);
@@ -525,18 +526,7 @@ fn two_replicas_keep_every_block_when_a_node_dies() {
 #[test]
 fn a_namespace_retired_through_one_member_is_gone_from_every_member() {
     let dir = tempfile::tempdir().unwrap();
-    let etcd = Etcd::start(dir.path(), 1);
-    let nodes: Vec<ServerProcess> = (1..=3)
-        .map(|i| {
-            node(
-                &dir.path().join(format!("node{i}")),
-                &etcd,
-                &["--replicas", "2"],
-            )
-        })
-        .collect();
-    let refs: Vec<&ServerProcess> = nodes.iter().collect();
-    wait_for_members(&refs, 3, Duration::from_secs(20));
+    let (_etcd, nodes) = three_members_two_replicas(dir.path());
     let in_namespace = |node: &ServerProcess, namespace: &str| {
         Client::connect_with(
             &node.unix_url(),

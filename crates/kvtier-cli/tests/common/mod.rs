@@ -74,6 +74,16 @@ pub fn options() -> ClientOptions {
     }
 }
 
+/// Client options of a tenant's token in `namespace` (no shared memory).
+pub fn as_tenant(token: &str, namespace: &str) -> ClientOptions {
+    ClientOptions {
+        auth_token: Some(token.into()),
+        namespace: namespace.into(),
+        shm_size: 0,
+        ..options()
+    }
+}
+
 /// A hello body: the token, then the namespace.
 pub fn hello_body(token: &str, namespace: &str) -> Vec<u8> {
     let mut w = Writer::default();

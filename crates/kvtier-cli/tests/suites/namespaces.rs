@@ -4,22 +4,13 @@
 //! whole namespace durably (after a restart too) and nothing else, and the
 //! `kvtier namespaces` command does both.
 
-use crate::common::{kvtier_binary, options, ServerProcess, TEST_TOKEN};
-use kvtier_client::{Client, ClientOptions};
+use crate::common::{as_tenant, kvtier_binary, options, ServerProcess, TEST_TOKEN};
+use kvtier_client::Client;
 use serde_json::Value;
 use std::os::unix::fs::PermissionsExt;
 
 const TOKEN_A: &str = "tenant-a-token-0123456789abcdef";
 const TOKEN_B: &str = "tenant-b-token-0123456789abcdef";
-
-fn as_tenant(token: &str, namespace: &str) -> ClientOptions {
-    ClientOptions {
-        auth_token: Some(token.into()),
-        namespace: namespace.into(),
-        shm_size: 0,
-        ..options()
-    }
-}
 
 fn client(server: &ServerProcess, token: &str, namespace: &str) -> Client {
     Client::connect_with(&server.tcp_url(), as_tenant(token, namespace)).unwrap()

@@ -2,7 +2,7 @@
 //! a tenant uses only its own namespaces, sees no server-wide view, and
 //! the admin endpoint (every tenant's traffic) asks for the server's token.
 
-use crate::common::{options, ServerProcess, TEST_TOKEN};
+use crate::common::{as_tenant, options, ServerProcess, TEST_TOKEN};
 use kvtier_client::{Client, ClientOptions};
 use std::os::unix::fs::PermissionsExt;
 
@@ -13,15 +13,6 @@ const TOKEN_B: &str = "tenant-b-token-0123456789abcdef";
 fn write_tenants(path: &std::path::Path, body: &str, mode: u32) {
     std::fs::write(path, body).unwrap();
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
-}
-
-fn as_tenant(token: &str, namespace: &str) -> ClientOptions {
-    ClientOptions {
-        auth_token: Some(token.into()),
-        namespace: namespace.into(),
-        shm_size: 0,
-        ..options()
-    }
 }
 
 /// A raw TCP connection to `server` that said hello with `token` in

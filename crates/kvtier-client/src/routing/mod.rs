@@ -446,31 +446,8 @@ impl<'a> Router<'a> {
     /// Flushes every member: what any of them acknowledged is durable.
     /// A member that cannot be reached fails the flush.
     pub fn flush(&self) -> kvtier::Result<()> {
-        let mut groups = Groups::new();
-        groups.insert(Target::Local, Vec::new());
-        for (m, member) in self.members.iter().enumerate() {
-            if member.id != self.me {
-                groups.insert(Target::Remote(m), Vec::new());
-            }
-        }
-        let answers = self.run(
-            groups,
-            |_, _| (),
-            |store_or_peer, ()| match store_or_peer {
-                None => Some(here(self.local).flush()),
-                Some((peers, member, namespace)) => {
-                    peers.call(member, namespace, 0, |c| c.flush()).map(Ok)
-                }
-            },
-        );
-        for ((target, _), answer) in answers {
-            match answer {
-                Some(Ok(())) => {}
-                Some(Err(e)) => return Err(e),
-                None => return Err(self.unreachable(target)),
-            }
-        }
-        Ok(())
+        self.on_every_member(|store| store.flush(), |c| c.flush())
+            .map(|_| ())
     }
 
     /// Retires the namespace on every member (each removes what it
@@ -478,6 +455,24 @@ impl<'a> Router<'a> {
     /// reached fails the call (what the others removed stays removed; the
     /// call may be repeated).
     pub fn retire_namespace(&self) -> kvtier::Result<kvtier::RetiredNamespace> {
+        let parts = self.on_every_member(|store| store.retire(), |c| c.retire_namespace())?;
+        let mut total = kvtier::RetiredNamespace::default();
+        for part in parts {
+            total.blocks += part.blocks;
+            total.bytes += part.bytes;
+            total.tombstones += part.tombstones;
+        }
+        Ok(total)
+    }
+
+    /// `local` on this node's store and `remote` on every other member,
+    /// at once; each one's answer, or the first failure (a member that
+    /// cannot be reached fails the call).
+    fn on_every_member<T: Send>(
+        &self,
+        local: impl Fn(&NamespacedStore) -> kvtier::Result<T> + Sync,
+        remote: impl Fn(&mut crate::conn::Connection) -> kvtier::Result<T> + Sync,
+    ) -> kvtier::Result<Vec<T>> {
         let mut groups = Groups::new();
         groups.insert(Target::Local, Vec::new());
         for (m, member) in self.members.iter().enumerate() {
@@ -489,25 +484,21 @@ impl<'a> Router<'a> {
             groups,
             |_, _| (),
             |store_or_peer, ()| match store_or_peer {
-                None => Some(here(self.local).retire()),
-                Some((peers, member, namespace)) => peers
-                    .call(member, namespace, 0, |c| c.retire_namespace())
-                    .map(Ok),
+                None => Some(local(here(self.local))),
+                Some((peers, member, namespace)) => {
+                    peers.call(member, namespace, 0, &remote).map(Ok)
+                }
             },
         );
-        let mut total = kvtier::RetiredNamespace::default();
+        let mut all = Vec::with_capacity(answers.len());
         for ((target, _), answer) in answers {
             match answer {
-                Some(Ok(part)) => {
-                    total.blocks += part.blocks;
-                    total.bytes += part.bytes;
-                    total.tombstones += part.tombstones;
-                }
+                Some(Ok(one)) => all.push(one),
                 Some(Err(e)) => return Err(e),
                 None => return Err(self.unreachable(target)),
             }
         }
-        Ok(total)
+        Ok(all)
     }
 
     fn unreachable(&self, target: Target) -> kvtier::Error {
