@@ -153,13 +153,7 @@ pub trait KvBackend {
     /// Default: the bytes as given, under `kvtier::MANIFEST_KEY`, put like
     /// any value (a server stamps them first: see the client pool's).
     fn describe_namespace(&self, manifest: &[u8]) -> Result<()> {
-        if manifest.is_empty() || manifest.len() > kvtier::MAX_MANIFEST_LEN {
-            return Err(Error::invalid(format!(
-                "a namespace manifest is 1 to {} bytes, not {}",
-                kvtier::MAX_MANIFEST_LEN,
-                manifest.len()
-            )));
-        }
+        kvtier::validate_manifest(manifest)?;
         let options = PutOptions {
             durable: true,
             ..PutOptions::default()

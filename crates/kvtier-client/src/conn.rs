@@ -1200,13 +1200,7 @@ impl Connection {
     /// Stores this connection's namespace's manifest: a JSON object of
     /// readable fields (what the namespace's digest stands for).
     pub fn describe_namespace(&mut self, manifest: &[u8]) -> Result<()> {
-        if manifest.is_empty() || manifest.len() > kvtier::MAX_MANIFEST_LEN {
-            return Err(Error::invalid(format!(
-                "a namespace manifest is 1 to {} bytes, not {}",
-                kvtier::MAX_MANIFEST_LEN,
-                manifest.len()
-            )));
-        }
+        kvtier::validate_manifest(manifest)?;
         let request = Request::DescribeNamespace { manifest };
         self.call(Op::DescribeNamespace, &request.encode(), None)
             .map(|_| ())

@@ -6,7 +6,7 @@
 
 use crate::handlers::Reply;
 use crate::trust::Scope;
-use kvtier::{NamespaceCensus, PutOptions, Store, MANIFEST_KEY};
+use kvtier::{NamespaceCensus, Store, MANIFEST_KEY};
 use kvtier_client::KvBackend;
 use kvtier_wire::protocol::{code, Writer};
 use serde_json::{json, Map, Value};
@@ -167,26 +167,10 @@ pub(crate) fn describe<'b>(backend: &dyn KvBackend, manifest: &[u8]) -> Reply<'b
     stamped.insert("first_described_unix_s".into(), json!(first));
     stamped.insert("last_described_unix_s".into(), json!(now));
     let bytes = Value::Object(stamped).to_string().into_bytes();
-    if bytes.len() > kvtier::MAX_MANIFEST_LEN {
-        return Reply::error(
-            code::INVALID_ARGUMENT,
-            format!(
-                "the manifest with its timestamps is {} bytes: at most {} are kept",
-                bytes.len(),
-                kvtier::MAX_MANIFEST_LEN
-            ),
-        );
-    }
-    let options = PutOptions {
-        durable: true,
-        ..PutOptions::default()
-    };
-    match backend.batch_put_whole(&[MANIFEST_KEY], &[&bytes], &options) {
-        Ok(mut results) => match results.pop() {
-            Some(Ok(())) => Reply::ok(Vec::new()),
-            Some(Err(e)) => Reply::error(code::of(e.kind()), e.to_string()),
-            None => Reply::error(code::IO, "the manifest's put had no answer"),
-        },
+    // Stored as the backend stores any manifest (the store, or the member
+    // that owns the key): its length checked there, durable on return.
+    match backend.describe_namespace(&bytes) {
+        Ok(()) => Reply::ok(Vec::new()),
         Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
     }
 }

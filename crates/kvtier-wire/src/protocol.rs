@@ -879,13 +879,7 @@ pub fn decode_request<'a>(
         Op::RetireNamespace => Request::RetireNamespace,
         Op::DescribeNamespace => {
             let manifest = r.bytes(r.remaining())?;
-            if manifest.is_empty() || manifest.len() > kvtier::MAX_MANIFEST_LEN {
-                return Err(ProtocolError::new(format!(
-                    "a namespace manifest is 1 to {} bytes, not {}",
-                    kvtier::MAX_MANIFEST_LEN,
-                    manifest.len()
-                )));
-            }
+            kvtier::validate_manifest(manifest).map_err(|e| ProtocolError::new(e.to_string()))?;
             Request::DescribeNamespace { manifest }
         }
         Op::RegisterBuffer => Request::RegisterBuffer { size: r.u64()? },

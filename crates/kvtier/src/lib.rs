@@ -62,8 +62,8 @@ pub use events::{BlockEvent, EventSink, Medium, QualifiedKey};
 pub use foreign::ForeignSegments;
 pub use io::AlignedBuf;
 pub use key::{
-    split_qualified, validate_key, validate_namespace, value_checksum, KeyDigest, KeySecret,
-    Namespace, ValueChecksum, MAX_KEY_LEN, MAX_NAMESPACE_LEN,
+    split_qualified, validate_key, validate_manifest, validate_namespace, value_checksum,
+    KeyDigest, KeySecret, Namespace, ValueChecksum, MAX_KEY_LEN, MAX_NAMESPACE_LEN,
 };
 pub use prefix::{block_keys, BlockKey};
 pub use size::{format_size, parse_size};

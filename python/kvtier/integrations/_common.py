@@ -86,7 +86,14 @@ def _manifest_text(described: dict[str, Any]) -> str:
     for name, value in described.items():
         one = json.dumps(value, sort_keys=True, default=str)
         shortened[name] = value if len(one) <= 256 else "sha256:" + hashlib.sha256(one.encode()).hexdigest()
-    return json.dumps(shortened, sort_keys=True, default=str)[:_MAX_MANIFEST_BYTES]
+    text = json.dumps(shortened, sort_keys=True, default=str)
+    if len(text.encode()) <= _MAX_MANIFEST_BYTES:
+        return text
+    # Too many fields even so: the readable ones and a digest of the rest,
+    # still a whole JSON object (a cut string would not parse).
+    kept = {k: shortened[k] for k in ("engine", "label", "dtype", "rank", "fingerprint") if k in shortened}
+    kept["fields_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    return json.dumps(kept, sort_keys=True, default=str)
 
 
 # The server's limit on a namespace's length (bytes of UTF-8).

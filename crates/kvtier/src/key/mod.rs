@@ -195,6 +195,21 @@ pub fn split_qualified(qualified: &[u8]) -> Option<(&[u8], &[u8])> {
 /// event announces it.
 pub const MANIFEST_KEY: &[u8] = b"\xffkvtier-namespace-manifest";
 
+/// The largest manifest a namespace may have, in bytes.
+pub const MAX_MANIFEST_LEN: usize = 16 << 10;
+
+/// Checks a namespace manifest's length (1 to `MAX_MANIFEST_LEN` bytes)
+/// before it is stored or sent.
+pub fn validate_manifest(manifest: &[u8]) -> Result<()> {
+    if manifest.is_empty() || manifest.len() > MAX_MANIFEST_LEN {
+        return Err(Error::invalid(format!(
+            "a namespace manifest is 1 to {MAX_MANIFEST_LEN} bytes, not {}",
+            manifest.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a namespace name against the documented limits.
 pub fn validate_namespace(name: &str) -> Result<()> {
     if name.len() > MAX_NAMESPACE_LEN {

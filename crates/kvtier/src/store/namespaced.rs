@@ -361,7 +361,7 @@ impl NamespacedStore {
     /// removed with the namespace. At most
     /// [`MAX_MANIFEST_LEN`](crate::MAX_MANIFEST_LEN) bytes.
     pub fn describe(&self, manifest: &[u8]) -> Result<()> {
-        super::namespaces::check_manifest(manifest)?;
+        crate::key::validate_manifest(manifest)?;
         self.put_with(
             super::namespaces::MANIFEST_KEY,
             manifest,

@@ -11,7 +11,7 @@
 //! (memory-only puts), the pool slot, which keeps its namespace.
 
 use super::Inner;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::events::{BlockEvent, Medium};
 use crate::key::{KeyDigest, Namespace};
 use crate::stats::Counters;
@@ -19,10 +19,7 @@ use crate::write_log::QueuedWrite;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub use crate::key::MANIFEST_KEY;
-
-/// The largest manifest a namespace may have, in bytes.
-pub const MAX_MANIFEST_LEN: usize = 16 << 10;
+pub use crate::key::{MANIFEST_KEY, MAX_MANIFEST_LEN};
 
 /// Tombstones queued before the retirement waits for them to be durable:
 /// bounds the keys held in the write queue at once.
@@ -298,15 +295,4 @@ fn tally_of<'t>(tallies: &'t mut HashMap<Vec<u8>, Tally>, prefix: &[u8]) -> &'t 
         tallies.insert(prefix.to_vec(), Tally::default());
     }
     tallies.get_mut(prefix).expect("inserted above")
-}
-
-/// Checks a manifest before it is stored.
-pub(super) fn check_manifest(manifest: &[u8]) -> Result<()> {
-    if manifest.is_empty() || manifest.len() > MAX_MANIFEST_LEN {
-        return Err(Error::invalid(format!(
-            "a namespace manifest is 1 to {MAX_MANIFEST_LEN} bytes, not {}",
-            manifest.len()
-        )));
-    }
-    Ok(())
 }
