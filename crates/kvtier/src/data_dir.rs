@@ -15,9 +15,13 @@ use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// The format this build writes. Format 2 (the same, without `node-id`
-/// and with region files named by id alone) is upgraded in place on open.
-pub const DATA_DIR_FORMAT: u32 = 3;
+/// The format this build writes: 4, whose new batch records carry a MAC
+/// binding them to their writer (docs/design.md, section 3.3). Format 3
+/// (records without it, still read here) and format 2 (also without
+/// `node-id`, region files named by id alone) are upgraded in place on
+/// open; a build of format 3 refuses format 4 rather than take records it
+/// cannot read for damage.
+pub const DATA_DIR_FORMAT: u32 = 4;
 pub const FORMAT_FILE: &str = "FORMAT";
 pub const KEY_SECRET_FILE: &str = "key-secret";
 pub const NODE_ID_FILE: &str = "node-id";
@@ -69,7 +73,7 @@ pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<Identity> {
                     })?,
                 })
                 }
-                Some(2) => upgrade_from_2(dir),
+                Some(2 | 3) => upgrade(dir),
                 Some(other) => Err(Error::new(
                     ErrorKind::InvalidArgument,
                     format!(
@@ -109,11 +113,13 @@ pub fn open_or_create(dir: &Path, region_dir: &Path) -> Result<Identity> {
     }
 }
 
-/// Format 2 to 3: a node id (kept if an interrupted upgrade left one),
-/// then the format line. A crash between the two leaves format 2 with a
-/// node id, which the next open finishes upgrading. Region files named by
-/// id alone stay readable; new ones carry the node id.
-fn upgrade_from_2(dir: &Path) -> Result<Identity> {
+/// Format 2 or 3 to 4: a node id where format 2 had none (kept if an
+/// interrupted upgrade left one), then the format line. A crash between
+/// the two leaves the old format with a node id, which the next open
+/// finishes upgrading. Region files named by id alone stay readable, as
+/// do records without a MAC; new files carry the node id, new records
+/// the MAC.
+fn upgrade(dir: &Path) -> Result<Identity> {
     let secret = read_secret(dir)?;
     let node_id = match read_node_id(dir)? {
         Some(id) => id,
@@ -126,7 +132,7 @@ fn upgrade_from_2(dir: &Path) -> Result<Identity> {
     let format = format!("{FORMAT_PREFIX}{DATA_DIR_FORMAT}\n");
     write_synced(dir, FORMAT_FILE, format.as_bytes(), FILE_MODE)?;
     sync_dir(dir)?;
-    tracing::info!(dir = %dir.display(), node_id = %node_id, "upgraded the data directory from format 2 to 3");
+    tracing::info!(dir = %dir.display(), node_id = %node_id, "upgraded the data directory to format {DATA_DIR_FORMAT}");
     let confirmed = check_secret(dir, &secret)?;
     Ok(Identity {
         secret,
@@ -136,7 +142,7 @@ fn upgrade_from_2(dir: &Path) -> Result<Identity> {
 }
 
 /// The node id in `dir`, if the file exists; an error if it is not one.
-fn read_node_id(dir: &Path) -> Result<Option<String>> {
+pub(crate) fn read_node_id(dir: &Path) -> Result<Option<String>> {
     let path = dir.join(NODE_ID_FILE);
     match fs::read_to_string(&path) {
         Ok(text) => {
@@ -380,7 +386,7 @@ mod tests {
         assert_eq!(upgraded.secret.as_bytes(), created.secret.as_bytes());
         assert!(fs::read_to_string(dir.path().join(FORMAT_FILE))
             .unwrap()
-            .contains("format 3"));
+            .contains("format 4"));
         assert_eq!(
             open_or_create(dir.path(), &regions).unwrap().node_id,
             upgraded.node_id
@@ -395,7 +401,20 @@ mod tests {
             open_or_create(dir.path(), &regions).unwrap().node_id,
             upgraded.node_id
         );
-        // Format 3 without its node id, or with a damaged one, is refused.
+        // Format 3 is upgraded keeping its id.
+        fs::write(
+            dir.path().join(FORMAT_FILE),
+            "kvtier data directory format 3\n",
+        )
+        .unwrap();
+        assert_eq!(
+            open_or_create(dir.path(), &regions).unwrap().node_id,
+            upgraded.node_id
+        );
+        assert!(fs::read_to_string(dir.path().join(FORMAT_FILE))
+            .unwrap()
+            .contains("format 4"));
+        // Format 4 without its node id, or with a damaged one, is refused.
         fs::write(dir.path().join(NODE_ID_FILE), "xyz").unwrap();
         assert_eq!(
             open_or_create(dir.path(), &regions).unwrap_err().kind(),

@@ -98,7 +98,9 @@ pub const INDEX_SLOT_BYTES: usize = index::SLOT_BYTES;
 pub mod internals {
     pub use crate::disk::format;
     pub use crate::disk::DiskLoc;
-    pub use crate::disk::{value_locations, DiskTier, RecoveredEntry, RecoveryChecks};
+    pub use crate::disk::{
+        record_origin, value_locations, DiskTier, RecoveredEntry, RecoveryChecks,
+    };
     pub use crate::flusher::{BatchBudget, MAX_BATCH_ENTRIES};
     pub use crate::index::{prefetch, Entry, Index};
     pub use crate::io::uring::WRITE_CHUNK;

@@ -21,6 +21,9 @@ pub fn value_locations(
     data_dir: &Path,
 ) -> Result<std::collections::HashMap<Vec<u8>, DiskLocation>> {
     let secret = crate::data_dir::read_secret(data_dir)?;
+    // Format 2's region names carry no node id: their records are bound to
+    // the directory's own.
+    let node_id = crate::data_dir::read_node_id(data_dir)?.unwrap_or_default();
     let dir = data_dir.join(REGION_DIR);
     let listing =
         fs::read_dir(&dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
@@ -55,7 +58,7 @@ pub fn value_locations(
         let from = REGION_HEADER_LEN;
         scan_batches(
             &mut reader,
-            id,
+            &super::names::record_origin(&path, id, &node_id, true),
             &secret,
             from,
             BadPage::Resync,

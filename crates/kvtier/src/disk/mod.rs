@@ -41,6 +41,8 @@ pub use loc::DiskLoc;
 #[cfg(feature = "internals")]
 pub use locations::value_locations;
 pub use mount::SharedReadMode;
+#[cfg(feature = "internals")]
+pub use names::record_origin;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
 pub(crate) use other_logs::{RegionListing, RegionRead, NO_HANDLE};
 pub(crate) use others::read_other_head;

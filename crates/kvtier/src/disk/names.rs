@@ -2,9 +2,10 @@
 //! or format 2's `<region>.kvr`) and the log head, the file naming the
 //! newest region created (docs/design.md, "Log head").
 
+use super::format::RecordOrigin;
 use super::{sync_dir, DiskTier};
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const REGION_SUFFIX: &str = ".kvr";
 /// The newest region id the log has created, beside `regions/`: lets
@@ -47,6 +48,28 @@ pub(crate) fn parse_region_name(name: &str) -> Option<RegionName<'_>> {
     }
 }
 
+/// What a record in the region file at `path` (region `region`) must be
+/// bound to: the writer and open its name gives, or, for format 2's names
+/// (and names that do not parse), `own_node` and incarnation 0.
+pub fn record_origin(
+    path: &Path,
+    region: u32,
+    own_node: &str,
+    accept_unbound: bool,
+) -> RecordOrigin {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let parsed = parse_region_name(&name);
+    let node = parsed.as_ref().and_then(|p| p.node).unwrap_or(own_node);
+    RecordOrigin {
+        // A node id that is not 32 hex digits binds to zeros: nothing this
+        // build writes is bound so, so nothing there verifies.
+        writer: RecordOrigin::node_bytes(node).unwrap_or([0; 16]),
+        incarnation: parsed.map_or(0, |p| p.incarnation),
+        region,
+        accept_unbound,
+    }
+}
+
 /// The log head file's text: a line naming the newest region created, and
 /// a checksum of that line (docs/design.md, "Log head").
 fn format_head(id: u32) -> String {
@@ -68,6 +91,18 @@ pub(super) fn parse_head(text: &str) -> Option<u32> {
 }
 
 impl DiskTier {
+    /// What the records of this log's region file at `path` are bound to
+    /// (`record_origin`). Version-2 records, which bind nothing, are read
+    /// only in a data directory: a shared directory is written by others.
+    pub(super) fn own_origin(&self, path: &Path, region: u32) -> RecordOrigin {
+        record_origin(
+            path,
+            region,
+            &self.node_id,
+            self.max_region_id >= super::OTHERS_BASE,
+        )
+    }
+
     /// A new region file's path: `<node id>-<incarnation>-<region>.kvr`.
     pub(super) fn region_path(&self, id: u32) -> PathBuf {
         self.dir.join(format!(

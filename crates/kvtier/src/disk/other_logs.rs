@@ -289,7 +289,10 @@ impl DiskTier {
                 scanned_to: from,
             };
         }
-        let scan = scan_new_batches(&opened.file, id, len, from, &self.secret, sealed);
+        // Bound to the writer this directory is (the listing takes only
+        // files its name names) and the open its file name gives.
+        let origin = super::names::record_origin(&path, id, node, false);
+        let scan = scan_new_batches(&opened.file, &origin, len, from, &self.secret, sealed);
         // Reads of values go through this fresh descriptor from now on.
         self.set_other(handle, opened, path);
         if let Some(region) = self

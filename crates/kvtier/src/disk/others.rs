@@ -6,7 +6,7 @@
 //! Only the writer of a file ever changes it; this side never writes,
 //! renames or removes another writer's file.
 
-use super::format::RecordEntry;
+use super::format::{RecordEntry, RecordOrigin};
 use super::mount::ReadMode;
 use super::scan::{scan_batches, BadPage, RegionReader};
 use super::{DiskTier, Region, OTHERS_BASE};
@@ -139,7 +139,7 @@ impl DiskTier {
 /// over: a torn or half-visible record is never indexed.
 pub(crate) fn scan_new_batches(
     file: &File,
-    id: u32,
+    origin: &RecordOrigin,
     file_len: u64,
     from: u64,
     secret: &KeySecret,
@@ -152,9 +152,14 @@ pub(crate) fn scan_new_batches(
     } else {
         BadPage::Stop
     };
-    let scan = scan_batches(&mut reader, id, secret, from, bad_page, |at, entries| {
-        batches.push((at, entries))
-    });
+    let scan = scan_batches(
+        &mut reader,
+        origin,
+        secret,
+        from,
+        bad_page,
+        |at, entries| batches.push((at, entries)),
+    );
     // What the scan read of a buffered file may have been read before its
     // writer's bytes landed (a record page mid-flush): never keep it for
     // the next scan or a value read (`mount::drop_cached`).

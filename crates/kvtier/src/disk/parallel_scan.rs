@@ -9,7 +9,7 @@
 //! the calling thread, in the order the regions are given: only the reads
 //! and the records' verification move to the workers.
 
-use super::format::{RecordEntry, RegionHeader, REGION_HEADER_LEN};
+use super::format::{RecordEntry, RecordOrigin, RegionHeader, REGION_HEADER_LEN};
 use super::scan::{scan_batches, BadPage, RegionReader, ScanEnd};
 use crate::error::{Error, Result};
 use crate::key::KeySecret;
@@ -33,6 +33,8 @@ pub(super) fn scan_threads() -> usize {
 /// A region file recovery opened, to be scanned.
 pub(super) struct Candidate {
     pub id: u32,
+    /// What its records are bound to.
+    pub origin: RecordOrigin,
     pub path: PathBuf,
     pub file: File,
     pub direct: bool,
@@ -69,9 +71,10 @@ fn scan_one(candidate: Candidate, secret: &KeySecret) -> Scanned {
     };
     let mut entries = Vec::new();
     let from = REGION_HEADER_LEN;
+    let origin = candidate.origin;
     let scan = scan_batches(
         &mut reader,
-        id,
+        &origin,
         secret,
         from,
         BadPage::Resync,
@@ -218,6 +221,12 @@ mod tests {
                     .unwrap();
                 Candidate {
                     id: 1000 - id,
+                    origin: RecordOrigin {
+                        writer: [1; 16],
+                        incarnation: 0,
+                        region: 1000 - id,
+                        accept_unbound: true,
+                    },
                     path: PathBuf::from(format!("junk-{id}")),
                     file,
                     direct: false,

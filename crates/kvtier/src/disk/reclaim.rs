@@ -24,7 +24,7 @@ impl DiskTier {
         let from = REGION_HEADER_LEN;
         let scan = scan_batches(
             &mut reader,
-            region.id,
+            &self.own_origin(region.path(), region.id),
             &self.secret,
             from,
             BadPage::Resync,

@@ -33,9 +33,14 @@ impl DiskTier {
         for source in self.record_sources() {
             let mut reader = RegionReader::new(&source.region.file, source.until);
             let (index_id, file_id) = (source.region.id, source.file_id);
+            let origin = if source.other_writers {
+                super::names::record_origin(source.region.path(), file_id, "", false)
+            } else {
+                self.own_origin(source.region.path(), file_id)
+            };
             scan_batches(
                 &mut reader,
-                file_id,
+                &origin,
                 &self.secret,
                 REGION_HEADER_LEN,
                 BadPage::Resync,

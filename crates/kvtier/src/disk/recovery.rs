@@ -177,6 +177,7 @@ impl DiskTier {
             {
                 opened.push(parallel_scan::Candidate {
                     id,
+                    origin: self.own_origin(&path, id),
                     path,
                     file,
                     direct,
@@ -195,6 +196,7 @@ impl DiskTier {
                         file,
                         direct,
                         file_len,
+                        ..
                     },
                 header,
                 scan,

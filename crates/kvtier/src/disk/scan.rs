@@ -4,7 +4,7 @@
 //! `value_loc`. Every record verifies (checksum and keyed digests) before
 //! its entries are handed over.
 
-use super::format::{self, BatchHeader, RecordEntry, RecordFault};
+use super::format::{self, BatchHeader, RecordEntry, RecordFault, RecordOrigin};
 use crate::disk::DiskLoc;
 use crate::io::{pread_full, AlignedBuf};
 use crate::key::KeySecret;
@@ -115,15 +115,16 @@ pub(crate) struct ScanEnd {
     pub stopped: bool,
 }
 
-/// Visits each valid batch of region `id` from offset `from` (a page
-/// boundary, the region header's end for a whole scan) in order, with the
-/// batch's offset. A record cannot be forged inside a value: every entry's
-/// digest is keyed with the directory's secret. Every offset is checked
-/// arithmetic and strictly increases, so no content can make the scan loop
-/// or wrap.
+/// Visits each valid batch of the region file `origin` names from offset
+/// `from` (a page boundary, the region header's end for a whole scan) in
+/// order, with the batch's offset. A record cannot be forged (inside a
+/// value, or by anyone who writes the file without the directory's
+/// secret), nor moved from another writer, region or offset: its MAC binds
+/// all of them. Every offset is checked arithmetic and strictly increases,
+/// so no content can make the scan loop or wrap.
 pub(crate) fn scan_batches(
     reader: &mut RegionReader<'_>,
-    id: u32,
+    origin: &RecordOrigin,
     secret: &KeySecret,
     from: u64,
     bad_page: BadPage,
@@ -140,7 +141,7 @@ pub(crate) fn scan_batches(
         .checked_add(PAGE_SIZE)
         .is_some_and(|end| end <= file_len)
     {
-        match read_batch_at(reader, id, secret, offset, resyncing) {
+        match read_batch_at(reader, origin, secret, offset, resyncing) {
             Ok((batch_len, entries)) => {
                 visit(offset, entries);
                 scan.verified_batches += 1;
@@ -174,6 +175,25 @@ pub(crate) fn scan_batches(
     scan
 }
 
+/// Reads the batch at `offset` alone, if it is valid: its entries go to
+/// `visit`.
+pub(crate) fn first_batch(
+    reader: &mut RegionReader<'_>,
+    origin: &RecordOrigin,
+    secret: &KeySecret,
+    offset: u64,
+    visit: impl FnOnce(Vec<RecordEntry>),
+) {
+    if offset
+        .checked_add(PAGE_SIZE)
+        .is_some_and(|end| end <= reader.file_len)
+    {
+        if let Ok((_, entries)) = read_batch_at(reader, origin, secret, offset, false) {
+            visit(entries);
+        }
+    }
+}
+
 /// The index location of the value a put entry names, in the batch at
 /// `batch_start` of the region the index calls `region` (this log's id, or
 /// the handle of another writer's region); `None` if it lies past what a
@@ -188,7 +208,7 @@ pub(crate) fn value_loc(region: u32, batch_start: u64, entry: &RecordEntry) -> O
 /// whole enough to tell it.
 fn read_batch_at(
     reader: &mut RegionReader<'_>,
-    id: u32,
+    origin: &RecordOrigin,
     secret: &KeySecret,
     offset: u64,
     resyncing: bool,
@@ -197,7 +217,7 @@ fn read_batch_at(
     let first = reader
         .read(offset, PAGE_SIZE as usize, resyncing)
         .map_err(|e| (format!("read failed: {e}").into(), None))?;
-    let header = BatchHeader::decode(first, id).map_err(|e| (e.into(), None))?;
+    let header = BatchHeader::decode(first, origin).map_err(|e| (e.into(), None))?;
     if offset
         .checked_add(header.batch_len)
         .is_none_or(|end| end > file_len)
@@ -208,7 +228,7 @@ fn read_batch_at(
     let record = reader
         .read(offset, padded, resyncing)
         .map_err(|e| (format!("read failed: {e}").into(), None))?;
-    let entries = format::decode_record(record, &header, secret)
+    let entries = format::decode_record(record, &header, secret, origin, offset)
         .map_err(|fault| (fault, Some(header.batch_len)))?;
     Ok((header.batch_len, entries))
 }
@@ -216,7 +236,7 @@ fn read_batch_at(
 #[cfg(test)]
 mod tests {
     use super::super::format::REGION_HEADER_LEN;
-    use super::super::test_log::{put, tombstone, TestLog};
+    use super::super::test_log::{put, tombstone, TestLog, NODE};
     use super::super::RecoveryChecks;
     use super::*;
     use std::os::unix::fs::FileExt;
@@ -237,9 +257,15 @@ mod tests {
         let len = file.metadata().unwrap().len();
         let mut reader = RegionReader::new(&file, len);
         let mut batches = Vec::new();
-        let end = scan_batches(&mut reader, id, secret, from, bad_page, |at, entries| {
-            batches.push((at, entries.into_iter().map(|e| e.key).collect()))
-        });
+        let origin = super::super::names::record_origin(path, id, NODE, false);
+        let end = scan_batches(
+            &mut reader,
+            &origin,
+            secret,
+            from,
+            bad_page,
+            |at, entries| batches.push((at, entries.into_iter().map(|e| e.key).collect())),
+        );
         (batches, end)
     }
 
@@ -274,7 +300,7 @@ mod tests {
         let mut offsets = Vec::new();
         let scan = scan_batches(
             &mut reader,
-            0,
+            &super::super::names::record_origin(&path, 0, NODE, false),
             &log.secret,
             REGION_HEADER_LEN,
             BadPage::Resync,

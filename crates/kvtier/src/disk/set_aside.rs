@@ -62,10 +62,25 @@ impl DiskTier {
                 }
             }
         }
-        // The longest copy holds every batch a shorter copy of the same
-        // log holds; the others are kept for inspection.
-        opened.sort_by(|a, b| b.3.cmp(&a.3).then_with(|| a.0.cmp(&b.0)));
-        let mut opened = opened.into_iter();
+        // A copy under a name its writer did not give it verifies nothing
+        // (records are bound to the name's writer and open), so a file
+        // whose first record verifies comes first; of those, the longest
+        // copy holds every batch a shorter copy of the same log holds. The
+        // others are kept for inspection.
+        let mut opened: Vec<_> = if opened.len() > 1 {
+            opened
+                .into_iter()
+                .map(|c| (self.first_batch_verifies(&c.0, &c.1, id, c.3), c))
+                .collect()
+        } else {
+            opened.into_iter().map(|c| (true, c)).collect()
+        };
+        opened.sort_by(|(a_ok, a), (b_ok, b)| {
+            b_ok.cmp(a_ok)
+                .then_with(|| b.3.cmp(&a.3))
+                .then_with(|| a.0.cmp(&b.0))
+        });
+        let mut opened = opened.into_iter().map(|(_, c)| c);
         let chosen = opened.next();
         for (path, file, _, _) in opened {
             drop(file);
@@ -76,6 +91,21 @@ impl DiskTier {
             );
         }
         Ok(chosen)
+    }
+
+    /// Whether the first batch of region file `path` (region `id`) verifies
+    /// where it lies.
+    fn first_batch_verifies(&self, path: &Path, file: &File, id: u32, len: u64) -> bool {
+        let mut reader = super::scan::RegionReader::new(file, len);
+        let mut verified = false;
+        super::scan::first_batch(
+            &mut reader,
+            &self.own_origin(path, id),
+            &self.secret,
+            REGION_HEADER_LEN,
+            |_| verified = true,
+        );
+        verified
     }
 
     /// Moves what recovery cannot use into quarantine, or leaves it in place

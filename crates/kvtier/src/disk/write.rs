@@ -105,7 +105,14 @@ impl DiskTier {
         }
         debug_assert_eq!(offset, batch_len);
         let mut record = AlignedBuf::zeroed(record_pages as usize);
-        format::encode_record(record.as_mut_slice(), region.id, batch_len, &batch.entries);
+        format::encode_record(
+            record.as_mut_slice(),
+            &self.own_origin(region.path(), region.id),
+            start,
+            batch_len,
+            &batch.entries,
+            &self.secret,
+        );
         // The crash protocol (docs/design.md, section 4): values first,
         // synced; only then the record that commits them, synced. A record
         // that survives a power loss therefore names values that did too;

@@ -57,11 +57,24 @@ impl KeyDigest {
 /// from the kernel's random source when the directory is created and kept
 /// there (`key-secret`, mode 0600); see docs/design.md.
 #[derive(Clone)]
-pub struct KeySecret([u8; KEY_SECRET_LEN]);
+pub struct KeySecret {
+    bytes: [u8; KEY_SECRET_LEN],
+    /// The key of batch records' MACs (`record_mac`), derived from the
+    /// secret in BLAKE3's key-derivation mode: domain-separated by
+    /// construction from the digests, which a client can make the store
+    /// compute over bytes of its choosing.
+    record_key: [u8; 32],
+}
+
+/// The context of the record key's derivation (BLAKE3 `derive_key`).
+const RECORD_KEY_CONTEXT: &str = "kvtier 2026-12-04 batch record MAC key";
 
 impl KeySecret {
     pub fn from_bytes(bytes: [u8; KEY_SECRET_LEN]) -> Self {
-        KeySecret(bytes)
+        KeySecret {
+            bytes,
+            record_key: blake3::derive_key(RECORD_KEY_CONTEXT, &bytes),
+        }
     }
 
     /// A fresh secret from the kernel's random source (`getrandom(2)`,
@@ -75,18 +88,25 @@ impl KeySecret {
             );
             Error::io("reading the kernel's random source", cause)
         })?;
-        Ok(KeySecret(bytes))
+        Ok(KeySecret::from_bytes(bytes))
     }
 
     pub fn as_bytes(&self) -> &[u8; KEY_SECRET_LEN] {
-        &self.0
+        &self.bytes
+    }
+
+    /// A keyed hasher for one batch record's MAC (docs/design.md, section
+    /// 3.3): only a holder of the directory's secret can make a record that
+    /// verifies.
+    pub(crate) fn record_mac(&self) -> blake3::Hasher {
+        blake3::Hasher::new_keyed(&self.record_key)
     }
 
     /// A value that names this secret without revealing it (`key-check`
     /// in the data directory): 16 bytes of a BLAKE3 hash keyed with the
     /// secret over a fixed label, as 32 lower-case hex digits.
     pub fn check_value(&self) -> String {
-        let hash = blake3::keyed_hash(&self.0, b"kvtier key-secret check value v1");
+        let hash = blake3::keyed_hash(&self.bytes, b"kvtier key-secret check value v1");
         hash.as_bytes()[..16]
             .iter()
             .map(|b| format!("{b:02x}"))
@@ -95,7 +115,7 @@ impl KeySecret {
 
     /// The digest of a qualified key (as a batch record stores it).
     pub fn digest_qualified(&self, qualified: &[u8]) -> KeyDigest {
-        let hash = blake3::keyed_hash(&self.0, qualified);
+        let hash = blake3::keyed_hash(&self.bytes, qualified);
         KeyDigest(u128::from_le_bytes(
             hash.as_bytes()[..16].try_into().expect("16 bytes"),
         ))

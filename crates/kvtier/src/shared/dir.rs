@@ -22,8 +22,12 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-/// The format this build writes and reads.
-pub const SHARED_DIR_FORMAT: u32 = 1;
+/// The format this build writes and reads: 2, whose batch records carry a
+/// MAC binding them to their writer. Format 1's records bind nothing, so
+/// anyone who could write the directory could change a value and fix up
+/// every checksum; a format-1 directory is refused (a cache: start on a
+/// new one), never read.
+pub const SHARED_DIR_FORMAT: u32 = 2;
 const FORMAT_PREFIX: &str = "kvtier shared directory format ";
 pub const FORMAT_FILE: &str = "FORMAT";
 /// Holds one directory per writer, named by its node id.
@@ -327,6 +331,13 @@ fn check_format(root: &Path, text: &str) -> Result<()> {
         .and_then(|v| v.trim().parse::<u32>().ok());
     match version {
         Some(SHARED_DIR_FORMAT) => Ok(()),
+        Some(1) => Err(Error::invalid(format!(
+            "{} is a kvtier shared directory of format 1, whose batch records are not bound to \
+             their writer (anyone who can write the directory could change a value unseen); this \
+             kvtier reads format {SHARED_DIR_FORMAT} only. Its blocks are a cache: stop every \
+             node, move the directory aside (or delete it) and start them on an empty one",
+            root.display()
+        ))),
         Some(other) => Err(Error::invalid(format!(
             "{} is a kvtier shared directory of format {other}; this kvtier reads format \
              {SHARED_DIR_FORMAT} only",

@@ -721,8 +721,10 @@ fn region_files_carry_the_node_id_and_older_names_still_read() {
         assert_eq!(parts[0], node, "{name}");
         assert_eq!((parts[1].len(), parts[2].len()), (16, 8), "{name}");
     }
-    // What format 2 named it: the region id alone.
+    // What format 2 named it (the region id alone) and wrote in it
+    // (records without a MAC).
     let first = &names[0];
+    unbind_records(&regions.join(first), &secret_of(dir.path()));
     let old = format!(
         "{}.kvr",
         first.rsplit('-').next().unwrap().trim_end_matches(".kvr")

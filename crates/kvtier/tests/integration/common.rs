@@ -130,10 +130,10 @@ pub fn region_files(dir: &Path) -> Vec<PathBuf> {
 /// Offsets of every batch record in a region file.
 pub fn batch_offsets(path: &Path) -> Vec<u64> {
     let bytes = fs::read(path).unwrap();
-    let id = region_id(path);
+    let origin = origin_of(path);
     let mut offsets = Vec::new();
     let mut at = REGION_HEADER_LEN;
-    while let Ok(header) = BatchHeader::decode(&bytes[at as usize..], id) {
+    while let Ok(header) = BatchHeader::decode(&bytes[at as usize..], &origin) {
         offsets.push(at);
         at += header.batch_len;
         if at as usize >= bytes.len() {
@@ -161,6 +161,13 @@ pub fn flip(path: &Path, offset: u64) {
 pub fn region_id(path: &Path) -> u32 {
     let stem = path.file_stem().unwrap().to_str().unwrap();
     u32::from_str_radix(stem.rsplit('-').next().unwrap(), 16).unwrap()
+}
+
+/// What the records of the region file at `path` (named with its node id)
+/// are bound to; records without a MAC (an earlier build's) are read too,
+/// to find them.
+pub fn origin_of(path: &Path) -> kvtier::internals::format::RecordOrigin {
+    kvtier::internals::record_origin(path, region_id(path), "", true)
 }
 
 /// Removes the index checkpoint a clean close left in `dir`, so that the
@@ -223,6 +230,18 @@ pub fn secret_of(dir: &Path) -> kvtier::KeySecret {
     kvtier::KeySecret::from_bytes(bytes.try_into().unwrap())
 }
 
+/// Rewrites every verified record of a region file as the version-2
+/// record (no MAC binding it) a build of data directory format 3 wrote.
+pub fn unbind_records(path: &Path, secret: &kvtier::KeySecret) {
+    let records = verified_records(path, secret);
+    assert!(!records.is_empty(), "{} has no record", path.display());
+    let mut bytes = fs::read(path).unwrap();
+    for (at, _) in records {
+        kvtier::internals::format::unbind_record(&mut bytes[at as usize..]);
+    }
+    fs::write(path, bytes).unwrap();
+}
+
 /// Every batch record of a region file that verifies under `secret`: the
 /// batch's offset and its entries, in file order (resynchronising past
 /// pages where no valid batch starts, as recovery does).
@@ -231,15 +250,23 @@ pub fn verified_records(
     secret: &kvtier::KeySecret,
 ) -> Vec<(u64, Vec<kvtier::internals::format::RecordEntry>)> {
     let bytes = fs::read(path).unwrap_or_default();
-    let id = region_id(path);
+    let origin = origin_of(path);
     let mut found = Vec::new();
     let mut at = REGION_HEADER_LEN as usize;
     while at + 4096 <= bytes.len() {
-        let decoded = BatchHeader::decode(&bytes[at..], id).ok().and_then(|h| {
-            kvtier::internals::format::decode_record(&bytes[at..], &h, secret)
+        let decoded = BatchHeader::decode(&bytes[at..], &origin)
+            .ok()
+            .and_then(|h| {
+                kvtier::internals::format::decode_record(
+                    &bytes[at..],
+                    &h,
+                    secret,
+                    &origin,
+                    at as u64,
+                )
                 .ok()
                 .map(|entries| (h.batch_len, entries))
-        });
+            });
         match decoded {
             Some((batch_len, entries)) => {
                 found.push((at as u64, entries));

@@ -86,6 +86,9 @@ fn a_wrapping_batch_length_never_hangs_the_open() {
         let n = 30;
         fill(dir.path(), n);
         let files = region_files(dir.path());
+        // Records an earlier build wrote, whose trailer is a checksum
+        // alone (still read in a data directory): the forger's way in.
+        unbind_records(&files[0], &secret_of(dir.path()));
         let offsets = batch_offsets(&files[0]);
         let file = OpenOptions::new()
             .read(true)
@@ -427,19 +430,8 @@ fn missing_regions_never_resurrect_removed_keys() {
                 .iter()
                 .filter(|f| {
                     let bytes = fs::read(f).unwrap();
-                    let id = u32::from_str_radix(
-                        f.file_stem()
-                            .unwrap()
-                            .to_str()
-                            .unwrap()
-                            .rsplit('-')
-                            .next()
-                            .unwrap(),
-                        16,
-                    )
-                    .unwrap();
                     batch_offsets(f).iter().any(|&at| {
-                        BatchHeader::decode(&bytes[at as usize..], id)
+                        BatchHeader::decode(&bytes[at as usize..], &origin_of(f))
                             .unwrap()
                             .batch_len
                             == 4096
@@ -500,20 +492,8 @@ fn the_tail_scrub_drops_values_a_lying_device_lost() {
         let len = fs::metadata(&newest).unwrap().len();
         let last = *batch_offsets(&newest).last().unwrap();
         let bytes = fs::read(&newest).unwrap();
-        let id = u32::from_str_radix(
-            newest
-                .file_stem()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .rsplit('-')
-                .next()
-                .unwrap(),
-            16,
-        )
-        .unwrap();
         let lost = u64::from(
-            BatchHeader::decode(&bytes[last as usize..], id)
+            BatchHeader::decode(&bytes[last as usize..], &origin_of(&newest))
                 .unwrap()
                 .entries,
         );

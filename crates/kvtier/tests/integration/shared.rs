@@ -1055,6 +1055,152 @@ fn planted_fifos_and_huge_checkpoints_neither_hang_nor_bloat_a_starting_node() {
     }
 }
 
+/// What anyone who can write a shared directory (and not read its secret)
+/// does to a value: change its bytes, then fix up every checksum that
+/// covers them (the value's seed is its digest, printed in the record, and
+/// the record's checksum is unkeyed). Returns the key and its forged
+/// bytes, from the first put of the region file `path`, a byte-for-byte
+/// copy of `original` (where the test finds the records).
+fn forge_first_value(
+    path: &Path,
+    original: &Path,
+    secret: &kvtier::KeySecret,
+) -> (Vec<u8>, Vec<u8>) {
+    use std::os::unix::fs::FileExt;
+    let (at, entries) = verified_records(original, secret).remove(0);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut record = vec![0u8; 4096];
+    file.read_exact_at(&mut record, at).unwrap();
+    let version = u32::from_le_bytes(record[8..12].try_into().unwrap());
+    let record_len = u32::from_le_bytes(record[20..24].try_into().unwrap()) as usize;
+    let mut entry_at = 32;
+    for entry in &entries {
+        if entry.kind == kvtier::internals::format::RecordKind::Put {
+            let mut forged = vec![0u8; entry.value_len as usize];
+            file.read_exact_at(&mut forged, at + entry.value_offset)
+                .unwrap();
+            forged.iter_mut().for_each(|b| *b ^= 0x5a);
+            file.write_all_at(&forged, at + entry.value_offset).unwrap();
+            let checksum = kvtier::value_checksum(entry.digest, &forged);
+            record[entry_at + 36..entry_at + 44].copy_from_slice(&checksum.to_le_bytes());
+            // The checksum trailer: the whole trailer before version 3,
+            // the first 8 bytes of it since.
+            let body = record_len - if version == 2 { 8 } else { 24 };
+            let sum = xxhash_rust::xxh3::xxh3_64(&record[..body]);
+            record[body..body + 8].copy_from_slice(&sum.to_le_bytes());
+            file.write_all_at(&record, at).unwrap();
+            file.sync_all().unwrap();
+            let (_, key) = kvtier::split_qualified(&entry.key).unwrap();
+            return (key.to_vec(), forged);
+        }
+        entry_at += 48 + entry.key.len();
+    }
+    panic!("no put in the first record of {}", path.display());
+}
+
+/// Issue 39, finding 6: files planted in a shared directory by anyone who
+/// can write it (no secret) are not trusted. A value changed with every
+/// checksum fixed up, and a writer's region copied (changed) into another
+/// writer directory, are never read as hits by a node that starts later:
+/// batch records carry a MAC binding them to their writer, region and
+/// offset. The writer's own blocks stay readable everywhere.
+#[test]
+fn forged_or_copied_records_in_a_shared_directory_are_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = Node::start(dir.path(), "w", 64 * MIB);
+    let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
+    for r in w.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    w.store().flush().unwrap();
+    let regions = w.regions(dir.path());
+    let node = w.store().node_id().to_string();
+    drop(w);
+    let secret = secret_of(&dir.path().join("shared"));
+    let mut files = region_files_in(&regions);
+    files.retain(|f| !verified_records(f, &secret).is_empty());
+    assert_eq!(files.len(), 1, "one region holds the batch: {files:?}");
+    let original = files[0].clone();
+
+    // A copy of the region, its first value changed, under a writer
+    // directory of its own (with a LOCK, as a writer's has): a copy names
+    // its writer in its file name.
+    let planted_node = "f".repeat(32);
+    let planted = dir.path().join("shared/nodes").join(&planted_node);
+    std::fs::create_dir_all(planted.join("regions")).unwrap();
+    std::fs::write(planted.join("LOCK"), "pid 1 on nowhere\n").unwrap();
+    let name = original
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .replace(&node, &planted_node);
+    let copy = planted.join("regions").join(name);
+    std::fs::copy(&original, &copy).unwrap();
+    let (copied_key, copied_forgery) = forge_first_value(&copy, &original, &secret);
+    // And the writer's own region forged in place.
+    let (key_forged, forged) = forge_first_value(&original, &original, &secret);
+
+    let reader = Node::start(dir.path(), "r", 64 * MIB);
+    assert!(
+        read(reader.store(), &copied_key) != Some(copied_forgery),
+        "a copied, changed record was served"
+    );
+    assert!(
+        read(reader.store(), &key_forged) != Some(forged.clone()),
+        "a forged value was served"
+    );
+    for (k, v) in keys.iter().zip(&values) {
+        if *k != key_forged {
+            assert_eq!(
+                read(reader.store(), k).as_deref(),
+                Some(&v[..]),
+                "the writer's untouched blocks stay hits"
+            );
+        }
+    }
+    // The writer itself, restarted, does not take the forgery for its own.
+    let mut w = Node::start(dir.path(), "w", 64 * MIB);
+    assert!(
+        read(w.store(), &key_forged) != Some(forged.clone()),
+        "the writer read a forgery"
+    );
+    w.restart();
+    assert!(
+        read(w.store(), &key_forged) != Some(forged),
+        "the writer read a forgery after a restart"
+    );
+}
+
+/// A shared directory of format 1 (records without a MAC) is refused
+/// with a message saying what to do, and nothing in it is changed.
+#[test]
+fn a_format_1_shared_directory_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(Node::start(dir.path(), "w", 64 * MIB));
+    let shared = dir.path().join("shared");
+    std::fs::write(shared.join("FORMAT"), "kvtier shared directory format 1\n").unwrap();
+    let before = files_under(&shared);
+    let err = Store::open(Node::config(
+        &dir.path().join("r"),
+        &shared,
+        64 * MIB,
+        FlushPolicy::WriteThrough,
+    ))
+    .err()
+    .expect("a format-1 shared directory was opened");
+    let message = err.to_string();
+    assert!(
+        message.contains("format 1") && message.contains("move the directory aside"),
+        "{message}"
+    );
+    assert_eq!(files_under(&shared), before, "nothing in it changed");
+}
+
 /// Writes `rounds` flushed batches of 800 KB of fresh keys (from `first`)
 /// on `node`: enough, on a 4 MiB node, to reclaim every region it had.
 fn churn(node: &Node, first: u64, rounds: u64) {
