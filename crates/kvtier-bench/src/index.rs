@@ -337,7 +337,13 @@ pub fn follow_case(
                 })
                 .collect();
             let mut out = vec![0u8; padded as usize];
-            format::encode_record(&mut out, region, batch_len, &records);
+            let origin = format::RecordOrigin {
+                writer: format::RecordOrigin::node_bytes(&node).ok_or("a bad node id")?,
+                incarnation: 1,
+                region,
+                accept_unbound: false,
+            };
+            format::encode_record(&mut out, &origin, offset, batch_len, &records, &secret);
             file.write_all_at(&out, offset)?;
             offset += batch_len;
             next += n;

@@ -7,13 +7,13 @@
 
 use kvtier::internals::{DiskTier, RecoveryChecks};
 use kvtier::{Config, IoEngineKind, KeySecret};
-use kvtier_fuzz::sample_region;
+use kvtier_fuzz::{sample_region, NODE_ID};
 use std::sync::Arc;
 
 fn recover(config: &Config, secret: &Arc<KeySecret>) -> Vec<(u64, u128, u32, u32)> {
     let mut seen = Vec::new();
     // Region files named by id alone (format 2's names) are still read.
-    let node_id = "0123456789abcdef0123456789abcdef";
+    let node_id = NODE_ID;
     let checks = RecoveryChecks {
         identity_confirmed: true,
         scrub_tail: true,
