@@ -1185,14 +1185,14 @@ fn a_format_1_shared_directory_is_refused_with_what_to_do() {
     let shared = dir.path().join("shared");
     std::fs::write(shared.join("FORMAT"), "kvtier shared directory format 1\n").unwrap();
     let before = files_under(&shared);
-    let err = Store::open(Node::config(
+    let Err(err) = Store::open(Node::config(
         &dir.path().join("r"),
         &shared,
         64 * MIB,
         FlushPolicy::WriteThrough,
-    ))
-    .err()
-    .expect("a format-1 shared directory was opened");
+    )) else {
+        panic!("a format-1 shared directory was opened");
+    };
     let message = err.to_string();
     assert!(
         message.contains("format 1") && message.contains("move the directory aside"),
