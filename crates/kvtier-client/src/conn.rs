@@ -1019,12 +1019,10 @@ impl Connection {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         let id = self.shm_id()?;
-        let put = Request::BatchPutShmSegments {
-            buffer: id,
-            flags: put_flags::encode(options),
-            items: segment_items(keys, segments)?,
-        };
-        let len = self.call(Op::BatchPutShmSegments, &put.encode(), None)?;
+        let mut w = Writer::default();
+        w.u32(id).u8(put_flags::encode(options));
+        protocol::write_segment_items(&mut w, &segment_items(keys, segments)?);
+        let len = self.call(Op::BatchPutShmSegments, &w.buf, None)?;
         let body = &self.response[..len];
         put_results(body, keys.len())
     }
@@ -1079,11 +1077,10 @@ impl Connection {
         segments: &[Vec<(u64, u64)>],
     ) -> Result<Vec<Result<Option<usize>>>> {
         let id = self.shm_id()?;
-        let get = Request::BatchGetShmSegments {
-            buffer: id,
-            items: segment_items(keys, segments)?,
-        };
-        let len = self.call(Op::BatchGetShmSegments, &get.encode(), None)?;
+        let mut w = Writer::default();
+        w.u32(id);
+        protocol::write_segment_items(&mut w, &segment_items(keys, segments)?);
+        let len = self.call(Op::BatchGetShmSegments, &w.buf, None)?;
         get_shm_results(&self.response[..len], keys.len())
     }
 
@@ -1271,11 +1268,14 @@ fn segment_sizes<'a, K: AsRef<[u8]>>(
         .map(|(k, s)| frame_size::segment_item(k.as_ref().len(), s.len()))
 }
 
+/// A checked key and its segments, for the segment ops.
+type CheckedSegments<'k> = (&'k [u8], &'k [(u64, u64)]);
+
 /// Checked keys paired with their segments, for the segment ops.
 fn segment_items<'k, K: AsRef<[u8]>>(
     keys: &'k [K],
-    segments: &[Vec<(u64, u64)>],
-) -> Result<Vec<protocol::SegmentItem<'k>>> {
+    segments: &'k [Vec<(u64, u64)>],
+) -> Result<Vec<CheckedSegments<'k>>> {
     keys.iter()
         .zip(segments)
         .map(|(k, s)| {
@@ -1286,7 +1286,7 @@ fn segment_items<'k, K: AsRef<[u8]>>(
                     protocol::MAX_SEGMENTS
                 )));
             }
-            Ok((check_key(k.as_ref())?, s.clone()))
+            Ok((check_key(k.as_ref())?, &s[..]))
         })
         .collect()
 }

@@ -13,11 +13,71 @@ pub const HEADER_LEN: usize = 24;
 /// Longest auth token a hello may carry.
 pub const MAX_TOKEN_LEN: usize = 512;
 
-/// `(offset, len)` ranges of a shared buffer that one value is laid across.
-pub type Segments = Vec<(u64, u64)>;
+/// `(offset, len)` ranges of a shared buffer that one value is laid
+/// across, as the frame holds them: 16 bytes a range (u64 offset, u64
+/// length), decoded as they are read. A frame of millions of ranges is
+/// therefore served without a decoded copy of them (a server holds a
+/// segment frame within 1.5x of its size).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct SegmentList<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> SegmentList<'a> {
+    /// The ranges `bytes` holds (`None` unless a multiple of 16 bytes).
+    pub fn new(bytes: &'a [u8]) -> Option<Self> {
+        bytes
+            .len()
+            .is_multiple_of(16)
+            .then_some(SegmentList { bytes })
+    }
+
+    /// `ranges` in the wire's layout, for [`SegmentList::new`].
+    pub fn encode(ranges: &[(u64, u64)]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ranges.len() * 16);
+        for (offset, len) in ranges {
+            out.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+        }
+        out
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len() / 16
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// The ranges in wire layout.
+    pub fn as_bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Range `i`.
+    pub fn get(&self, i: usize) -> (u64, u64) {
+        let at = &self.bytes[i * 16..i * 16 + 16];
+        (
+            u64::from_le_bytes(at[..8].try_into().expect("8 bytes")),
+            u64::from_le_bytes(at[8..].try_into().expect("8 bytes")),
+        )
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        let list = *self;
+        (0..list.len()).map(move |i| list.get(i))
+    }
+}
+
+impl std::fmt::Debug for SegmentList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
 
 /// A key and its segments, in a segment op.
-pub type SegmentItem<'a> = (&'a [u8], Segments);
+pub type SegmentItem<'a> = (&'a [u8], SegmentList<'a>);
 
 /// Most segments one value may have in the segment ops: a block's K and V
 /// pages across the layers of the deepest models, with room to spare.
@@ -704,11 +764,11 @@ impl Request<'_> {
                 items,
             } => {
                 w.u32(*buffer).u8(*flags);
-                write_segment_items(&mut w, items);
+                write_segment_lists(&mut w, items);
             }
             Request::BatchGetShmSegments { buffer, items } => {
                 w.u32(*buffer);
-                write_segment_items(&mut w, items);
+                write_segment_lists(&mut w, items);
             }
         }
         w.buf
@@ -776,13 +836,27 @@ pub mod frame_size {
 }
 
 /// `u32 n, n × (key, u32 count, count × (u64 offset, u64 len))`.
-pub fn write_segment_items<K: AsRef<[u8]>>(w: &mut Writer, items: &[(K, Vec<(u64, u64)>)]) {
+pub fn write_segment_items<K: AsRef<[u8]>, S: AsRef<[(u64, u64)]>>(
+    w: &mut Writer,
+    items: &[(K, S)],
+) {
     w.u32(items.len() as u32);
     for (k, segments) in items {
+        let segments = segments.as_ref();
         w.key(k.as_ref()).u32(segments.len() as u32);
         for (offset, len) in segments {
             w.u64(*offset).u64(*len);
         }
+    }
+}
+
+/// [`write_segment_items`] of items decoded from a frame.
+fn write_segment_lists(w: &mut Writer, items: &[SegmentItem<'_>]) {
+    w.u32(items.len() as u32);
+    for (k, segments) in items {
+        w.key(k)
+            .u32(segments.len() as u32)
+            .bytes(segments.as_bytes());
     }
 }
 
@@ -921,9 +995,8 @@ pub fn decode_request<'a>(
                         "value of {count} segments: at most {MAX_SEGMENTS}, and all in the frame"
                     )));
                 }
-                let segments = (0..count)
-                    .map(|_| Ok((r.u64()?, r.u64()?)))
-                    .collect::<Result<Vec<_>, ProtocolError>>()?;
+                let segments = SegmentList::new(r.bytes(count as usize * 16)?)
+                    .expect("a multiple of 16 bytes");
                 items.push((key, segments));
             }
             if op == Op::BatchPutShmSegments {
@@ -1015,7 +1088,12 @@ mod tests {
             items in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 1..40), proptest::collection::vec((any::<u64>(), any::<u64>()), 0..6)), 0..6),
             cut in any::<usize>(),
         ) {
-            let items: Vec<SegmentItem<'_>> = items.iter().map(|(k, s)| (&k[..], s.clone())).collect();
+            let encoded: Vec<Vec<u8>> = items.iter().map(|(_, s)| SegmentList::encode(s)).collect();
+            let items: Vec<SegmentItem<'_>> = items.iter().zip(&encoded).map(|((k, s), e)| {
+                let list = SegmentList::new(e).unwrap();
+                assert_eq!(list.iter().collect::<Vec<_>>(), *s);
+                (&k[..], list)
+            }).collect();
             for request in [
                 Request::BatchPutShmSegments { buffer: 3, flags: put_flags::MEMORY_ONLY, items: items.clone() },
                 Request::BatchGetShmSegments { buffer: 3, items: items.clone() },
@@ -1036,6 +1114,7 @@ mod tests {
             items in proptest::collection::vec((proptest::collection::vec(any::<u8>(), 1..40), proptest::collection::vec(any::<u8>(), 0..100), proptest::collection::vec((any::<u64>(), any::<u64>()), 0..6)), 0..8),
         ) {
             let keys: Vec<&[u8]> = items.iter().map(|(k, _, _)| &k[..]).collect();
+            let lists: Vec<Vec<u8>> = items.iter().map(|(_, _, s)| SegmentList::encode(s)).collect();
             let sum = |f: &dyn Fn(usize) -> u64| (0..items.len()).map(f).sum::<u64>();
             let checks: Vec<(Request<'_>, u64)> = vec![
                 (
@@ -1057,11 +1136,11 @@ mod tests {
                     sum(&|i| frame_size::range_item(items[i].0.len())),
                 ),
                 (
-                    Request::BatchPutShmSegments { buffer: 1, flags: 0, items: items.iter().map(|(k, _, s)| (&k[..], s.clone())).collect() },
+                    Request::BatchPutShmSegments { buffer: 1, flags: 0, items: items.iter().zip(&lists).map(|((k, _, _), s)| (&k[..], SegmentList::new(s).unwrap())).collect() },
                     sum(&|i| frame_size::segment_item(items[i].0.len(), items[i].2.len())),
                 ),
                 (
-                    Request::BatchGetShmSegments { buffer: 1, items: items.iter().map(|(k, _, s)| (&k[..], s.clone())).collect() },
+                    Request::BatchGetShmSegments { buffer: 1, items: items.iter().zip(&lists).map(|((k, _, _), s)| (&k[..], SegmentList::new(s).unwrap())).collect() },
                     sum(&|i| frame_size::segment_item(items[i].0.len(), items[i].2.len())),
                 ),
             ];

@@ -164,6 +164,20 @@ impl SharedRegion {
         Some(unsafe { kvtier::ForeignSegments::new(segments) })
     }
 
+    /// [`foreign_segments`](Self::foreign_segments) of ranges as a frame
+    /// holds them, without a copy of them: they are read from `list`'s
+    /// bytes, which must outlive the segments (the request's frame does).
+    pub fn foreign_segments_in(
+        &self,
+        list: &crate::protocol::SegmentList<'_>,
+    ) -> Option<kvtier::ForeignSegments> {
+        // SAFETY: checked inside this mapping, which lives as long as
+        // `self` (the caller keeps the region for the request); `list`'s
+        // bytes are the request frame's, kept for the request too.
+        // Overlap is the caller's to rule out for destinations.
+        unsafe { kvtier::ForeignSegments::packed(self.ptr, self.len, list.as_bytes()) }
+    }
+
     /// Mutable bytes of `offset..offset + len`, if in range.
     ///
     /// # Safety

@@ -10,8 +10,65 @@ use crate::disk::Destination;
 /// Byte ranges of foreign memory, laid end to end as one value.
 #[derive(Debug, Default)]
 pub struct ForeignSegments {
-    segments: Vec<(*mut u8, usize)>,
+    ranges: Ranges,
     len: usize,
+}
+
+/// Where the ranges are kept.
+#[derive(Debug)]
+enum Ranges {
+    /// `(pointer, len)` each.
+    Pointers(Vec<(*mut u8, usize)>),
+    /// Ranges of one mapping at `base`, as little-endian `(u64 offset, u64
+    /// len)` pairs kept elsewhere (a request frame): `count` of them at
+    /// `pairs`. No copy of millions of ranges for one request.
+    Packed {
+        base: *mut u8,
+        pairs: *const u8,
+        count: usize,
+    },
+}
+
+impl Default for Ranges {
+    fn default() -> Self {
+        Ranges::Pointers(Vec::new())
+    }
+}
+
+impl Ranges {
+    /// `(pointer, len)` of each range, in order.
+    fn each(&self) -> impl Iterator<Item = (*mut u8, usize)> + '_ {
+        let (pointers, packed) = match self {
+            Ranges::Pointers(v) => (&v[..], None),
+            Ranges::Packed { base, pairs, count } => (&[][..], Some((*base, *pairs, *count))),
+        };
+        let packed = packed.into_iter().flat_map(|(base, pairs, count)| {
+            (0..count).map(move |i| {
+                // SAFETY: `packed` checked that `count` pairs lie at
+                // `pairs` (kept alive by its caller) and that each range
+                // lies inside the mapping at `base`.
+                let (offset, len) = unsafe { read_pair(pairs, i) };
+                // SAFETY: `offset + len` lies inside the mapping (checked
+                // by `packed`).
+                (unsafe { base.add(offset as usize) }, len as usize)
+            })
+        });
+        pointers.iter().copied().chain(packed)
+    }
+}
+
+/// Pair `i` of little-endian `(u64, u64)` pairs at `pairs`.
+///
+/// # Safety
+/// `pairs` must point at least `16 * (i + 1)` readable bytes.
+unsafe fn read_pair(pairs: *const u8, i: usize) -> (u64, u64) {
+    let mut bytes = [0u8; 16];
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(pairs.add(i * 16), bytes.as_mut_ptr(), 16) };
+    (
+        u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
+        u64::from_le_bytes(bytes[8..].try_into().expect("8 bytes")),
+    )
 }
 
 // SAFETY: the pointers name memory mapped for the whole request by
@@ -28,7 +85,46 @@ impl ForeignSegments {
     /// may change at any time: that is what this type is for.
     pub unsafe fn new(segments: Vec<(*mut u8, usize)>) -> ForeignSegments {
         let len = segments.iter().map(|s| s.1).sum();
-        ForeignSegments { segments, len }
+        ForeignSegments {
+            ranges: Ranges::Pointers(segments),
+            len,
+        }
+    }
+
+    /// The ranges of the mapping of `mapped` bytes at `base` that `pairs`
+    /// names as little-endian `(u64 offset, u64 len)` pairs (16 bytes
+    /// each), without copying them; `None` if `pairs` is not whole pairs,
+    /// a range does not lie inside the mapping, or the total length does
+    /// not fit.
+    ///
+    /// # Safety
+    /// The mapping must stay mapped, readable and writable, and the bytes
+    /// of `pairs` must stay as they are, for as long as the value lives;
+    /// no two ranges may overlap. The mapping's contents may change at any
+    /// time.
+    pub unsafe fn packed(base: *mut u8, mapped: usize, pairs: &[u8]) -> Option<ForeignSegments> {
+        if !pairs.len().is_multiple_of(16) {
+            return None;
+        }
+        let count = pairs.len() / 16;
+        let mut len = 0usize;
+        for i in 0..count {
+            // SAFETY: `pairs` holds `count` whole pairs.
+            let (offset, range) = unsafe { read_pair(pairs.as_ptr(), i) };
+            let end = offset.checked_add(range)?;
+            if end > mapped as u64 {
+                return None;
+            }
+            len = len.checked_add(range as usize)?;
+        }
+        Some(ForeignSegments {
+            ranges: Ranges::Packed {
+                base,
+                pairs: pairs.as_ptr(),
+                count,
+            },
+            len,
+        })
     }
 
     /// Bytes in all the segments.
@@ -44,7 +140,7 @@ impl ForeignSegments {
     /// memory), through raw pointers.
     pub fn copy_out(&self, mut at: usize, mut out: &mut [u8]) {
         assert!(at + out.len() <= self.len, "a copy past the segments");
-        for &(ptr, len) in &self.segments {
+        for (ptr, len) in self.ranges.each() {
             if out.is_empty() {
                 return;
             }
@@ -73,7 +169,7 @@ impl ForeignSegments {
                 .is_some_and(|end| end <= self.len),
             "a copy past the segments"
         );
-        for &(ptr, len) in &self.segments {
+        for (ptr, len) in self.ranges.each() {
             if bytes.is_empty() {
                 return;
             }
@@ -164,6 +260,42 @@ mod tests {
         assert_eq!(out, bytes[3..9]);
         drop(foreign);
         assert_eq!((&a[..], &b[..]), (&bytes[..5], &bytes[5..]));
+        // The same through packed ranges of one mapping: 3 bytes at 10,
+        // 2 at 0, 4 at 20.
+        let mut mapping = vec![0u8; 32];
+        let pairs: Vec<u8> = [(10u64, 3u64), (0, 2), (20, 4)]
+            .iter()
+            .flat_map(|(o, l)| o.to_le_bytes().into_iter().chain(l.to_le_bytes()))
+            .collect();
+        // SAFETY: `mapping` and `pairs` outlive `packed`; the ranges are
+        // disjoint.
+        let packed = unsafe { ForeignSegments::packed(mapping.as_mut_ptr(), 32, &pairs) }.unwrap();
+        assert_eq!(packed.len(), 9);
+        packed.copy_in(&bytes[..9]);
+        let mut out = vec![0u8; 5];
+        packed.copy_out(2, &mut out);
+        assert_eq!(out, bytes[2..7]);
+        drop(packed);
+        assert_eq!(&mapping[10..13], &bytes[..3]);
+        assert_eq!(&mapping[0..2], &bytes[3..5]);
+        assert_eq!(&mapping[20..24], &bytes[5..9]);
+        // Ranges outside the mapping, wrapping, or not whole pairs: none.
+        for bad in [
+            [(30u64, 3u64)].to_vec(),
+            [(u64::MAX, 2)].to_vec(),
+            [(0, u64::MAX)].to_vec(),
+        ] {
+            let pairs: Vec<u8> = bad
+                .iter()
+                .flat_map(|(o, l)| o.to_le_bytes().into_iter().chain(l.to_le_bytes()))
+                .collect();
+            // SAFETY: as above (nothing is made).
+            assert!(unsafe { ForeignSegments::packed(mapping.as_mut_ptr(), 32, &pairs) }.is_none());
+        }
+        let torn = &pairs[..15];
+        // SAFETY: as above (nothing is made).
+        let none = unsafe { ForeignSegments::packed(mapping.as_mut_ptr(), 32, torn) };
+        assert!(none.is_none());
         let parts: &[&[u8]] = &[&bytes[..4], &bytes[4..]];
         let mut chunk = [0u8; 5];
         Source::copy_to(&parts, 2, &mut chunk);
