@@ -658,6 +658,15 @@ const STORE_FAMILIES: &[StoreFamily] = &[
         members: &[("", "shared_dirs_without_lock")],
     },
     StoreFamily {
+        name: "kvtier_shared_writers_stalled",
+        help: "Other writers whose files did not answer within the storage deadline at the \
+               last follow pass and still do not (their logs are not followed meanwhile).",
+        bytes: false,
+        counter: false,
+        label: None,
+        members: &[("", "shared_writers_stalled")],
+    },
+    StoreFamily {
         name: "kvtier_shared_regions_behind_gap",
         help: "Other writers' region files not followed because a region between them and \
                their writer's head is missing.",

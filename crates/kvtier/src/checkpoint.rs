@@ -219,6 +219,7 @@ fn verify_mac_streaming(
             .map_err(|e| format!("changed while read ({e})"))?;
         hasher.update(&piece[..n]);
         left -= n as u64;
+        crate::shared::note_progress();
     }
     let mut mac = [0u8; MAC_LEN];
     file.read_exact(&mut mac)
@@ -259,12 +260,12 @@ pub fn read(
     verify_mac_streaming(&mut file, len, secret)?;
     file.seek(std::io::SeekFrom::Start(0))
         .map_err(|e| e.to_string())?;
-    let mut bytes = Vec::with_capacity(len as usize);
-    file.take(len)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
-    if bytes.len() as u64 != len {
-        return Err("changed while read".into());
+    // In pieces, each a sign of progress to a follow pass waiting on it.
+    let mut bytes = vec![0u8; len as usize];
+    for piece in bytes.chunks_mut(1 << 20) {
+        file.read_exact(piece)
+            .map_err(|e| format!("changed while read ({e})"))?;
+        crate::shared::note_progress();
     }
     let (body, mac) = bytes.split_at(bytes.len() - MAC_LEN);
     let mut hasher = mac_hasher(secret);

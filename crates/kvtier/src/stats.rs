@@ -155,6 +155,10 @@ stats! {
     /// the last pass because they never held a writer's `LOCK` (planted,
     /// or left by an interrupted collection).
     shared_dirs_without_lock: u64,
+    /// Other writers whose files did not answer within the storage
+    /// deadline (`Config::io_deadline`) at the last pass and still do not:
+    /// their logs are not followed meanwhile (their new blocks are misses).
+    shared_writers_stalled: u64,
     /// Other writers' index checkpoints loaded since open, and the entries
     /// they gave (instead of reading those writers' records).
     shared_checkpoints_loaded: u64,

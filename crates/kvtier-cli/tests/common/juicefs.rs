@@ -53,7 +53,13 @@ impl Volume {
 
     /// Mounts the volume at `<root>/mnt-<name>` with a cache of its own.
     pub fn mount(&self, name: &str) -> Mount {
-        let point = self.root.join(format!("mnt-{name}"));
+        self.mount_at(name, &self.root.join(format!("mnt-{name}")))
+    }
+
+    /// Mounts the volume at `point` (made if missing) with a cache of its
+    /// own, named `name`.
+    pub fn mount_at(&self, name: &str, point: &Path) -> Mount {
+        let point = point.to_path_buf();
         let cache = self.root.join(format!("cache-{name}"));
         let log = self.root.join(format!("juicefs-{name}.log"));
         std::fs::create_dir_all(&point).unwrap();

@@ -702,6 +702,17 @@ impl LocalShared {
     /// Starts node `name` (data directory `<tmp>/<name>`, kept across
     /// restarts) with `share` of the shared directory.
     fn node(&self, name: &str, share: &str, extra: &[&str]) -> ServerProcess {
+        self.node_within(name, share, extra, Duration::from_secs(120))
+    }
+
+    /// `node`, failing if it does not start within `limit`.
+    fn node_within(
+        &self,
+        name: &str,
+        share: &str,
+        extra: &[&str],
+        limit: Duration,
+    ) -> ServerProcess {
         let (shared, config) = (
             self.shared.display().to_string(),
             self.config.display().to_string(),
@@ -717,7 +728,7 @@ impl LocalShared {
             "16MiB",
         ];
         args.extend_from_slice(extra);
-        ServerProcess::start(&self.tmp.path().join(name), &args)
+        ServerProcess::start_within(&self.tmp.path().join(name), &args, limit)
     }
 
     /// Node `name`'s region files in the shared directory, oldest first.
@@ -731,6 +742,75 @@ impl LocalShared {
         regions.sort();
         regions
     }
+}
+
+/// Issue 39, finding 6 (a follow pass bounded in time per writer): one
+/// writer directory whose files hang (a JuiceFS mount under `nodes/` whose
+/// daemon is stopped, as a planted link to a stalled mount, or one writer
+/// on a failing server, would) stops neither the start of a node nor its
+/// following of the other writers. Node C starts while that writer hangs,
+/// reads A's blocks, and sees A's new blocks (its pass waits the storage
+/// deadline for the hanging writer, once, then skips it while its step
+/// still hangs: `shared_writers_stalled`). Once the daemon resumes, the
+/// writer is followed again. Before, C's first pass waited on that writer
+/// for as long as it hung, and C never started.
+#[test]
+fn a_writer_whose_files_hang_stops_neither_a_start_nor_the_others_being_followed() {
+    let local = LocalShared::new();
+    let a = local.node("a", LARGE_SHARE, &[]);
+    let keys: Vec<Vec<u8>> = (0..8).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 1, VALUE)).collect();
+    put(&mut client(&a), &keys, &values);
+    client(&a).flush().unwrap();
+    // The hanging writer: a volume mounted as its directory, with the LOCK
+    // a writer makes and an empty log.
+    let volume = Volume::format(&local.tmp.path().join("volume"));
+    let point = local.shared.join("nodes").join("e".repeat(32));
+    let mount = volume.mount_at("hanging-writer", &point);
+    std::fs::create_dir(point.join("regions")).unwrap();
+    std::fs::write(point.join("LOCK"), "pid 1 on elsewhere\n").unwrap();
+    struct Resume<'a>(&'a Mount);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            self.0.signal_all(libc::SIGCONT);
+        }
+    }
+    let resume = Resume(&mount);
+    mount.signal_all(libc::SIGSTOP);
+    // A bound against the hang this test is about, not a timing claim.
+    let c = local.node_within(
+        "c",
+        LARGE_SHARE,
+        &["--io-deadline", "2"],
+        Duration::from_secs(90),
+    );
+    let stalled = |server: &ServerProcess| {
+        store_stat(&client(server).stats().unwrap(), "shared_writers_stalled")
+    };
+    assert_eq!(stalled(&c), 1, "the hanging writer is counted");
+    for (got, want) in get_all(&mut client(&c), &keys, VALUE).iter().zip(&values) {
+        assert_eq!(got.as_deref(), Some(&want[..]), "A's blocks read on C");
+    }
+    // A's new blocks are followed while that writer still hangs.
+    let new: Vec<Vec<u8>> = (100..108).map(key).collect();
+    let new_values: Vec<Vec<u8>> = new.iter().map(|k| value(k, 2, VALUE)).collect();
+    put(&mut client(&a), &new, &new_values);
+    client(&a).flush().unwrap();
+    let mut on_c = client(&c);
+    wait_until_or_not(|| on_c.batch_exists(&new).unwrap().iter().all(|p| *p))
+        .then_some(())
+        .expect("C did not follow A's new blocks while another writer hung");
+    assert_eq!(stalled(&c), 1);
+    for (got, want) in get_all(&mut on_c, &new, VALUE).iter().zip(&new_values) {
+        assert_eq!(got.as_deref(), Some(&want[..]));
+    }
+    // The daemon resumes: the hung step ends, the writer is followed.
+    drop(resume);
+    wait_until_or_not(|| stalled(&c) == 0)
+        .then_some(())
+        .expect("the writer's step did not end once its files answered");
+    drop(c);
+    drop(a);
 }
 
 /// Stops `server` cleanly (it writes its index checkpoint at close).

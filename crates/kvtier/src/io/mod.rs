@@ -209,6 +209,8 @@ pub(crate) fn pread_full(file: &File, mut offset: u64, mut buf: &mut [u8]) -> io
         }
         offset += n as u64;
         buf = &mut buf[n..];
+        // A follow step reading another writer's files is alive.
+        crate::shared::note_progress();
     }
     Ok(())
 }

@@ -144,6 +144,9 @@ pub(crate) struct FollowCounters {
     /// Directories under `nodes/` not followed at the last pass because
     /// they never held a `LOCK` (no writer made them).
     pub writers_without_lock: AtomicU64,
+    /// Writers whose step of a pass has run past the storage deadline and
+    /// not finished yet (their files hang), at the end of the last pass.
+    pub writers_stalled: AtomicU64,
 }
 
 /// Whether `dir` (a writer directory) holds a regular file named `LOCK`.
@@ -190,6 +193,20 @@ pub(crate) struct Follower {
     reread: std::sync::atomic::AtomicBool,
     /// Set while publishing this writer's write floor fails (logged once).
     publish_failed: std::sync::atomic::AtomicBool,
+    /// How long a pass waits for one writer's step (and for the listing of
+    /// the writers): `Config::io_deadline`; `None` (a deadline of 0) runs
+    /// the steps on the pass's thread, unbounded.
+    step_deadline: Option<Duration>,
+    steps: super::steps::StepRunner,
+    /// Writers whose step is running, and those of them whose step ran
+    /// past its deadline: passes skip them until it ends.
+    in_flight: Mutex<StepsInFlight>,
+}
+
+#[derive(Debug, Default)]
+struct StepsInFlight {
+    running: HashSet<String>,
+    overran: HashSet<String>,
 }
 
 impl Follower {
@@ -227,6 +244,9 @@ impl Follower {
             share: None,
             reread: std::sync::atomic::AtomicBool::new(false),
             publish_failed: std::sync::atomic::AtomicBool::new(false),
+            step_deadline: None,
+            steps: super::steps::StepRunner::default(),
+            in_flight: Mutex::new(StepsInFlight::default()),
         };
         // From the start, so the other nodes' floors need not wait for this
         // writer's first pass (one without a floor holds theirs low).
@@ -257,6 +277,13 @@ impl Follower {
     /// none of the other writers' entries until `set_share` gives a share.
     pub fn bounded(mut self, bounded: bool) -> Follower {
         self.share = bounded.then(ShareSlot::default);
+        self
+    }
+
+    /// Waits at most `deadline` for each writer's step of a pass (and for
+    /// the listing of the writers); zero runs them unbounded.
+    pub fn step_deadline(mut self, deadline: Duration) -> Follower {
+        self.step_deadline = (!deadline.is_zero()).then_some(deadline);
         self
     }
 
@@ -348,7 +375,7 @@ impl Follower {
     }
 
     /// Polls every `every` until `shut_down`.
-    pub fn run(&self, every: Duration) {
+    pub fn run(self: &Arc<Self>, every: Duration) {
         loop {
             {
                 let stopped = self.stop.0.lock().unwrap();
@@ -374,7 +401,7 @@ impl Follower {
     /// scanned from where the last pass stopped, vanished ones dropped
     /// (with their index entries). Errors (a file system hiccup) are
     /// logged and retried next pass; they never stop the follower.
-    pub fn poll(&self) {
+    pub fn poll(self: &Arc<Self>) {
         let _one_pass = self.passes.lock().unwrap_or_else(|p| p.into_inner());
         self.pass_incomplete.store(false, Ordering::Relaxed);
         self.over_budget_this_pass.store(0, Ordering::Relaxed);
@@ -393,10 +420,22 @@ impl Follower {
                 .map_or(0, |d| d.as_millis() as u64),
             Ordering::Relaxed,
         );
-        let writers = match SharedDir::other_writers(&self.root, &self.own) {
-            Ok(writers) => writers,
-            Err(e) => {
+        let listing = {
+            let (root, own) = (self.root.clone(), self.own.clone());
+            let list = move || SharedDir::other_writers(&root, &own);
+            match self.step_deadline {
+                None => Some(list()),
+                Some(deadline) => self.steps.run(deadline, list),
+            }
+        };
+        let writers = match listing {
+            Some(Ok(writers)) => writers,
+            Some(Err(e)) => {
                 tracing::warn!(dir = %self.root.display(), error = %e, "cannot list the shared directory's writers; will retry");
+                return;
+            }
+            None => {
+                tracing::warn!(dir = %self.root.display(), "listing the shared directory's writers ran past the storage deadline (its file system does not answer); will retry");
                 return;
             }
         };
@@ -422,26 +461,60 @@ impl Follower {
         // deleted `LOCK` must not make its removals forgotten).
         let known: HashSet<String> = state.writers.keys().cloned().collect();
         drop(state);
+        self.drop_vanished(&vanished);
         let mut without_lock = 0u64;
-        for (node, dir) in &writers {
-            if !known.contains(node) && !holds_a_lock_file(dir) {
-                without_lock += 1;
+        // What this pass has waited for steps that overran: past one
+        // deadline, the writers left are skipped (their mount may be the
+        // one stalling) instead of costing a deadline each.
+        let mut overrun = Duration::ZERO;
+        for (node, dir) in writers {
+            if self.in_flight.lock().unwrap().running.contains(&node) {
+                // Its last step still hangs: nothing of it is new here.
+                self.pass_incomplete.store(true, Ordering::Relaxed);
                 continue;
             }
-            self.follow_writer(node, dir, &mut vanished);
+            let known = known.contains(&node);
+            let Some(deadline) = self.step_deadline else {
+                without_lock += u64::from(!self.follow_step(&node, &dir, known));
+                continue;
+            };
+            if overrun >= deadline {
+                self.pass_incomplete.store(true, Ordering::Relaxed);
+                continue;
+            }
+            self.in_flight.lock().unwrap().running.insert(node.clone());
+            let me = Arc::clone(self);
+            let step_node = node.clone();
+            let started = std::time::Instant::now();
+            match self.steps.run(deadline, move || {
+                let followed = me.follow_step(&step_node, &dir, known);
+                let mut in_flight = me.in_flight.lock().unwrap();
+                in_flight.running.remove(&step_node);
+                if in_flight.overran.remove(&step_node) {
+                    tracing::warn!(writer = %step_node, "another writer's files answer again; its log is followed again");
+                }
+                followed
+            }) {
+                Some(followed) => without_lock += u64::from(!followed),
+                None => {
+                    overrun += started.elapsed();
+                    self.pass_incomplete.store(true, Ordering::Relaxed);
+                    let mut in_flight = self.in_flight.lock().unwrap();
+                    // Unless it ended meanwhile.
+                    if in_flight.running.contains(&node) && in_flight.overran.insert(node.clone()) {
+                        tracing::warn!(writer = %node, deadline_ms = deadline.as_millis() as u64, "another writer's files do not answer within the storage deadline; its log is not followed (its new blocks are misses) until they do");
+                    }
+                }
+            }
         }
         self.counters
             .writers_without_lock
             .store(without_lock, Ordering::Relaxed);
+        self.counters.writers_stalled.store(
+            self.in_flight.lock().unwrap().overran.len() as u64,
+            Ordering::Relaxed,
+        );
         let mut state = self.state.lock().unwrap();
-        if !vanished.is_empty() {
-            for handle in &vanished {
-                self.disk.drop_other(*handle);
-            }
-            state
-                .tombstones
-                .retain(|_, (_, origin)| !vanished.contains(origin));
-        }
         let mut floor = clock_at_start;
         let (mut regions, mut bytes, mut stuck, mut behind_gap) = (0u64, 0u64, 0u64, 0u64);
         let sizes = self.disk.followed_sizes();
@@ -496,13 +569,40 @@ impl Follower {
             .tombstones
             .store(state.tombstones.len() as u64, Ordering::Relaxed);
         drop(state);
-        if !vanished.is_empty() {
-            // Entries naming a region that is gone would count in `exists`
-            // and `prefix_len` but miss on read: dropped in one sweep.
-            self.index
-                .clear_regions(|region| vanished.contains(&region));
-        }
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One writer's step of a pass: whether it was followed (`false`: a
+    /// directory this node does not follow yet that holds no `LOCK`, so no
+    /// writer made it). The regions that went are dropped here, so a step
+    /// that finishes after its pass gave up on it leaves nothing undone.
+    fn follow_step(&self, node: &str, dir: &Path, known: bool) -> bool {
+        if !known && !holds_a_lock_file(dir) {
+            return false;
+        }
+        let mut vanished = HashSet::new();
+        self.follow_writer(node, dir, &mut vanished);
+        self.drop_vanished(&vanished);
+        true
+    }
+
+    /// Forgets regions that are gone: their files, the removals they
+    /// carried, and their index entries (which would count in `exists`
+    /// and `prefix_len` but miss on read), in one sweep.
+    fn drop_vanished(&self, vanished: &HashSet<u32>) {
+        if vanished.is_empty() {
+            return;
+        }
+        for handle in vanished {
+            self.disk.drop_other(*handle);
+        }
+        self.state
+            .lock()
+            .unwrap()
+            .tombstones
+            .retain(|_, (_, origin)| !vanished.contains(origin));
+        self.index
+            .clear_regions(|region| vanished.contains(&region));
     }
 
     /// Stops following the regions held past the descriptor budget (it
@@ -843,6 +943,7 @@ impl Follower {
             for entry in entries {
                 self.apply(handle, *batch_start, entry);
             }
+            super::note_progress();
         }
         if skipped_pages > 0 {
             tracing::warn!(path = %path().display(), pages = skipped_pages, "pages without a valid batch in another writer's sealed region (a torn tail or damage); skipped them");
@@ -1056,6 +1157,9 @@ impl Follower {
                 e.len,
             );
             applied += 1;
+            if applied.is_multiple_of(1024) {
+                super::note_progress();
+            }
         }
         tracing::info!(
             writer = node,
@@ -1092,7 +1196,7 @@ mod tests {
         root: tempfile::TempDir,
         secret: Arc<KeySecret>,
         config: Config,
-        follower: Follower,
+        follower: Arc<Follower>,
         index: Arc<Index>,
         own_disk: Arc<DiskTier>,
         floor: Arc<AtomicU64>,
@@ -1150,6 +1254,7 @@ mod tests {
             HashMap::new(),
             Arc::clone(&floor),
         );
+        let follower = Arc::new(follower);
         Setup {
             root,
             secret,

@@ -603,6 +603,7 @@ impl Inner {
             shared_regions_behind_gap: self.follow_count(|f| &f.regions_behind_gap),
             shared_regions_over_file_budget: self.follow_count(|f| &f.regions_over_budget),
             shared_dirs_without_lock: self.follow_count(|f| &f.writers_without_lock),
+            shared_writers_stalled: self.follow_count(|f| &f.writers_stalled),
             shared_tombstones: self.follow_count(|f| &f.tombstones),
             shared_checkpoints_loaded: self.follow_count(|f| &f.checkpoints_loaded),
             shared_checkpoint_entries: self.follow_count(|f| &f.checkpoint_entries),

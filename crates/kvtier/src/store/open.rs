@@ -95,7 +95,8 @@ impl Store {
                     own_tombstones,
                     Arc::clone(&shared_floor),
                 )
-                .bounded(config.shared_index_share);
+                .bounded(config.shared_index_share)
+                .step_deadline(config.io_deadline);
                 Some(first_pass(follower, shared, &index))
             }
             _ => None,
@@ -400,6 +401,7 @@ fn open_write_log(
 /// their data).
 fn first_pass(follower: Follower, shared: &SharedDir, index: &Index) -> Arc<Follower> {
     let started = std::time::Instant::now();
+    let follower = Arc::new(follower);
     follower.poll();
     tracing::info!(
         shared_dir = %shared.root.display(),
@@ -408,7 +410,7 @@ fn first_pass(follower: Follower, shared: &SharedDir, index: &Index) -> Arc<Foll
         elapsed_ms = started.elapsed().as_millis() as u64,
         "indexed the other writers of the shared directory"
     );
-    Arc::new(follower)
+    follower
 }
 
 /// Starts the flusher (when there is a disk tier), with the shared
