@@ -1000,6 +1000,19 @@ fn a_node_whose_clock_reads_far_ahead_stops_no_other_nodes_puts() {
     assert!(e.to_string().contains("clock"), "{e}");
 }
 
+/// Node "w" under `root`, with 16 blocks of 9,000 bytes flushed: the
+/// node, the keys and the values.
+fn writer_with_16_blocks(root: &Path) -> (Node, Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let w = Node::start(root, "w", 64 * MIB);
+    let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
+    for r in w.store().batch_put(&keys, &values) {
+        r.unwrap();
+    }
+    w.store().flush().unwrap();
+    (w, keys, values)
+}
+
 /// A FIFO named as another writer's newest region and newest checkpoint
 /// hung every starting node's open (nothing ever writes it), and a sparse
 /// 1.5 GiB file named as a checkpoint cost each starting node 1.5 GiB of
@@ -1008,13 +1021,7 @@ fn a_node_whose_clock_reads_far_ahead_stops_no_other_nodes_puts() {
 #[test]
 fn planted_fifos_and_huge_checkpoints_neither_hang_nor_bloat_a_starting_node() {
     let dir = tempfile::tempdir().unwrap();
-    let w = Node::start(dir.path(), "w", 64 * MIB);
-    let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
-    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
-    for r in w.store().batch_put(&keys, &values) {
-        r.unwrap();
-    }
-    w.store().flush().unwrap();
+    let (w, _, values) = writer_with_16_blocks(dir.path());
     let writer_dir = w.shared.join("nodes").join(w.store().node_id());
     let node = w.store().node_id().to_string();
     drop(w);
@@ -1111,13 +1118,7 @@ fn forge_first_value(
 #[test]
 fn forged_or_copied_records_in_a_shared_directory_are_never_served() {
     let dir = tempfile::tempdir().unwrap();
-    let w = Node::start(dir.path(), "w", 64 * MIB);
-    let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
-    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 1, 9_000)).collect();
-    for r in w.store().batch_put(&keys, &values) {
-        r.unwrap();
-    }
-    w.store().flush().unwrap();
+    let (w, keys, values) = writer_with_16_blocks(dir.path());
     let regions = w.regions(dir.path());
     let node = w.store().node_id().to_string();
     drop(w);
