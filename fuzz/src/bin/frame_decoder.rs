@@ -4,11 +4,17 @@
 //! - a body that decodes as a request encodes back to the same bytes (the
 //!   encoding is canonical: no trailing bytes, no alternative forms).
 
-use kvtier_wire::protocol::{decode_request, Header, Request, HEADER_LEN};
+use kvtier_wire::protocol::{decode_request, Header, Request, SegmentList, HEADER_LEN};
 
 /// Valid frames to start from (written when KVTIER_FUZZ_SEEDS names a
 /// directory).
 fn write_seeds(dir: &str) {
+    let ranges = [
+        SegmentList::encode(&[(0, 4096), (65536, 4096)]),
+        SegmentList::encode(&[(8192, 100)]),
+        SegmentList::encode(&[(0, 4096), (4096, 4096), (1 << 20, 7)]),
+    ];
+    let list = |i: usize| SegmentList::new(&ranges[i]).expect("whole ranges");
     let requests = [
         Request::Challenge {
             client_nonce: &[3; 32],
@@ -35,14 +41,11 @@ fn write_seeds(dir: &str) {
         Request::BatchPutShmSegments {
             buffer: 1,
             flags: 1,
-            items: vec![
-                (b"block-1", vec![(0, 4096), (65536, 4096)]),
-                (b"block-2", vec![(8192, 100)]),
-            ],
+            items: vec![(b"block-1", list(0)), (b"block-2", list(1))],
         },
         Request::BatchGetShmSegments {
             buffer: 2,
-            items: vec![(b"block-3", vec![(0, 4096), (4096, 4096), (1 << 20, 7)])],
+            items: vec![(b"block-3", list(2))],
         },
         Request::PrefixLen {
             keys: vec![b"a", b"bb", b"ccc"],
