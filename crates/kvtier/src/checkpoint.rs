@@ -219,7 +219,7 @@ fn verify_mac_streaming(
             .map_err(|e| format!("changed while read ({e})"))?;
         hasher.update(&piece[..n]);
         left -= n as u64;
-        crate::shared::note_progress();
+        crate::io::progress::note();
     }
     let mut mac = [0u8; MAC_LEN];
     file.read_exact(&mut mac)
@@ -265,7 +265,7 @@ pub fn read(
     for piece in bytes.chunks_mut(1 << 20) {
         file.read_exact(piece)
             .map_err(|e| format!("changed while read ({e})"))?;
-        crate::shared::note_progress();
+        crate::io::progress::note();
     }
     let (body, mac) = bytes.split_at(bytes.len() - MAC_LEN);
     let mut hasher = mac_hasher(secret);
@@ -337,14 +337,10 @@ fn mac_hasher(secret: &KeySecret) -> blake3::Hasher {
 }
 
 /// A node id's 32 hex digits as 16 bytes (zeros for anything else).
+/// A node id as the 16 bytes the header holds (zeros for a name that is
+/// not one: no checkpoint names it).
 fn node_bytes(node: &str) -> [u8; 16] {
-    let mut out = [0u8; 16];
-    if node.len() == 32 {
-        for (i, byte) in out.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&node[2 * i..2 * i + 2], 16).unwrap_or(0);
-        }
-    }
-    out
+    crate::disk::format::RecordOrigin::node_bytes(node).unwrap_or([0; 16])
 }
 
 /// Writes through a buffer while feeding the MAC; keeps the first error.

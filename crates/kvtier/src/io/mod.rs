@@ -4,6 +4,7 @@
 
 #[cfg(any(test, feature = "test-util"))]
 pub mod faulty;
+pub(crate) mod progress;
 pub mod uring;
 
 use crate::units::PAGE_SIZE;
@@ -210,7 +211,7 @@ pub(crate) fn pread_full(file: &File, mut offset: u64, mut buf: &mut [u8]) -> io
         offset += n as u64;
         buf = &mut buf[n..];
         // A follow step reading another writer's files is alive.
-        crate::shared::note_progress();
+        progress::note();
     }
     Ok(())
 }

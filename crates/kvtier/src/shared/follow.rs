@@ -943,7 +943,7 @@ impl Follower {
             for entry in entries {
                 self.apply(handle, *batch_start, entry);
             }
-            super::note_progress();
+            crate::io::progress::note();
         }
         if skipped_pages > 0 {
             tracing::warn!(path = %path().display(), pages = skipped_pages, "pages without a valid batch in another writer's sealed region (a torn tail or damage); skipped them");
@@ -1158,7 +1158,7 @@ impl Follower {
             );
             applied += 1;
             if applied.is_multiple_of(1024) {
-                super::note_progress();
+                crate::io::progress::note();
             }
         }
         tracing::info!(

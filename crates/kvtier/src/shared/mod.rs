@@ -7,7 +7,6 @@
 mod dir;
 mod follow;
 mod steps;
-pub(crate) use steps::note_progress;
 mod write_floor;
 
 pub(crate) use dir::{writer_lock_held, WRITER_LOCK_FILE};

@@ -1,7 +1,7 @@
 //! Bounded steps of a follow pass: one writer's step (or the listing of
 //! the writers) runs on a worker thread and the pass waits for it as long
 //! as it makes progress (a read returns, a batch or a thousand checkpoint
-//! entries are applied: `note_progress`), giving up once none came for
+//! entries are applied: `io::progress`), giving up once none came for
 //! the storage deadline. A writer whose files hang (a mount under its
 //! directory that stopped answering, a link planted to one) then costs a
 //! pass that long instead of stopping the follower, and the first pass at
@@ -10,26 +10,11 @@
 //! applying what it read as any step does; the pass goes on with a fresh
 //! worker, so at most one thread per hanging step is held.
 
-use std::cell::RefCell;
+use crate::io::progress::Reporting;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-thread_local! {
-    /// The progress counter of the step running on this thread, if any.
-    static PROGRESS: RefCell<Option<Arc<AtomicU64>>> = const { RefCell::new(None) };
-}
-
-/// Tells the pass waiting for the step on this thread (if one is) that it
-/// is moving; free elsewhere.
-pub(crate) fn note_progress() {
-    PROGRESS.with(|p| {
-        if let Some(counter) = &*p.borrow() {
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-    });
-}
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -37,22 +22,6 @@ type Job = Box<dyn FnOnce() + Send>;
 #[derive(Debug, Default)]
 pub(crate) struct StepRunner {
     worker: Mutex<Option<mpsc::Sender<Job>>>,
-}
-
-/// Sets this thread's progress counter for the life of the guard.
-struct Reporting;
-
-impl Reporting {
-    fn to(counter: Arc<AtomicU64>) -> Reporting {
-        PROGRESS.with(|p| *p.borrow_mut() = Some(counter));
-        Reporting
-    }
-}
-
-impl Drop for Reporting {
-    fn drop(&mut self) {
-        PROGRESS.with(|p| *p.borrow_mut() = None);
-    }
 }
 
 impl StepRunner {
