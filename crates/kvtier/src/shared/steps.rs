@@ -38,10 +38,17 @@ impl StepRunner {
         let reported = Arc::clone(&progress);
         let job: Job = Box::new(move || {
             let _reporting = Reporting::to(reported);
-            let _ = done.send(step());
+            // A step that panics drops `done` unsent (its result is `None`)
+            // and leaves the worker serving: a worker thread that died
+            // could take the next job, sent before its receiver dropped,
+            // with it.
+            if let Ok(value) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)) {
+                let _ = done.send(value);
+            }
         });
         let mut worker = self.worker.lock().unwrap_or_else(|p| p.into_inner());
-        // A worker whose thread is gone (a step panicked) refuses the job.
+        // A worker whose thread is gone (it could not start a step) refuses
+        // the job.
         let job = match worker.as_ref() {
             Some(tx) => match tx.send(job) {
                 Ok(()) => None,
