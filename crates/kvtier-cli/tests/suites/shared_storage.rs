@@ -781,14 +781,24 @@ fn a_writer_whose_files_hang_stops_neither_a_start_nor_the_others_being_followed
     let c = local.node_within(
         "c",
         LARGE_SHARE,
-        &["--io-deadline", "2"],
+        &["--io-deadline", "5"],
         Duration::from_secs(90),
     );
     let stalled = |server: &ServerProcess| {
         store_stat(&client(server).stats().unwrap(), "shared_writers_stalled")
     };
-    assert_eq!(stalled(&c), 1, "the hanging writer is counted");
-    for (got, want) in get_all(&mut client(&c), &keys, VALUE).iter().zip(&values) {
+    // Converging, not exact at the first look: on a loaded machine a
+    // healthy step (or the listing) can go the deadline without a read
+    // returning too, is counted (or retried) for a pass, and is followed
+    // once it ends; only the hanging writer stays counted.
+    wait_until("the hanging writer alone counted as stalled", || {
+        stalled(&c) == 1
+    });
+    let mut on_c = client(&c);
+    wait_until("A's blocks known on C", || {
+        on_c.batch_exists(&keys).unwrap().iter().all(|p| *p)
+    });
+    for (got, want) in get_all(&mut on_c, &keys, VALUE).iter().zip(&values) {
         assert_eq!(got.as_deref(), Some(&want[..]), "A's blocks read on C");
     }
     // A's new blocks are followed while that writer still hangs.
@@ -796,11 +806,12 @@ fn a_writer_whose_files_hang_stops_neither_a_start_nor_the_others_being_followed
     let new_values: Vec<Vec<u8>> = new.iter().map(|k| value(k, 2, VALUE)).collect();
     put(&mut client(&a), &new, &new_values);
     client(&a).flush().unwrap();
-    let mut on_c = client(&c);
     wait_until_or_not(|| on_c.batch_exists(&new).unwrap().iter().all(|p| *p))
         .then_some(())
         .expect("C did not follow A's new blocks while another writer hung");
-    assert_eq!(stalled(&c), 1);
+    wait_until("the hanging writer still counted, alone", || {
+        stalled(&c) == 1
+    });
     for (got, want) in get_all(&mut on_c, &new, VALUE).iter().zip(&new_values) {
         assert_eq!(got.as_deref(), Some(&want[..]));
     }
