@@ -455,7 +455,13 @@ impl KvBackend for ClientPool {
         values: &[&[&[u8]]],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        self.with(|c| {
+        let sizes: Vec<u64> = values
+            .iter()
+            .map(|v| v.iter().map(|s| s.len() as u64).sum())
+            .collect();
+        let parts = put_parts(self, keys, &sizes, values);
+        self.in_parts(parts, |c, range, values| {
+            let keys = &keys[range];
             if let Some(segments) = shm_segments(c, values.iter().map(|v| v.iter().copied())) {
                 return c.batch_put_registered_segments(keys, &segments, options);
             }
@@ -469,7 +475,10 @@ impl KvBackend for ClientPool {
         values: &[&[u8]],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        self.with(|c| {
+        let sizes: Vec<u64> = values.iter().map(|v| v.len() as u64).collect();
+        let parts = put_parts(self, keys, &sizes, values);
+        self.in_parts(parts, |c, range, values| {
+            let keys = &keys[range];
             if let Some(segments) = shm_segments(c, values.iter().map(|v| std::iter::once(*v))) {
                 let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
                 return c.batch_put_registered(keys, &ranges, options);
@@ -483,7 +492,13 @@ impl KvBackend for ClientPool {
         keys: &[&[u8]],
         dests: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        self.with(|c| {
+        let sizes: Vec<u64> = dests
+            .iter()
+            .map(|d| d.iter().map(|s| s.len() as u64).sum())
+            .collect();
+        let parts = split_parts(self.parts(&sizes), dests);
+        self.in_parts(parts, |c, range, dests| {
+            let keys = &keys[range];
             let in_shm = shm_segments(c, dests.iter().map(|b| b.iter().map(|s| &s[..])));
             if let Some(segments) = in_shm {
                 return c.batch_get_registered_segments(keys, &segments);
@@ -497,7 +512,10 @@ impl KvBackend for ClientPool {
         keys: &[&[u8]],
         bufs: &mut [&mut [u8]],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        self.with(|c| {
+        let sizes: Vec<u64> = bufs.iter().map(|b| b.len() as u64).collect();
+        let parts = split_parts(self.parts(&sizes), bufs);
+        self.in_parts(parts, |c, range, bufs| {
+            let keys = &keys[range];
             let in_shm = shm_segments(c, bufs.iter().map(|b| std::iter::once(&b[..])));
             if let Some(segments) = in_shm {
                 let ranges: Vec<(u64, u64)> = segments.into_iter().map(|s| s[0]).collect();
@@ -552,6 +570,43 @@ impl KvBackend for ClientPool {
 /// Every value's segments as `(offset, len)` in the client's registered
 /// shared region, or `None` if any segment lies outside it (or there is
 /// no region).
+/// A put's parts (see `ClientPool::parts`), each with its values; one
+/// part when a key repeats (the later value of a key must win, as it does
+/// in one batch).
+fn put_parts<'v, V>(
+    pool: &ClientPool,
+    keys: &[&[u8]],
+    sizes: &[u64],
+    values: &'v [V],
+) -> Vec<(std::ops::Range<usize>, &'v [V])> {
+    let mut ranges = pool.parts(sizes);
+    if ranges.len() > 1 {
+        let mut seen = std::collections::HashSet::with_capacity(keys.len());
+        if !keys.iter().all(|k| seen.insert(*k)) {
+            ranges = std::iter::once(0..keys.len()).collect();
+        }
+    }
+    ranges
+        .into_iter()
+        .map(|r| (r.clone(), &values[r]))
+        .collect()
+}
+
+/// `items` cut at `ranges` (consecutive, from 0), each range with its
+/// part.
+fn split_parts<T>(
+    ranges: Vec<std::ops::Range<usize>>,
+    mut items: &mut [T],
+) -> Vec<(std::ops::Range<usize>, &mut [T])> {
+    let mut out = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        let (part, rest) = std::mem::take(&mut items).split_at_mut(range.len());
+        items = rest;
+        out.push((range, part));
+    }
+    out
+}
+
 fn shm_segments<'a, V, S>(client: &Client, values: V) -> Option<Vec<Vec<(u64, u64)>>>
 where
     V: Iterator<Item = S>,

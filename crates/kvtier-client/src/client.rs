@@ -182,6 +182,12 @@ impl Client {
         self.conn.batch_value_lens(keys)
     }
 
+    /// Whether the server reads and writes this process's own memory for
+    /// the socket forms of the batch calls (`ClientOptions::cross_memory`).
+    pub fn cross_memory(&self) -> bool {
+        self.conn.cross_memory()
+    }
+
     /// The registered shared buffer (Unix sockets only): place values here
     /// and use the `_registered` calls to move them without socket copies.
     pub fn registered_buffer(&mut self) -> Option<&mut [u8]> {

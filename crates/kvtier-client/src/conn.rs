@@ -51,6 +51,13 @@ pub struct ClientOptions {
     /// address that relays the challenge to a live member is refused
     /// (docs/protocol.md, "Hello"). Needs a token. Default: none.
     pub member: Option<String>,
+    /// On a Unix socket, let the server read and write this process's own
+    /// memory where the values of the socket forms of the batch calls lie
+    /// (cross-memory attach: one copy, between the server's pool and the
+    /// caller's buffer, instead of two through the socket), when the
+    /// server offers it and the kernel lets it reach this process. Falls
+    /// back to the socket otherwise. Default: true.
+    pub cross_memory: bool,
 }
 
 impl Default for ClientOptions {
@@ -68,6 +75,7 @@ impl Default for ClientOptions {
             local_only: false,
             route: false,
             member: None,
+            cross_memory: true,
         }
     }
 }
@@ -130,6 +138,9 @@ pub struct Connection {
     shm_region: Option<Arc<SharedRegion>>,
     /// Its id on the current connection.
     shm_id: Option<u32>,
+    /// The id the server gave this process's own memory (cross-memory
+    /// transfers) on the current connection, if it reaches it.
+    own_id: Option<u32>,
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
@@ -239,6 +250,7 @@ impl Connection {
             max_value: 0,
             shm_region: None,
             shm_id: None,
+            own_id: None,
             request: Vec::new(),
             response: Vec::new(),
         };
@@ -267,6 +279,7 @@ impl Connection {
             max_value: self.max_value,
             shm_region: self.shm_region.clone(),
             shm_id: None,
+            own_id: None,
             request: Vec::new(),
             response: Vec::new(),
         }
@@ -275,6 +288,7 @@ impl Connection {
     fn reconnect(&mut self) -> Result<()> {
         self.transport = None;
         self.shm_id = None;
+        self.own_id = None;
         let transport = match &self.endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = connect_within(addr, self.options.timeout)
@@ -345,7 +359,47 @@ impl Connection {
             let id = Reader::new(body).u32().map_err(|e| protocol_error(e.0))?;
             self.shm_id = Some(id);
         }
+        if self.options.cross_memory
+            && matches!(self.endpoint, Endpoint::Unix(_))
+            && hello.features & protocol::features::PEER_MEMORY != 0
+        {
+            self.own_id = self.register_own_memory()?;
+        }
         Ok(())
+    }
+
+    /// Asks the server to reach this process's memory directly: it must
+    /// read back a random probe at the probe's address. `None` where it
+    /// cannot (the kernel does not let it, the server is set not to): the
+    /// socket carries the values then.
+    fn register_own_memory(&mut self) -> Result<Option<u32>> {
+        let nonce = proof::nonce().map_err(|e| Error::io("drawing a probe", e))?;
+        let probe: [u8; protocol::PEER_PROBE_LEN] = nonce[..protocol::PEER_PROBE_LEN]
+            .try_into()
+            .expect("a nonce is longer than a probe");
+        let request = Request::RegisterPeerMemory {
+            address: probe.as_ptr() as u64,
+            probe: &probe,
+        };
+        match self.exchange(Op::RegisterPeerMemory, &[&request.encode()], None) {
+            Ok(len) => {
+                let id = Reader::new(&self.response[..len])
+                    .u32()
+                    .map_err(|e| protocol_error(e.0))?;
+                Ok(Some(id))
+            }
+            Err(CallError::Server(e)) => {
+                tracing::debug!(error = %e, "the server does not reach this process's memory; values travel over the socket");
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether the server reads and writes this process's memory for the
+    /// socket forms of the batch calls (see `ClientOptions::cross_memory`).
+    pub fn cross_memory(&self) -> bool {
+        self.own_id.is_some()
     }
 
     /// The challenge half of the hello: checks the server's proof of the
@@ -443,11 +497,17 @@ impl Connection {
         if fresh {
             self.reconnect()?;
         }
+        // Which of the connection's buffers a shared-memory request names.
+        let own = self.own_id.is_some_and(|id| {
+            body.first()
+                .is_some_and(|b| b.starts_with(&id.to_le_bytes()))
+        });
         let result = self.exchange(op, body, fd);
         match &result {
             Err(e) if e.drops_connection() => {
                 self.transport = None;
                 self.shm_id = None;
+                self.own_id = None;
                 // A connection that had been idle may have died with its
                 // server (a restart): reconnect and send once more. Every
                 // operation is safe to repeat (a put stores the same bytes
@@ -455,7 +515,12 @@ impl Connection {
                 // of reconnecting itself (retrying one would reconnect
                 // within the reconnect, without end). Shared-memory requests start with the
                 // buffer's id, which the new connection assigns afresh.
-                if fresh || matches!(op, Op::Challenge | Op::Hello | Op::RegisterBuffer) {
+                if fresh
+                    || matches!(
+                        op,
+                        Op::Challenge | Op::Hello | Op::RegisterBuffer | Op::RegisterPeerMemory
+                    )
+                {
                     return result.map_err(Error::from);
                 }
                 self.reconnect()?;
@@ -468,7 +533,17 @@ impl Connection {
                 );
                 let retried = if shm_op {
                     let mut again = body.concat();
-                    again[..4].copy_from_slice(&self.shm_id()?.to_le_bytes());
+                    let id = if own {
+                        self.own_id.ok_or_else(|| {
+                            Error::invalid(
+                                "the server no longer reaches this process's memory after \
+                                 reconnecting; call again",
+                            )
+                        })?
+                    } else {
+                        self.shm_id()?
+                    };
+                    again[..4].copy_from_slice(&id.to_le_bytes());
                     self.exchange(op, &[&again], fd)
                 } else {
                     self.exchange(op, body, fd)
@@ -476,6 +551,7 @@ impl Connection {
                 if retried.as_ref().is_err_and(CallError::drops_connection) {
                     self.transport = None;
                     self.shm_id = None;
+                    self.own_id = None;
                 }
                 retried.map_err(Error::from)
             }
@@ -749,6 +825,22 @@ impl Connection {
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
         Self::check_batch_pairs(keys.len(), values.len(), "values")?;
+        if self.own_id.is_some() {
+            // The server reads the values where they lie, while this call
+            // (which borrows them) waits for its reply.
+            let segments: Vec<Vec<(u64, u64)>> = values
+                .iter()
+                .map(|v| {
+                    v.iter()
+                        .map(|s| (s.as_ptr() as u64, s.len() as u64))
+                        .collect()
+                })
+                .collect();
+            let fixed = frame_size::fixed(Op::BatchPutShmSegments);
+            return self.in_runs(segment_sizes(keys, &segments), fixed, |c, run| {
+                c.put_segments_frame(true, &keys[run.clone()], &segments[run], options)
+            });
+        }
         let sizes: Vec<u64> = keys
             .iter()
             .zip(values)
@@ -852,6 +944,22 @@ impl Connection {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Self::check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
+        if self.own_id.is_some() && bufs.iter().any(|b| b.iter().any(|s| !s.is_empty())) {
+            // The server writes the values where they go, while this call
+            // (which borrows the buffers mutably) waits for its reply.
+            let segments: Vec<Vec<(u64, u64)>> = bufs
+                .iter_mut()
+                .map(|b| {
+                    b.iter_mut()
+                        .map(|s| (s.as_mut_ptr() as u64, s.len() as u64))
+                        .collect()
+                })
+                .collect();
+            let fixed = frame_size::fixed(Op::BatchGetShmSegments);
+            return self.in_runs(segment_sizes(keys, &segments), fixed, |c, run| {
+                c.get_segments_frame(true, &keys[run.clone()], &segments[run])
+            });
+        }
         // Each reply carries up to its buffers' capacity in values.
         let sizes: Vec<u64> = bufs
             .iter()
@@ -932,6 +1040,7 @@ impl Connection {
             Err(e) if e.drops_connection() => {
                 self.transport = None;
                 self.shm_id = None;
+                self.own_id = None;
                 if fresh {
                     return result.map_err(Error::from);
                 }
@@ -940,6 +1049,7 @@ impl Connection {
                 if retried.as_ref().is_err_and(CallError::drops_connection) {
                     self.transport = None;
                     self.shm_id = None;
+                    self.own_id = None;
                 }
                 retried.map_err(Error::from)
             }
@@ -1008,17 +1118,20 @@ impl Connection {
         Self::check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
         let fixed = frame_size::fixed(Op::BatchPutShmSegments);
         self.in_runs(segment_sizes(keys, segments), fixed, |c, run| {
-            c.put_segments_registered_frame(&keys[run.clone()], &segments[run], options)
+            c.put_segments_frame(false, &keys[run.clone()], &segments[run], options)
         })
     }
 
-    fn put_segments_registered_frame<K: AsRef<[u8]>>(
+    /// A BatchPutShmSegments frame: ranges of the registered buffer, or
+    /// (`own`) addresses of this process's memory.
+    fn put_segments_frame<K: AsRef<[u8]>>(
         &mut self,
+        own: bool,
         keys: &[K],
         segments: &[Vec<(u64, u64)>],
         options: &PutOptions,
     ) -> Result<Vec<Result<()>>> {
-        let id = self.shm_id()?;
+        let id = self.buffer_id(own)?;
         let mut w = Writer::default();
         w.u32(id).u8(put_flags::encode(options));
         protocol::write_segment_items(&mut w, &segment_items(keys, segments)?);
@@ -1054,7 +1167,7 @@ impl Connection {
             items: range_items(keys, ranges)?,
         };
         let len = self.call(Op::BatchGetShm, &get.encode(), None)?;
-        get_shm_results(&self.response[..len], keys.len())
+        get_shm_results(&self.response[..len], ranges.iter().map(|r| r.1))
     }
 
     /// Gets values scattered by the server across `(offset, capacity)`
@@ -1067,21 +1180,40 @@ impl Connection {
         Self::check_batch_pairs(keys.len(), segments.len(), "segment lists")?;
         let fixed = frame_size::fixed(Op::BatchGetShmSegments);
         self.in_runs(segment_sizes(keys, segments), fixed, |c, run| {
-            c.get_segments_registered_frame(&keys[run.clone()], &segments[run])
+            c.get_segments_frame(false, &keys[run.clone()], &segments[run])
         })
     }
 
-    fn get_segments_registered_frame<K: AsRef<[u8]>>(
+    /// A BatchGetShmSegments frame: ranges of the registered buffer, or
+    /// (`own`) addresses of this process's memory.
+    fn get_segments_frame<K: AsRef<[u8]>>(
         &mut self,
+        own: bool,
         keys: &[K],
         segments: &[Vec<(u64, u64)>],
     ) -> Result<Vec<Result<Option<usize>>>> {
-        let id = self.shm_id()?;
+        let id = self.buffer_id(own)?;
         let mut w = Writer::default();
         w.u32(id);
         protocol::write_segment_items(&mut w, &segment_items(keys, segments)?);
         let len = self.call(Op::BatchGetShmSegments, &w.buf, None)?;
-        get_shm_results(&self.response[..len], keys.len())
+        let capacities = segments.iter().map(|s| s.iter().map(|r| r.1).sum());
+        get_shm_results(&self.response[..len], capacities)
+    }
+
+    /// The registered buffer's id, or (`own`) that of this process's memory.
+    fn buffer_id(&mut self, own: bool) -> Result<u32> {
+        if !own {
+            return self.shm_id();
+        }
+        if self.transport.is_none() {
+            self.reconnect()?;
+        }
+        self.own_id.ok_or_else(|| {
+            Error::invalid(
+                "the server no longer reaches this process's memory after reconnecting; call again",
+            )
+        })
     }
 
     fn shm_id(&mut self) -> Result<u32> {
@@ -1291,20 +1423,25 @@ fn segment_items<'k, K: AsRef<[u8]>>(
         .collect()
 }
 
-/// The per-key table of a shared-memory get: `u32 n, n × (i32, u64 len)`.
-fn get_shm_results(body: &[u8], keys: usize) -> Result<Vec<Result<Option<usize>>>> {
+/// The per-key table of a shared-memory get: `u32 n, n × (i32, u64 len)`,
+/// one per key of `capacities` (each key's room).
+fn get_shm_results(
+    body: &[u8],
+    capacities: impl ExactSizeIterator<Item = u64>,
+) -> Result<Vec<Result<Option<usize>>>> {
     let mut r = Reader::new(body);
     let n = r.u32().map_err(|e| protocol_error(e.0))? as usize;
-    if n != keys {
+    if n != capacities.len() {
         return Err(protocol_error("response has the wrong number of results"));
     }
-    (0..n)
-        .map(|_| {
+    capacities
+        .map(|capacity| {
             let c = r.i32().map_err(|e| protocol_error(e.0))?;
             let len = r.u64().map_err(|e| protocol_error(e.0))?;
             Ok(match c {
                 code::OK => Ok(Some(len as usize)),
                 code::NOT_FOUND => Ok(None),
+                code::BUFFER_TOO_SMALL if len > 0 => Err(Error::buffer_too_small(len, capacity)),
                 c => Err(code_error(c, "")),
             })
         })

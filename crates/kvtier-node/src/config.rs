@@ -99,6 +99,9 @@ pub struct NodeConfig {
     pub tenants_file: Option<PathBuf>,
     /// Host names the loopback admin endpoint answers. Default: none.
     pub admin_allowed_hosts: Option<Vec<String>>,
+    /// Same-host clients' own buffers read and written by cross-memory
+    /// attach (docs/server.md, "Cross-memory transfers"). Default: true.
+    pub cross_memory: Option<bool>,
     pub max_frame: Option<Size>,
     pub max_batch: Option<u32>,
     pub max_connections: Option<usize>,
@@ -335,6 +338,7 @@ impl NodeConfig {
             limits: self.limits()?,
             peer_tls_ca: self.peer_ca.clone(),
             admin_allowed_hosts: self.admin_allowed_hosts.clone().unwrap_or_default(),
+            cross_memory: self.cross_memory.unwrap_or(true),
             ..ServerConfig::default()
         })
     }

@@ -125,14 +125,16 @@ impl PutCall {
         })
     }
 
-    /// A code per key (0 = stored).
-    pub(crate) fn run(self, backend: &Backend) -> kvtier::Result<Vec<i32>> {
+    /// A code per key (0 = stored). The call's buffer views are released
+    /// when it drops, which takes the GIL: drop it with the GIL held (or
+    /// after a background call has said it is done).
+    pub(crate) fn run(&self, backend: &Backend) -> kvtier::Result<Vec<i32>> {
         let picked = self.targets.picked();
         let pick_keys = pick_keys(&self.keys, &picked);
         let pick_ranges: Vec<(usize, usize)> =
             picked.iter().map(|&i| self.targets.ranges[i]).collect();
         // SAFETY: registered ranges pinned, or buffer views held, by
-        // `self.targets` until `self` drops on return.
+        // `self.targets` for as long as `self` lives.
         let values = unsafe { as_slices(&pick_ranges) };
         let results = backend.put(&pick_keys, &values, &self.options)?;
         Ok(per_key(self.keys.len(), &picked, put_codes(results)))
@@ -171,11 +173,12 @@ impl GetCall {
         })
     }
 
-    /// Per key the bytes read, or a negative code.
-    pub(crate) fn run(self, backend: &Backend) -> kvtier::Result<Vec<i64>> {
+    /// Per key the bytes read, or a negative code. (Drop as `PutCall`'s.)
+    pub(crate) fn run(&self, backend: &Backend) -> kvtier::Result<Vec<i64>> {
         let pick_keys = pick_keys(&self.keys, &self.picked);
         // SAFETY: registered or live, writable, non-overlapping (checked in
-        // `prepare`), held by `_targets` until `self` drops on return.
+        // `prepare`), held by `_targets` for as long as `self` lives; no
+        // other reference to them is made while `run` borrows `self`.
         let mut bufs = unsafe { as_mut_slices(&self.pick_ranges) };
         let results = backend.get(&pick_keys, &mut bufs)?;
         Ok(per_key(self.keys.len(), &self.picked, get_codes(results)))
@@ -245,16 +248,40 @@ pub(crate) struct PendingCall {
 }
 
 impl PendingCall {
-    pub(crate) fn spawn(
-        call: impl FnOnce() -> kvtier::Result<Vec<i64>> + Send + 'static,
+    /// Runs `call` on a thread of its own. With `notify`, an eventfd (or
+    /// any descriptor that takes an 8-byte count) that stays open until the
+    /// call is done: 1 is written to it then, with no GIL taken, so a
+    /// caller's event loop learns of the completion without a Python thread
+    /// waiting for it.
+    ///
+    /// `held` (the buffer views and pins) is dropped only after the call is
+    /// marked done and notified: releasing a view takes the GIL, which a
+    /// busy Python thread holds for up to its switch interval, and the
+    /// completion must not wait for it.
+    pub(crate) fn spawn<C: Send + 'static>(
+        held: C,
+        call: impl FnOnce(&C) -> kvtier::Result<Vec<i64>> + Send + 'static,
+        notify: Option<std::os::fd::RawFd>,
     ) -> PyResult<PendingCall> {
         let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = Arc::clone(&finished);
         let handle = std::thread::Builder::new()
             .name("kvtier-async".into())
             .spawn(move || {
-                let result = call();
+                let result = call(&held);
                 flag.store(true, std::sync::atomic::Ordering::Release);
+                if let Some(fd) = notify {
+                    use std::io::Write;
+                    use std::os::fd::FromRawFd;
+                    // SAFETY: the caller keeps `fd` open until the call is
+                    // done (`notify_fd`'s contract); not closed here.
+                    let file =
+                        std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+                    // A full eventfd counter (2^64 - 2 completions unread)
+                    // is the only refusal, and the reader drains it anyway.
+                    let _ = (&*file).write(&1u64.to_ne_bytes());
+                }
+                drop(held);
                 result
             })
             .map_err(|e| PyRuntimeError::new_err(format!("starting a background call: {e}")))?;

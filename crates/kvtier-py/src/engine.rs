@@ -114,7 +114,8 @@ impl Engine {
             put_options(memory_only, skip_existing, durable),
         )?;
         let backend = &self.backend;
-        py.detach(move || call.run(backend)).map_err(to_py_err)
+        // `call` drops (releasing its views) after the GIL is back.
+        py.detach(|| call.run(backend)).map_err(to_py_err)
     }
 
     /// Reads each value into its destination. With `sizes`, `items` are raw
@@ -131,14 +132,21 @@ impl Engine {
     ) -> PyResult<Vec<i64>> {
         let call = GetCall::prepare(&self.registered, keys, items, sizes)?;
         let backend = &self.backend;
-        py.detach(move || call.run(backend)).map_err(to_py_err)
+        // `call` drops (releasing its views) after the GIL is back.
+        py.detach(|| call.run(backend)).map_err(to_py_err)
     }
 
     /// `batch_put_from` in the background: returns at once with a
     /// `PendingCall` whose `wait()` gives the per-key codes. The values must
     /// stay unchanged until then (buffer objects are kept alive, registered
-    /// ranges cannot be unregistered meanwhile).
-    #[pyo3(signature = (keys, items, sizes=None, *, memory_only=false, skip_existing=false, durable=false))]
+    /// ranges cannot be unregistered meanwhile). `notify_fd`: an eventfd,
+    /// open until the call is done, that gets 1 written to it then (no GIL
+    /// taken), for event loops that poll one descriptor.
+    #[pyo3(signature = (keys, items, sizes=None, *, memory_only=false, skip_existing=false, durable=false, notify_fd=None))]
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the synchronous form's arguments plus the descriptor to notify"
+    )]
     pub(crate) fn batch_put_from_async(
         &self,
         keys: Vec<Key>,
@@ -147,6 +155,7 @@ impl Engine {
         memory_only: bool,
         skip_existing: bool,
         durable: bool,
+        notify_fd: Option<std::os::fd::RawFd>,
     ) -> PyResult<PendingCall> {
         let call = PutCall::prepare(
             &self.registered,
@@ -156,25 +165,31 @@ impl Engine {
             put_options(memory_only, skip_existing, durable),
         )?;
         let backend = Arc::clone(&self.backend);
-        PendingCall::spawn(move || {
-            let codes = call.run(&backend)?;
-            Ok(codes.into_iter().map(i64::from).collect())
-        })
+        PendingCall::spawn(
+            call,
+            move |call| {
+                let codes = call.run(&backend)?;
+                Ok(codes.into_iter().map(i64::from).collect())
+            },
+            notify_fd,
+        )
     }
 
     /// `batch_get_into` in the background: returns at once with a
     /// `PendingCall` whose `wait()` gives per key the bytes read or a
     /// negative code. Leave the destinations alone until then.
-    #[pyo3(signature = (keys, items, sizes=None))]
+    /// `notify_fd`: as `batch_put_from_async`'s.
+    #[pyo3(signature = (keys, items, sizes=None, *, notify_fd=None))]
     pub(crate) fn batch_get_into_async(
         &self,
         keys: Vec<Key>,
         items: &Bound<'_, PyAny>,
         sizes: Option<Vec<usize>>,
+        notify_fd: Option<std::os::fd::RawFd>,
     ) -> PyResult<PendingCall> {
         let call = GetCall::prepare(&self.registered, keys, items, sizes)?;
         let backend = Arc::clone(&self.backend);
-        PendingCall::spawn(move || call.run(&backend))
+        PendingCall::spawn(call, move |call| call.run(&backend), notify_fd)
     }
 
     /// Stores each key's value gathered from several registered ranges, laid

@@ -19,6 +19,9 @@ use std::sync::{Arc, Mutex};
 /// KVTIER_AUTH_TOKEN; TCP needs it. Every key lives in `namespace`.
 /// `route=True`: in cluster mode, send each key straight to the members
 /// that own it (one hop) instead of through this server.
+/// `cross_memory=True` (Unix sockets): the server reads and writes the
+/// caller's own buffers directly where the kernel lets it (one copy, no
+/// socket); `False` keeps values on the socket.
 #[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
 pub(crate) struct Client_ {
     pub(crate) region: Option<Arc<SharedRegion>>,
@@ -28,7 +31,7 @@ pub(crate) struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_client::pool::DEFAULT_CONNECTIONS, route=false))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_client::pool::DEFAULT_CONNECTIONS, route=false, cross_memory=true))]
     #[expect(
         clippy::too_many_arguments,
         reason = "keyword options of the Python constructor"
@@ -43,6 +46,7 @@ impl Client_ {
         shm_size: Option<&Bound<'_, PyAny>>,
         connections: usize,
         route: bool,
+        cross_memory: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         if connections == 0 {
             return Err(PyValueError::new_err("connections must be at least 1"));
@@ -69,6 +73,7 @@ impl Client_ {
             local_only: false,
             route,
             member: None,
+            cross_memory,
         };
         let client = py
             .detach(|| Client::connect_with(&url, options))

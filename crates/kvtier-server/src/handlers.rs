@@ -520,7 +520,7 @@ impl ValueRanges for kvtier_wire::protocol::SegmentList<'_> {
 /// starts, sorted; each range then finds its own start and checks that the
 /// next one lies past its end), never a copy of the ranges themselves: a
 /// frame of 16 M ranges stays within 1.5x of its size.
-fn ranges_overlap<S: ValueRanges>(items: &[(&[u8], S)], buffer_len: usize) -> bool {
+pub(crate) fn ranges_overlap<S: ValueRanges>(items: &[(&[u8], S)], buffer_len: usize) -> bool {
     let ranges = || {
         items
             .iter()

@@ -19,6 +19,7 @@ pub mod limits;
 mod lobby;
 mod metrics;
 mod namespaces;
+mod peer_memory;
 mod session;
 mod streamed_put;
 mod trust;
@@ -75,6 +76,12 @@ pub struct ServerConfig {
     /// admin endpoint asks for the server's token on loopback too.
     /// Default: none.
     pub tenants: Vec<Tenant>,
+    /// Clients on the Unix socket may have their own memory read and
+    /// written by cross-memory attach (`process_vm_readv`/`writev`): a
+    /// value crosses once, from the pool into the client's buffer, where
+    /// the kernel lets this process reach the client's (same user, and
+    /// ptrace allowed by Yama). Default: true.
+    pub cross_memory: bool,
     /// More sections of `/stats`, from the parts of a node that are not
     /// the server (the KV-event feed). Default: none.
     pub status_sections: Vec<Arc<dyn StatusSection>>,
@@ -103,6 +110,7 @@ impl Default for ServerConfig {
             peer_tls_ca: None,
             admin_allowed_hosts: Vec::new(),
             tenants: Vec::new(),
+            cross_memory: true,
             status_sections: Vec::new(),
         }
     }

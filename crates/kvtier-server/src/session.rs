@@ -48,6 +48,9 @@ struct State<'a> {
     /// pool itself).
     leases: Vec<Option<kvtier::ValueLease>>,
     buffers: HashMap<u32, RegisteredBuffer>,
+    /// The client's own memory, once registered (RegisterPeerMemory),
+    /// under a buffer id of its own.
+    peer_memory: Option<(u32, crate::peer_memory::PeerMemory)>,
     next_buffer: u32,
     registered_bytes: u64,
     /// The peer, as `trust` sees it before the hello.
@@ -115,6 +118,7 @@ impl<'a> Session<'a> {
                 arena: None,
                 leases: Vec::new(),
                 buffers: HashMap::new(),
+                peer_memory: None,
                 next_buffer: 1,
                 registered_bytes: 0,
                 peer,
@@ -490,6 +494,9 @@ impl State<'_> {
                 Reply::ok(json.to_string().into_bytes())
             }
             Request::RegisterBuffer { size } => self.register(size, fd),
+            Request::RegisterPeerMemory { address, probe } => {
+                self.register_peer_memory(address, probe)
+            }
             Request::BatchPutShm { .. }
             | Request::BatchGetShm { .. }
             | Request::BatchPutShmSegments { .. }
@@ -511,6 +518,66 @@ impl State<'_> {
                 let spent = || buffers_spent(heap);
                 let largest = shared.store.max_put_len();
                 let region = |buffer: u32| self.buffers.get(&buffer).map(|b| &b.region);
+                let peer = |buffer: u32| {
+                    self.peer_memory
+                        .as_ref()
+                        .filter(|(id, _)| *id == buffer)
+                        .map(|(_, peer)| peer)
+                };
+                // Ranges of the client's own memory (cross-memory attach).
+                match &request {
+                    Request::BatchPutShm {
+                        buffer,
+                        flags,
+                        items,
+                    } if peer(*buffer).is_some() => {
+                        return crate::peer_memory::batch_put(
+                            backend,
+                            peer(*buffer).expect("checked"),
+                            *flags,
+                            &one_segment(items),
+                            &self.receiving,
+                            &mut grant,
+                            &spent,
+                        )
+                    }
+                    Request::BatchPutShmSegments {
+                        buffer,
+                        flags,
+                        items,
+                    } if peer(*buffer).is_some() => {
+                        return crate::peer_memory::batch_put(
+                            backend,
+                            peer(*buffer).expect("checked"),
+                            *flags,
+                            items,
+                            &self.receiving,
+                            &mut grant,
+                            &spent,
+                        )
+                    }
+                    Request::BatchGetShm { buffer, items } if peer(*buffer).is_some() => {
+                        return crate::peer_memory::batch_get(
+                            backend,
+                            peer(*buffer).expect("checked"),
+                            &one_segment(items),
+                            largest,
+                            &mut grant,
+                            &spent,
+                        )
+                    }
+                    Request::BatchGetShmSegments { buffer, items } if peer(*buffer).is_some() => {
+                        return crate::peer_memory::batch_get(
+                            backend,
+                            peer(*buffer).expect("checked"),
+                            items,
+                            largest,
+                            &mut grant,
+                            &spent,
+                        )
+                    }
+                    _ => {}
+                }
                 match request {
                     Request::BatchPutShm {
                         buffer,
@@ -624,9 +691,63 @@ impl State<'_> {
                 max_batch: limits.max_batch,
                 max_key_len: kvtier::MAX_KEY_LEN as u32,
                 max_value: shared.store.max_put_len(),
+                features: if self.offers_peer_memory() {
+                    protocol::features::PEER_MEMORY
+                } else {
+                    0
+                },
             }
             .encode(),
         )
+    }
+
+    /// Whether RegisterPeerMemory is served on this connection.
+    fn offers_peer_memory(&self) -> bool {
+        self.shared.config.cross_memory && self.peer.unix && self.peer.pid.is_some()
+    }
+
+    /// Lets this connection's shared-memory ops name ranges of the client
+    /// process's own memory (see `peer_memory`), once a probe read back
+    /// what the client holds where it says. Once per connection: a second
+    /// registration answers the same id.
+    fn register_peer_memory<'b>(
+        &mut self,
+        address: u64,
+        probe: &[u8; protocol::PEER_PROBE_LEN],
+    ) -> Reply<'b> {
+        let refuse = |status: i32, message: String| {
+            self.shared
+                .metrics
+                .buffers_refused
+                .fetch_add(1, Ordering::Relaxed);
+            Reply::error(status, message)
+        };
+        let pid = match self.peer.pid {
+            Some(pid) if self.offers_peer_memory() => pid,
+            _ => {
+                return refuse(
+                    code::UNSUPPORTED,
+                    "cross-memory transfers need the Unix socket, a client process this server                      can name, and cross_memory on"
+                        .into(),
+                )
+            }
+        };
+        if let Some((id, _)) = &self.peer_memory {
+            let mut w = Writer::default();
+            w.u32(*id);
+            return Reply::ok(w.buf);
+        }
+        match crate::peer_memory::PeerMemory::attach(pid, address, probe) {
+            Ok(peer) => {
+                let id = self.next_buffer;
+                self.next_buffer += 1;
+                self.peer_memory = Some((id, peer));
+                let mut w = Writer::default();
+                w.u32(id);
+                Reply::ok(w.buf)
+            }
+            Err(why) => refuse(code::UNSUPPORTED, why),
+        }
     }
 
     fn register<'b>(&mut self, size: u64, fd: Option<OwnedFd>) -> Reply<'b> {

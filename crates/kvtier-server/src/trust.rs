@@ -43,6 +43,10 @@ pub struct Peer {
     pub unix: bool,
     /// Its kernel credentials (SO_PEERCRED) name the server's user or root.
     pub trusted_by_credentials: bool,
+    /// The process that connected (SO_PEERCRED, in this server's pid
+    /// namespace; `None` over TCP or where the kernel gives none): the only
+    /// process whose memory cross-memory transfers of this connection touch.
+    pub pid: Option<i32>,
 }
 
 /// Where each connection's slot comes from, before and after its hello.
@@ -892,10 +896,15 @@ impl Auth {
             Transport::Unix(stream) => Peer {
                 unix: true,
                 trusted_by_credentials: self.trusts_unix_peer(stream),
+                pid: rustix::net::sockopt::socket_peercred(stream)
+                    .ok()
+                    .map(|cred| cred.pid.as_raw_nonzero().get())
+                    .filter(|&pid| pid > 0),
             },
             Transport::Tcp(_) | Transport::TlsServer(_) | Transport::TlsClient(_) => Peer {
                 unix: false,
                 trusted_by_credentials: false,
+                pid: None,
             },
         }
     }
@@ -1139,6 +1148,7 @@ mod tests {
         let peer = Peer {
             unix: false,
             trusted_by_credentials: false,
+            pid: None,
         };
         // The right token, many times: no turn is spent.
         for _ in 0..5 {
@@ -1206,6 +1216,7 @@ mod tests {
         let peer = Peer {
             unix: false,
             trusted_by_credentials: false,
+            pid: None,
         };
         let answer = |meant: &str| {
             let (issued, reply) = auth

@@ -118,11 +118,18 @@ pub enum Op {
     /// Stores the connection's namespace's manifest (a JSON object of
     /// readable fields, at most `kvtier::MAX_MANIFEST_LEN` bytes).
     DescribeNamespace = 18,
+    /// Same host only: lets the shared-memory ops name ranges of the
+    /// client's own address space, which the server reads and writes with
+    /// cross-memory attach (`process_vm_readv`/`writev`, one copy). The
+    /// body is a probe: an address and the 16 bytes the client holds there,
+    /// which the server must read back. The reply is a buffer id, as
+    /// RegisterBuffer's.
+    RegisterPeerMemory = 19,
 }
 
 impl Op {
     /// Every operation, in code order (codes run from 1 without gaps).
-    pub const ALL: [Op; 18] = [
+    pub const ALL: [Op; 19] = [
         Op::Hello,
         Op::BatchPut,
         Op::BatchGet,
@@ -141,6 +148,7 @@ impl Op {
         Op::Namespaces,
         Op::RetireNamespace,
         Op::DescribeNamespace,
+        Op::RegisterPeerMemory,
     ];
 
     pub fn from_u16(code: u16) -> Option<Op> {
@@ -173,6 +181,7 @@ impl Op {
             Op::Namespaces => "namespaces",
             Op::RetireNamespace => "retire_namespace",
             Op::DescribeNamespace => "describe_namespace",
+            Op::RegisterPeerMemory => "register_peer_memory",
         }
     }
 
@@ -470,10 +479,24 @@ pub struct HelloReply {
     pub max_key_len: u32,
     /// Largest value a put can store (`Store::max_put_len`).
     pub max_value: u64,
+    /// What this server offers beyond the version (`features::*` bits).
+    /// Absent from older servers' replies, read as 0; older clients
+    /// ignore it.
+    pub features: u32,
 }
 
+/// Bits of `HelloReply::features`.
+pub mod features {
+    /// RegisterPeerMemory is served (the server allows cross-memory
+    /// attach, and this connection came over its Unix socket).
+    pub const PEER_MEMORY: u32 = 1;
+}
+
+/// Bytes of RegisterPeerMemory's probe.
+pub const PEER_PROBE_LEN: usize = 16;
+
 impl HelloReply {
-    pub const LEN: usize = 4 + 8 + 4 + 4 + 8;
+    pub const LEN: usize = 4 + 8 + 4 + 4 + 8 + 4;
 
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::with_capacity(Self::LEN);
@@ -481,7 +504,8 @@ impl HelloReply {
             .u64(self.max_frame)
             .u32(self.max_batch)
             .u32(self.max_key_len)
-            .u64(self.max_value);
+            .u64(self.max_value)
+            .u32(self.features);
         w.buf
     }
 
@@ -493,6 +517,7 @@ impl HelloReply {
             max_batch: r.u32()?,
             max_key_len: r.u32()?,
             max_value: r.u64()?,
+            features: if r.remaining() >= 4 { r.u32()? } else { 0 },
         })
     }
 }
@@ -640,6 +665,11 @@ pub enum Request<'a> {
     RegisterBuffer {
         size: u64,
     },
+    /// `probe` is what the client holds at `address` of its own memory.
+    RegisterPeerMemory {
+        address: u64,
+        probe: &'a [u8; PEER_PROBE_LEN],
+    },
     BatchPutShm {
         buffer: u32,
         flags: u8,
@@ -680,6 +710,7 @@ impl Request<'_> {
             Request::RetireNamespace => Op::RetireNamespace,
             Request::DescribeNamespace { .. } => Op::DescribeNamespace,
             Request::RegisterBuffer { .. } => Op::RegisterBuffer,
+            Request::RegisterPeerMemory { .. } => Op::RegisterPeerMemory,
             Request::BatchPutShm { .. } => Op::BatchPutShm,
             Request::BatchGetShm { .. } => Op::BatchGetShm,
             Request::BatchPutShmSegments { .. } => Op::BatchPutShmSegments,
@@ -742,6 +773,9 @@ impl Request<'_> {
             Request::RegisterBuffer { size } => {
                 w.u64(*size);
             }
+            Request::RegisterPeerMemory { address, probe } => {
+                w.u64(*address).bytes(&probe[..]);
+            }
             Request::BatchPutShm {
                 buffer,
                 flags,
@@ -796,6 +830,7 @@ pub mod frame_size {
             | Op::Flush
             | Op::Stats
             | Op::RegisterBuffer
+            | Op::RegisterPeerMemory
             | Op::ClusterView
             | Op::Challenge
             | Op::Namespaces
@@ -957,6 +992,13 @@ pub fn decode_request<'a>(
             Request::DescribeNamespace { manifest }
         }
         Op::RegisterBuffer => Request::RegisterBuffer { size: r.u64()? },
+        Op::RegisterPeerMemory => Request::RegisterPeerMemory {
+            address: r.u64()?,
+            probe: r
+                .bytes(PEER_PROBE_LEN)?
+                .try_into()
+                .expect("PEER_PROBE_LEN bytes"),
+        },
         Op::BatchPutShm | Op::BatchGetShm => {
             let buffer = r.u32()?;
             let flags = if op == Op::BatchPutShm { r.u8()? } else { 0 };

@@ -6,6 +6,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod cross_memory;
 mod descriptors;
 mod hostile_clients;
 mod lockout;

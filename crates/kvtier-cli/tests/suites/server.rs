@@ -781,7 +781,8 @@ fn a_client_carries_on_across_a_server_restart() {
 
 /// Batches larger than one frame or than the server's key limit are split
 /// by the client: the caller sees one batch with per-key results in order,
-/// and a value too large for any frame fails alone.
+/// and a value too large for any frame fails alone over the socket (by
+/// cross-memory transfers no frame carries it, and it is stored).
 #[test]
 fn the_client_splits_batches_the_server_would_refuse() {
     let dir = tempfile::tempdir().unwrap();
@@ -789,13 +790,21 @@ fn the_client_splits_batches_the_server_would_refuse() {
     std::fs::write(&config, "max_frame = \"4MiB\"\nmax_batch = 64\n").unwrap();
     let data = dir.path().join("data");
     let server = ServerProcess::start(&data, &["--config", config.to_str().unwrap()]);
-    for url in [server.tcp_url(), server.unix_url()] {
+    for (url, cross_memory) in [
+        (server.tcp_url(), false),
+        (server.unix_url(), false),
+        (server.unix_url(), true),
+    ] {
         let shm = ClientOptions {
             shm_size: 64 << 20,
+            cross_memory,
             ..options()
         };
         let mut client = Client::connect_with(&url, shm).unwrap();
-        let tag = url.split(':').next().unwrap().to_string();
+        assert_eq!(client.cross_memory(), cross_memory);
+        let tag = format!("{}-{cross_memory}", url.split(':').next().unwrap());
+        // Whether the 5 MiB value is stored: only where no frame carries it.
+        let large_stored = cross_memory;
         // 200 keys (over the 64-key limit) of 100 KiB (20 MiB: over the
         // 4 MiB frame), one of them 5 MiB (over any frame).
         let keys: Vec<Vec<u8>> = (0..200)
@@ -808,7 +817,7 @@ fn the_client_splits_batches_the_server_would_refuse() {
             .collect();
         let put = client.batch_put(&keys, &values).unwrap();
         for (i, r) in put.iter().enumerate() {
-            if i == 150 {
+            if i == 150 && !large_stored {
                 assert_eq!(
                     r.as_ref().unwrap_err().kind(),
                     kvtier::ErrorKind::InvalidArgument
@@ -817,14 +826,18 @@ fn the_client_splits_batches_the_server_would_refuse() {
                 r.as_ref().unwrap();
             }
         }
-        assert_eq!(client.prefix_len(&keys).unwrap(), 150);
+        let present = if large_stored { 200 } else { 199 };
+        assert_eq!(
+            client.prefix_len(&keys).unwrap(),
+            if large_stored { 200 } else { 150 }
+        );
         let exists = client.batch_exists(&keys).unwrap();
-        assert_eq!(exists.iter().filter(|e| **e).count(), 199);
+        assert_eq!(exists.iter().filter(|e| **e).count(), present);
         let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
         let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
         let got = client.batch_get_into(&keys, &mut slices).unwrap();
         for (i, (r, (b, v))) in got.iter().zip(bufs.iter().zip(&values)).enumerate() {
-            if i == 150 {
+            if i == 150 && !large_stored {
                 assert_eq!(r.as_ref().unwrap(), &None);
             } else {
                 assert_eq!(r.as_ref().unwrap(), &Some(v.len()));
@@ -1171,7 +1184,7 @@ fn the_bounded_shared_index_needs_cluster_mode() {
 
 /// A pool of clients as a `KvBackend` (what the Python binding drives):
 /// values and destinations inside the registered region move through
-/// shared memory, the others in frames, and a server that is gone is an
+/// shared memory, the others by cross-memory transfers, and a server that is gone is an
 /// error for the whole call, never keys reported absent.
 #[test]
 fn a_client_pool_backend_uses_shared_memory_and_reports_a_lost_server() {
@@ -1212,7 +1225,10 @@ fn a_client_pool_backend_uses_shared_memory_and_reports_a_lost_server() {
     }
     let ops = server.stats()["server"]["ops"].clone();
     assert_eq!(ops["batch_put_shm"]["keys"], 2, "{ops}");
-    assert_eq!(ops["batch_put"]["keys"], 2, "{ops}");
+    // The heap values: read from this process's memory by the server
+    // (cross-memory transfers), not sent in frames.
+    assert_eq!(ops["batch_put_shm_segments"]["keys"], 2, "{ops}");
+    assert_eq!(ops["batch_put"]["keys"], 0, "{ops}");
     assert_eq!(backend.batch_exists(&key_refs).unwrap(), vec![true; 4]);
     assert_eq!(backend.prefix_len(&key_refs).unwrap(), 4);
     for (key, value) in key_refs.iter().zip(&values) {

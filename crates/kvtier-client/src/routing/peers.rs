@@ -105,6 +105,8 @@ impl Peers {
                     // on a dead member's address relaying to a live one
                     // is refused.
                     member: Some(member.id.clone()),
+                    // Members are other hosts (TCP).
+                    cross_memory: false,
                 },
             ),
         };
