@@ -65,13 +65,17 @@ class _Engine:
         """Writable, C-contiguous, non-overlapping buffers."""
     def batch_put_from_async(
         self, keys: Sequence[Key], items: Sequence[int] | Sequence[Buffer], sizes: Sequence[int] | None = None, *,
-        memory_only: bool = False, skip_existing: bool = False, durable: bool = False,
+        memory_only: bool = False, skip_existing: bool = False, durable: bool = False, notify_fd: int | None = None,
     ) -> PendingCall:
-        """``batch_put_from`` in the background; leave the values unchanged until ``wait()``."""
+        """``batch_put_from`` in the background; leave the values unchanged until ``wait()``.
+        ``notify_fd``: an eventfd, open until the call is done, that gets 1
+        written to it then (without the GIL)."""
     def batch_get_into_async(
-        self, keys: Sequence[Key], items: Sequence[int] | Sequence[Buffer], sizes: Sequence[int] | None = None,
+        self, keys: Sequence[Key], items: Sequence[int] | Sequence[Buffer], sizes: Sequence[int] | None = None, *,
+        notify_fd: int | None = None,
     ) -> PendingCall:
-        """``batch_get_into`` in the background; read the buffers after ``wait()``."""
+        """``batch_get_into`` in the background; read the buffers after ``wait()``.
+        ``notify_fd``: as ``batch_put_from_async``'s."""
     def batch_put_from_multi_buffers(
         self, keys: Sequence[Key], ptrs_per_key: Sequence[Sequence[int]], sizes_per_key: Sequence[Sequence[int]], *,
         memory_only: bool = False, skip_existing: bool = False, durable: bool = False,
@@ -130,6 +134,9 @@ class Client(_Engine):
     all register the same shared buffer. ``route=True``: in cluster mode, the
     socket forms of the batch calls go straight to the members that own each
     key (one hop) instead of through this server (see docs/cluster.md).
+    ``cross_memory=True`` (Unix sockets): the server reads and writes the
+    caller's own buffers directly where the kernel lets it (one copy instead
+    of two through the socket; see docs/server.md, "Cross-memory transfers").
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class Client(_Engine):
         shm_size: Size | None = None,
         connections: int = 4,
         route: bool = False,
+        cross_memory: bool = True,
     ) -> None: ...
     def alloc_buffer(self, size: int) -> SharedBuffer:
         """Shared memory the server reads and writes directly (Unix socket only)."""

@@ -359,6 +359,62 @@ def test_async_calls_overlap_and_return_what_the_sync_calls_return(engine):
         engine.batch_get_into_async(keys[:2], [outs[0], outs[0]])
 
 
+def test_async_calls_notify_an_eventfd_when_done(engine):
+    """``notify_fd``: 1 is written to the eventfd once per finished call
+    (an event loop learns of completions without a thread waiting)."""
+    import os
+    import select
+
+    size = 1 << 20
+    keys = [unique("notify") for _ in range(6)]
+    values = [pattern(k, size) for k in keys]
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        calls = [engine.batch_put_from_async(keys[i:i + 2], values[i:i + 2], notify_fd=efd) for i in range(0, 6, 2)]
+        counted = 0
+        while counted < len(calls):
+            assert select.select([efd], [], [], 60)[0], "no completion was signalled"
+            counted += os.eventfd_read(efd)
+        assert counted == 3 and all(c.done() for c in calls)
+        assert [c.wait() for c in calls] == [[0, 0]] * 3
+        outs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+        got = engine.batch_get_into_async(keys, outs, notify_fd=efd)
+        assert select.select([efd], [], [], 60)[0]
+        assert os.eventfd_read(efd) == 1 and got.done()
+        assert got.wait() == [size] * 6
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+    finally:
+        os.close(efd)
+
+
+def test_unix_clients_move_values_by_cross_memory_transfers(server):
+    """Values in plain Python buffers (not a shared buffer) cross between
+    the server's pool and the caller's memory once, by cross-memory
+    attach; a client that turns it off gets the socket, with the same
+    answers. Batches past 8 MiB move on two connections at once."""
+    size = 1 << 20
+    keys = [unique("cross") for _ in range(24)]
+    values = [pattern(k, size) for k in keys]
+    with kvtier.Client(server["unix"], shm_size=0) as c:
+        before = c.stats()["server"]["ops"]
+        assert c.batch_put_from(keys, values) == [0] * 24
+        outs = [np.zeros(size + 3, dtype=np.uint8) for _ in keys]
+        assert c.batch_get_into(keys, outs) == [size] * 24
+        assert all(np.array_equal(o[:size], v) and not o[size:].any() for o, v in zip(outs, values))
+        after = c.stats()["server"]["ops"]
+        for op in ("batch_put_shm_segments", "batch_get_shm_segments"):
+            # 24 MiB: cut in parts, one request each.
+            assert after[op]["requests"] - before[op]["requests"] >= 2, op
+        for op in ("batch_put", "batch_get"):
+            assert after[op]["requests"] == before[op]["requests"], op
+    with kvtier.Client(server["unix"], shm_size=0, cross_memory=False) as c:
+        outs = [np.zeros(size, dtype=np.uint8) for _ in keys]
+        before = c.stats()["server"]["ops"]["batch_get"]["requests"]
+        assert c.batch_get_into(keys, outs) == [size] * 24
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+        assert c.stats()["server"]["ops"]["batch_get"]["requests"] > before
+
+
 def test_alloc_buffer_zero_copy_path(server):
     with kvtier.Client(server["unix"], shm_size="16MiB") as c:
         buf = c.alloc_buffer(4 * 65536)

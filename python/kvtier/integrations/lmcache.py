@@ -9,9 +9,13 @@
 LMCache's ``NativeConnectorL2Adapter`` drives the object: it submits batch
 ``exists`` / ``get`` / ``set`` / ``delete`` calls that return a future id at
 once, waits on one eventfd, and drains ``(future_id, ok, error,
-per-key results)`` completions. Here each call runs on a small thread pool
-(kvtier's calls release the GIL while the server works) and writes the
-eventfd when it is done, so LMCache's event loop never blocks on kvtier.
+per-key results)`` completions. Loads and stores run in kvtier's native
+code from submit to completion (``*_async`` with ``notify_fd``): the server
+reads and writes LMCache's L1 buffers directly (cross-memory transfers on
+the Unix socket: one copy each way, see docs/server.md), and the eventfd is
+written with no Python thread and no GIL in between, so a busy LMCache
+event loop delays no completion. Lookups and deletes run on a small thread
+pool. LMCache's event loop never blocks on kvtier.
 
 Keys: LMCache names an object ``model@rank@group@chunk_hash[@salt]``; every
 model gets its own kvtier namespace (``[prefix/]lmcache/<kind>/<digest>``,
@@ -40,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import KvtierError, errors
-from ._common import FailedKeys, connect, model_label, namespace_for, put_in_two, read_config_json, resolve_url
+from ._common import FailedKeys, connect, model_label, namespace_for, read_config_json, resolve_url
 from ._common import namespace_prefix as namespace_prefix_of
 from ._fingerprint import FingerprintError, locate_weights, model_fingerprint
 
@@ -85,6 +89,9 @@ class KvtierL2Connector:
         self._lock = threading.Lock()
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._completions: list[tuple[int, bool, str, list[bool] | None]] = []
+        # Loads and stores in flight in kvtier's native code, by future id:
+        # (kind, keys, [(indices, buffers, pending call)]).
+        self._in_flight: dict[int, tuple[str, list[str], list]] = {}
         self._next_id = 1
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=int(workers), thread_name_prefix="kvtier-lmcache")
@@ -105,10 +112,10 @@ class KvtierL2Connector:
         return self._submit(self._exists, keys, None)
 
     def submit_batch_get(self, keys: list[str], memoryviews: list[memoryview]) -> int:
-        return self._submit(self._get, keys, memoryviews)
+        return self._submit_native("get", keys, memoryviews)
 
     def submit_batch_set(self, keys: list[str], memoryviews: list[memoryview]) -> int:
-        return self._submit(self._set, keys, memoryviews)
+        return self._submit_native("set", keys, memoryviews)
 
     def submit_batch_delete(self, keys: list[str]) -> int:
         return self._submit(self._delete, keys, None)
@@ -119,7 +126,11 @@ class KvtierL2Connector:
         except BlockingIOError:
             pass
         with self._lock:
-            done, self._completions = self._completions, []
+            finished = [f for f, (_, _, calls) in self._in_flight.items() if all(c[2].done() for c in calls)]
+            native = [(f, self._in_flight.pop(f)) for f in finished]
+        done = [self._finish(f, kind, keys, calls) for f, (kind, keys, calls) in native]
+        with self._lock:
+            done, self._completions = self._completions + done, []
         return done
 
     def close(self) -> None:
@@ -127,7 +138,14 @@ class KvtierL2Connector:
             if self._closed:
                 return
             self._closed = True
+            in_flight = [c[2] for _, _, calls in self._in_flight.values() for c in calls]
         self._pool.shutdown(wait=True)
+        # Their threads write the eventfd when done: it stays open till then.
+        for pending in in_flight:
+            try:
+                pending.wait()
+            except KvtierError:
+                pass
         with self._lock:
             clients, self._clients = list(self._clients.values()), OrderedDict()
         for client in clients:
@@ -149,14 +167,97 @@ class KvtierL2Connector:
         self._pool.submit(self._run, future_id, work, keys, views)
         return future_id
 
+    def _submit_native(self, kind: str, keys: list[str], views: list[memoryview]) -> int:
+        """A load or store started in kvtier's native code, which writes the
+        eventfd when it is done; a batch that cannot start (a key that is
+        not LMCache's, a model with no namespace) completes failed at once."""
+        if len(keys) > MAX_BATCH_KEYS:
+            raise ValueError(f"kvtier lmcache: a batch of {len(keys)} keys is over the {MAX_BATCH_KEYS} limit")
+        if len(views) != len(keys):
+            raise ValueError(f"kvtier lmcache: {len(keys)} keys but {len(views)} buffers")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("kvtier lmcache: the connector is closed")
+            future_id = self._next_id
+            self._next_id += 1
+        calls = []
+        try:
+            for client, indices, inner in self._by_namespace(keys):
+                buffers = [views[i] for i in indices]
+                if kind == "get":
+                    calls.append((indices, buffers, client.batch_get_into_async(inner, buffers, notify_fd=self._efd)))
+                    continue
+                # Objects whose load failed replace what is stored; the
+                # others are skipped where present (one call, or two).
+                replace = self._failed.take([keys[i] for i in indices])
+                for overwrite in (False, True):
+                    picked = [n for n, r in enumerate(replace) if r == overwrite]
+                    if picked:
+                        pending = client.batch_put_from_async(
+                            [inner[n] for n in picked], [buffers[n] for n in picked],
+                            skip_existing=not overwrite, notify_fd=self._efd)
+                        calls.append(([indices[n] for n in picked], None, pending))
+        except Exception as e:  # noqa: BLE001 - a batch that cannot start is a failed completion, never a lost future
+            self._fail(future_id, kind, keys, e, calls)
+            return future_id
+        with self._lock:
+            self._in_flight[future_id] = (kind, keys, calls)
+        # A call that ended before it was listed here may have had its
+        # eventfd write drained already: one more wakes the loop for it.
+        if any(pending.done() for _, _, pending in calls):
+            os.eventfd_write(self._efd, 1)
+        return future_id
+
+    def _fail(self, future_id: int, kind: str, keys: list[str], e: Exception, started: list) -> None:
+        for _, _, pending in started:
+            try:
+                pending.wait()
+            except KvtierError:
+                pass
+        with self._lock:
+            self.counters["errors"] += 1
+            self._completions.append((future_id, False, str(e), [False] * len(keys)))
+        logger.warning("kvtier lmcache: %s of %d keys failed: %s", kind, len(keys), e)
+        os.eventfd_write(self._efd, 1)
+
+    def _finish(self, future_id: int, kind: str, keys: list[str], calls: list) -> tuple[int, bool, str, list[bool]]:
+        """The completion of a finished native load or store."""
+        out = [False] * len(keys)
+        try:
+            for indices, buffers, pending in calls:
+                results = pending.wait()
+                if kind == "get":
+                    for i, got, buffer in zip(indices, results, buffers):
+                        out[i] = got == buffer.nbytes
+                else:
+                    for i, code in zip(indices, results):
+                        out[i] = code == errors.OK
+        except KvtierError as e:
+            with self._lock:
+                self.counters["errors"] += 1
+            # The call did not reach the server (it is away): misses, not
+            # wrong values, so nothing is held back from lookups.
+            logger.warning("kvtier lmcache: %s of %d keys failed: %s", kind, len(keys), e)
+            return (future_id, False, str(e), [False] * len(keys))
+        with self._lock:
+            if kind == "get":
+                self.counters["gets"] += len(keys)
+                self.counters["hits"] += sum(out)
+            else:
+                self.counters["sets"] += len(keys)
+                self.counters["stored"] += sum(out)
+        if kind == "get":
+            self._failed.add(k for k, good in zip(keys, out) if not good)
+            return (future_id, True, "", out)
+        # A store is ok only if every value was stored (LMCache accounts a
+        # store's bytes only then).
+        return (future_id, all(out), "", out)
+
     def _run(self, future_id: int, work, keys: list[str], views) -> None:
         try:
-            results = work(keys, views)
-            # "ok" is the call's: a lookup or load that ran is ok with its
-            # misses in the per-key results; a store is ok only if every
-            # value was stored (LMCache accounts a store's bytes only then).
-            ok = all(results) if work == self._set else True
-            completion = (future_id, ok, "", results)
+            # A lookup or delete that ran is ok, its misses in the per-key
+            # results.
+            completion = (future_id, True, "", work(keys, views))
         except Exception as e:  # noqa: BLE001 - every failure is a completion LMCache sees, never a lost future
             with self._lock:
                 self.counters["errors"] += 1
@@ -191,7 +292,10 @@ class KvtierL2Connector:
             if client is not None:
                 self._clients.move_to_end(namespace)
                 return client
-        client = connect(self.url, namespace, timeout=self.timeout)
+        # No shared buffer: values move between LMCache's L1 and the server by
+        # cross-memory transfers (or the socket where the server cannot reach
+        # this process), never through a buffer of the client's.
+        client = connect(self.url, namespace, shm_size=0, timeout=self.timeout)
         with self._lock:
             if namespace in self._clients:  # another thread connected meanwhile
                 client.close()
@@ -231,35 +335,6 @@ class KvtierL2Connector:
                 out[i] = code == 1 and not bad
         with self._lock:
             self.counters["exists"] += len(keys)
-        return out
-
-    def _get(self, keys: list[str], views: list[memoryview]) -> list[bool]:
-        out = [False] * len(keys)
-        for client, indices, inner in self._by_namespace(keys):
-            buffers = [views[i] for i in indices]
-            for i, got, buffer in zip(indices, client.batch_get_into(inner, buffers), buffers):
-                out[i] = got == buffer.nbytes
-        self._failed.add(k for k, good in zip(keys, out) if not good)
-        with self._lock:
-            self.counters["gets"] += len(keys)
-            self.counters["hits"] += sum(out)
-        return out
-
-    def _set(self, keys: list[str], views: list[memoryview]) -> list[bool]:
-        out = [False] * len(keys)
-        for client, indices, inner in self._by_namespace(keys):
-            # Objects whose load failed replace what is stored.
-            codes = put_in_two(
-                lambda picked, skip, client=client, indices=indices, inner=inner: client.batch_put_from(
-                    [inner[n] for n in picked], [views[indices[n]] for n in picked], skip_existing=skip
-                ),
-                self._failed.take([keys[i] for i in indices]),
-            )
-            for i, code in zip(indices, codes):
-                out[i] = code == errors.OK
-        with self._lock:
-            self.counters["sets"] += len(keys)
-            self.counters["stored"] += sum(out)
         return out
 
     def _delete(self, keys: list[str], _views) -> list[bool]:
