@@ -625,6 +625,53 @@ pub(crate) fn batch_put_shm<'b, S: ValueRanges>(
     put_reply(&codes, bytes_in)
 }
 
+/// Private copies of values and each key's read result (see `read_staged`).
+pub(crate) type Staged = (Vec<Vec<u8>>, Vec<kvtier::Result<Option<usize>>>);
+
+/// Reads `keys` into private copies for a caller whose memory the backend
+/// cannot reach itself: each copy as long as the value where its length is
+/// known (none for an absent key), else the caller's room (`capacities`,
+/// bounded by `largest`), all taken from the buffer budget (`grant`;
+/// `None` past it). Per key the copy and the read's result; a value
+/// absent or shorter at the length lookup than the room, put since, is a
+/// miss (this get came first).
+pub(crate) fn read_staged(
+    backend: &dyn KvBackend,
+    keys: &[&[u8]],
+    capacities: &[usize],
+    largest: u64,
+    grant: &mut dyn FnMut(usize) -> bool,
+) -> Option<Staged> {
+    let room = usize::try_from(largest).unwrap_or(usize::MAX);
+    let mut known: Vec<KnownLen> = keys.iter().map(|k| backend.known_len(k)).collect();
+    learn_unknown_lens(backend, keys, capacities, room, &mut known);
+    let sizes: Vec<usize> = known
+        .iter()
+        .zip(capacities)
+        .map(|(known, &capacity)| match known {
+            KnownLen::Len(len) => (*len).min(capacity).min(room),
+            KnownLen::Absent => 0,
+            KnownLen::Unknown => capacity.min(room),
+        })
+        .collect();
+    let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
+    if !grant(total) {
+        return None;
+    }
+    let mut copies: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+    let mut parts: Vec<[&mut [u8]; 1]> = copies.iter_mut().map(|c| [&mut c[..]]).collect();
+    let mut refs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(|p| &mut p[..]).collect();
+    let mut got = per_key(backend.batch_get(keys, &mut refs), keys.len());
+    for (i, result) in got.iter_mut().enumerate() {
+        if matches!(result, Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall
+            && sizes[i] < capacities[i].min(room))
+        {
+            *result = Ok(None);
+        }
+    }
+    Some((copies, got))
+}
+
 /// Gets values scattered into `(offset, capacity)` segments of a registered
 /// buffer, in order; no two segments of the batch may overlap. Values go
 /// in through raw copies only (`kvtier::ForeignSegments`): from the pool
@@ -680,41 +727,14 @@ pub(crate) fn batch_get_shm<'b, S: ValueRanges>(
     let got = match backend.as_store() {
         Some(store) => store.batch_get_foreign(&keys, &mut dests),
         None => {
-            let room = usize::try_from(largest).unwrap_or(usize::MAX);
             let capacities: Vec<usize> = dests.iter().map(|d| d.len()).collect();
-            let mut known: Vec<KnownLen> = keys.iter().map(|k| backend.known_len(k)).collect();
-            learn_unknown_lens(backend, &keys, &capacities, room, &mut known);
-            // A private copy as long as the value where that is known
-            // (none for an absent key), else the caller's room.
-            let sizes: Vec<usize> = known
-                .iter()
-                .zip(&capacities)
-                .map(|(known, &capacity)| match known {
-                    KnownLen::Len(len) => (*len).min(capacity).min(room),
-                    KnownLen::Absent => 0,
-                    KnownLen::Unknown => capacity.min(room),
-                })
-                .collect();
-            let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
-            if !grant(total) {
+            let Some((copies, mut got)) = read_staged(backend, &keys, &capacities, largest, grant)
+            else {
                 return Reply::error(code::LIMIT, spent());
-            }
-            let mut copies: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
-            let mut parts: Vec<[&mut [u8]; 1]> = copies.iter_mut().map(|c| [&mut c[..]]).collect();
-            let mut refs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(|p| &mut p[..]).collect();
-            let mut got = per_key(backend.batch_get(&keys, &mut refs), keys.len());
+            };
             for (i, result) in got.iter_mut().enumerate() {
-                match result {
-                    Ok(Some(n)) => dests[i].copy_in(&copies[i][..*n]),
-                    // Absent or shorter at the length lookup than the
-                    // caller's room, put since: this get came first, a miss.
-                    Err(e)
-                        if e.kind() == kvtier::ErrorKind::BufferTooSmall
-                            && sizes[i] < capacities[i].min(room) =>
-                    {
-                        *result = Ok(None)
-                    }
-                    _ => {}
+                if let Ok(Some(n)) = result {
+                    dests[i].copy_in(&copies[i][..*n]);
                 }
             }
             got

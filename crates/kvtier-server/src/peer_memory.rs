@@ -19,7 +19,7 @@
 //! client whose pages stall (a mapping of a hanging file) pins at most that
 //! share of the pool.
 
-use crate::handlers::{get_table, learn_unknown_lens, put_reply, result_code, Reply, ValueRanges};
+use crate::handlers::{get_table, put_reply, read_staged, result_code, Reply, ValueRanges};
 use crate::limits::{Budgets, Held};
 use crate::metrics::Sample;
 use kvtier::PutOptions;
@@ -260,26 +260,9 @@ pub(crate) fn batch_get<'b, S: ValueRanges>(
     if !staged.is_empty() {
         let keys: Vec<&[u8]> = staged.iter().map(|&n| keys[n]).collect();
         let rooms: Vec<usize> = staged.iter().map(|&n| rooms[n]).collect();
-        let room = usize::try_from(largest).unwrap_or(usize::MAX);
-        let mut known: Vec<KnownLen> = keys.iter().map(|k| backend.known_len(k)).collect();
-        learn_unknown_lens(backend, &keys, &rooms, room, &mut known);
-        let sizes: Vec<usize> = known
-            .iter()
-            .zip(&rooms)
-            .map(|(known, &capacity)| match known {
-                KnownLen::Len(len) => (*len).min(capacity).min(room),
-                KnownLen::Absent => 0,
-                KnownLen::Unknown => capacity.min(room),
-            })
-            .collect();
-        let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
-        if !grant(total) {
+        let Some((copies, got)) = read_staged(backend, &keys, &rooms, largest, grant) else {
             return Reply::error(code::LIMIT, spent());
-        }
-        let mut copies: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
-        let mut parts: Vec<[&mut [u8]; 1]> = copies.iter_mut().map(|c| [&mut c[..]]).collect();
-        let mut refs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(|p| &mut p[..]).collect();
-        let got = per_key(backend.batch_get(&keys, &mut refs), keys.len());
+        };
         for (j, result) in got.into_iter().enumerate() {
             let i = asked[staged[j]];
             results[i] = match result {
@@ -287,14 +270,6 @@ pub(crate) fn batch_get<'b, S: ValueRanges>(
                     .write(&copies[j][..n], &items[i].1)
                     .map(|()| Some(n))
                     .map_err(|e| not_the_clients(&e)),
-                // Shorter at the length lookup than the room, put since:
-                // this get came first, a miss.
-                Err(e)
-                    if e.kind() == kvtier::ErrorKind::BufferTooSmall
-                        && sizes[j] < rooms[j].min(room) =>
-                {
-                    Ok(None)
-                }
                 other => other,
             };
         }

@@ -154,7 +154,8 @@ class KvtierL2Connector:
 
     # Calls.
 
-    def _submit(self, work, keys: list[str], views: list[memoryview] | None) -> int:
+    def _future_id(self, keys: list[str], views: list[memoryview] | None) -> int:
+        """A new future id for a batch whose size and buffers are checked."""
         if len(keys) > MAX_BATCH_KEYS:
             raise ValueError(f"kvtier lmcache: a batch of {len(keys)} keys is over the {MAX_BATCH_KEYS} limit")
         if views is not None and len(views) != len(keys):
@@ -164,6 +165,10 @@ class KvtierL2Connector:
                 raise RuntimeError("kvtier lmcache: the connector is closed")
             future_id = self._next_id
             self._next_id += 1
+        return future_id
+
+    def _submit(self, work, keys: list[str], views: list[memoryview] | None) -> int:
+        future_id = self._future_id(keys, views)
         self._pool.submit(self._run, future_id, work, keys, views)
         return future_id
 
@@ -171,15 +176,7 @@ class KvtierL2Connector:
         """A load or store started in kvtier's native code, which writes the
         eventfd when it is done; a batch that cannot start (a key that is
         not LMCache's, a model with no namespace) completes failed at once."""
-        if len(keys) > MAX_BATCH_KEYS:
-            raise ValueError(f"kvtier lmcache: a batch of {len(keys)} keys is over the {MAX_BATCH_KEYS} limit")
-        if len(views) != len(keys):
-            raise ValueError(f"kvtier lmcache: {len(keys)} keys but {len(views)} buffers")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("kvtier lmcache: the connector is closed")
-            future_id = self._next_id
-            self._next_id += 1
+        future_id = self._future_id(keys, views)
         calls = []
         try:
             for client, indices, inner in self._by_namespace(keys):
