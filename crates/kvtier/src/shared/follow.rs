@@ -201,7 +201,26 @@ pub(crate) struct Follower {
     /// Writers whose step is running, and those of them whose step ran
     /// past its deadline: passes skip them until it ends.
     in_flight: Mutex<StepsInFlight>,
+    /// Most steps held past their deadline at once (`MAX_HELD_STEPS`).
+    max_held_steps: usize,
+    /// Set while that many are held (the warning is said once a time).
+    steps_at_cap: std::sync::atomic::AtomicBool,
+    /// Tests: writers whose step waits at its start until the gate opens
+    /// (a writer whose files hang, without a file system that hangs).
+    #[cfg(test)]
+    step_gate: Mutex<Option<(HashSet<String>, Arc<(Mutex<bool>, std::sync::Condvar)>)>>,
+    /// Tests: steps that reached the gate.
+    #[cfg(test)]
+    gated: std::sync::atomic::AtomicUsize,
 }
+
+/// Steps held past their deadline at once, each on a thread of its own
+/// (parked in the kernel on files that do not answer): while this many
+/// are, no new step starts and the pass is incomplete (other writers'
+/// new blocks are misses, the reclaim floor 0). A writer directory is
+/// anyone's to plant, each with its own stalled mount or link: without a
+/// cap every one of them kept a thread.
+pub(crate) const MAX_HELD_STEPS: usize = 64;
 
 #[derive(Debug, Default)]
 struct StepsInFlight {
@@ -247,6 +266,12 @@ impl Follower {
             step_deadline: None,
             steps: super::steps::StepRunner::default(),
             in_flight: Mutex::new(StepsInFlight::default()),
+            max_held_steps: MAX_HELD_STEPS,
+            steps_at_cap: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(test)]
+            step_gate: Mutex::new(None),
+            #[cfg(test)]
+            gated: std::sync::atomic::AtomicUsize::new(0),
         };
         // From the start, so the other nodes' floors need not wait for this
         // writer's first pass (one without a floor holds theirs low).
@@ -482,6 +507,15 @@ impl Follower {
                 self.pass_incomplete.store(true, Ordering::Relaxed);
                 continue;
             }
+            let held = self.in_flight.lock().unwrap().overran.len();
+            if held >= self.max_held_steps {
+                self.pass_incomplete.store(true, Ordering::Relaxed);
+                if !self.steps_at_cap.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(held, "as many follow steps as may be are held by writers whose files do not answer; no other writer is followed until one answers (their new blocks are misses)");
+                }
+                continue;
+            }
+            self.steps_at_cap.store(false, Ordering::Relaxed);
             self.in_flight.lock().unwrap().running.insert(node.clone());
             let me = Arc::clone(self);
             let step_node = node.clone();
@@ -577,6 +611,8 @@ impl Follower {
     /// writer made it). The regions that went are dropped here, so a step
     /// that finishes after its pass gave up on it leaves nothing undone.
     fn follow_step(&self, node: &str, dir: &Path, known: bool) -> bool {
+        #[cfg(test)]
+        self.wait_at_gate(node);
         if !known && !holds_a_lock_file(dir) {
             return false;
         }
@@ -1178,6 +1214,33 @@ impl Follower {
 }
 
 #[cfg(test)]
+impl Follower {
+    /// Tests: `writers`' steps wait at their start until `open` is set.
+    fn gate_steps(
+        &mut self,
+        writers: HashSet<String>,
+        open: Arc<(Mutex<bool>, std::sync::Condvar)>,
+        max_held_steps: usize,
+    ) {
+        *self.step_gate.get_mut().unwrap() = Some((writers, open));
+        self.max_held_steps = max_held_steps;
+    }
+
+    fn wait_at_gate(&self, node: &str) {
+        let gate = self.step_gate.lock().unwrap().clone();
+        if let Some((writers, open)) = gate {
+            if writers.contains(node) {
+                self.gated.fetch_add(1, Ordering::SeqCst);
+                let (flag, opened) = &*open;
+                let _open = opened
+                    .wait_while(flag.lock().unwrap(), |open| !*open)
+                    .unwrap();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     //! The follower over a bare index, write log and disk tier (no store):
     //! another writer's log is written by the disk tier's own writer, in
@@ -1513,5 +1576,48 @@ mod tests {
             "read again though the file did not grow"
         );
         assert_eq!(s.follower.counters.stuck_regions.load(Ordering::Relaxed), 0);
+    }
+
+    /// Writers whose steps hang hold at most `max_held_steps` threads: once
+    /// that many are held, no other step starts (the pass is incomplete);
+    /// when they answer, every writer is followed again. Four writers
+    /// hang, the cap is two: two steps ever start until the gate opens.
+    #[test]
+    fn steps_held_by_hanging_writers_are_capped() {
+        let mut s = setup();
+        let hanging: Vec<String> = (3..7).map(|n| format!("{n:032}")).collect();
+        let _logs: Vec<DiskTier> = hanging
+            .iter()
+            .map(|node| open_log(s.root.path(), &s.config, &s.secret, node))
+            .collect();
+        let open = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+        {
+            let follower = Arc::get_mut(&mut s.follower).expect("no other handle yet");
+            follower.step_deadline = Some(Duration::from_millis(10));
+            follower.gate_steps(hanging.iter().cloned().collect(), Arc::clone(&open), 2);
+        }
+        for _ in 0..12 {
+            s.follower.poll();
+            let stalled = s.follower.counters.writers_stalled.load(Ordering::Relaxed);
+            assert!(stalled <= 2, "{stalled} steps held, past the cap of 2");
+        }
+        assert_eq!(
+            s.follower.gated.load(Ordering::SeqCst),
+            2,
+            "steps started past the cap (or too few reached it)"
+        );
+        assert_eq!(s.follower.floor.load(Ordering::Acquire), 0, "an incomplete pass keeps floor 0");
+        // The files answer: the held steps end, the others are followed.
+        *open.0.lock().unwrap() = true;
+        open.1.notify_all();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while s.follower.gated.load(Ordering::SeqCst) < 4
+            || s.follower.counters.writers_stalled.load(Ordering::Relaxed) > 0
+        {
+            assert!(std::time::Instant::now() < deadline, "the writers were not followed again");
+            s.follower.poll();
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(s.follower.gated.load(Ordering::SeqCst), 4);
     }
 }
