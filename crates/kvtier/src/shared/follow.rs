@@ -208,11 +208,15 @@ pub(crate) struct Follower {
     /// Tests: writers whose step waits at its start until the gate opens
     /// (a writer whose files hang, without a file system that hangs).
     #[cfg(test)]
-    step_gate: Mutex<Option<(HashSet<String>, Arc<(Mutex<bool>, std::sync::Condvar)>)>>,
-    /// Tests: steps that reached the gate.
+    step_gate: Mutex<Option<(HashSet<String>, Arc<Gate>)>>,
+    /// Tests: the writers whose steps reached the gate, in order.
     #[cfg(test)]
-    gated: std::sync::atomic::AtomicUsize,
+    gated: Mutex<Vec<String>>,
 }
+
+/// Tests: a gate steps wait at until it is open (set and notified).
+#[cfg(test)]
+type Gate = (Mutex<bool>, std::sync::Condvar);
 
 /// Steps held past their deadline at once, each on a thread of its own
 /// (parked in the kernel on files that do not answer): while this many
@@ -271,7 +275,7 @@ impl Follower {
             #[cfg(test)]
             step_gate: Mutex::new(None),
             #[cfg(test)]
-            gated: std::sync::atomic::AtomicUsize::new(0),
+            gated: Mutex::new(Vec::new()),
         };
         // From the start, so the other nodes' floors need not wait for this
         // writer's first pass (one without a floor holds theirs low).
@@ -1216,12 +1220,7 @@ impl Follower {
 #[cfg(test)]
 impl Follower {
     /// Tests: `writers`' steps wait at their start until `open` is set.
-    fn gate_steps(
-        &mut self,
-        writers: HashSet<String>,
-        open: Arc<(Mutex<bool>, std::sync::Condvar)>,
-        max_held_steps: usize,
-    ) {
+    fn gate_steps(&mut self, writers: HashSet<String>, open: Arc<Gate>, max_held_steps: usize) {
         *self.step_gate.get_mut().unwrap() = Some((writers, open));
         self.max_held_steps = max_held_steps;
     }
@@ -1230,7 +1229,7 @@ impl Follower {
         let gate = self.step_gate.lock().unwrap().clone();
         if let Some((writers, open)) = gate {
             if writers.contains(node) {
-                self.gated.fetch_add(1, Ordering::SeqCst);
+                self.gated.lock().unwrap().push(node.to_string());
                 let (flag, opened) = &*open;
                 let _open = opened
                     .wait_while(flag.lock().unwrap(), |open| !*open)
@@ -1602,22 +1601,31 @@ mod tests {
             assert!(stalled <= 2, "{stalled} steps held, past the cap of 2");
         }
         assert_eq!(
-            s.follower.gated.load(Ordering::SeqCst),
+            s.follower.gated.lock().unwrap().len(),
             2,
             "steps started past the cap (or too few reached it)"
         );
-        assert_eq!(s.follower.floor.load(Ordering::Acquire), 0, "an incomplete pass keeps floor 0");
+        assert_eq!(
+            s.follower.floor.load(Ordering::Acquire),
+            0,
+            "an incomplete pass keeps floor 0"
+        );
         // The files answer: the held steps end, the others are followed.
         *open.0.lock().unwrap() = true;
         open.1.notify_all();
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while s.follower.gated.load(Ordering::SeqCst) < 4
-            || s.follower.counters.writers_stalled.load(Ordering::Relaxed) > 0
-        {
-            assert!(std::time::Instant::now() < deadline, "the writers were not followed again");
+        let followed = |s: &Setup| {
+            let gated = s.follower.gated.lock().unwrap();
+            gated.iter().collect::<HashSet<_>>().len()
+        };
+        while followed(&s) < 4 || s.follower.counters.writers_stalled.load(Ordering::Relaxed) > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writers were not followed again"
+            );
             s.follower.poll();
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert_eq!(s.follower.gated.load(Ordering::SeqCst), 4);
+        assert_eq!(followed(&s), 4);
     }
 }
