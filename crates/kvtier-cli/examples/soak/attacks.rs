@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The attack classes, in the order each attacker runs them.
-pub const CLASSES: [&str; 7] = [
+pub const CLASSES: [&str; 8] = [
     "idle_unauthenticated_sockets",
     "token_guesses",
     "challenge_guesses",
@@ -20,6 +20,7 @@ pub const CLASSES: [&str; 7] = [
     "gets_of_absent_keys",
     "announced_put_values",
     "malformed_frames",
+    "cross_memory_lies",
 ];
 
 #[derive(Default)]
@@ -93,8 +94,10 @@ pub struct Feed {
 
 /// `tcp_url` is the server's `tcp://HOST:PORT`; `shared` its shared
 /// directory, when it has one.
+#[allow(clippy::too_many_arguments)]
 pub fn attacker_loop(
     id: usize,
+    unix_url: &str,
     tcp_url: &str,
     token: &str,
     feed: Option<&Feed>,
@@ -236,6 +239,7 @@ pub fn attacker_loop(
                 }
                 false
             }
+            7 => cross_memory_lies(unix_url, token, id, round),
             _ => {
                 // Garbage where a header should be, unauthenticated and
                 // after hello: never answered OK.
@@ -255,4 +259,96 @@ pub fn attacker_loop(
             eprintln!("attacker {id}: {} was let through", CLASSES[class]);
         }
     }
+}
+
+/// A Unix-socket client that registers its own memory (RegisterPeerMemory)
+/// with a lying probe (must be refused), then honestly, and then names
+/// memory that is not its own: unmapped addresses and ranges wrapping past
+/// the end of memory, for gets and puts. A breach: a lie accepted, a bad
+/// range answered OK, or a put from one stored.
+fn cross_memory_lies(unix_url: &str, token: &str, id: usize, round: usize) -> bool {
+    use kvtier_wire::protocol::{Reader, Request};
+    use std::os::unix::net::UnixStream;
+    let Some(path) = unix_url.strip_prefix("unix://") else {
+        return false;
+    };
+    let Ok(mut s) = UnixStream::connect(path) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+    let exchange = |s: &mut UnixStream, op: Op, body: &[u8]| -> Option<(i32, Vec<u8>)> {
+        s.write_all(&frame(op, 1, body)).ok()?;
+        let mut head = [0u8; HEADER_LEN];
+        s.read_exact(&mut head).ok()?;
+        let header = Header::decode(&head, 64 << 20).ok()?;
+        let mut body = vec![0u8; header.body_len as usize];
+        s.read_exact(&mut body).ok()?;
+        Some((header.status, body))
+    };
+    if exchange(&mut s, Op::Hello, &hello_body(token.as_bytes())).map(|r| r.0) != Some(code::OK) {
+        return false;
+    }
+    let held = [0x42u8; 16];
+    let lie = Request::RegisterPeerMemory {
+        address: held.as_ptr() as u64,
+        probe: &[0x24u8; 16],
+    };
+    if exchange(&mut s, Op::RegisterPeerMemory, &lie.encode()).map(|r| r.0) == Some(code::OK) {
+        return true;
+    }
+    let probe: [u8; 16] = std::array::from_fn(|i| (i + id + round) as u8);
+    let honest = Request::RegisterPeerMemory {
+        address: probe.as_ptr() as u64,
+        probe: &probe,
+    };
+    let Some((code::OK, body)) = exchange(&mut s, Op::RegisterPeerMemory, &honest.encode()) else {
+        // The server does not reach this process (a kernel that forbids
+        // it): nothing to attack, said so.
+        eprintln!("attacker {id}: cross_memory_lies: the server does not reach this process; this round attacked nothing");
+        return false;
+    };
+    let Ok(buffer) = Reader::new(&body).u32() else {
+        return true;
+    };
+    let key = format!("cross-lie/{id}/{round}");
+    let bad = [(16u64, 1u64 << 20), (u64::MAX - 8, 4096)];
+    let codes = |body: &[u8], get: bool| -> Vec<i32> {
+        let mut r = Reader::new(body);
+        let n = r.u32().unwrap_or(0);
+        (0..n)
+            .filter_map(|_| {
+                let c = r.i32().ok()?;
+                if get {
+                    r.u64().ok()?;
+                }
+                Some(c)
+            })
+            .collect()
+    };
+    let mut breach = false;
+    for (get, op) in [
+        (false, Op::BatchPutShmSegments),
+        (true, Op::BatchGetShmSegments),
+    ] {
+        let mut w = Writer::default();
+        w.u32(buffer);
+        if !get {
+            w.u8(0);
+        }
+        w.u32(bad.len() as u32);
+        for (address, len) in bad {
+            w.key(key.as_bytes()).u32(1).u64(address).u64(len);
+        }
+        if let Some((code::OK, body)) = exchange(&mut s, op, &w.buf) {
+            breach |= codes(&body, get).contains(&code::OK);
+        }
+    }
+    // Nothing was stored under the key from memory that was not there.
+    let mut w = Writer::default();
+    w.u32(1).key(key.as_bytes());
+    if let Some((code::OK, body)) = exchange(&mut s, Op::BatchExists, &w.buf) {
+        let mut r = Reader::new(&body);
+        breach |= r.u32().ok() == Some(1) && r.u8().ok() == Some(1);
+    }
+    breach
 }

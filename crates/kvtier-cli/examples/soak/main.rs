@@ -203,9 +203,10 @@ fn main() {
     let attack_threads: Vec<_> = (0..attackers)
         .map(|id| {
             let shared = shared.clone();
-            let (stop, counts, tcp, token, feed) = (
+            let (stop, counts, unix, tcp, token, feed) = (
                 Arc::clone(&stop),
                 Arc::clone(&attacked),
+                unix.clone(),
                 tcp.clone(),
                 token.clone(),
                 feed.clone(),
@@ -213,6 +214,7 @@ fn main() {
             std::thread::spawn(move || {
                 attacks::attacker_loop(
                     id,
+                    &unix,
                     &tcp,
                     &token,
                     feed.as_deref(),
