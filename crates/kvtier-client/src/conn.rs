@@ -533,17 +533,7 @@ impl Connection {
                 );
                 let retried = if shm_op {
                     let mut again = body.concat();
-                    let id = if own {
-                        self.own_id.ok_or_else(|| {
-                            Error::invalid(
-                                "the server no longer reaches this process's memory after \
-                                 reconnecting; call again",
-                            )
-                        })?
-                    } else {
-                        self.shm_id()?
-                    };
-                    again[..4].copy_from_slice(&id.to_le_bytes());
+                    again[..4].copy_from_slice(&self.buffer_id(own)?.to_le_bytes());
                     self.exchange(op, &[&again], fd)
                 } else {
                     self.exchange(op, body, fd)

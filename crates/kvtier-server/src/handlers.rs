@@ -114,7 +114,7 @@ pub(crate) fn learn_unknown_lens(
 /// `learned` says, else what the backend knows here, else (a value held by
 /// another member: the length did not cross the hop) what the holders say
 /// when asked. `Unknown` for every other answer.
-fn too_small_lens(
+pub(crate) fn too_small_lens(
     backend: &dyn KvBackend,
     keys: &[&[u8]],
     results: &[kvtier::Result<Option<usize>>],
@@ -520,7 +520,23 @@ impl ValueRanges for kvtier_wire::protocol::SegmentList<'_> {
 /// starts, sorted; each range then finds its own start and checks that the
 /// next one lies past its end), never a copy of the ranges themselves: a
 /// frame of 16 M ranges stays within 1.5x of its size.
-pub(crate) fn ranges_overlap<S: ValueRanges>(items: &[(&[u8], S)], buffer_len: usize) -> bool {
+/// Whether any two non-empty ranges of the items marked `usable` overlap
+/// (see `ranges_overlap`); the others fail alone, unchecked.
+pub(crate) fn usable_ranges_overlap<S: ValueRanges>(
+    items: &[(&[u8], S)],
+    usable: &[bool],
+    buffer_len: usize,
+) -> bool {
+    let checked: Vec<(&[u8], &S)> = items
+        .iter()
+        .zip(usable)
+        .filter(|(_, &usable)| usable)
+        .map(|((k, s), _)| (*k, s))
+        .collect();
+    ranges_overlap(&checked, buffer_len)
+}
+
+fn ranges_overlap<S: ValueRanges>(items: &[(&[u8], S)], buffer_len: usize) -> bool {
     let ranges = || {
         items
             .iter()
@@ -699,13 +715,7 @@ pub(crate) fn batch_get_shm<'b, S: ValueRanges>(
             })
         })
         .collect();
-    let checked: Vec<(&[u8], &S)> = items
-        .iter()
-        .zip(&inside)
-        .filter(|(_, &inside)| inside)
-        .map(|((k, s), _)| (*k, s))
-        .collect();
-    if ranges_overlap(&checked, region.len()) {
+    if usable_ranges_overlap(items, &inside, region.len()) {
         return Reply::error(code::INVALID_ARGUMENT, "destination ranges overlap");
     }
     let mut results: Vec<kvtier::Result<Option<usize>>> = Vec::with_capacity(items.len());

@@ -19,7 +19,10 @@
 //! client whose pages stall (a mapping of a hanging file) pins at most that
 //! share of the pool.
 
-use crate::handlers::{get_table, put_reply, read_staged, result_code, Reply, ValueRanges};
+use crate::handlers::{
+    get_table, put_reply, read_staged, result_code, too_small_lens, usable_ranges_overlap, Reply,
+    ValueRanges,
+};
 use crate::limits::{Budgets, Held};
 use crate::metrics::Sample;
 use kvtier::PutOptions;
@@ -212,13 +215,8 @@ pub(crate) fn batch_get<'b, S: ValueRanges>(
     spent: &dyn Fn() -> String,
 ) -> Reply<'b> {
     let capacities: Vec<Option<usize>> = items.iter().map(|(_, s)| capacity(s)).collect();
-    let checked: Vec<(&[u8], &S)> = items
-        .iter()
-        .zip(&capacities)
-        .filter(|(_, c)| c.is_some())
-        .map(|((k, s), _)| (*k, s))
-        .collect();
-    if crate::handlers::ranges_overlap(&checked, usize::MAX) {
+    let usable: Vec<bool> = capacities.iter().map(Option::is_some).collect();
+    if usable_ranges_overlap(items, &usable, usize::MAX) {
         return Reply::error(code::INVALID_ARGUMENT, "destination ranges overlap");
     }
     let mut results: Vec<kvtier::Result<Option<usize>>> = capacities
@@ -274,16 +272,13 @@ pub(crate) fn batch_get<'b, S: ValueRanges>(
             };
         }
     }
-    let needed: Vec<KnownLen> = results
-        .iter()
-        .enumerate()
-        .map(|(i, r)| match r {
-            Err(e) if e.kind() == kvtier::ErrorKind::BufferTooSmall => {
-                backend.known_len(items[i].0)
-            }
-            _ => KnownLen::Unknown,
-        })
-        .collect();
+    let all_keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
+    let needed = too_small_lens(
+        backend,
+        &all_keys,
+        &results,
+        &vec![KnownLen::Unknown; items.len()],
+    );
     let (w, bytes_out) = get_table(&results, |i| needed[i]);
     Reply::ok(w.buf).with_sample(Sample {
         keys: items.len() as u64,
@@ -312,7 +307,12 @@ pub(crate) fn batch_put<'b, S: ValueRanges>(
 ) -> Reply<'b> {
     let options: PutOptions = put_flags::decode(flags);
     let lens: Vec<Option<usize>> = items.iter().map(|(_, s)| capacity(s)).collect();
-    let bytes_in: u64 = lens.iter().flatten().map(|&n| n as u64).sum();
+    // Saturating: the lengths are the client's, and a total that wrapped
+    // would pass the budget below for staging it cannot hold.
+    let bytes_in = lens
+        .iter()
+        .flatten()
+        .fold(0u64, |a, &n| a.saturating_add(n as u64));
     let mut codes = vec![code::OK; items.len()];
     if let Some(store) = backend.as_store() {
         let mut puts = store.streamed_puts(&options, items.len(), bytes_in);

@@ -518,65 +518,48 @@ impl State<'_> {
                 let spent = || buffers_spent(heap);
                 let largest = shared.store.max_put_len();
                 let region = |buffer: u32| self.buffers.get(&buffer).map(|b| &b.region);
-                let peer = |buffer: u32| {
-                    self.peer_memory
-                        .as_ref()
-                        .filter(|(id, _)| *id == buffer)
-                        .map(|(_, peer)| peer)
+                // Ranges of the client's own memory (cross-memory attach)
+                // when the request names its id.
+                let named = match &request {
+                    Request::BatchPutShm { buffer, .. }
+                    | Request::BatchGetShm { buffer, .. }
+                    | Request::BatchPutShmSegments { buffer, .. }
+                    | Request::BatchGetShmSegments { buffer, .. } => *buffer,
+                    _ => unreachable!("matched above"),
                 };
-                // Ranges of the client's own memory (cross-memory attach).
-                match &request {
-                    Request::BatchPutShm {
-                        buffer,
-                        flags,
-                        items,
-                    } if peer(*buffer).is_some() => {
-                        return crate::peer_memory::batch_put(
+                let own = self.peer_memory.as_ref().filter(|(id, _)| *id == named);
+                if let Some((_, peer)) = own {
+                    let receiving = &self.receiving;
+                    return match request {
+                        Request::BatchPutShm { flags, items, .. } => crate::peer_memory::batch_put(
                             backend,
-                            peer(*buffer).expect("checked"),
-                            *flags,
-                            &one_segment(items),
-                            &self.receiving,
+                            peer,
+                            flags,
+                            &one_segment(&items),
+                            receiving,
                             &mut grant,
                             &spent,
-                        )
-                    }
-                    Request::BatchPutShmSegments {
-                        buffer,
-                        flags,
-                        items,
-                    } if peer(*buffer).is_some() => {
-                        return crate::peer_memory::batch_put(
+                        ),
+                        Request::BatchPutShmSegments { flags, items, .. } => {
+                            crate::peer_memory::batch_put(
+                                backend, peer, flags, &items, receiving, &mut grant, &spent,
+                            )
+                        }
+                        Request::BatchGetShm { items, .. } => crate::peer_memory::batch_get(
                             backend,
-                            peer(*buffer).expect("checked"),
-                            *flags,
-                            items,
-                            &self.receiving,
-                            &mut grant,
-                            &spent,
-                        )
-                    }
-                    Request::BatchGetShm { buffer, items } if peer(*buffer).is_some() => {
-                        return crate::peer_memory::batch_get(
-                            backend,
-                            peer(*buffer).expect("checked"),
-                            &one_segment(items),
+                            peer,
+                            &one_segment(&items),
                             largest,
                             &mut grant,
                             &spent,
-                        )
-                    }
-                    Request::BatchGetShmSegments { buffer, items } if peer(*buffer).is_some() => {
-                        return crate::peer_memory::batch_get(
-                            backend,
-                            peer(*buffer).expect("checked"),
-                            items,
-                            largest,
-                            &mut grant,
-                            &spent,
-                        )
-                    }
-                    _ => {}
+                        ),
+                        Request::BatchGetShmSegments { items, .. } => {
+                            crate::peer_memory::batch_get(
+                                backend, peer, &items, largest, &mut grant, &spent,
+                            )
+                        }
+                        _ => unreachable!("matched above"),
+                    };
                 }
                 match request {
                     Request::BatchPutShm {
