@@ -137,6 +137,10 @@ class Client(_Engine):
     ``cross_memory=True`` (Unix sockets): the server reads and writes the
     caller's own buffers directly where the kernel lets it (one copy instead
     of two through the socket; see docs/server.md, "Cross-memory transfers").
+    ``map_pool=True`` (Unix sockets, a client of the server's own user
+    without a tenant's token): values in the server's memory are copied in
+    this process out of a read-only mapping of the server's pool, leased
+    for the copy (docs/protocol.md, "Pool mapping").
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class Client(_Engine):
         connections: int = 4,
         route: bool = False,
         cross_memory: bool = True,
+        map_pool: bool = True,
     ) -> None: ...
     def alloc_buffer(self, size: int) -> SharedBuffer:
         """Shared memory the server reads and writes directly (Unix socket only)."""

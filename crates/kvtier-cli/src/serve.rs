@@ -17,7 +17,7 @@ pub struct ServeArgs {
     /// shared_poll,
     /// io_deadline, io_deadline_local,
     /// shared_index, kv_events, kv_events_replay, kv_events_topic, kv_events_unauthenticated,
-    /// kv_events_auth, auth_token, tenants_file, cross_memory, the cluster's keys (cluster, etcd, etcd_ca,
+    /// kv_events_auth, auth_token, tenants_file, cross_memory, map_pool, the cluster's keys (cluster, etcd, etcd_ca,
     /// replicas, lease_ttl, advertise, peer_ca, adopt_after, ...) and the limits of
     /// docs/server.md (max_frame, max_batch, max_connections, ...). A flag given wins over
     /// the file.

@@ -188,6 +188,12 @@ impl Client {
         self.conn.cross_memory()
     }
 
+    /// Whether values in the server's memory are copied out of a read-only
+    /// mapping of its pool by this client (`ClientOptions::map_pool`).
+    pub fn maps_pool(&self) -> bool {
+        self.conn.maps_pool()
+    }
+
     /// The registered shared buffer (Unix sockets only): place values here
     /// and use the `_registered` calls to move them without socket copies.
     pub fn registered_buffer(&mut self) -> Option<&mut [u8]> {

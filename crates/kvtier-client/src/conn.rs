@@ -58,6 +58,14 @@ pub struct ClientOptions {
     /// server offers it and the kernel lets it reach this process. Falls
     /// back to the socket otherwise. Default: true.
     pub cross_memory: bool,
+    /// On a Unix socket, map the server's memory pool read-only where the
+    /// server offers it (a client of its own user, without a tenant's
+    /// scope) and copy values held in its memory out of the mapping here,
+    /// leased for the copy: one `memcpy` per value, on this thread, the
+    /// fastest way a value reaches a caller's buffer (docs/protocol.md,
+    /// "Pool mapping"). Values not in the server's memory come as
+    /// `cross_memory` or the socket bring them. Default: true.
+    pub map_pool: bool,
 }
 
 impl Default for ClientOptions {
@@ -76,6 +84,7 @@ impl Default for ClientOptions {
             route: false,
             member: None,
             cross_memory: true,
+            map_pool: true,
         }
     }
 }
@@ -141,6 +150,11 @@ pub struct Connection {
     /// The id the server gave this process's own memory (cross-memory
     /// transfers) on the current connection, if it reaches it.
     own_id: Option<u32>,
+    /// The server's pool, mapped read-only (MapPool), on the current
+    /// connection, if the server offers it.
+    pool: Option<Arc<kvtier_wire::shm::PoolView>>,
+    /// A descriptor that came with the last reply.
+    passed: Option<std::os::fd::OwnedFd>,
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
@@ -251,6 +265,8 @@ impl Connection {
             shm_region: None,
             shm_id: None,
             own_id: None,
+            pool: None,
+            passed: None,
             request: Vec::new(),
             response: Vec::new(),
         };
@@ -280,6 +296,8 @@ impl Connection {
             shm_region: self.shm_region.clone(),
             shm_id: None,
             own_id: None,
+            pool: None,
+            passed: None,
             request: Vec::new(),
             response: Vec::new(),
         }
@@ -289,6 +307,7 @@ impl Connection {
         self.transport = None;
         self.shm_id = None;
         self.own_id = None;
+        self.pool = None;
         let transport = match &self.endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = connect_within(addr, self.options.timeout)
@@ -365,7 +384,50 @@ impl Connection {
         {
             self.own_id = self.register_own_memory()?;
         }
+        if self.options.map_pool
+            && matches!(self.endpoint, Endpoint::Unix(_))
+            && hello.features & protocol::features::POOL_MAP != 0
+        {
+            self.pool = self.map_server_pool()?;
+        }
         Ok(())
+    }
+
+    /// Maps the server's pool read-only (MapPool). `None` where the server
+    /// refuses it or its descriptor does not map as a pool should: values
+    /// then come by the other paths.
+    fn map_server_pool(&mut self) -> Result<Option<Arc<kvtier_wire::shm::PoolView>>> {
+        self.passed = None;
+        match self.exchange(Op::MapPool, &[], None) {
+            Ok(len) => {
+                let pool_len = Reader::new(&self.response[..len])
+                    .u64()
+                    .map_err(|e| protocol_error(e.0))?;
+                let Some(fd) = self.passed.take() else {
+                    return Err(protocol_error(
+                        "transport: the server's MapPool reply carried no descriptor",
+                    ));
+                };
+                match crate::pool_views::view_of(fd, pool_len) {
+                    Ok(view) => Ok(Some(view)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the server's pool does not map here; values come by the socket or cross-memory transfers");
+                        Ok(None)
+                    }
+                }
+            }
+            Err(CallError::Server(e)) => {
+                tracing::debug!(error = %e, "the server does not let this client map its pool");
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether values in the server's memory are copied out of a mapping of
+    /// its pool by this client (see `ClientOptions::map_pool`).
+    pub fn maps_pool(&self) -> bool {
+        self.pool.is_some()
     }
 
     /// Asks the server to reach this process's memory directly: it must
@@ -569,7 +631,8 @@ impl Connection {
             &FrameLimits::client(self.max_frame + 64, self.options.timeout),
         );
         match read {
-            Ok(FrameRead::Frame { header, .. }) => {
+            Ok(FrameRead::Frame { header, fd }) => {
+                self.passed = fd;
                 let len = header.body_len as usize;
                 if header.status != code::OK {
                     return Err(CallError::Server(code_error(
@@ -934,6 +997,120 @@ impl Connection {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Self::check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
+        if self.pool.is_some() && bufs.iter().any(|b| b.iter().any(|s| !s.is_empty())) {
+            return self.get_by_lease(keys, bufs);
+        }
+        self.get_segments_unleased(keys, bufs)
+    }
+
+    /// Gets what the server holds in memory by copying it out of the
+    /// mapped pool (leased for the copy, LeaseValues), and the rest as
+    /// `get_segments_unleased` does.
+    fn get_by_lease<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        let mut results: Vec<Option<Result<Option<usize>>>> = keys.iter().map(|_| None).collect();
+        let sizes = keys
+            .iter()
+            .map(|k| frame_size::get_item(k.as_ref().len()).max(frame_size::LEASE_REPLY_ITEM));
+        for run in self.runs(sizes, frame_size::fixed(Op::LeaseValues) + 8) {
+            self.lease_run(
+                &keys[run.clone()],
+                &mut bufs[run.clone()],
+                &mut results[run],
+            )?;
+        }
+        let rest: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_none()).collect();
+        if !rest.is_empty() {
+            let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
+            let mut rest_bufs: Vec<&mut [&mut [u8]]> = bufs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| results[*i].is_none())
+                .map(|(_, b)| &mut **b)
+                .collect();
+            let got = self.get_segments_unleased(&rest_keys, &mut rest_bufs)?;
+            for (&i, result) in rest.iter().zip(got) {
+                results[i] = Some(result);
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every key answered"))
+            .collect())
+    }
+
+    /// Leases one frame's keys and copies what was leased; leaves `None`
+    /// in `results` for keys to get otherwise (no memory copy, too large
+    /// for its buffer, or the whole lease refused: LIMIT past the leasing
+    /// budget). A lease that does not fit the pool or the buffers is the
+    /// server breaking the protocol.
+    fn lease_run<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+        results: &mut [Option<Result<Option<usize>>>],
+    ) -> Result<()> {
+        let items = keys
+            .iter()
+            .zip(bufs.iter())
+            .map(|(k, b)| {
+                Ok((
+                    check_key(k.as_ref())?,
+                    b.iter().map(|s| s.len() as u64).sum(),
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let body = Request::LeaseValues { items }.encode();
+        let len = match self.call(Op::LeaseValues, &body, None) {
+            Ok(len) => len,
+            // Refused as a whole (a budget, or a server that reconnected
+            // into one that does not lease): the usual gets answer.
+            Err(e) if self.transport.is_some() => {
+                tracing::debug!(error = %e, "values not leased; getting them");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let (lease, table) = protocol::decode_lease_reply(&self.response[..len], keys.len())
+            .map_err(|e| protocol_error(format!("transport: {e}")))?;
+        let Some(pool) = self.pool.clone() else {
+            return Err(protocol_error(
+                "transport: values leased on a connection without the pool mapped",
+            ));
+        };
+        let mut copied = Ok(());
+        let mut leased_any = false;
+        for ((item, buf), result) in table.iter().zip(bufs.iter_mut()).zip(results.iter_mut()) {
+            if item.code != code::OK {
+                continue;
+            }
+            leased_any = true;
+            if copied.is_ok() {
+                copied = pool.copy_out(item.offset, item.len, buf);
+                *result = Some(Ok(Some(item.len as usize)));
+            }
+        }
+        if leased_any {
+            let release = Request::ReleaseLease { lease }.encode();
+            self.call(Op::ReleaseLease, &release, None)?;
+        }
+        copied.map_err(|e| {
+            self.transport = None;
+            protocol_error(format!("transport: {e}"))
+        })
+    }
+
+    /// Gets each value with the batch get ops: from this process's memory
+    /// by cross-memory transfer where the server reaches it, else over the
+    /// socket.
+    fn get_segments_unleased<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
         if self.own_id.is_some() && bufs.iter().any(|b| b.iter().any(|s| !s.is_empty())) {
             // The server writes the values where they go, while this call
             // (which borrows the buffers mutably) waits for its reply.

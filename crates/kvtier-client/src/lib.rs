@@ -9,6 +9,7 @@ pub mod backend;
 pub mod client;
 pub mod conn;
 pub mod pool;
+mod pool_views;
 pub mod routing;
 
 pub use backend::{KnownLen, KvBackend};

@@ -102,6 +102,11 @@ pub struct NodeConfig {
     /// Same-host clients' own buffers read and written by cross-memory
     /// attach (docs/server.md, "Cross-memory transfers"). Default: true.
     pub cross_memory: Option<bool>,
+    /// Same-user, full-scope clients on the Unix socket map the memory
+    /// pool read-only and copy leased values themselves (docs/server.md,
+    /// "Pool mapping"). Default: true (the pool is then a sealed memory
+    /// file; off the Unix socket it stays private).
+    pub map_pool: Option<bool>,
     pub max_frame: Option<Size>,
     pub max_batch: Option<u32>,
     pub max_connections: Option<usize>,
@@ -230,9 +235,15 @@ impl NodeConfig {
         }
     }
 
+    /// Whether clients may map the pool: asked for (the default) and a
+    /// Unix socket to hand it over.
+    fn map_pool(&self) -> bool {
+        self.map_pool.unwrap_or(true) && self.socket.as_deref() != Some("off")
+    }
+
     /// The store's configuration (the event sink is added by the node).
     pub(crate) fn store_config(&self) -> Result<Config, String> {
-        let mut config = Config::new(self.data_dir());
+        let mut config = Config::new(self.data_dir()).shareable_memory(self.map_pool());
         if let Some(Size(memory)) = self.memory {
             config = config.memory_capacity(memory);
         }
@@ -339,6 +350,7 @@ impl NodeConfig {
             peer_tls_ca: self.peer_ca.clone(),
             admin_allowed_hosts: self.admin_allowed_hosts.clone().unwrap_or_default(),
             cross_memory: self.cross_memory.unwrap_or(true),
+            map_pool: self.map_pool(),
             ..ServerConfig::default()
         })
     }

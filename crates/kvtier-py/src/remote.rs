@@ -22,6 +22,9 @@ use std::sync::{Arc, Mutex};
 /// `cross_memory=True` (Unix sockets): the server reads and writes the
 /// caller's own buffers directly where the kernel lets it (one copy, no
 /// socket); `False` keeps values on the socket.
+/// `map_pool=True` (Unix sockets, a client of the server's own user
+/// without a tenant's token): values in the server's memory are copied
+/// here out of a read-only mapping of its pool, leased for the copy.
 #[pyclass(extends = Engine, name = "Client", module = "kvtier._native")]
 pub(crate) struct Client_ {
     pub(crate) region: Option<Arc<SharedRegion>>,
@@ -31,7 +34,7 @@ pub(crate) struct Client_ {
 #[pymethods]
 impl Client_ {
     #[new]
-    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_client::pool::DEFAULT_CONNECTIONS, route=false, cross_memory=true))]
+    #[pyo3(signature = (url, *, namespace="", auth_token=None, tls_ca=None, timeout=60.0, shm_size=None, connections=kvtier_client::pool::DEFAULT_CONNECTIONS, route=false, cross_memory=true, map_pool=true))]
     #[expect(
         clippy::too_many_arguments,
         reason = "keyword options of the Python constructor"
@@ -47,6 +50,7 @@ impl Client_ {
         connections: usize,
         route: bool,
         cross_memory: bool,
+        map_pool: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         if connections == 0 {
             return Err(PyValueError::new_err("connections must be at least 1"));
@@ -74,6 +78,7 @@ impl Client_ {
             route,
             member: None,
             cross_memory,
+            map_pool,
         };
         let client = py
             .detach(|| Client::connect_with(&url, options))

@@ -29,6 +29,8 @@ pub(crate) struct Shared {
     pub registered_buffers: Arc<Budget>,
     /// Bytes of streamed put values still arriving (their pool extents).
     pub receiving: Arc<Budget>,
+    /// Bytes of pool extents leased to clients that map the pool.
+    pub leasing: Arc<Budget>,
     /// Heap buffers clients cause: request bodies and reply staging
     /// (`Limits::max_buffer_bytes`).
     pub buffers: Arc<Budget>,

@@ -20,6 +20,8 @@ pub(crate) struct Reply<'b> {
     pub sample: Sample,
     /// Close the connection after sending.
     pub close: bool,
+    /// A descriptor sent with the reply (Unix sockets only).
+    pub pass: Option<std::os::fd::OwnedFd>,
 }
 
 impl<'b> Reply<'b> {
@@ -30,6 +32,7 @@ impl<'b> Reply<'b> {
             tail: Vec::new(),
             sample: Sample::default(),
             close: false,
+            pass: None,
         }
     }
 
@@ -43,7 +46,14 @@ impl<'b> Reply<'b> {
                 ..Sample::default()
             },
             close: false,
+            pass: None,
         }
+    }
+
+    /// Sends `fd` with the reply.
+    pub(crate) fn passing(mut self, fd: std::os::fd::OwnedFd) -> Self {
+        self.pass = Some(fd);
+        self
     }
 
     pub fn closing(mut self) -> Self {

@@ -20,6 +20,7 @@ mod lobby;
 mod metrics;
 mod namespaces;
 mod peer_memory;
+mod pool_map;
 mod session;
 mod streamed_put;
 mod trust;
@@ -82,6 +83,11 @@ pub struct ServerConfig {
     /// the kernel lets this process reach the client's (same user, and
     /// ptrace allowed by Yama). Default: true.
     pub cross_memory: bool,
+    /// Same-user, full-scope clients on the Unix socket may map the memory
+    /// pool read-only and copy leased values out of it themselves
+    /// (docs/protocol.md, "Pool mapping"), when the store was opened with
+    /// `kvtier::Config::shareable_memory`. Default: true.
+    pub map_pool: bool,
     /// More sections of `/stats`, from the parts of a node that are not
     /// the server (the KV-event feed). Default: none.
     pub status_sections: Vec<Arc<dyn StatusSection>>,
@@ -111,6 +117,7 @@ impl Default for ServerConfig {
             admin_allowed_hosts: Vec::new(),
             tenants: Vec::new(),
             cross_memory: true,
+            map_pool: true,
             status_sections: Vec::new(),
         }
     }
@@ -226,6 +233,7 @@ impl Server {
                 registered: Budget::new(limits.max_registered_bytes_total),
                 registered_buffers: Budget::new(limits.max_registered_buffers_total as u64),
                 receiving,
+                leasing: pool_map::leasing_budget(store.stats().memory_capacity),
                 tenant_budgets,
                 buffers,
                 store,

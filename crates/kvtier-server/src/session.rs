@@ -51,6 +51,9 @@ struct State<'a> {
     /// The client's own memory, once registered (RegisterPeerMemory),
     /// under a buffer id of its own.
     peer_memory: Option<(u32, crate::peer_memory::PeerMemory)>,
+    /// Pool extents this connection's client holds by lease (it maps the
+    /// pool: MapPool), ended by ReleaseLease or with the connection.
+    client_leases: crate::pool_map::ClientLeases,
     next_buffer: u32,
     registered_bytes: u64,
     /// The peer, as `trust` sees it before the hello.
@@ -119,6 +122,7 @@ impl<'a> Session<'a> {
                 leases: Vec::new(),
                 buffers: HashMap::new(),
                 peer_memory: None,
+                client_leases: Default::default(),
                 next_buffer: 1,
                 registered_bytes: 0,
                 peer,
@@ -497,6 +501,20 @@ impl State<'_> {
             Request::RegisterPeerMemory { address, probe } => {
                 self.register_peer_memory(address, probe)
             }
+            Request::MapPool | Request::LeaseValues { .. } | Request::ReleaseLease { .. }
+                if !self.offers_pool_map() =>
+            {
+                Reply::error(
+                    code::UNSUPPORTED,
+                    "pool mapping needs the Unix socket, a client of the server's own user \
+                     without a tenant's scope, a server outside cluster mode, and map_pool on",
+                )
+            }
+            Request::MapPool => crate::pool_map::map_reply(&shared.store),
+            Request::LeaseValues { items } => {
+                self.client_leases.lease(store, &items, &shared.leasing)
+            }
+            Request::ReleaseLease { lease } => self.client_leases.release(lease),
             Request::BatchPutShm { .. }
             | Request::BatchGetShm { .. }
             | Request::BatchPutShmSegments { .. }
@@ -678,10 +696,27 @@ impl State<'_> {
                     protocol::features::PEER_MEMORY
                 } else {
                     0
+                } | if self.offers_pool_map() {
+                    protocol::features::POOL_MAP
+                } else {
+                    0
                 },
             }
             .encode(),
         )
+    }
+
+    /// Whether MapPool, LeaseValues and ReleaseLease are served on this
+    /// connection (see `pool_map`): same user (or root) over the Unix
+    /// socket, full scope, no cluster (keys may live on other members), a
+    /// shareable pool, and the operator's `map_pool`.
+    fn offers_pool_map(&self) -> bool {
+        self.shared.config.map_pool
+            && self.peer.unix
+            && self.peer.trusted_by_credentials
+            && matches!(self.scope, crate::trust::Scope::Full)
+            && self.shared.peers.is_none()
+            && self.shared.store.pool_memory_file().is_some()
     }
 
     /// Whether RegisterPeerMemory is served on this connection.
@@ -880,13 +915,14 @@ fn answer(
     started: Instant,
 ) -> bool {
     metrics.record(header.op, started.elapsed(), reply.sample);
-    let sent = send(
+    let sent = send_passing(
         transport,
         header.op,
         header.request_id,
         reply.status,
         &reply.body,
         &reply.tail,
+        reply.pass,
     );
     sent.is_ok() && !reply.close
 }
@@ -923,6 +959,20 @@ fn send(
     body: &[u8],
     tail: &[&[u8]],
 ) -> io::Result<()> {
+    send_passing(transport, op, request_id, status, body, tail, None)
+}
+
+/// [`send`], with a descriptor passed along with the frame's first bytes
+/// (Unix sockets; a reply that has one is only built for those).
+fn send_passing(
+    transport: &mut Transport,
+    op: u16,
+    request_id: u64,
+    status: i32,
+    body: &[u8],
+    tail: &[&[u8]],
+    pass: Option<OwnedFd>,
+) -> io::Result<()> {
     let tail_len: usize = tail.iter().map(|t| t.len()).sum();
     let header = Header {
         op,
@@ -933,7 +983,15 @@ fn send(
     let mut head = Vec::with_capacity(protocol::HEADER_LEN + body.len());
     head.extend_from_slice(&header.encode());
     head.extend_from_slice(body);
-    transport.write_all(&head)?;
+    match (transport as &mut Transport, &pass) {
+        (Transport::Unix(stream), Some(fd)) => {
+            use std::os::fd::AsRawFd;
+            kvtier_wire::shm::send_with_fd(stream, &head, fd.as_raw_fd())?;
+        }
+        (transport, _) => transport.write_all(&head)?,
+    }
+    // The receiver holds its own copy of the descriptor now.
+    drop(pass);
     for piece in tail {
         transport.write_all(piece)?;
     }

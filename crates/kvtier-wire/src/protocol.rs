@@ -125,11 +125,22 @@ pub enum Op {
     /// which the server must read back. The reply is a buffer id, as
     /// RegisterBuffer's.
     RegisterPeerMemory = 19,
+    /// Same host, full scope only: the reply carries (SCM_RIGHTS) a
+    /// descriptor of the server's memory pool that maps read-only, and
+    /// its length (u64). See docs/protocol.md, "Pool mapping".
+    MapPool = 20,
+    /// Leases the memory copies of values for the client to copy out of
+    /// its pool mapping: a BatchGet's body; the reply is a lease id (u64)
+    /// and per key `(i32 code, u64 offset, u64 len)`, where NOT_FOUND
+    /// means no memory copy (the key is read with a get instead).
+    LeaseValues = 21,
+    /// Ends a lease (u64 id): its extents may be reused from then on.
+    ReleaseLease = 22,
 }
 
 impl Op {
     /// Every operation, in code order (codes run from 1 without gaps).
-    pub const ALL: [Op; 19] = [
+    pub const ALL: [Op; 22] = [
         Op::Hello,
         Op::BatchPut,
         Op::BatchGet,
@@ -149,6 +160,9 @@ impl Op {
         Op::RetireNamespace,
         Op::DescribeNamespace,
         Op::RegisterPeerMemory,
+        Op::MapPool,
+        Op::LeaseValues,
+        Op::ReleaseLease,
     ];
 
     pub fn from_u16(code: u16) -> Option<Op> {
@@ -182,6 +196,9 @@ impl Op {
             Op::RetireNamespace => "retire_namespace",
             Op::DescribeNamespace => "describe_namespace",
             Op::RegisterPeerMemory => "register_peer_memory",
+            Op::MapPool => "map_pool",
+            Op::LeaseValues => "lease_values",
+            Op::ReleaseLease => "release_lease",
         }
     }
 
@@ -490,10 +507,56 @@ pub mod features {
     /// RegisterPeerMemory is served (the server allows cross-memory
     /// attach, and this connection came over its Unix socket).
     pub const PEER_MEMORY: u32 = 1;
+    /// MapPool, LeaseValues and ReleaseLease are served (the server's pool
+    /// is shareable, and this connection is a same-user, full-scope one
+    /// over its Unix socket).
+    pub const POOL_MAP: u32 = 2;
 }
 
 /// Bytes of RegisterPeerMemory's probe.
 pub const PEER_PROBE_LEN: usize = 16;
+
+/// One key's answer to LeaseValues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Leased {
+    /// OK: leased, at `offset` of the pool; BUFFER_TOO_SMALL: `len` is
+    /// the value's length; NOT_FOUND: no memory copy (get it instead).
+    pub code: i32,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// LeaseValues' reply: `u64 lease, u32 n, n × (i32 code, u64 offset, u64 len)`.
+pub fn encode_lease_reply(lease: u64, items: &[Leased]) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(lease).u32(items.len() as u32);
+    for item in items {
+        w.i32(item.code).u64(item.offset).u64(item.len);
+    }
+    w.buf
+}
+
+/// Reads LeaseValues' reply to a request of `n` keys. Lengths and offsets
+/// are the server's word: the caller checks them against its mapping.
+pub fn decode_lease_reply(body: &[u8], n: usize) -> Result<(u64, Vec<Leased>), ProtocolError> {
+    let mut r = Reader::new(body);
+    let lease = r.u64()?;
+    if r.u32()? as usize != n {
+        return Err(ProtocolError::new(
+            "a lease reply with another number of keys than asked",
+        ));
+    }
+    let mut items = Vec::with_capacity(n.min(r.remaining() / 20));
+    for _ in 0..n {
+        items.push(Leased {
+            code: r.i32()?,
+            offset: r.u64()?,
+            len: r.u64()?,
+        });
+    }
+    r.finish()?;
+    Ok((lease, items))
+}
 
 impl HelloReply {
     pub const LEN: usize = 4 + 8 + 4 + 4 + 8 + 4;
@@ -670,6 +733,14 @@ pub enum Request<'a> {
         address: u64,
         probe: &'a [u8; PEER_PROBE_LEN],
     },
+    MapPool,
+    /// Keys with the room the client has for each value.
+    LeaseValues {
+        items: Vec<(&'a [u8], u64)>,
+    },
+    ReleaseLease {
+        lease: u64,
+    },
     BatchPutShm {
         buffer: u32,
         flags: u8,
@@ -711,6 +782,9 @@ impl Request<'_> {
             Request::DescribeNamespace { .. } => Op::DescribeNamespace,
             Request::RegisterBuffer { .. } => Op::RegisterBuffer,
             Request::RegisterPeerMemory { .. } => Op::RegisterPeerMemory,
+            Request::MapPool => Op::MapPool,
+            Request::LeaseValues { .. } => Op::LeaseValues,
+            Request::ReleaseLease { .. } => Op::ReleaseLease,
             Request::BatchPutShm { .. } => Op::BatchPutShm,
             Request::BatchGetShm { .. } => Op::BatchGetShm,
             Request::BatchPutShmSegments { .. } => Op::BatchPutShmSegments,
@@ -752,7 +826,7 @@ impl Request<'_> {
                     w.key(k).u64(v.len() as u64).bytes(v);
                 }
             }
-            Request::BatchGet { items } => {
+            Request::BatchGet { items } | Request::LeaseValues { items } => {
                 w.u32(items.len() as u32);
                 for (k, cap) in items {
                     w.key(k).u64(*cap);
@@ -766,7 +840,11 @@ impl Request<'_> {
             | Request::Stats
             | Request::ClusterView
             | Request::Namespaces
+            | Request::MapPool
             | Request::RetireNamespace => {}
+            Request::ReleaseLease { lease } => {
+                w.u64(*lease);
+            }
             Request::DescribeNamespace { manifest } => {
                 w.bytes(manifest);
             }
@@ -822,7 +900,7 @@ pub mod frame_size {
     pub const fn fixed(op: Op) -> u64 {
         match op {
             Op::BatchPut => 1 + 4,
-            Op::BatchGet | Op::BatchExists | Op::PrefixLen => 4,
+            Op::BatchGet | Op::LeaseValues | Op::BatchExists | Op::PrefixLen => 4,
             Op::BatchPutShm | Op::BatchPutShmSegments => 4 + 1 + 4,
             Op::BatchGetShm | Op::BatchGetShmSegments => 4 + 4,
             Op::Hello
@@ -831,6 +909,8 @@ pub mod frame_size {
             | Op::Stats
             | Op::RegisterBuffer
             | Op::RegisterPeerMemory
+            | Op::MapPool
+            | Op::ReleaseLease
             | Op::ClusterView
             | Op::Challenge
             | Op::Namespaces
@@ -863,6 +943,10 @@ pub mod frame_size {
     pub const fn segment_item(key_len: usize, segments: usize) -> u64 {
         key(key_len) + 4 + 16 * segments as u64
     }
+
+    /// A LeaseValues reply item: the i32 code, the u64 offset, the u64
+    /// length.
+    pub const LEASE_REPLY_ITEM: u64 = 4 + 8 + 8;
 
     /// A BatchGet reply item: the i32 code, the u64 length, the value.
     pub const fn get_reply_item(value_len: u64) -> u64 {
@@ -965,14 +1049,18 @@ pub fn decode_request<'a>(
             }
             Request::BatchPut { flags, items }
         }
-        Op::BatchGet => {
+        Op::BatchGet | Op::LeaseValues => {
             let n = r.count(max_batch, 11)?;
             let mut items = Vec::with_capacity(n);
             for _ in 0..n {
                 let key = r.key()?;
                 items.push((key, r.u64()?));
             }
-            Request::BatchGet { items }
+            if op == Op::BatchGet {
+                Request::BatchGet { items }
+            } else {
+                Request::LeaseValues { items }
+            }
         }
         Op::BatchExists => Request::BatchExists {
             keys: keys(&mut r)?,
@@ -992,6 +1080,8 @@ pub fn decode_request<'a>(
             Request::DescribeNamespace { manifest }
         }
         Op::RegisterBuffer => Request::RegisterBuffer { size: r.u64()? },
+        Op::MapPool => Request::MapPool,
+        Op::ReleaseLease => Request::ReleaseLease { lease: r.u64()? },
         Op::RegisterPeerMemory => Request::RegisterPeerMemory {
             address: r.u64()?,
             probe: r
@@ -1061,6 +1151,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn lease_replies_round_trip_and_refuse_other_counts() {
+        let items = [
+            Leased {
+                code: code::OK,
+                offset: 4096,
+                len: 77,
+            },
+            Leased {
+                code: code::NOT_FOUND,
+                offset: 0,
+                len: 0,
+            },
+        ];
+        let body = encode_lease_reply(9, &items);
+        assert_eq!(decode_lease_reply(&body, 2).unwrap(), (9, items.to_vec()));
+        assert!(decode_lease_reply(&body, 3).is_err());
+        assert!(decode_lease_reply(&body[..body.len() - 1], 2).is_err());
+        let mut longer = body.clone();
+        longer.push(0);
+        assert!(decode_lease_reply(&longer, 2).is_err());
+    }
+
+    #[test]
     fn every_op_code_maps_both_ways_and_names_are_distinct() {
         for (i, op) in Op::ALL.iter().enumerate() {
             assert_eq!(op.index(), i);
@@ -1077,7 +1190,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(2048))]
         /// Arbitrary bytes never panic the decoders, whatever the op.
         #[test]
-        fn garbage_never_panics(op in 0u16..16, body in proptest::collection::vec(any::<u8>(), 0..512), header in proptest::collection::vec(any::<u8>(), 24)) {
+        fn garbage_never_panics(op in 0u16..24, body in proptest::collection::vec(any::<u8>(), 0..512), header in proptest::collection::vec(any::<u8>(), 24)) {
             let _ = decode_request(op, &body, 64);
             let mut h = [0u8; HEADER_LEN];
             h.copy_from_slice(&header);
@@ -1088,7 +1201,7 @@ mod tests {
         /// (bodies built from fragments that often decode).
         #[test]
         fn decoded_requests_encode_back_to_their_bytes(
-            op in 1u16..14,
+            op in 1u16..23,
             parts in proptest::collection::vec((0u8..4, proptest::collection::vec(any::<u8>(), 0..24)), 0..8),
         ) {
             let mut body = Vec::new();

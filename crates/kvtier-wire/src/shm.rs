@@ -267,3 +267,114 @@ pub fn recv_some_with_fd(
     }
     Ok((received.bytes, first))
 }
+
+/// A read-only mapping of a server's memory pool (MapPool, same host),
+/// from which a client copies the values it leased.
+#[derive(Debug)]
+pub struct PoolView {
+    /// The mapping's first byte (taken once from `_mapping`).
+    ptr: *const u8,
+    len: usize,
+    _mapping: memmap2::Mmap,
+    /// The memory file's device and inode: one mapping serves every
+    /// connection to the same pool.
+    identity: (u64, u64),
+}
+
+// SAFETY: a read-only mapping; its bytes are read through raw pointers
+// only, ranges the server leased (unchanged while leased).
+unsafe impl Send for PoolView {}
+// SAFETY: as above.
+unsafe impl Sync for PoolView {}
+
+impl PoolView {
+    /// The device and inode of the memory file behind `fd` (so a caller
+    /// can reuse a mapping it already has).
+    pub fn identity_of(fd: &OwnedFd) -> io::Result<(u64, u64)> {
+        let stat = rustix::fs::fstat(fd)?;
+        Ok((stat.st_dev, stat.st_ino))
+    }
+
+    /// Maps `len` bytes of the pool file a server passed, read-only, once
+    /// the file is shown to be a memory file of at least `len` bytes that
+    /// cannot shrink (a shrink would make a copy out of the mapping fault).
+    pub fn map(fd: &OwnedFd, len: u64) -> io::Result<PoolView> {
+        let refuse = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
+        let seals = rustix::fs::fcntl_get_seals(fd)
+            .map_err(|e| refuse(format!("the pool descriptor is not a memory file: {e}")))?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(refuse(
+                "the pool's memory file is not sealed against shrinking".into(),
+            ));
+        }
+        let stat = rustix::fs::fstat(fd)?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile
+            || (stat.st_size as u64) < len
+        {
+            return Err(refuse(format!(
+                "the pool's memory file holds {} bytes, not the {len} the server named",
+                stat.st_size
+            )));
+        }
+        let len = usize::try_from(len).map_err(|_| refuse(format!("a pool of {len} bytes")))?;
+        if len == 0 {
+            return Err(refuse("a pool of 0 bytes".into()));
+        }
+        // SAFETY: the file cannot shrink (sealed, checked above), so no
+        // read inside `len` faults; its bytes change only in extents no
+        // lease holds, and this view reads leased extents only.
+        let mapping = unsafe { memmap2::MmapOptions::new().len(len).map(fd)? };
+        Ok(PoolView {
+            ptr: mapping.as_ptr(),
+            len,
+            _mapping: mapping,
+            identity: (stat.st_dev, stat.st_ino),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn identity(&self) -> (u64, u64) {
+        self.identity
+    }
+
+    /// Copies the `len` bytes at `offset` into `segments`, in order.
+    /// Refuses a range outside the mapping, or longer than the segments.
+    pub fn copy_out(&self, offset: u64, len: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+        let refuse = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= self.len as u64)
+            .ok_or_else(|| {
+                refuse(format!(
+                    "a lease of {len} bytes at {offset}, past the pool's {} bytes",
+                    self.len
+                ))
+            })?;
+        let room: u64 = segments.iter().map(|s| s.len() as u64).sum();
+        if len > room {
+            return Err(refuse(format!(
+                "a lease of {len} bytes for {room} bytes of buffers"
+            )));
+        }
+        let (mut at, end) = (offset as usize, end as usize);
+        for segment in segments {
+            if at == end {
+                break;
+            }
+            let n = segment.len().min(end - at);
+            // SAFETY: `at..at + n` lies inside the mapping (checked above);
+            // `segment` is the caller's own memory, never the mapping
+            // (which is read-only: a write into it would have faulted).
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(at), segment.as_mut_ptr(), n) };
+            at += n;
+        }
+        Ok(())
+    }
+}

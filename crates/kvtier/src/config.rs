@@ -108,6 +108,7 @@ pub struct Config {
     pub(crate) read_piece: u64,
     pub(crate) direct_io: bool,
     pub(crate) io_registration: bool,
+    pub(crate) shareable_memory: bool,
     pub(crate) eviction: EvictionPolicy,
     pub(crate) flush: FlushPolicy,
     pub(crate) flush_batch_bytes: u64,
@@ -183,6 +184,7 @@ impl Config {
             read_piece: 2 * MIB,
             direct_io: true,
             io_registration: true,
+            shareable_memory: false,
             eviction: EvictionPolicy::default(),
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
@@ -289,6 +291,18 @@ impl Config {
     /// limit refuses it. Default: true.
     pub fn io_registration(mut self, enabled: bool) -> Self {
         self.io_registration = enabled;
+        self
+    }
+
+    /// Back the memory pool with a sealed memory file that same-host
+    /// readers may map read-only ([`Store::pool_memory_file`](crate::Store::pool_memory_file)):
+    /// a server hands it to its same-user, full-scope clients, which then
+    /// copy leased values out of it themselves (docs/server.md, "Pool
+    /// mapping"). The pool then takes shared memory, which gets transparent
+    /// huge pages only where `shmem_enabled` allows. Default: false (a
+    /// private anonymous mapping).
+    pub fn shareable_memory(mut self, enabled: bool) -> Self {
+        self.shareable_memory = enabled;
         self
     }
 

@@ -16,11 +16,21 @@ fn key(i: u64) -> Vec<u8> {
     format!("cross/{i}").into_bytes()
 }
 
-fn ops(server: &ServerProcess, op: &str) -> u64 {
+pub(crate) fn ops(server: &ServerProcess, op: &str) -> u64 {
     let mut client = Client::connect_with(&server.tcp_url(), options()).unwrap();
     client.stats().unwrap()["server"]["ops"][op]["requests"]
         .as_u64()
         .unwrap()
+}
+
+/// The test clients: the server's pool not mapped, so that gets of values
+/// in its memory are cross-memory transfers too (pool_map.rs covers the
+/// mapping).
+fn unmapped() -> ClientOptions {
+    ClientOptions {
+        map_pool: false,
+        ..options()
+    }
 }
 
 /// Puts and gets through `client`, every byte checked; a miss and a
@@ -68,7 +78,7 @@ fn values_cross_once_between_the_pool_and_a_clients_own_buffers() {
     let dir = tempfile::tempdir().unwrap();
     {
         let server = ServerProcess::start(dir.path(), &[]);
-        let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
+        let mut client = Client::connect_with(&server.unix_url(), unmapped()).unwrap();
         assert!(
             client.cross_memory(),
             "the server does not reach this test's memory (same user, no Yama here)"
@@ -85,7 +95,7 @@ fn values_cross_once_between_the_pool_and_a_clients_own_buffers() {
             &server.unix_url(),
             ClientOptions {
                 cross_memory: false,
-                ..options()
+                ..unmapped()
             },
         )
         .unwrap();
@@ -96,7 +106,7 @@ fn values_cross_once_between_the_pool_and_a_clients_own_buffers() {
     // After a restart the pool is empty: values come from the disk tier,
     // staged and then written into the client's buffers.
     let server = ServerProcess::start(dir.path(), &[]);
-    let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
+    let mut client = Client::connect_with(&server.unix_url(), unmapped()).unwrap();
     let keys: Vec<Vec<u8>> = (0..16).map(key).collect();
     let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; VALUE]).collect();
     let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
@@ -115,7 +125,7 @@ fn values_cross_once_between_the_pool_and_a_clients_own_buffers() {
     let config = dir.path().join("no-cross-memory.toml");
     std::fs::write(&config, "cross_memory = false\n").unwrap();
     let server = ServerProcess::start(dir.path(), &["--config", config.to_str().unwrap()]);
-    let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
+    let mut client = Client::connect_with(&server.unix_url(), unmapped()).unwrap();
     assert!(!client.cross_memory());
     round_trip(&mut client, 200);
     let (status, _) = register(&mut hello(&server), &probe_of(&[7u8; 16]));
@@ -183,7 +193,7 @@ fn codes(body: &[u8], get: bool) -> Vec<i32> {
 fn a_client_that_lies_about_its_memory_gets_an_error_per_key_and_stores_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let server = ServerProcess::start(dir.path(), &[]);
-    let mut client = Client::connect_with(&server.unix_url(), options()).unwrap();
+    let mut client = Client::connect_with(&server.unix_url(), unmapped()).unwrap();
     let value = kvtier::pattern::value(b"cross/kept", 4096);
     client.batch_put(&[b"cross/kept"], &[&value]).unwrap()[0]
         .as_ref()

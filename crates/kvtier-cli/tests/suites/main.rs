@@ -11,6 +11,7 @@ mod descriptors;
 mod hostile_clients;
 mod lockout;
 mod namespaces;
+mod pool_map;
 mod private_at_rest;
 mod server;
 mod shared_storage;

@@ -107,6 +107,7 @@ impl Peers {
                     member: Some(member.id.clone()),
                     // Members are other hosts (TCP).
                     cross_memory: false,
+                    map_pool: false,
                 },
             ),
         };

@@ -33,6 +33,10 @@ pub struct PoolCore {
     /// Owns the mapping (unmapped on drop, after every slot: each holds an
     /// `Arc` to this core).
     mapping: memmap2::MmapMut,
+    /// The memory file behind the mapping, for a pool that same-host
+    /// clients may map read-only (`Config::shareable_memory`); `None` for
+    /// the default anonymous mapping.
+    file: Option<std::os::fd::OwnedFd>,
     allocator: Mutex<ExtentAllocator>,
     live_entries: AtomicU64,
     live_bytes: AtomicU64,
@@ -62,8 +66,15 @@ impl PoolCore {
     /// open overlaps with its recovery. Join the handle before the pool is
     /// used or registered with an I/O engine (pinning would fault the pages
     /// in itself, one by one).
-    pub fn new_prefaulting(capacity: u64) -> Result<(Arc<Self>, std::thread::JoinHandle<()>)> {
-        let pool = Self::new_unpopulated(capacity)?;
+    pub fn new_prefaulting(
+        capacity: u64,
+        shareable: bool,
+    ) -> Result<(Arc<Self>, std::thread::JoinHandle<()>)> {
+        let pool = if shareable {
+            Self::new_shareable(capacity)?
+        } else {
+            Self::new_unpopulated(capacity)?
+        };
         let populating = Arc::clone(&pool);
         let handle = std::thread::Builder::new()
             .name("kvtier-prefault".into())
@@ -83,10 +94,73 @@ impl PoolCore {
             base,
             len: len_usize,
             mapping,
+            file: None,
             allocator: Mutex::new(ExtentAllocator::new(len / PAGE_SIZE)),
             live_entries: AtomicU64::new(0),
             live_bytes: AtomicU64::new(0),
         }))
+    }
+
+    /// [`new_unpopulated`](Self::new_unpopulated), backed by a memory file
+    /// that others may map read-only ([`shared_view`](Self::shared_view)).
+    ///
+    /// The file is sealed once this process holds its only writable
+    /// mapping: `F_SEAL_FUTURE_WRITE` refuses every later writable shared
+    /// mapping, `write()` and hole punching, whoever holds a descriptor;
+    /// `F_SEAL_SHRINK | F_SEAL_GROW` keep its size (a shrink would make
+    /// this process's own accesses fault). So a client given the
+    /// descriptor can read the pool and change nothing in it. The price:
+    /// shared memory gets no transparent huge pages unless the system's
+    /// `shmem_enabled` allows them (a copy out of 4 KiB pages measured as
+    /// fast as out of huge pages here; see docs/server.md).
+    fn new_shareable(capacity: u64) -> Result<Arc<Self>> {
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let len = capacity.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let len_usize = usize::try_from(len)
+            .map_err(|_| Error::invalid(format!("memory capacity {capacity} is too large")))?;
+        let file = rustix::fs::memfd_create(
+            c"kvtier-pool",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(|e| Error::io("creating the memory pool's memory file", e.into()))?;
+        rustix::fs::ftruncate(&file, len).map_err(|e| {
+            Error::io(
+                format!("sizing the memory pool's file to {len} bytes"),
+                e.into(),
+            )
+        })?;
+        // SAFETY: the file is sealed against resizing right below, before
+        // any slot exists; nothing but this mapping writes it.
+        let mut mapping = unsafe { memmap2::MmapOptions::new().len(len_usize).map_mut(&file) }
+            .map_err(|e| Error::io(format!("mapping a memory pool of {len} bytes"), e))?;
+        rustix::fs::fcntl_add_seals(
+            &file,
+            SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+        )
+        .map_err(|e| {
+            Error::io(
+                "sealing the memory pool's file (Linux 5.1 or later)",
+                e.into(),
+            )
+        })?;
+        let base = mapping.as_mut_ptr();
+        Ok(Arc::new(PoolCore {
+            base,
+            len: len_usize,
+            mapping,
+            file: Some(file),
+            allocator: Mutex::new(ExtentAllocator::new(len / PAGE_SIZE)),
+            live_entries: AtomicU64::new(0),
+            live_bytes: AtomicU64::new(0),
+        }))
+    }
+
+    /// The pool's memory file, sealed so that whoever maps it can only read
+    /// it (see [`new_shareable`](Self::new_shareable)); `None` for a pool
+    /// that is not shareable.
+    pub fn shared_view(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.file.as_ref().map(|f| f.as_fd())
     }
 
     /// Leaves the pool out of child processes. Pinned pages (io_uring fixed
@@ -257,6 +331,12 @@ impl PoolSlot {
         // which is `pages` pages long.
         let extent = unsafe { std::slice::from_raw_parts_mut(self.ptr(), padded) };
         extent[self.len..].fill(0);
+    }
+
+    /// Where the value starts in the pool (its byte offset in the pool's
+    /// memory file, for a shareable pool).
+    pub fn pool_offset(&self) -> u64 {
+        self.page * PAGE_SIZE
     }
 
     fn ptr(&self) -> *mut u8 {

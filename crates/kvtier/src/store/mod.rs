@@ -91,6 +91,12 @@ impl ValueLease {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
+
+    /// The value's byte offset in the pool's memory file
+    /// ([`Store::pool_memory_file`]).
+    pub fn pool_offset(&self) -> u64 {
+        self.0.pool_offset()
+    }
 }
 
 /// The embedded tiered KV-cache store. `Send + Sync`: share it with an
@@ -432,6 +438,16 @@ impl Store {
     /// of the max value size, the memory pool and (for disk puts) one batch.
     pub fn max_put_len(&self) -> u64 {
         self.inner.max_put_len
+    }
+
+    /// The memory pool's memory file, which a mapping can only read (see
+    /// [`Config::shareable_memory`](crate::Config::shareable_memory)), and
+    /// its length; `None` unless the store was opened with it. A value
+    /// held by a [`ValueLease`] lies at `pool_offset()` in it, unchanged
+    /// while the lease lives.
+    pub fn pool_memory_file(&self) -> Option<(std::os::fd::BorrowedFd<'_>, u64)> {
+        let pool = &self.inner.pool;
+        pool.shared_view().map(|fd| (fd, pool.capacity()))
     }
 }
 

@@ -39,7 +39,8 @@ impl Store {
         // The pool is backed with memory while the disk tier recovers (the
         // two together took the sum of their times; the pre-fault alone
         // was most of a 1M-entry reopen on a virtual machine).
-        let (pool, prefaulting) = PoolCore::new_prefaulting(config.memory_capacity)?;
+        let (pool, prefaulting) =
+            PoolCore::new_prefaulting(config.memory_capacity, config.shareable_memory)?;
         let recovered = recover_disk(&config, &place, &index, clean)?;
         if !place.identity_confirmed {
             // The records (if any) verified under the secret: record it.
