@@ -392,11 +392,13 @@ def test_unix_clients_move_values_by_cross_memory_transfers(server):
     """Values in plain Python buffers (not a shared buffer) cross between
     the server's pool and the caller's memory once, by cross-memory
     attach; a client that turns it off gets the socket, with the same
-    answers. Batches past 8 MiB move on two connections at once."""
+    answers. Batches past 8 MiB move on two connections at once. (The
+    pool is not mapped here: gets of values in the server's memory would
+    be copied out of the mapping instead.)"""
     size = 1 << 20
     keys = [unique("cross") for _ in range(24)]
     values = [pattern(k, size) for k in keys]
-    with kvtier.Client(server["unix"], shm_size=0) as c:
+    with kvtier.Client(server["unix"], shm_size=0, map_pool=False) as c:
         before = c.stats()["server"]["ops"]
         assert c.batch_put_from(keys, values) == [0] * 24
         outs = [np.zeros(size + 3, dtype=np.uint8) for _ in keys]
@@ -410,12 +412,37 @@ def test_unix_clients_move_values_by_cross_memory_transfers(server):
             assert after[op]["requests"] - before[op]["requests"] >= parts, op
         for op in ("batch_put", "batch_get"):
             assert after[op]["requests"] == before[op]["requests"], op
-    with kvtier.Client(server["unix"], shm_size=0, cross_memory=False) as c:
+    with kvtier.Client(server["unix"], shm_size=0, cross_memory=False, map_pool=False) as c:
         outs = [np.zeros(size, dtype=np.uint8) for _ in keys]
         before = c.stats()["server"]["ops"]["batch_get"]["requests"]
         assert c.batch_get_into(keys, outs) == [size] * 24
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
         assert c.stats()["server"]["ops"]["batch_get"]["requests"] > before
+
+
+def test_unix_clients_copy_values_out_of_the_mapped_pool(server):
+    """A client of the server's own user maps its pool read-only: values in
+    the server's memory are leased in one request and copied here (two
+    threads past 8 MiB), never sent or written by the server; values that
+    are not there (a miss, a buffer too small) come by the other paths."""
+    size = 1 << 20
+    keys = [unique("mapped") for _ in range(24)]
+    values = [pattern(k, size) for k in keys]
+    with kvtier.Client(server["unix"], shm_size=0) as c:
+        assert c.batch_put_from(keys, values) == [0] * 24
+        outs = [np.zeros(size + 3, dtype=np.uint8) for _ in keys]
+        before = c.stats()["server"]["ops"]
+        assert c.batch_get_into(keys, outs) == [size] * 24
+        assert all(np.array_equal(o[:size], v) and not o[size:].any() for o, v in zip(outs, values))
+        after = c.stats()["server"]["ops"]
+        assert after["lease_values"]["requests"] - before["lease_values"]["requests"] == 1
+        for op in ("batch_get", "batch_get_shm_segments"):
+            assert after[op]["requests"] == before[op]["requests"], op
+        small = np.zeros(10, dtype=np.uint8)
+        absent = np.zeros(10, dtype=np.uint8)
+        got = c.batch_get_into([keys[0], unique("absent")], [small, absent])
+        assert got == [kvtier.errors.BUFFER_TOO_SMALL, kvtier.errors.NOT_FOUND]
+        assert c.stats()["server"]["ops"]["release_lease"]["requests"] >= 1
 
 
 def test_alloc_buffer_zero_copy_path(server):

@@ -176,6 +176,33 @@ impl Client {
         self.conn.batch_get_segments(keys, bufs)
     }
 
+    /// The values the server holds in memory, copied out of its mapped
+    /// pool (see `Connection::get_leased`); every key `None` (to get
+    /// otherwise) for a routing client, whose keys live on many members.
+    pub fn get_leased<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+        copiers: usize,
+    ) -> Result<Vec<Option<Result<Option<usize>>>>> {
+        if self.routing.is_some() {
+            return Ok(keys.iter().map(|_| None).collect());
+        }
+        self.conn.get_leased(keys, bufs, copiers)
+    }
+
+    /// `batch_get_segments` without leasing (for keys `get_leased` left).
+    pub fn get_segments_unleased<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &mut [&mut [&mut [u8]]],
+    ) -> Result<Vec<Result<Option<usize>>>> {
+        if self.routing.is_some() {
+            return self.batch_get_segments(keys, bufs);
+        }
+        self.conn.get_segments_unleased(keys, bufs)
+    }
+
     /// What each key's value takes, learned without moving any value (see
     /// `Connection::batch_value_lens`).
     pub fn batch_value_lens<K: AsRef<[u8]>>(&mut self, keys: &[K]) -> Result<Vec<KnownLen>> {

@@ -155,6 +155,9 @@ pub struct Connection {
     pool: Option<Arc<kvtier_wire::shm::PoolView>>,
     /// A descriptor that came with the last reply.
     passed: Option<std::os::fd::OwnedFd>,
+    /// ReleaseLease requests sent whose replies are still to be read
+    /// (before the next request's: see `release_lease`).
+    owed_replies: u32,
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
@@ -267,6 +270,7 @@ impl Connection {
             own_id: None,
             pool: None,
             passed: None,
+            owed_replies: 0,
             request: Vec::new(),
             response: Vec::new(),
         };
@@ -298,6 +302,7 @@ impl Connection {
             own_id: None,
             pool: None,
             passed: None,
+            owed_replies: 0,
             request: Vec::new(),
             response: Vec::new(),
         }
@@ -308,6 +313,7 @@ impl Connection {
         self.shm_id = None;
         self.own_id = None;
         self.pool = None;
+        self.owed_replies = 0;
         let transport = match &self.endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = connect_within(addr, self.options.timeout)
@@ -661,6 +667,7 @@ impl Connection {
         body: &[&[u8]],
         fd: Option<i32>,
     ) -> std::result::Result<u64, CallError> {
+        self.read_owed_replies()?;
         let id = self.next_id;
         self.next_id += 1;
         let header = Header {
@@ -997,32 +1004,11 @@ impl Connection {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Self::check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
-        if self.pool.is_some() && bufs.iter().any(|b| b.iter().any(|s| !s.is_empty())) {
-            return self.get_by_lease(keys, bufs);
-        }
-        self.get_segments_unleased(keys, bufs)
-    }
-
-    /// Gets what the server holds in memory by copying it out of the
-    /// mapped pool (leased for the copy, LeaseValues), and the rest as
-    /// `get_segments_unleased` does.
-    fn get_by_lease<K: AsRef<[u8]>>(
-        &mut self,
-        keys: &[K],
-        bufs: &mut [&mut [&mut [u8]]],
-    ) -> Result<Vec<Result<Option<usize>>>> {
-        let mut results: Vec<Option<Result<Option<usize>>>> = keys.iter().map(|_| None).collect();
-        let sizes = keys
-            .iter()
-            .map(|k| frame_size::get_item(k.as_ref().len()).max(frame_size::LEASE_REPLY_ITEM));
-        for run in self.runs(sizes, frame_size::fixed(Op::LeaseValues) + 8) {
-            self.lease_run(
-                &keys[run.clone()],
-                &mut bufs[run.clone()],
-                &mut results[run],
-            )?;
-        }
+        let mut results = self.get_leased(keys, bufs, 1)?;
         let rest: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_none()).collect();
+        if rest.len() == keys.len() {
+            return self.get_segments_unleased(keys, bufs);
+        }
         if !rest.is_empty() {
             let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
             let mut rest_bufs: Vec<&mut [&mut [u8]]> = bufs
@@ -1042,17 +1028,73 @@ impl Connection {
             .collect())
     }
 
-    /// Leases one frame's keys and copies what was leased; leaves `None`
-    /// in `results` for keys to get otherwise (no memory copy, too large
-    /// for its buffer, or the whole lease refused: LIMIT past the leasing
-    /// budget). A lease that does not fit the pool or the buffers is the
-    /// server breaking the protocol.
-    fn lease_run<K: AsRef<[u8]>>(
+    /// Copies the values the server holds in memory out of its mapped
+    /// pool (see `ClientOptions::map_pool`): all keys leased first, in as
+    /// few requests as frames allow, then copied, on up to `copiers`
+    /// threads once the batch is `PARALLEL_FROM` bytes or more, then
+    /// released. Leasing first keeps the server out of the copy: a lease
+    /// asked for while this host's cores copy waits for the server's
+    /// thread to be scheduled (measured: 1.6 ms of a 2.7 ms batch).
+    /// `Some` per key copied; `None` for keys to get otherwise (no memory
+    /// copy, a buffer too small, a refused lease, no mapping, no room).
+    pub fn get_leased<K: AsRef<[u8]>>(
         &mut self,
         keys: &[K],
         bufs: &mut [&mut [&mut [u8]]],
-        results: &mut [Option<Result<Option<usize>>>],
-    ) -> Result<()> {
+        copiers: usize,
+    ) -> Result<Vec<Option<Result<Option<usize>>>>> {
+        Self::check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
+        let mut results: Vec<Option<Result<Option<usize>>>> = keys.iter().map(|_| None).collect();
+        if self.pool.is_none() || !bufs.iter().any(|b| b.iter().any(|s| !s.is_empty())) {
+            return Ok(results);
+        }
+        let sizes = keys
+            .iter()
+            .map(|k| frame_size::get_item(k.as_ref().len()).max(frame_size::LEASE_REPLY_ITEM));
+        let mut leases = Vec::new();
+        let mut copies: Vec<LeasedCopy> = Vec::new();
+        for run in self.runs(sizes, frame_size::fixed(Op::LeaseValues) + 8) {
+            let Some((lease, leased)) = self.lease_run(&keys[run.clone()], &bufs[run.clone()])?
+            else {
+                continue;
+            };
+            if !leased.is_empty() {
+                leases.push(lease);
+            }
+            copies.extend(
+                leased
+                    .into_iter()
+                    .map(|(i, offset, len)| (run.start + i, offset, len)),
+            );
+        }
+        let copied = match &self.pool {
+            Some(pool) => copy_leased(pool, &copies, bufs, copiers),
+            None => Err(std::io::Error::other(
+                "values leased on a connection without the pool mapped",
+            )),
+        };
+        for lease in leases {
+            self.release_lease(lease);
+        }
+        copied.map_err(|e| {
+            self.transport = None;
+            protocol_error(format!("transport: {e}"))
+        })?;
+        for &(i, _, len) in &copies {
+            results[i] = Some(Ok(Some(len as usize)));
+        }
+        Ok(results)
+    }
+
+    /// Leases one frame's keys: the lease and the keys leased, as (index
+    /// in the run, offset, length). `None` when the lease was refused as a
+    /// whole (LIMIT past the leasing budget, or a server reconnected into
+    /// that does not lease): the usual gets answer then.
+    fn lease_run<K: AsRef<[u8]>>(
+        &mut self,
+        keys: &[K],
+        bufs: &[&mut [&mut [u8]]],
+    ) -> Result<Option<(u64, Vec<LeasedCopy>)>> {
         let items = keys
             .iter()
             .zip(bufs.iter())
@@ -1066,47 +1108,71 @@ impl Connection {
         let body = Request::LeaseValues { items }.encode();
         let len = match self.call(Op::LeaseValues, &body, None) {
             Ok(len) => len,
-            // Refused as a whole (a budget, or a server that reconnected
-            // into one that does not lease): the usual gets answer.
             Err(e) if self.transport.is_some() => {
                 tracing::debug!(error = %e, "values not leased; getting them");
-                return Ok(());
+                return Ok(None);
             }
             Err(e) => return Err(e),
         };
         let (lease, table) = protocol::decode_lease_reply(&self.response[..len], keys.len())
             .map_err(|e| protocol_error(format!("transport: {e}")))?;
-        let Some(pool) = self.pool.clone() else {
-            return Err(protocol_error(
-                "transport: values leased on a connection without the pool mapped",
-            ));
-        };
-        let mut copied = Ok(());
-        let mut leased_any = false;
-        for ((item, buf), result) in table.iter().zip(bufs.iter_mut()).zip(results.iter_mut()) {
-            if item.code != code::OK {
-                continue;
-            }
-            leased_any = true;
-            if copied.is_ok() {
-                copied = pool.copy_out(item.offset, item.len, buf);
-                *result = Some(Ok(Some(item.len as usize)));
+        Ok(Some((
+            lease,
+            table
+                .iter()
+                .enumerate()
+                .filter(|(_, item)| item.code == code::OK)
+                .map(|(i, item)| (i, item.offset, item.len))
+                .collect(),
+        )))
+    }
+
+    /// Ends lease `lease` without waiting for the server's answer: the
+    /// request goes now (the server ends the lease as soon as it reads
+    /// it), and its reply, which can only be OK, is read before the next
+    /// request's. A round trip saved per leased batch, which on a busy
+    /// host waits for the server's thread to be scheduled. A connection
+    /// that fails here is dropped, which ends its leases too.
+    fn release_lease(&mut self, lease: u64) {
+        if self.transport.is_none() {
+            return;
+        }
+        let body = Request::ReleaseLease { lease }.encode();
+        match self.send_request(Op::ReleaseLease, &[&body], None) {
+            Ok(_) => self.owed_replies += 1,
+            Err(_) => self.transport = None,
+        }
+    }
+
+    /// Reads the replies `release_lease` left on the connection.
+    fn read_owed_replies(&mut self) -> std::result::Result<(), CallError> {
+        while self.owed_replies > 0 {
+            let transport = self.transport.as_mut().expect("connected");
+            let read = transport.read_frame(
+                &mut self.response,
+                &FrameLimits::client(self.max_frame + 64, self.options.timeout),
+            );
+            match read {
+                Ok(FrameRead::Frame { header, .. })
+                    if header.op == Op::ReleaseLease as u16 && header.status == code::OK =>
+                {
+                    self.owed_replies -= 1;
+                }
+                Ok(_) => {
+                    return Err(CallError::Protocol(protocol_error(
+                        "transport: a lease's release was not answered OK",
+                    )))
+                }
+                Err(e) => return Err(read_error(e)),
             }
         }
-        if leased_any {
-            let release = Request::ReleaseLease { lease }.encode();
-            self.call(Op::ReleaseLease, &release, None)?;
-        }
-        copied.map_err(|e| {
-            self.transport = None;
-            protocol_error(format!("transport: {e}"))
-        })
+        Ok(())
     }
 
     /// Gets each value with the batch get ops: from this process's memory
     /// by cross-memory transfer where the server reaches it, else over the
-    /// socket.
-    fn get_segments_unleased<K: AsRef<[u8]>>(
+    /// socket (never leased: for keys `get_leased` left).
+    pub fn get_segments_unleased<K: AsRef<[u8]>>(
         &mut self,
         keys: &[K],
         bufs: &mut [&mut [&mut [u8]]],
@@ -1613,4 +1679,157 @@ fn get_shm_results(
             })
         })
         .collect()
+}
+
+/// A leased value to copy: its key's index, its offset in the pool, its
+/// length.
+type LeasedCopy = (usize, u64, u64);
+
+/// Copies leased values (`(index, offset, len)`, in index order) out of
+/// `pool` into their buffers, on up to `copiers` threads when they add up
+/// to `PARALLEL_FROM` bytes or more, each thread a run of consecutive
+/// values of about equal bytes.
+fn copy_leased(
+    pool: &kvtier_wire::shm::PoolView,
+    copies: &[LeasedCopy],
+    bufs: &mut [&mut [&mut [u8]]],
+    copiers: usize,
+) -> std::io::Result<()> {
+    let total: u64 = copies.iter().map(|c| c.2).sum();
+    let threads = if total >= crate::pool::PARALLEL_FROM {
+        copiers.min(copies.len()).max(1)
+    } else {
+        1
+    };
+    let copy_run = |copies: &[LeasedCopy], bufs: &mut [&mut [&mut [u8]]], first: usize| {
+        copies
+            .iter()
+            .try_for_each(|&(i, offset, len)| pool.copy_out(offset, len, bufs[i - first]))
+    };
+    if threads == 1 {
+        return copy_run(copies, bufs, 0);
+    }
+    // Cut after the copy that reaches each thread's share of the bytes.
+    let share = total.div_ceil(threads as u64);
+    let mut cuts = Vec::with_capacity(threads);
+    let mut bytes = 0;
+    for (n, copy) in copies.iter().enumerate() {
+        bytes += copy.2;
+        if bytes >= share * (cuts.len() as u64 + 1) && cuts.len() + 1 < threads {
+            cuts.push(n + 1);
+        }
+    }
+    std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(cuts.len());
+        let (mut rest_copies, mut rest_bufs, mut first) = (copies, bufs, 0usize);
+        for &cut in &cuts {
+            let taken = cut - (copies.len() - rest_copies.len());
+            let (mine, later) = rest_copies.split_at(taken);
+            let boundary = later.first().map_or(rest_bufs.len() + first, |c| c.0) - first;
+            let (my_bufs, later_bufs) = std::mem::take(&mut rest_bufs).split_at_mut(boundary);
+            let start = first;
+            handles.push(scope.spawn(move || copy_run(mine, my_bufs, start)));
+            rest_copies = later;
+            rest_bufs = later_bufs;
+            first += boundary;
+        }
+        let mut result = copy_run(rest_copies, rest_bufs, first);
+        for handle in handles {
+            let joined = handle
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            result = result.and(joined);
+        }
+        result
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A pool file of `len` bytes whose byte i is `i * 7 + i / 4096`, sealed
+    /// as a server's is, and its view.
+    fn pool_view(len: usize) -> kvtier_wire::shm::PoolView {
+        let region = SharedRegion::create(len).unwrap();
+        let mut file = std::fs::File::from(
+            region
+                .fd()
+                .map(|fd| {
+                    // SAFETY: a duplicate of the region's own descriptor.
+                    unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+                        .try_clone_to_owned()
+                        .unwrap()
+                })
+                .unwrap(),
+        );
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        file.write_all(&bytes).unwrap();
+        let fd = std::os::fd::OwnedFd::from(file);
+        kvtier_wire::shm::PoolView::map(&fd, len as u64).unwrap()
+    }
+
+    #[test]
+    fn leased_copies_land_in_their_buffers_whatever_the_threads() {
+        const VALUE: usize = 1 << 20;
+        let pool = pool_view(24 * VALUE);
+        let expected = |offset: u64, len: usize| -> Vec<u8> {
+            (offset as usize..offset as usize + len)
+                .map(|i| (i * 7 + i / 4096) as u8)
+                .collect()
+        };
+        // Batches of 12 keys, some not leased (gaps), some past the
+        // parallel threshold, copied on 1 to 4 threads; values split
+        // across two segments each.
+        for (seed, copiers) in (0..40u64).zip([1, 2, 3, 4].into_iter().cycle()) {
+            let leased: Vec<bool> = (0..12)
+                .map(|i| (seed >> (i % 6)) & 1 == 0 || i == 5)
+                .collect();
+            let copies: Vec<LeasedCopy> = (0..12)
+                .filter(|&i| leased[i])
+                .map(|i| {
+                    (
+                        i,
+                        ((i * 2 + seed as usize) % 22 * VALUE) as u64,
+                        VALUE as u64 - i as u64,
+                    )
+                })
+                .collect();
+            let mut storage: Vec<Vec<u8>> = (0..24).map(|_| vec![0u8; VALUE / 2 + 1]).collect();
+            let mut halves: Vec<[&mut [u8]; 2]> = Vec::new();
+            let mut it = storage.iter_mut();
+            while let (Some(a), Some(b)) = (it.next(), it.next()) {
+                halves.push([&mut a[..], &mut b[..]]);
+            }
+            let mut bufs: Vec<&mut [&mut [u8]]> = halves.iter_mut().map(|h| &mut h[..]).collect();
+            copy_leased(&pool, &copies, &mut bufs, copiers).unwrap();
+            drop(bufs);
+            drop(halves);
+            for (i, pair) in storage.chunks(2).enumerate() {
+                let joined: Vec<u8> = pair.concat();
+                match copies.iter().find(|c| c.0 == i) {
+                    Some(&(_, offset, len)) => {
+                        let len = len as usize;
+                        assert!(
+                            joined[..len] == expected(offset, len),
+                            "key {i}, {copiers} threads"
+                        );
+                        assert!(joined[len..].iter().all(|&b| b == 0), "bytes past key {i}");
+                    }
+                    None => assert!(
+                        joined.iter().all(|&b| b == 0),
+                        "key {i} not leased was written"
+                    ),
+                }
+            }
+        }
+        // A lease past the pool or longer than its buffers is refused.
+        let mut small = vec![0u8; 10];
+        let mut one: [&mut [u8]; 1] = [&mut small[..]];
+        let mut bufs: Vec<&mut [&mut [u8]]> = vec![&mut one[..]];
+        assert!(copy_leased(&pool, &[(0, 0, 11)], &mut bufs, 1).is_err());
+        assert!(copy_leased(&pool, &[(0, (24 * VALUE) as u64 - 5, 10)], &mut bufs, 1).is_err());
+        assert!(copy_leased(&pool, &[(0, u64::MAX - 2, 10)], &mut bufs, 1).is_err());
+    }
 }

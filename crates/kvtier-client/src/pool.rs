@@ -62,6 +62,12 @@ impl ClientPool {
         })
     }
 
+    /// Threads a copy out of a mapped pool may use: as many as a batch's
+    /// parts.
+    pub(crate) fn copiers(&self) -> usize {
+        self.parts
+    }
+
     /// Item ranges cutting a batch of items of `sizes` bytes into parts to
     /// move at once (see `PARALLEL_FROM`): one range for a smaller batch.
     pub(crate) fn parts(&self, sizes: &[u64]) -> Vec<Range<usize>> {

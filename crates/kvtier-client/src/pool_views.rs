@@ -27,5 +27,11 @@ pub(crate) fn view_of(fd: OwnedFd, len: u64) -> io::Result<Arc<PoolView>> {
     }
     let view = Arc::new(PoolView::map(&fd, len)?);
     views.push(Arc::downgrade(&view));
+    // Page tables filled in the background: the first copies need not
+    // wait for a whole pool's worth (a second per tens of GiB).
+    let populating = Arc::clone(&view);
+    let _ = std::thread::Builder::new()
+        .name("kvtier-pool-view".into())
+        .spawn(move || populating.populate());
     Ok(view)
 }

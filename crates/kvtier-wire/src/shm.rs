@@ -344,6 +344,27 @@ impl PoolView {
         self.identity
     }
 
+    /// Maps every page of the view now (MADV_POPULATE_READ, Linux 5.14),
+    /// a piece at a time: a copy out of a page this process never touched
+    /// takes a page fault per 64 KiB, which cost a fresh pool's first
+    /// copies a third of their speed. Run on a thread of its own; on older
+    /// kernels the pages fault in as copies touch them.
+    pub fn populate(&self) {
+        const PIECE: usize = 64 << 20;
+        let mut at = 0;
+        while at < self.len {
+            let n = PIECE.min(self.len - at);
+            if self
+                ._mapping
+                .advise_range(memmap2::Advice::PopulateRead, at, n)
+                .is_err()
+            {
+                return;
+            }
+            at += n;
+        }
+    }
+
     /// Copies the `len` bytes at `offset` into `segments`, in order.
     /// Refuses a range outside the mapping, or longer than the segments.
     pub fn copy_out(&self, offset: u64, len: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
