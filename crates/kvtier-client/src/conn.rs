@@ -1825,7 +1825,7 @@ mod tests {
             }
         }
         // A lease past the pool or longer than its buffers is refused.
-        let mut small = vec![0u8; 10];
+        let mut small = [0u8; 10];
         let mut one: [&mut [u8]; 1] = [&mut small[..]];
         let mut bufs: Vec<&mut [&mut [u8]]> = vec![&mut one[..]];
         assert!(copy_leased(&pool, &[(0, 0, 11)], &mut bufs, 1).is_err());
