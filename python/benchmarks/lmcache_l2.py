@@ -137,6 +137,27 @@ def run_one(name: str, scratch: pathlib.Path, peers: str, args, repeat: int) -> 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def memcpy_ceiling(args) -> float:
+    """What a load can reach on this machine now: MB/s of one round's bytes
+    copied from memory it has not just touched into zeroed buffers, on as
+    many threads as there are cores (torch's copy), median of 20 rounds.
+    Both kvtier's and fs_native's loads are such a copy; neither can pass
+    it."""
+    import torch
+
+    size = args.num_keys * args.data_size_kb * 1024
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    sources = [torch.ones(size, dtype=torch.uint8) for _ in range(8)]
+    dst = torch.empty(size, dtype=torch.uint8)
+    rates = []
+    for r in range(20):
+        dst.zero_()
+        t0 = time.perf_counter()
+        dst.copy_(sources[r % len(sources)])
+        rates.append(size / (time.perf_counter() - t0) / 1e6)
+    return statistics.median(rates)
+
+
 def figures(result: dict) -> dict:
     """Per operation: MB/s (store, load), p50 round ms, keys found."""
     ops = {}
@@ -172,8 +193,11 @@ def main() -> None:
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-lmcache-l2-", dir=os.environ.get("KVTIER_BENCH_DIR")))
     runs: dict[str, list[dict]] = {}
     errors: dict[str, str] = {}
+    ceilings: list[float] = []
     try:
         for repeat in range(args.repeat):
+            ceilings.append(memcpy_ceiling(args))
+            print(f"run {repeat} memcpy ceiling: {ceilings[-1]:.0f} MB/s", flush=True)
             for name in args.adapters.split(","):
                 if name in errors:
                     continue
@@ -191,12 +215,16 @@ def main() -> None:
     table = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} | {"runs": rs}
              for name, rs in runs.items()}
     report = {"num_keys": args.num_keys, "data_size_kb": args.data_size_kb, "rounds": args.rounds,
-              "in_flight": args.in_flight, "repeat": args.repeat, "adapters": table, "not_run": errors}
+              "in_flight": args.in_flight, "repeat": args.repeat, "adapters": table, "not_run": errors,
+              "memcpy_ceiling_mb_s": statistics.median(ceilings) if ceilings else None,
+              "memcpy_ceiling_runs": ceilings}
     print("| adapter | store MB/s | load MB/s | store round p50 (ms) | lookup round p50 (ms) | load round p50 (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, t in table.items():
         print(f"| {name} | {t['store_mb_s']:.0f} | {t['load_mb_s']:.0f} | {t['store_p50_ms']:.1f} | "
               f"{t['lookup_p50_ms']:.2f} | {t['load_p50_ms']:.1f} |")
+    if ceilings:
+        print(f"| memcpy ceiling (a round's bytes, every core) | | {statistics.median(ceilings):.0f} | | | |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     incomplete = [n for n, t in table.items() if any(r["loaded"] != r["keys"] for r in t["runs"])]

@@ -1685,57 +1685,64 @@ fn get_shm_results(
 /// length.
 type LeasedCopy = (usize, u64, u64);
 
-/// Copies leased values (`(index, offset, len)`, in index order) out of
+/// Copies leased values (`(index, offset, len)`, each index once) out of
 /// `pool` into their buffers, on up to `copiers` threads when they add up
-/// to `PARALLEL_FROM` bytes or more, each thread a run of consecutive
-/// values of about equal bytes.
+/// to `PARALLEL_FROM` bytes or more. The threads take values one at a
+/// time from a shared counter, so one that the scheduler holds back (a
+/// core busy with the server, or with the caller's other threads) leaves
+/// its share to the others instead of finishing last.
 fn copy_leased(
     pool: &kvtier_wire::shm::PoolView,
     copies: &[LeasedCopy],
     bufs: &mut [&mut [&mut [u8]]],
     copiers: usize,
 ) -> std::io::Result<()> {
+    if copies.iter().any(|c| c.0 >= bufs.len()) {
+        return Err(std::io::Error::other("a leased value without a buffer"));
+    }
+    let mut seen = vec![false; bufs.len()];
+    if !copies
+        .iter()
+        .all(|c| !std::mem::replace(&mut seen[c.0], true))
+    {
+        return Err(std::io::Error::other("a buffer leased twice"));
+    }
     let total: u64 = copies.iter().map(|c| c.2).sum();
     let threads = if total >= crate::pool::PARALLEL_FROM {
         copiers.min(copies.len()).max(1)
     } else {
         1
     };
-    let copy_run = |copies: &[LeasedCopy], bufs: &mut [&mut [&mut [u8]]], first: usize| {
-        copies
-            .iter()
-            .try_for_each(|&(i, offset, len)| pool.copy_out(offset, len, bufs[i - first]))
-    };
     if threads == 1 {
-        return copy_run(copies, bufs, 0);
+        return copies
+            .iter()
+            .try_for_each(|&(i, offset, len)| pool.copy_out(offset, len, bufs[i]));
     }
-    // Cut after the copy that reaches each thread's share of the bytes.
-    let share = total.div_ceil(threads as u64);
-    let mut cuts = Vec::with_capacity(threads);
-    let mut bytes = 0;
-    for (n, copy) in copies.iter().enumerate() {
-        bytes += copy.2;
-        if bytes >= share * (cuts.len() as u64 + 1) && cuts.len() + 1 < threads {
-            cuts.push(n + 1);
+    /// The buffers, shared by the copying threads.
+    struct Shared<'a, 'b>(*mut &'a mut [&'b mut [u8]]);
+    // SAFETY: each buffer is reached by the one thread that took its
+    // copy from the counter (indices are distinct, checked above).
+    unsafe impl Sync for Shared<'_, '_> {}
+    let shared = Shared(bufs.as_mut_ptr());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || -> std::io::Result<()> {
+        let shared = &shared;
+        loop {
+            let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(&(i, offset, len)) = copies.get(n) else {
+                return Ok(());
+            };
+            // SAFETY: `i` is in bounds (checked above) and taken by this
+            // thread alone; `bufs` outlives the scope below.
+            let buf = unsafe { &mut **shared.0.add(i) };
+            pool.copy_out(offset, len, buf)?;
         }
-    }
+    };
     std::thread::scope(|scope| {
-        let mut handles = Vec::with_capacity(cuts.len());
-        let (mut rest_copies, mut rest_bufs, mut first) = (copies, bufs, 0usize);
-        for &cut in &cuts {
-            let taken = cut - (copies.len() - rest_copies.len());
-            let (mine, later) = rest_copies.split_at(taken);
-            let boundary = later.first().map_or(rest_bufs.len() + first, |c| c.0) - first;
-            let (my_bufs, later_bufs) = std::mem::take(&mut rest_bufs).split_at_mut(boundary);
-            let start = first;
-            handles.push(scope.spawn(move || copy_run(mine, my_bufs, start)));
-            rest_copies = later;
-            rest_bufs = later_bufs;
-            first += boundary;
-        }
-        let mut result = copy_run(rest_copies, rest_bufs, first);
-        for handle in handles {
-            let joined = handle
+        let helpers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+        let mut result = work();
+        for helper in helpers {
+            let joined = helper
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p));
             result = result.and(joined);
