@@ -30,7 +30,7 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-ADAPTERS = ("kvtier", "fs", "fs_native", "raw_block", "mooncake_store")
+ADAPTERS = ("kvtier", "kvtier_cross_memory", "fs", "fs_native", "raw_block", "mooncake_store")
 
 
 def free_port() -> int:
@@ -54,11 +54,16 @@ def wait_port(port: int, process: subprocess.Popen, what: str) -> None:
 
 def adapter_spec(name: str, work: pathlib.Path, peers: str, args, services: list) -> dict:
     """The adapter's JSON, starting what it needs."""
-    if name == "kvtier":
+    if name in ("kvtier", "kvtier_cross_memory"):
         binary = os.environ.get("KVTIER_BIN") or str(REPO / "target" / "release" / "kvtier")
         data = work / "kvtier"
+        # kvtier_cross_memory: the same server without pool mapping, so
+        # loads go by cross-memory transfers (the server copies).
+        config = work / "serve.toml"
+        config.write_text("map_pool = false\n" if name == "kvtier_cross_memory" else "")
         server = subprocess.Popen([binary, "serve", "--data-dir", str(data), "--memory", "2GiB", "--disk", "8GiB",
-                                   "--listen", "off", "--admin", "off"], stdout=subprocess.PIPE, text=True)
+                                   "--listen", "off", "--admin", "off", "--config", str(config)],
+                                  stdout=subprocess.PIPE, text=True)
         line = server.stdout.readline()
         if not line.startswith("kvtier serving"):
             raise RuntimeError(f"kvtier serve did not start: {line}")

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The attack classes, in the order each attacker runs them.
-pub const CLASSES: [&str; 8] = [
+pub const CLASSES: [&str; 9] = [
     "idle_unauthenticated_sockets",
     "token_guesses",
     "challenge_guesses",
@@ -21,6 +21,7 @@ pub const CLASSES: [&str; 8] = [
     "announced_put_values",
     "malformed_frames",
     "cross_memory_lies",
+    "pool_map_hoarding",
 ];
 
 #[derive(Default)]
@@ -240,6 +241,7 @@ pub fn attacker_loop(
                 false
             }
             7 => cross_memory_lies(unix_url, token, id, round),
+            8 => pool_map_hoarding(unix_url, token, id, round, stop),
             _ => {
                 // Garbage where a header should be, unauthenticated and
                 // after hello: never answered OK.
@@ -351,4 +353,119 @@ fn cross_memory_lies(unix_url: &str, token: &str, id: usize, round: usize) -> bo
         breach |= r.u32().ok() == Some(1) && r.u8().ok() == Some(1);
     }
     breach
+}
+
+/// A Unix-socket client that maps the server's pool (MapPool) and tries to
+/// write it through the descriptor (a writable mapping, `write`, a
+/// truncation, a punched hole), then leases one value 64 times without
+/// releasing and asks for a 65th, and holds what it leased for 2 s while
+/// the legitimate clients go on. A breach: any write way accepted, or a
+/// lease past the connection's 64.
+fn pool_map_hoarding(
+    unix_url: &str,
+    token: &str,
+    id: usize,
+    round: usize,
+    stop: &AtomicBool,
+) -> bool {
+    use kvtier_wire::protocol::{features, HelloReply, Reader, Request};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    let Some(path) = unix_url.strip_prefix("unix://") else {
+        return false;
+    };
+    let Ok(mut s) = UnixStream::connect(path) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+    // Reads one reply, with the descriptor that came with it.
+    let read = |s: &mut UnixStream| -> Option<(i32, Vec<u8>, Option<std::os::fd::OwnedFd>)> {
+        let mut head = [0u8; HEADER_LEN];
+        let mut got = 0;
+        let mut passed = None;
+        while got < HEADER_LEN {
+            let (n, fd) = kvtier_wire::shm::recv_some_with_fd(s, &mut head[got..]).ok()?;
+            if n == 0 {
+                return None;
+            }
+            passed = passed.or(fd);
+            got += n;
+        }
+        let header = Header::decode(&head, 64 << 20).ok()?;
+        let mut body = vec![0u8; header.body_len as usize];
+        s.read_exact(&mut body).ok()?;
+        Some((header.status, body, passed))
+    };
+    let exchange = |s: &mut UnixStream, op: Op, body: &[u8]| {
+        s.write_all(&frame(op, 1, body)).ok()?;
+        read(s)
+    };
+    let Some((code::OK, hello, _)) = exchange(&mut s, Op::Hello, &hello_body(token.as_bytes()))
+    else {
+        return false;
+    };
+    if HelloReply::decode(&hello).map_or(0, |h| h.features) & features::POOL_MAP == 0 {
+        eprintln!("attacker {id}: pool_map_hoarding: the server does not offer its pool; this round attacked nothing");
+        return false;
+    }
+    let Some((code::OK, body, Some(fd))) = exchange(&mut s, Op::MapPool, &[]) else {
+        return true;
+    };
+    let pool_len = Reader::new(&body).u64().unwrap_or(0) as usize;
+    // SAFETY: attempts on this process's own copy of the descriptor; a
+    // mapping that succeeds is unmapped at once.
+    let written = unsafe {
+        let raw = fd.as_raw_fd();
+        let writable = libc::mmap(
+            std::ptr::null_mut(),
+            pool_len.min(1 << 20),
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            raw,
+            0,
+        );
+        let mapped = writable != libc::MAP_FAILED;
+        if mapped {
+            libc::munmap(writable, pool_len.min(1 << 20));
+        }
+        mapped
+            || libc::write(raw, b"x".as_ptr().cast(), 1) >= 0
+            || libc::ftruncate(raw, 4096) == 0
+            || libc::fallocate(
+                raw,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                4096,
+            ) == 0
+    };
+    if written {
+        return true;
+    }
+    // A value of this attacker's own, leased 64 times and held.
+    let key = format!("pool-hoard/{id}/{round}");
+    let mut w = Writer::default();
+    w.u8(0).u32(1).key(key.as_bytes()).u64(1 << 20);
+    w.buf.extend_from_slice(&vec![0x5a; 1 << 20]);
+    if exchange(&mut s, Op::BatchPut, &w.buf).map(|r| r.0) != Some(code::OK) {
+        return false;
+    }
+    let lease = Request::LeaseValues {
+        items: vec![(key.as_bytes(), 1 << 20)],
+    }
+    .encode();
+    for _ in 0..64 {
+        match exchange(&mut s, Op::LeaseValues, &lease).map(|r| r.0) {
+            Some(code::OK) => {}
+            // The leasing budget, held by the others: nothing more here.
+            Some(code::LIMIT) => return false,
+            _ => return false,
+        }
+    }
+    if exchange(&mut s, Op::LeaseValues, &lease).map(|r| r.0) == Some(code::OK) {
+        return true;
+    }
+    let release = Request::ReleaseLease { lease: u64::MAX }.encode();
+    let released = exchange(&mut s, Op::ReleaseLease, &release).map(|r| r.0);
+    sleep_unless(stop, Duration::from_secs(2));
+    released != Some(code::OK)
 }
