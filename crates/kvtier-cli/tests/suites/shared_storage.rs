@@ -556,6 +556,36 @@ fn a_stopped_file_system_costs_callers_at_most_the_deadline() {
                 });
                 put_took.max(flush_took)
             }),
+            // An operator's commands: the namespace census and a
+            // retirement read every batch record (after a flush); both
+            // fail within the deadline, and the retirement changes nothing
+            // (the values are checked after the stall).
+            s.spawn(|| {
+                let mut cl = client(&c);
+                timed("namespace census", &mut || {
+                    let err = cl
+                        .namespaces()
+                        .expect_err("a census of a stopped file system");
+                    let text = err.to_string();
+                    assert!(
+                        text.contains("storage deadline") || text.contains("still waiting"),
+                        "{text}"
+                    );
+                })
+            }),
+            s.spawn(|| {
+                let mut cl = client(&c);
+                timed("namespace retirement", &mut || {
+                    let err = cl
+                        .retire_namespace()
+                        .expect_err("a retirement on a stopped file system");
+                    let text = err.to_string();
+                    assert!(
+                        text.contains("storage deadline") || text.contains("still waiting"),
+                        "{text}"
+                    );
+                })
+            }),
         ];
         let took: Vec<Duration> = calls.into_iter().map(|c| c.join().unwrap()).collect();
         // A second get of B's blocks while the first is still held.

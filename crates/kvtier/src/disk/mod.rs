@@ -112,6 +112,15 @@ pub struct DiskTier {
     bounded: Option<deadline::BoundedReads>,
     /// `Config::io_deadline_local`: bound reads of every file.
     bound_every_file: bool,
+    /// `Config::io_deadline`: how long a record scan (`records.rs`) may
+    /// go without handing anything over (zero: no bound).
+    io_deadline: std::time::Duration,
+    /// Record scans given up on past the deadline whose thread still
+    /// waits for the file system (at most one: see `records.rs`).
+    scans_held: Arc<AtomicU64>,
+    /// Test seam: record scans wait while this is set.
+    #[cfg(test)]
+    pub(crate) scan_gate: Arc<(Mutex<bool>, std::sync::Condvar)>,
     /// Every record's digests are checked against it.
     secret: Arc<KeySecret>,
     /// Test seam (`Config::unsafe_single_sync_batches`).
@@ -212,6 +221,10 @@ impl DiskTier {
             reader: read::ValueReader::new(Arc::clone(&engine), bounce, read_piece),
             bounded,
             bound_every_file: config.io_deadline_local,
+            io_deadline: config.io_deadline,
+            scans_held: Arc::default(),
+            #[cfg(test)]
+            scan_gate: Arc::default(),
             engine,
             #[cfg(feature = "test-util")]
             single_sync: config.skip_value_sync,

@@ -75,7 +75,7 @@ impl Inner {
         self.flush_all()?;
         let mut tallies: HashMap<Vec<u8>, Tally> = HashMap::new();
         if let Some(disk) = &self.disk {
-            disk.visit_records(|loc, entry| {
+            disk.visit_records_within(|loc, entry| {
                 let Some(loc) = loc else { return };
                 // Live: the index entry is this record's (same place, same
                 // number), not an older or newer put of the key.
@@ -98,7 +98,7 @@ impl Inner {
                     tally.blocks += 1;
                     tally.bytes += u64::from(entry.value_len);
                 }
-            });
+            })?;
         }
         for (digest, prefix, len) in self.memory_only_entries(None) {
             let tally = tally_of(&mut tallies, &prefix);
@@ -145,7 +145,7 @@ impl Inner {
         // Per key of the namespace any record names: its newest record.
         let mut newest: HashMap<u128, (u64, bool, Box<[u8]>)> = HashMap::new();
         if let Some(disk) = &self.disk {
-            disk.visit_records(|_, entry| {
+            disk.visit_records_within(|_, entry| {
                 if !entry.key.starts_with(&prefix) {
                     return;
                 }
@@ -157,7 +157,7 @@ impl Inner {
                         newest.insert(entry.digest.0, (entry.seq, put, entry.key.into()));
                     }
                 }
-            });
+            })?;
         }
         let doomed: Vec<(KeyDigest, Box<[u8]>)> = newest
             .into_iter()
@@ -295,4 +295,55 @@ fn tally_of<'t>(tallies: &'t mut HashMap<Vec<u8>, Tally>, prefix: &[u8]) -> &'t 
         tallies.insert(prefix.to_vec(), Tally::default());
     }
     tallies.get_mut(prefix).expect("inserted above")
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Config, Store};
+    use std::time::{Duration, Instant};
+
+    /// A record scan held back (the test gate standing for a file system
+    /// that stopped answering) fails the census and a retirement with an
+    /// error that names the deadline, changes nothing, parks one thread
+    /// at most, and once it ends both work again.
+    #[test]
+    fn record_scans_past_the_storage_deadline_fail_census_and_retirement_and_change_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(
+            Config::new(dir.path())
+                .memory_capacity(8 << 20)
+                .disk_capacity(64 << 20)
+                .io_deadline(Duration::from_millis(200)),
+        )
+        .unwrap();
+        let view = store.in_namespace(&store.namespace("stalled").unwrap());
+        view.put(b"block", b"bytes").unwrap();
+        store.flush().unwrap();
+        let disk = store.inner.disk.clone().expect("a disk tier");
+        let close = |closed: bool| {
+            let (gate, opened) = &*disk.scan_gate;
+            *gate.lock().unwrap() = closed;
+            opened.notify_all();
+        };
+        close(true);
+        let e = store.namespaces().unwrap_err();
+        assert!(e.to_string().contains("storage deadline"), "{e}");
+        assert_eq!(disk.scans_held(), 1);
+        // While that scan is parked, the next fails at once, parking none.
+        let e = view.retire().unwrap_err();
+        assert!(e.to_string().contains("still waiting"), "{e}");
+        assert_eq!(disk.scans_held(), 1);
+        assert_eq!(view.get(b"block").unwrap().as_deref(), Some(&b"bytes"[..]));
+        close(false);
+        let until = Instant::now() + Duration::from_secs(60);
+        while disk.scans_held() > 0 {
+            assert!(Instant::now() < until, "the parked scan never ended");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let census = store.namespaces().unwrap();
+        let stalled = census.iter().find(|c| c.name == "stalled").unwrap();
+        assert_eq!(stalled.blocks, 1);
+        assert_eq!(view.retire().unwrap().blocks, 1);
+        assert_eq!(view.get(b"block").unwrap(), None);
+    }
 }
