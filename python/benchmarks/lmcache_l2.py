@@ -1,7 +1,9 @@
 """LMCache's own L2 benchmark (`lmcache bench l2`: store, lookup and load
 of batches of objects through an L2 adapter) with kvtier's native plugin
+(and, as `kvtier_cross_memory`, against a server with `map_pool = false`)
 beside LMCache's `fs`, `fs_native`, `raw_block` and `mooncake_store`
-adapters, on this machine, in one run. Run by `scripts/lmcache-l2-bench`.
+adapters, on this machine, in one run, with the memcpy ceiling measured
+before each repeat. Run by `scripts/lmcache-l2-bench`.
 
 Every adapter gets the same objects (``--num-keys`` per submit of
 ``--data-size-kb`` each, ``--rounds`` rounds, every loaded byte verified by
