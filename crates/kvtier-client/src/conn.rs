@@ -1054,8 +1054,18 @@ impl Connection {
         let mut leases = Vec::new();
         let mut copies: Vec<LeasedCopy> = Vec::new();
         for run in self.runs(sizes, frame_size::fixed(Op::LeaseValues) + 8) {
-            let Some((lease, leased)) = self.lease_run(&keys[run.clone()], &bufs[run.clone()])?
-            else {
+            let leased = match self.lease_run(&keys[run.clone()], &bufs[run.clone()]) {
+                Ok(leased) => leased,
+                Err(e) => {
+                    // Leases of earlier frames end now (a dropped
+                    // connection ends them anyway).
+                    for lease in leases {
+                        self.release_lease(lease);
+                    }
+                    return Err(e);
+                }
+            };
+            let Some((lease, leased)) = leased else {
                 continue;
             };
             if !leased.is_empty() {
