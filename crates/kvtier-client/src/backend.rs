@@ -495,35 +495,22 @@ impl KvBackend for ClientPool {
         // Values in the server's memory first, out of its mapped pool on
         // one connection with every core copying; the rest in parts.
         let copiers = self.copiers();
-        let mut results = self.with(|c| c.get_leased(keys, dests, copiers))?;
-        let rest: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_none()).collect();
-        if rest.is_empty() {
-            return Ok(results.into_iter().flatten().collect());
-        }
-        let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i]).collect();
-        let mut rest_dests: Vec<&mut [&mut [u8]]> = dests
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| results[*i].is_none())
-            .map(|(_, d)| &mut **d)
-            .collect();
-        let sizes: Vec<u64> = rest_dests
-            .iter()
-            .map(|d| d.iter().map(|s| s.len() as u64).sum())
-            .collect();
-        let parts = split_parts(self.parts(&sizes), &mut rest_dests);
-        let got = self.in_parts(parts, |c, range, dests| {
-            let keys = &rest_keys[range];
-            let in_shm = shm_segments(c, dests.iter().map(|b| b.iter().map(|s| &s[..])));
-            if let Some(segments) = in_shm {
-                return c.batch_get_registered_segments(keys, &segments);
-            }
-            c.get_segments_unleased(keys, dests)
-        })?;
-        for (&i, result) in rest.iter().zip(got) {
-            results[i] = Some(result);
-        }
-        Ok(results.into_iter().flatten().collect())
+        let results = self.with(|c| c.get_leased(keys, dests, copiers))?;
+        crate::conn::answer_rest(results, keys, dests, |keys, dests| {
+            let sizes: Vec<u64> = dests
+                .iter()
+                .map(|d| d.iter().map(|s| s.len() as u64).sum())
+                .collect();
+            let parts = split_parts(self.parts(&sizes), dests);
+            self.in_parts(parts, |c, range, dests| {
+                let keys = &keys[range];
+                let in_shm = shm_segments(c, dests.iter().map(|b| b.iter().map(|s| &s[..])));
+                if let Some(segments) = in_shm {
+                    return c.batch_get_registered_segments(keys, &segments);
+                }
+                c.get_segments_unleased(keys, dests)
+            })
+        })
     }
 
     fn batch_get_whole(

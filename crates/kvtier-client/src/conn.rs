@@ -1004,28 +1004,10 @@ impl Connection {
         bufs: &mut [&mut [&mut [u8]]],
     ) -> Result<Vec<Result<Option<usize>>>> {
         Self::check_batch_pairs(keys.len(), bufs.len(), "buffers")?;
-        let mut results = self.get_leased(keys, bufs, 1)?;
-        let rest: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_none()).collect();
-        if rest.len() == keys.len() {
-            return self.get_segments_unleased(keys, bufs);
-        }
-        if !rest.is_empty() {
-            let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
-            let mut rest_bufs: Vec<&mut [&mut [u8]]> = bufs
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| results[*i].is_none())
-                .map(|(_, b)| &mut **b)
-                .collect();
-            let got = self.get_segments_unleased(&rest_keys, &mut rest_bufs)?;
-            for (&i, result) in rest.iter().zip(got) {
-                results[i] = Some(result);
-            }
-        }
-        Ok(results
-            .into_iter()
-            .map(|r| r.expect("every key answered"))
-            .collect())
+        let results = self.get_leased(keys, bufs, 1)?;
+        answer_rest(results, keys, bufs, |keys, bufs| {
+            self.get_segments_unleased(keys, bufs)
+        })
     }
 
     /// Copies the values the server holds in memory out of its mapped
@@ -1688,6 +1670,33 @@ fn get_shm_results(
                 c => Err(code_error(c, "")),
             })
         })
+        .collect()
+}
+
+/// Every key's answer: `results`, with the keys it leaves `None` answered
+/// by `get` (called once, with those keys and their buffers, if any).
+pub(crate) fn answer_rest<K: AsRef<[u8]>>(
+    mut results: Vec<Option<Result<Option<usize>>>>,
+    keys: &[K],
+    bufs: &mut [&mut [&mut [u8]]],
+    get: impl FnOnce(&[&[u8]], &mut [&mut [&mut [u8]]]) -> Result<Vec<Result<Option<usize>>>>,
+) -> Result<Vec<Result<Option<usize>>>> {
+    let rest: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_none()).collect();
+    if !rest.is_empty() {
+        let rest_keys: Vec<&[u8]> = rest.iter().map(|&i| keys[i].as_ref()).collect();
+        let mut rest_bufs: Vec<&mut [&mut [u8]]> = bufs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| results[*i].is_none())
+            .map(|(_, b)| &mut **b)
+            .collect();
+        for (&i, result) in rest.iter().zip(get(&rest_keys, &mut rest_bufs)?) {
+            results[i] = Some(result);
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.ok_or_else(|| protocol_error("a key left unanswered")))
         .collect()
 }
 
