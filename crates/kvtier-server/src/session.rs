@@ -330,6 +330,7 @@ impl Session<'_> {
                     code::PROTOCOL,
                     e.0.as_bytes(),
                     &[],
+                    None,
                 );
                 End::Closed
             }
@@ -915,7 +916,7 @@ fn answer(
     started: Instant,
 ) -> bool {
     metrics.record(header.op, started.elapsed(), reply.sample);
-    let sent = send_passing(
+    let sent = send(
         transport,
         header.op,
         header.request_id,
@@ -950,21 +951,10 @@ fn unknown_buffer<'b>(buffer: u32) -> Reply<'b> {
     )
 }
 
-/// Writes one response frame: header, body, then the value bytes.
+/// Writes one response frame: header, body, then the value bytes; `pass`,
+/// a descriptor, goes along with the frame's first bytes (Unix sockets; a
+/// reply that has one is only built for those).
 fn send(
-    transport: &mut Transport,
-    op: u16,
-    request_id: u64,
-    status: i32,
-    body: &[u8],
-    tail: &[&[u8]],
-) -> io::Result<()> {
-    send_passing(transport, op, request_id, status, body, tail, None)
-}
-
-/// [`send`], with a descriptor passed along with the frame's first bytes
-/// (Unix sockets; a reply that has one is only built for those).
-fn send_passing(
     transport: &mut Transport,
     op: u16,
     request_id: u64,

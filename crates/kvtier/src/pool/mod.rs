@@ -55,7 +55,7 @@ impl PoolCore {
     /// path takes no page faults.
     #[cfg(test)]
     pub fn new(capacity: u64) -> Result<Arc<Self>> {
-        let pool = Self::new_unpopulated(capacity)?;
+        let pool = Self::new_unpopulated(capacity, false)?;
         pool.prefault();
         Ok(pool)
     }
@@ -70,11 +70,7 @@ impl PoolCore {
         capacity: u64,
         shareable: bool,
     ) -> Result<(Arc<Self>, std::thread::JoinHandle<()>)> {
-        let pool = if shareable {
-            Self::new_shareable(capacity)?
-        } else {
-            Self::new_unpopulated(capacity)?
-        };
+        let pool = Self::new_unpopulated(capacity, shareable)?;
         let populating = Arc::clone(&pool);
         let handle = std::thread::Builder::new()
             .name("kvtier-prefault".into())
@@ -83,26 +79,34 @@ impl PoolCore {
         Ok((pool, handle))
     }
 
-    fn new_unpopulated(capacity: u64) -> Result<Arc<Self>> {
+    /// The mapping, anonymous or (`shareable`) of a memory file others may
+    /// map read-only ([`shared_view`](Self::shared_view)); not pre-faulted.
+    fn new_unpopulated(capacity: u64, shareable: bool) -> Result<Arc<Self>> {
         let len = capacity.div_ceil(PAGE_SIZE) * PAGE_SIZE;
         let len_usize = usize::try_from(len)
             .map_err(|_| Error::invalid(format!("memory capacity {capacity} is too large")))?;
-        let mut mapping = memmap2::MmapMut::map_anon(len_usize)
-            .map_err(|e| Error::io(format!("mapping a memory pool of {len} bytes"), e))?;
+        let (mut mapping, file) = if shareable {
+            let (mapping, file) = Self::shareable_mapping(len)?;
+            (mapping, Some(file))
+        } else {
+            let mapping = memmap2::MmapMut::map_anon(len_usize)
+                .map_err(|e| Error::io(format!("mapping a memory pool of {len} bytes"), e))?;
+            (mapping, None)
+        };
         let base = mapping.as_mut_ptr();
         Ok(Arc::new(PoolCore {
             base,
             len: len_usize,
             mapping,
-            file: None,
+            file,
             allocator: Mutex::new(ExtentAllocator::new(len / PAGE_SIZE)),
             live_entries: AtomicU64::new(0),
             live_bytes: AtomicU64::new(0),
         }))
     }
 
-    /// [`new_unpopulated`](Self::new_unpopulated), backed by a memory file
-    /// that others may map read-only ([`shared_view`](Self::shared_view)).
+    /// A writable mapping of a new memory file of `len` bytes (a page
+    /// multiple that fits a `usize`), and the file.
     ///
     /// The file is sealed once this process holds its only writable
     /// mapping: `F_SEAL_FUTURE_WRITE` refuses every later writable shared
@@ -113,11 +117,8 @@ impl PoolCore {
     /// shared memory gets no transparent huge pages unless the system's
     /// `shmem_enabled` allows them (a copy out of 4 KiB pages measured as
     /// fast as out of huge pages here; see docs/server.md).
-    fn new_shareable(capacity: u64) -> Result<Arc<Self>> {
+    fn shareable_mapping(len: u64) -> Result<(memmap2::MmapMut, std::os::fd::OwnedFd)> {
         use rustix::fs::{MemfdFlags, SealFlags};
-        let len = capacity.div_ceil(PAGE_SIZE) * PAGE_SIZE;
-        let len_usize = usize::try_from(len)
-            .map_err(|_| Error::invalid(format!("memory capacity {capacity} is too large")))?;
         let file = rustix::fs::memfd_create(
             c"kvtier-pool",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -131,7 +132,7 @@ impl PoolCore {
         })?;
         // SAFETY: the file is sealed against resizing right below, before
         // any slot exists; nothing but this mapping writes it.
-        let mut mapping = unsafe { memmap2::MmapOptions::new().len(len_usize).map_mut(&file) }
+        let mapping = unsafe { memmap2::MmapOptions::new().len(len as usize).map_mut(&file) }
             .map_err(|e| Error::io(format!("mapping a memory pool of {len} bytes"), e))?;
         rustix::fs::fcntl_add_seals(
             &file,
@@ -143,20 +144,11 @@ impl PoolCore {
                 e.into(),
             )
         })?;
-        let base = mapping.as_mut_ptr();
-        Ok(Arc::new(PoolCore {
-            base,
-            len: len_usize,
-            mapping,
-            file: Some(file),
-            allocator: Mutex::new(ExtentAllocator::new(len / PAGE_SIZE)),
-            live_entries: AtomicU64::new(0),
-            live_bytes: AtomicU64::new(0),
-        }))
+        Ok((mapping, file))
     }
 
     /// The pool's memory file, sealed so that whoever maps it can only read
-    /// it (see [`new_shareable`](Self::new_shareable)); `None` for a pool
+    /// it (see [`shareable_mapping`](Self::shareable_mapping)); `None` for a pool
     /// that is not shareable.
     pub fn shared_view(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
