@@ -158,6 +158,8 @@ pub struct Connection {
     /// ReleaseLease requests sent whose replies are still to be read
     /// (before the next request's: see `release_lease`).
     owed_replies: u32,
+    /// Connections made so far: leases and pool offsets belong to one.
+    connections: u64,
     /// Reused request and response buffers (they only grow).
     request: Vec<u8>,
     response: Vec<u8>,
@@ -271,6 +273,7 @@ impl Connection {
             pool: None,
             passed: None,
             owed_replies: 0,
+            connections: 0,
             request: Vec::new(),
             response: Vec::new(),
         };
@@ -303,6 +306,7 @@ impl Connection {
             pool: None,
             passed: None,
             owed_replies: 0,
+            connections: 0,
             request: Vec::new(),
             response: Vec::new(),
         }
@@ -314,6 +318,7 @@ impl Connection {
         self.own_id = None;
         self.pool = None;
         self.owed_replies = 0;
+        self.connections += 1;
         let transport = match &self.endpoint {
             Endpoint::Tcp(addr) => {
                 let stream = connect_within(addr, self.options.timeout)
@@ -1035,6 +1040,7 @@ impl Connection {
             .map(|k| frame_size::get_item(k.as_ref().len()).max(frame_size::LEASE_REPLY_ITEM));
         let mut leases = Vec::new();
         let mut copies: Vec<LeasedCopy> = Vec::new();
+        let mut connection = self.connections;
         for run in self.runs(sizes, frame_size::fixed(Op::LeaseValues) + 8) {
             let leased = match self.lease_run(&keys[run.clone()], &bufs[run.clone()]) {
                 Ok(leased) => leased,
@@ -1047,6 +1053,21 @@ impl Connection {
                     return Err(e);
                 }
             };
+            if self.connections != connection {
+                if !leases.is_empty() {
+                    // The connection was made again for this frame (its
+                    // first died): the earlier frames' leases ended with
+                    // it, and their offsets may name reused extents, or
+                    // another server's pool. Nothing is copied; every key
+                    // is got the other ways (this frame's lease, on the
+                    // new connection, ends now).
+                    if let Some((lease, _)) = leased {
+                        self.release_lease(lease);
+                    }
+                    return Ok(results);
+                }
+                connection = self.connections;
+            }
             let Some((lease, leased)) = leased else {
                 continue;
             };
