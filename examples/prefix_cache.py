@@ -50,7 +50,9 @@ def main():
         # and puts then move no bytes over the socket.
         pool = np.frombuffer(cache.alloc_buffer(32 * BLOCK_BYTES), dtype=np.uint8) if target.startswith("unix://") else np.zeros(32 * BLOCK_BYTES, dtype=np.uint8)
     else:
-        cache = kvtier.Store(tempfile.mkdtemp(prefix="kvtier-example-"), memory="64MiB", disk="1GiB")
+        # A scratch store; the directory is removed when the program exits.
+        scratch = tempfile.TemporaryDirectory(prefix="kvtier-example-")
+        cache = kvtier.Store(scratch.name, memory="64MiB", disk="1GiB")
         pool = np.zeros(32 * BLOCK_BYTES, dtype=np.uint8)
     host_pool = pool.reshape(32, BLOCK_BYTES)
     with cache:

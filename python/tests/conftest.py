@@ -1,5 +1,6 @@
 import os
 import pathlib
+import shutil
 import subprocess
 import tempfile
 
@@ -46,6 +47,9 @@ def server():
     yield urls
     process.terminate()
     assert process.wait(timeout=30) == 0
+    # A module's server writes hundreds of MiB: CI runs on one machine
+    # again and again, so nothing is left behind.
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(params=["store", "unix", "tcp", "tcp-routing"])
@@ -101,3 +105,4 @@ def tls_server():
     yield {"url": url, "token": token, "ca": ca}
     process.terminate()
     assert process.wait(timeout=30) == 0
+    shutil.rmtree(directory, ignore_errors=True)

@@ -5,7 +5,6 @@ unit passes systemd-analyze; the Prometheus example parses."""
 import json
 import re
 import subprocess
-import tempfile
 import pathlib
 
 import kvtier
@@ -63,10 +62,10 @@ def test_dashboard_is_a_grafana_dashboard_over_our_metrics(cluster):
         assert needed in named, needed
 
 
-def test_systemd_unit_verifies_and_is_hardened():
+def test_systemd_unit_verifies_and_is_hardened(tmp_path):
     analyze = tool("systemd-analyze", "systemd")
     unit = (REPO / "deploy" / "kvtier.service").read_text()
-    directory = pathlib.Path(tempfile.mkdtemp(prefix="kvtier-unit-"))
+    directory = tmp_path
     path = directory / "kvtier.service"
     path.write_text(unit.replace("/usr/local/bin/kvtier", kvtier_binary()))
     result = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)

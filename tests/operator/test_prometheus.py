@@ -6,6 +6,7 @@ export."""
 import json
 import pathlib
 import re
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -81,6 +82,7 @@ def prometheus(cluster):
     process.terminate()
     process.wait(timeout=30)
     log.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def query(prometheus, expr):

@@ -408,8 +408,13 @@ fn pool_map_hoarding(
         eprintln!("attacker {id}: pool_map_hoarding: the server does not offer its pool; this round attacked nothing");
         return false;
     }
+    // A refused MapPool (no descriptor to spare, say) gives the attacker
+    // nothing: not a breach, and this round attacked nothing.
     let Some((code::OK, body, Some(fd))) = exchange(&mut s, Op::MapPool, &[]) else {
-        return true;
+        eprintln!(
+            "attacker {id}: pool_map_hoarding: MapPool was refused; this round attacked nothing"
+        );
+        return false;
     };
     let pool_len = Reader::new(&body).u64().unwrap_or(0) as usize;
     // SAFETY: attempts on this process's own copy of the descriptor; a
@@ -453,16 +458,29 @@ fn pool_map_hoarding(
         items: vec![(key.as_bytes(), 1 << 20)],
     }
     .encode();
+    // Whether a reply leased the value. A lease whose key had no memory
+    // copy (evicted meanwhile) is answered OK with nothing held, and the
+    // server counts only leases that hold something: such a round proves
+    // nothing about the cap.
+    let leased = |reply: &[u8]| {
+        kvtier_wire::protocol::decode_lease_reply(reply, 1)
+            .is_ok_and(|(_, items)| items[0].code == code::OK)
+    };
     for _ in 0..64 {
-        match exchange(&mut s, Op::LeaseValues, &lease).map(|r| r.0) {
-            Some(code::OK) => {}
+        match exchange(&mut s, Op::LeaseValues, &lease) {
+            Some((code::OK, reply, _)) if leased(&reply) => {}
+            Some((code::OK, _, _)) => {
+                eprintln!("attacker {id}: pool_map_hoarding: the value left memory before 64 leases held it; this round attacked nothing");
+                return false;
+            }
             // The leasing budget, held by the others: nothing more here.
-            Some(code::LIMIT) => return false,
             _ => return false,
         }
     }
-    if exchange(&mut s, Op::LeaseValues, &lease).map(|r| r.0) == Some(code::OK) {
-        return true;
+    if let Some((code::OK, reply, _)) = exchange(&mut s, Op::LeaseValues, &lease) {
+        if leased(&reply) {
+            return true;
+        }
     }
     let release = Request::ReleaseLease { lease: u64::MAX }.encode();
     let released = exchange(&mut s, Op::ReleaseLease, &release).map(|r| r.0);
