@@ -29,13 +29,14 @@ pub struct AttackCounts {
     pub rounds: [AtomicU64; CLASSES.len()],
     pub feed_rounds: [AtomicU64; crate::feed::CLASSES.len()],
     pub shared_rounds: [AtomicU64; crate::shared_dir::CLASSES.len()],
+    pub cluster_rounds: [AtomicU64; crate::cluster_peers::CLASSES.len()],
     /// Attacks whose connection could not be made at all (each such round
     /// attacked nothing; a run where they dominate proves nothing).
     pub unconnected: AtomicU64,
     pub breaches: AtomicU64,
 }
 
-fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
+pub(crate) fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
     let mut f = Header {
         op: op as u16,
         request_id: id,
@@ -50,7 +51,7 @@ fn frame(op: Op, id: u64, body: &[u8]) -> Vec<u8> {
 
 /// The status of the next reply (its body skipped), or `None` if the
 /// connection ended first.
-fn reply_status(s: &mut TcpStream) -> Option<i32> {
+pub(crate) fn reply_status(s: &mut TcpStream) -> Option<i32> {
     let mut head = [0u8; HEADER_LEN];
     s.read_exact(&mut head).ok()?;
     let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as u64;
@@ -58,13 +59,13 @@ fn reply_status(s: &mut TcpStream) -> Option<i32> {
     Some(i32::from_le_bytes(head[20..24].try_into().unwrap()))
 }
 
-fn hello_body(token: &[u8]) -> Vec<u8> {
+pub(crate) fn hello_body(token: &[u8]) -> Vec<u8> {
     let mut w = Writer::default();
     w.u32(token.len() as u32).bytes(token).u16(0);
     w.buf
 }
 
-fn connect(tcp: &str) -> Option<TcpStream> {
+pub(crate) fn connect(tcp: &str) -> Option<TcpStream> {
     let s = TcpStream::connect(tcp).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(20))).ok()?;
     s.set_write_timeout(Some(Duration::from_secs(20))).ok()?;
@@ -93,19 +94,33 @@ pub struct Feed {
     pub replay: String,
 }
 
-/// `tcp_url` is the server's `tcp://HOST:PORT`; `shared` its shared
-/// directory, when it has one.
-#[allow(clippy::too_many_arguments)]
+/// What else the soak's server has that attackers go at, besides its
+/// sockets.
+#[derive(Clone, Copy, Default)]
+pub struct Surfaces<'a> {
+    /// Its KV-event feed.
+    pub feed: Option<&'a Feed>,
+    /// Its shared directory.
+    pub shared: Option<&'a std::path::Path>,
+    /// The cluster it is a member of.
+    pub cluster: Option<&'a crate::cluster_peers::Cluster>,
+}
+
+/// `tcp_url` is the server's `tcp://HOST:PORT`.
 pub fn attacker_loop(
     id: usize,
     unix_url: &str,
     tcp_url: &str,
     token: &str,
-    feed: Option<&Feed>,
-    shared: Option<&std::path::Path>,
+    surfaces: Surfaces<'_>,
     stop: &AtomicBool,
     counts: &AttackCounts,
 ) {
+    let Surfaces {
+        feed,
+        shared,
+        cluster,
+    } = surfaces;
     // The raw sockets below dial HOST:PORT. (They were given the URL,
     // which no socket address parses: every connect failed and these
     // classes attacked nothing until this was found.)
@@ -121,13 +136,26 @@ pub fn attacker_loop(
     } else {
         0
     };
-    let classes = CLASSES.len() + feed_classes + shared_classes;
+    let cluster_classes = if cluster.is_some() {
+        crate::cluster_peers::CLASSES.len()
+    } else {
+        0
+    };
+    let classes = CLASSES.len() + feed_classes + shared_classes + cluster_classes;
     while !stop.load(Ordering::Relaxed) {
         let class = round % classes;
         round += 1;
         if class >= CLASSES.len() {
             let which = class - CLASSES.len();
-            let (name, rounds, breach) = if which >= feed_classes {
+            let (name, rounds, breach) = if which >= feed_classes + shared_classes {
+                let which = which - feed_classes - shared_classes;
+                let cluster = cluster.expect("cluster classes only in a cluster");
+                (
+                    crate::cluster_peers::CLASSES[which],
+                    &counts.cluster_rounds[which],
+                    crate::cluster_peers::attack(which, id, round, cluster, tcp, token, stop),
+                )
+            } else if which >= feed_classes {
                 let which = which - feed_classes;
                 let shared = shared.expect("shared-directory classes only with one");
                 (

@@ -29,9 +29,16 @@
 //! classes (`feed.rs`), and one subscriber logged in with the token must
 //! keep receiving batches.
 //!
+//! With `KVTIER_SOAK_SHARED_DIR` (the server's shared directory), they
+//! plant files there (`shared_dir.rs`); with `KVTIER_SOAK_CLUSTER_ETCD`,
+//! `KVTIER_SOAK_CLUSTER_NAME` and `KVTIER_SOAK_CLUSTER_PEER` (the server a
+//! member of a cluster), they forge member records and cross the members'
+//! proofs (`cluster_peers.rs`).
+//!
 //! Usage: soak UNIX_URL TCP_URL SERVER_PID SECONDS [CLIENTS] [ATTACKERS]
 
 mod attacks;
+mod cluster_peers;
 mod feed;
 mod shared_dir;
 
@@ -200,9 +207,23 @@ fn main() {
     });
     let shared: Option<Arc<std::path::Path>> =
         std::env::var_os("KVTIER_SOAK_SHARED_DIR").map(|dir| Arc::from(std::path::Path::new(&dir)));
+    // In a cluster (`scripts/soak --cluster`): etcd, the cluster's name and
+    // the other member's address.
+    let cluster = match (
+        std::env::var("KVTIER_SOAK_CLUSTER_ETCD"),
+        std::env::var("KVTIER_SOAK_CLUSTER_NAME"),
+        std::env::var("KVTIER_SOAK_CLUSTER_PEER"),
+    ) {
+        (Ok(etcd), Ok(name), Ok(peer)) => Some(Arc::new(cluster_peers::Cluster {
+            etcd,
+            name,
+            peer: peer.strip_prefix("tcp://").unwrap_or(&peer).to_string(),
+        })),
+        _ => None,
+    };
     let attack_threads: Vec<_> = (0..attackers)
         .map(|id| {
-            let shared = shared.clone();
+            let (shared, cluster) = (shared.clone(), cluster.clone());
             let (stop, counts, unix, tcp, token, feed) = (
                 Arc::clone(&stop),
                 Arc::clone(&attacked),
@@ -217,8 +238,11 @@ fn main() {
                     &unix,
                     &tcp,
                     &token,
-                    feed.as_deref(),
-                    shared.as_deref(),
+                    attacks::Surfaces {
+                        feed: feed.as_deref(),
+                        shared: shared.as_deref(),
+                        cluster: cluster.as_deref(),
+                    },
                     &stop,
                     &counts,
                 )
@@ -269,6 +293,7 @@ fn main() {
         .zip(&attacked.rounds)
         .chain(feed::CLASSES.iter().zip(&attacked.feed_rounds))
         .chain(shared_dir::CLASSES.iter().zip(&attacked.shared_rounds))
+        .chain(cluster_peers::CLASSES.iter().zip(&attacked.cluster_rounds))
         .map(|(name, n)| (name.to_string(), n.load(Ordering::Relaxed).into()))
         .collect();
     let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
