@@ -63,7 +63,8 @@ impl Cluster {
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
-    /// The genuine member records, parsed.
+    /// The genuine member records, parsed: not the ones other attackers
+    /// are planting meanwhile (their ids start with `5a5a`).
     fn records(&self) -> Vec<serde_json::Value> {
         self.etcdctl(&[
             "get",
@@ -73,7 +74,13 @@ impl Cluster {
         ])
         .unwrap_or_default()
         .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| {
+            r["signature"].is_string()
+                && r["member"]["id"]
+                    .as_str()
+                    .is_some_and(|id| !id.starts_with("5a5a"))
+        })
         .collect()
     }
 }
