@@ -393,7 +393,12 @@ impl PoolView {
             // SAFETY: `at..at + n` lies inside the mapping (checked above);
             // `segment` is the caller's own memory, never the mapping
             // (which is read-only: a write into it would have faulted).
-            unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(at), segment.as_mut_ptr(), n) };
+            // A leased extent is not written while the lease holds it.
+            // Non-temporal stores: the buffer is an engine's, read next by
+            // its GPU or its own threads (`kvtier::bulk_copy`).
+            unsafe {
+                kvtier::bulk_copy::copy_raw_for_elsewhere(segment.as_mut_ptr(), self.ptr.add(at), n)
+            };
             at += n;
         }
         Ok(())

@@ -26,6 +26,7 @@
 // Every module is private: the crate's surface is the `pub use` list
 // below, so dead-code lints see every item. `internals` (fuzzing, the
 // bench) and `test_util` (fault injection) are features.
+pub mod bulk_copy;
 mod checkpoint;
 mod collect;
 mod config;
