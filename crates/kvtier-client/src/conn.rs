@@ -1753,10 +1753,11 @@ fn copy_leased(
     } else {
         1
     };
+    let streamed = kvtier::bulk_copy::worth_streaming(usize::try_from(total).unwrap_or(usize::MAX));
     if threads == 1 {
         return copies
             .iter()
-            .try_for_each(|&(i, offset, len)| pool.copy_out(offset, len, bufs[i]));
+            .try_for_each(|&(i, offset, len)| pool.copy_out(offset, len, bufs[i], streamed));
     }
     /// The buffers, shared by the copying threads.
     struct Shared<'a, 'b>(*mut &'a mut [&'b mut [u8]]);
@@ -1775,7 +1776,7 @@ fn copy_leased(
             // SAFETY: `i` is in bounds (checked above) and taken by this
             // thread alone; `bufs` outlives the scope below.
             let buf = unsafe { &mut **shared.0.add(i) };
-            pool.copy_out(offset, len, buf)?;
+            pool.copy_out(offset, len, buf, streamed)?;
         }
     };
     std::thread::scope(|scope| {
@@ -1826,14 +1827,17 @@ mod tests {
                 .map(|i| (i * 7 + i / 4096) as u8)
                 .collect()
         };
-        // Batches of 12 keys, some not leased (gaps), some past the
-        // parallel threshold, copied on 1 to 4 threads; values split
+        // Batches of 20 keys, some not leased (gaps), some past the
+        // parallel threshold, some whole (past the streaming threshold:
+        // non-temporal stores), copied on 1 to 4 threads; values split
         // across two segments each.
+        const KEYS: usize = 20;
+        let mut streamed_batches = 0;
         for (seed, copiers) in (0..40u64).zip([1, 2, 3, 4].into_iter().cycle()) {
-            let leased: Vec<bool> = (0..12)
-                .map(|i| (seed >> (i % 6)) & 1 == 0 || i == 5)
+            let leased: Vec<bool> = (0..KEYS)
+                .map(|i| seed % 5 == 0 || (seed >> (i % 6)) & 1 == 0 || i == 5)
                 .collect();
-            let copies: Vec<LeasedCopy> = (0..12)
+            let copies: Vec<LeasedCopy> = (0..KEYS)
                 .filter(|&i| leased[i])
                 .map(|i| {
                     (
@@ -1843,13 +1847,16 @@ mod tests {
                     )
                 })
                 .collect();
-            let mut storage: Vec<Vec<u8>> = (0..24).map(|_| vec![0u8; VALUE / 2 + 1]).collect();
+            let mut storage: Vec<Vec<u8>> =
+                (0..2 * KEYS).map(|_| vec![0u8; VALUE / 2 + 1]).collect();
             let mut halves: Vec<[&mut [u8]; 2]> = Vec::new();
             let mut it = storage.iter_mut();
             while let (Some(a), Some(b)) = (it.next(), it.next()) {
                 halves.push([&mut a[..], &mut b[..]]);
             }
             let mut bufs: Vec<&mut [&mut [u8]]> = halves.iter_mut().map(|h| &mut h[..]).collect();
+            let total: u64 = copies.iter().map(|c| c.2).sum();
+            streamed_batches += usize::from(kvtier::bulk_copy::worth_streaming(total as usize));
             copy_leased(&pool, &copies, &mut bufs, copiers).unwrap();
             drop(bufs);
             drop(halves);
@@ -1871,6 +1878,10 @@ mod tests {
                 }
             }
         }
+        assert!(
+            (1..40).contains(&streamed_batches),
+            "{streamed_batches} of 40 batches streamed: both kinds must be covered"
+        );
         // A lease past the pool or longer than its buffers is refused.
         let mut small = [0u8; 10];
         let mut one: [&mut [u8]; 1] = [&mut small[..]];

@@ -367,7 +367,13 @@ impl PoolView {
 
     /// Copies the `len` bytes at `offset` into `segments`, in order.
     /// Refuses a range outside the mapping, or longer than the segments.
-    pub fn copy_out(&self, offset: u64, len: u64, segments: &mut [&mut [u8]]) -> io::Result<()> {
+    pub fn copy_out(
+        &self,
+        offset: u64,
+        len: u64,
+        segments: &mut [&mut [u8]],
+        streamed: bool,
+    ) -> io::Result<()> {
         let refuse = |why: String| io::Error::new(io::ErrorKind::InvalidData, why);
         let end = offset
             .checked_add(len)
@@ -394,10 +400,18 @@ impl PoolView {
             // `segment` is the caller's own memory, never the mapping
             // (which is read-only: a write into it would have faulted).
             // A leased extent is not written while the lease holds it.
-            // Non-temporal stores: the buffer is an engine's, read next by
-            // its GPU or its own threads (`kvtier::bulk_copy`).
+            // `streamed`: non-temporal stores, for a batch too large to
+            // stay in the cache for its reader (`kvtier::bulk_copy`).
             unsafe {
-                kvtier::bulk_copy::copy_raw_for_elsewhere(segment.as_mut_ptr(), self.ptr.add(at), n)
+                if streamed {
+                    kvtier::bulk_copy::copy_raw_for_elsewhere(
+                        segment.as_mut_ptr(),
+                        self.ptr.add(at),
+                        n,
+                    )
+                } else {
+                    std::ptr::copy_nonoverlapping(self.ptr.add(at), segment.as_mut_ptr(), n)
+                }
             };
             at += n;
         }
