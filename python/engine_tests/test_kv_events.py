@@ -3,12 +3,15 @@ router reads vLLM's: a pyzmq SUB socket, vLLM's own event classes to
 decode, and vLLM's replay protocol (a DEALER asking the ROUTER for the
 batches from a sequence number on) to fill gaps."""
 
+import hashlib
+import hmac
 import re
 import time
 import uuid
 
 import msgspec
 import zmq
+import zmq.utils.z85
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 import kvtier
@@ -28,9 +31,12 @@ class Router:
     join, a dropped batch) is filled from the replay socket before any
     later batch is used."""
 
-    def __init__(self, server, password: str | None = None):
-        self.pub, self.replay = re.findall(r"(?:kv events|replay) (tcp://[\d.:]+)", server.line)
+    def __init__(self, server, password: str | None = None,
+                 curve: tuple[bytes, bytes, bytes] | None = None):
+        self.pub, self.replay = (a.replace("0.0.0.0", "127.0.0.1") for a in
+                                 re.findall(r"(?:kv events|replay) (tcp://[\d.:]+)", server.line))
         self.password = password
+        self.curve = curve
         self.ctx = zmq.Context()
         self.sub = self._login(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -46,6 +52,8 @@ class Router:
         if self.password is not None:
             socket.plain_username = b"router"
             socket.plain_password = self.password.encode()
+        if self.curve is not None:
+            socket.curve_publickey, socket.curve_secretkey, socket.curve_serverkey = self.curve
         return socket
 
     def _replay_from(self, start: int) -> None:
@@ -286,3 +294,74 @@ def test_routers_log_in_with_plain_and_a_tenant_sees_only_its_namespaces(tmp_pat
             router.close()
         server.stop()
 
+
+
+def curve_client_keys(token: str) -> tuple[bytes, bytes]:
+    """docs/integrations.md's recipe: a router's CURVE keys from its kvtier
+    token (HMAC-SHA256 of a fixed label, keyed with the token)."""
+    secret = zmq.utils.z85.encode(
+        hmac.new(token.encode(), b"kvtier kv-events CURVE client key", hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
+
+
+def test_routers_subscribe_over_curve_off_the_host_and_see_what_their_token_opens(tmp_path):
+    """Issue 39, item 3: with `kv_events_auth = "curve"` the feed may bind
+    off loopback; routers use ZeroMQ's own CURVE (pyzmq's curve_* socket
+    options, libzmq's implementation) with keys derived from their kvtier
+    token and the server key the server prints. A tenant receives its own
+    namespaces' events, live and replayed; the server's token sees all; a
+    key of no token, a router holding the wrong server key, a PLAIN login
+    and a router without a login receive nothing."""
+    assert zmq.has("curve"), "this pyzmq was built without CURVE"
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(
+        f'[[tenant]]\nname = "{name}"\ntoken = "{token}"\nnamespaces = ["team-{name}"]\n'
+        for name, token in TENANT_TOKENS.items()))
+    tenants.chmod(0o600)
+    config = tmp_path / "serve.toml"
+    config.write_text('kv_events_auth = "curve"\n')
+    server = KvtierServer(tmp_path / "kvtier-data", memory="256MiB", disk="1GiB",
+                          extra=["--kv-events", "tcp://0.0.0.0:0", "--kv-events-replay", "tcp://0.0.0.0:0",
+                                 "--auth-token", SERVER_TOKEN, "--tenants", str(tenants), "--config", str(config)])
+    server_key = re.search(r"CURVE server key (.{40})", server.line).group(1).encode()
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    wrong_server, _ = zmq.curve_keypair()
+    routers = {
+        "a": Router(server, curve=(*curve_client_keys(TENANT_TOKENS["a"]), server_key)),
+        "all": Router(server, curve=(*curve_client_keys(SERVER_TOKEN), server_key)),
+        "stranger": Router(server, curve=(stranger_public, stranger_secret, server_key)),
+        "wrong server": Router(server, curve=(*curve_client_keys(TENANT_TOKENS["a"]), wrong_server)),
+        "plain": Router(server, TENANT_TOKENS["a"]),
+        "none": Router(server),
+    }
+    try:
+        clients = {name: kvtier.Client(server.url, namespace=f"team-{name}/llama", auth_token=token)
+                   for name, token in TENANT_TOKENS.items()}
+
+        def namespaces(router):
+            return {topic.split("@")[-1] for topic, e in router.events() if not isinstance(e, AllBlocksCleared)}
+
+        for i in range(200):
+            for client in clients.values():
+                client.put(f"block-{i}".encode(), b"x" * 4096)
+                client.flush()
+            for router in routers.values():
+                router.poll(0.05)
+            if {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"]) and namespaces(routers["a"]):
+                break
+        assert {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"])
+        assert namespaces(routers["a"]) == {"team-a/llama"}, namespaces(routers["a"])
+        # The replay, through CURVE too: tenant a's batches only.
+        routers["a"].batches.clear()
+        routers["a"].next_seq = 0
+        routers["a"]._replay_from(0)
+        assert namespaces(routers["a"]) == {"team-a/llama"}
+        for name in ("stranger", "wrong server", "plain", "none"):
+            routers[name].poll(1.0)
+            assert routers[name].batches == [], f"the {name} router received events"
+        for client in clients.values():
+            client.close()
+    finally:
+        for router in routers.values():
+            router.close()
+        server.stop()

@@ -138,7 +138,8 @@ pub struct NodeConfig {
     pub kv_events_replay: Option<String>,
     /// Topic prefix. Default: kv@<node id>.
     pub kv_events_topic: Option<String>,
-    /// `none` or `plain`. Default: none.
+    /// `none`, `plain` or `curve` (docs/integrations.md, "KV events").
+    /// Default: none.
     pub kv_events_auth: Option<String>,
     /// Serve the feed off loopback or beside tenants without logins.
     /// Default: false.

@@ -10,8 +10,8 @@ use std::net::SocketAddr;
 pub(crate) struct FeedPlan {
     pub publish: SocketAddr,
     pub replay: Option<SocketAddr>,
-    /// ZeroMQ PLAIN logins with kvtier tokens (`kv_events_auth = "plain"`).
-    pub plain: bool,
+    /// How subscribers log in (`kv_events_auth`).
+    pub login: FeedLogin,
     pub topic: Option<String>,
 }
 
@@ -33,29 +33,40 @@ pub(crate) fn plan(config: &NodeConfig) -> Result<Option<FeedPlan>, String> {
         .as_deref()
         .map(|r| zmq_address(r, "kv_events_replay"))
         .transpose()?;
-    let plain = event_feed_plain(config.kv_events_auth.as_deref())?;
+    let login = event_feed_login(config.kv_events_auth.as_deref())?;
     check_exposure(
         publish,
         replay,
         config.tenants_file.is_some(),
-        plain,
+        login,
         config.kv_events_unauthenticated.unwrap_or(false),
     )?;
     Ok(Some(FeedPlan {
         publish,
         replay,
-        plain,
+        login,
         topic: config.kv_events_topic.clone(),
     }))
 }
 
-/// Whether the event feed asks its peers for a token (`kv_events_auth`).
-fn event_feed_plain(text: Option<&str>) -> Result<bool, String> {
+/// How the event feed's peers log in (`kv_events_auth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FeedLogin {
+    /// ZeroMQ's NULL mechanism: no login (`none`, the default).
+    None,
+    /// ZeroMQ PLAIN with a kvtier token as the password (`plain`).
+    Plain,
+    /// ZeroMQ CURVE with keys derived from kvtier tokens (`curve`).
+    Curve,
+}
+
+fn event_feed_login(text: Option<&str>) -> Result<FeedLogin, String> {
     match text {
-        None | Some("none") => Ok(false),
-        Some("plain") => Ok(true),
+        None | Some("none") => Ok(FeedLogin::None),
+        Some("plain") => Ok(FeedLogin::Plain),
+        Some("curve") => Ok(FeedLogin::Curve),
         Some(other) => Err(format!(
-            "kv_events_auth must be \"none\" or \"plain\", not {other:?}"
+            "kv_events_auth must be \"none\", \"plain\" or \"curve\", not {other:?}"
         )),
     }
 }
@@ -66,34 +77,38 @@ fn event_feed_plain(text: Option<&str>) -> Result<bool, String> {
 /// with `kv_events_auth = "plain"` a subscriber logs in with a token and
 /// sees what the token opens, but ZMTP PLAIN sends the token in the clear,
 /// so it stays on loopback too (reach it through an SSH tunnel or a VPN).
-/// `kv_events_unauthenticated` publishes it anyway, knowingly
+/// With `kv_events_auth = "curve"` every frame is encrypted and every
+/// subscriber proves a key derived from a token, so the feed may leave
+/// the host. `kv_events_unauthenticated` publishes it anyway, knowingly
 /// (docs/server.md, threat model).
 fn check_exposure(
     publish: SocketAddr,
     replay: Option<SocketAddr>,
     tenants: bool,
-    plain: bool,
+    login: FeedLogin,
     unauthenticated: bool,
 ) -> Result<(), String> {
-    if unauthenticated {
+    if unauthenticated || login == FeedLogin::Curve {
         return Ok(());
     }
     for (what, at) in [("kv_events", Some(publish)), ("kv_events_replay", replay)] {
         if let Some(at) = at.filter(|a| !a.ip().is_loopback()) {
             return Err(format!(
                 "{what} {at}: the event feed shows namespaces' block hashes, which identify \
-                 prompts, and ZeroMQ's PLAIN login would send a token in the clear; bind it to \
-                 loopback (reach it through an SSH tunnel or a VPN), or set \
+                 prompts, and ZeroMQ's PLAIN login would send a token in the clear; set \
+                 kv_events_auth = \"curve\" (encrypted, subscribers prove a key derived from \
+                 a token), bind it to loopback (reach it through an SSH tunnel or a VPN), or set \
                  kv_events_unauthenticated = true in the config file to publish it off the host \
                  knowingly"
             ));
         }
     }
-    if tenants && !plain {
+    if tenants && login == FeedLogin::None {
         return Err(
             "without authentication every local subscriber of the event feed would \
                     read every tenant's namespaces and block hashes; set kv_events_auth = \
-                    \"plain\" (subscribers log in with a token and see what it opens), leave \
+                    \"plain\" or \"curve\" (subscribers log in with a token and see what it \
+                    opens), leave \
                     kv_events off with --tenants, or set kv_events_unauthenticated = true in the \
                     config file knowingly"
                 .into(),
@@ -128,7 +143,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(feed.publish, "127.0.0.1:5557".parse().unwrap());
-        assert!(!feed.plain && feed.replay.is_none());
+        assert!(feed.login == FeedLogin::None && feed.replay.is_none());
         let off_host = plan(&config("kv_events = \"tcp://0.0.0.0:5557\"\n")).unwrap_err();
         assert!(off_host.contains("in the clear"), "{off_host}");
         let replay_off_host = plan(&config(
@@ -149,11 +164,25 @@ mod tests {
         ))
         .unwrap()
         .unwrap()
-        .plain);
+        .login
+            == FeedLogin::Plain);
         assert!(plan(&config(
             "kv_events = \"tcp://0.0.0.0:5557\"\nkv_events_unauthenticated = true\n"
         ))
         .is_ok());
+        // CURVE encrypts and authenticates: off the host and beside
+        // tenants without opting in.
+        let curve = plan(&config(
+            "kv_events = \"tcp://0.0.0.0:5557\"\nkv_events_replay = \"tcp://0.0.0.0:5558\"\n\
+             tenants_file = \"/t.toml\"\nkv_events_auth = \"curve\"\n",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(curve.login, FeedLogin::Curve);
+        assert!(
+            off_host.contains("kv_events_auth = \"curve\""),
+            "{off_host}"
+        );
     }
 
     #[test]
@@ -168,9 +197,9 @@ mod tests {
             .unwrap_err()
             .contains("only tcp://"));
         assert!(plan(&config(
-            "kv_events = \"tcp://127.0.0.1:5557\"\nkv_events_auth = \"curve\"\n"
+            "kv_events = \"tcp://127.0.0.1:5557\"\nkv_events_auth = \"tls\"\n"
         ))
         .unwrap_err()
-        .contains("\"none\" or \"plain\""));
+        .contains("\"none\", \"plain\" or \"curve\""));
     }
 }

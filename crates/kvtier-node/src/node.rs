@@ -3,7 +3,7 @@
 //! keeper and the dead-writer adopter, in the order each needs the one
 //! before; `Node::wait` takes them down in reverse.
 
-use crate::feed_config::FeedPlan;
+use crate::feed_config::{FeedLogin, FeedPlan};
 use crate::kv_events::{KvEventPublisher, KvEventsConfig};
 use crate::membership::ClusterMember;
 use crate::{adopter, feed_config, membership, share_keeper, NodeConfig};
@@ -276,6 +276,11 @@ impl Node {
         }
         if let Some((publish, replay)) = self.kv_events() {
             parts.push(format!("kv events tcp://{publish}"));
+            if let Some(key) = self.publisher.as_ref().and_then(|p| p.curve_server_key()) {
+                // Z85 may hold any of `,()`: the key is the next 40
+                // characters, whatever they are.
+                parts.push(format!("CURVE server key {key}"));
+            }
             if let Some(replay) = replay {
                 parts.push(format!("replay tcp://{replay}"));
             }
@@ -339,18 +344,26 @@ fn start_feed(
 ) -> Result<Arc<KvEventPublisher>, NodeError> {
     let mut events = KvEventsConfig::new(feed.publish, node_id);
     events.replay = feed.replay;
-    if feed.plain {
+    if feed.login != FeedLogin::None {
         // The same tokens as the data port: the server's opens every
         // namespace, a tenant's its own.
         let auth = kvtier_server::Auth::new(server.auth_token.as_deref())
             .and_then(|a| a.with_tenants(server.tenants.clone()))
             .map_err(|e| format!("kv_events_auth: {e}"))?;
         if !auth.has_token() {
-            return Err("kv_events_auth = \"plain\" logs subscribers in with the \
-                        server's token: serve TCP (--listen) or give --auth-token"
-                .into());
+            return Err(
+                "kv_events_auth = \"plain\" or \"curve\" logs subscribers in with \
+                        keys from the server's token: serve TCP (--listen) or give --auth-token"
+                    .into(),
+            );
         }
-        events.credentials = Some(Arc::new(auth));
+        if feed.login == FeedLogin::Curve {
+            events.curve = Some(Arc::new(
+                crate::kv_events::CurveKeys::from_auth(&auth).expect("the server has a token"),
+            ));
+        } else {
+            events.credentials = Some(Arc::new(auth));
+        }
     }
     if let Some(topic) = feed.topic {
         events.topic = topic;

@@ -804,6 +804,31 @@ impl Auth {
         }
     }
 
+    /// HMAC-SHA256 of `label` keyed with the server's token: a secret only
+    /// holders of that token can compute (the event feed's CURVE server
+    /// key), stable for as long as the token is.
+    pub fn derived_from_server_token(&self, label: &[u8]) -> Option<[u8; 32]> {
+        self.token.as_deref().map(|t| hmac_sha256(t, label))
+    }
+
+    /// HMAC-SHA256 of `label` keyed with every token this server holds,
+    /// the server's first, each with what it opens: what a holder of that
+    /// token derives with the same label (the event feed's CURVE client
+    /// keys) and what the server then lets it see.
+    pub fn derived_from_each_token(&self, label: &[u8]) -> Vec<([u8; 32], Scope)> {
+        let server = self
+            .token
+            .as_deref()
+            .map(|t| (hmac_sha256(t, label), Scope::Full));
+        server
+            .into_iter()
+            .chain(
+                self.tenants
+                    .iter()
+                    .map(|t| (hmac_sha256(&t.token, label), t.scope())),
+            )
+            .collect()
+    }
     /// Refuses listeners that would expose the store: TCP without a token
     /// (any local user can reach a TCP port), TCP off loopback without TLS
     /// (the token and values would cross the network in the clear), and
@@ -1035,6 +1060,14 @@ fn peer_uid(stream: &std::os::unix::net::UnixStream) -> Option<u32> {
     rustix::net::sockopt::socket_peercred(stream)
         .ok()
         .map(|cred| cred.uid.as_raw())
+}
+
+/// HMAC-SHA256 (RFC 2104) of `message` under `key`: the derivation any
+/// client can repeat with its language's standard library.
+fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);
+    let tag = ring::hmac::sign(&key, message);
+    tag.as_ref().try_into().expect("SHA-256 tags are 32 bytes")
 }
 
 #[cfg(test)]
@@ -1316,5 +1349,48 @@ mod tests {
         std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
         let e = data_dir_token(dir.path()).unwrap_err();
         assert!(e.to_string().contains("symbolic link"), "{e}");
+    }
+
+    #[test]
+    fn keys_derived_from_tokens_are_rfc_4231_hmac_sha256_each_with_its_scope() {
+        // RFC 4231, test case 2: what any HMAC-SHA256 library computes.
+        let tag = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
+        let hex: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        let auth = Auth::new(Some("server-token-0123456789"))
+            .unwrap()
+            .with_tenants(vec![Tenant {
+                name: "a".into(),
+                token: b"tenant-a-token-0123456789".as_slice().into(),
+                key: TokenKey::new(b"tenant-a-token-0123456789"),
+                prefixes: vec!["a".into()],
+            }])
+            .unwrap();
+        let each = auth.derived_from_each_token(b"label");
+        assert_eq!(each.len(), 2);
+        assert_eq!(
+            each[0],
+            (
+                hmac_sha256(b"server-token-0123456789", b"label"),
+                Scope::Full
+            )
+        );
+        assert_eq!(
+            each[1].0,
+            hmac_sha256(b"tenant-a-token-0123456789", b"label")
+        );
+        assert!(matches!(&each[1].1, Scope::Tenant { name, .. } if name == "a"));
+        assert_eq!(
+            auth.derived_from_server_token(b"other"),
+            Some(hmac_sha256(b"server-token-0123456789", b"other"))
+        );
+        assert_ne!(auth.derived_from_server_token(b"other"), Some(each[0].0));
+        assert!(Auth::new(None)
+            .unwrap()
+            .derived_from_each_token(b"label")
+            .is_empty());
     }
 }

@@ -322,7 +322,9 @@ fn the_event_feed_is_refused_off_loopback_and_beside_tenants_unless_opted_in() {
         }
         let said = ServerProcess::try_start(&dir.path().join(format!("off-host-{n}")), &args);
         assert!(
-            said.contains("in the clear") && said.contains("kv_events_unauthenticated"),
+            said.contains("in the clear")
+                && said.contains("kv_events_unauthenticated")
+                && said.contains("kv_events_auth = \"curve\""),
             "{said}"
         );
     }
@@ -363,6 +365,25 @@ fn the_event_feed_is_refused_off_loopback_and_beside_tenants_unless_opted_in() {
     opted.extend_from_slice(&["--config", config.to_str().unwrap()]);
     let server = ServerProcess::start(&dir.path().join("opted-in"), &opted);
     assert!(server.http("/health").starts_with("HTTP/1.1 200"));
+    // CURVE (issue 39, item 3): encrypted and authenticated, so served
+    // off loopback and beside tenants without opting in; /stats gives the
+    // server key subscribers set (python/engine_tests/test_kv_events.py
+    // subscribes with pyzmq's CURVE; kv_events' unit tests attack it).
+    let curve_config = dir.path().join("curve.toml");
+    std::fs::write(&curve_config, "kv_events_auth = \"curve\"\n").unwrap();
+    let mut with_curve = beside_tenants.to_vec();
+    with_curve[5] = "tcp://0.0.0.0:0";
+    with_curve.extend_from_slice(&["--config", curve_config.to_str().unwrap()]);
+    let server = ServerProcess::start(&dir.path().join("curve"), &with_curve);
+    let response = server.http_request(&format!(
+        "GET /stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
+    ));
+    let stats: serde_json::Value =
+        serde_json::from_str(response.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    let feed = &stats["kv_events"];
+    let key = feed["curve_server_key"].as_str().unwrap_or_default();
+    assert_eq!(key.len(), 40, "{feed}");
+    drop(server);
     // On loopback without tenants, as before: served.
     let plain = ServerProcess::start(
         &dir.path().join("loopback"),

@@ -22,6 +22,7 @@
 //! is `AllBlocksCleared` too: blocks from before a restart are not
 //! announced again.
 
+pub mod curve;
 mod msgpack;
 mod zmtp;
 
@@ -93,6 +94,36 @@ pub struct KvEventsConfig {
     /// namespace, a tenant's its own only (docs/integrations.md, "KV
     /// events"). Default: none.
     pub credentials: Option<Arc<kvtier_server::Auth>>,
+    /// ZeroMQ CURVE instead (`kv_events_auth = "curve"`): every peer
+    /// speaks CURVE with this server key and a client key derived from a
+    /// token of the server, and sees what that token opens; every frame
+    /// is encrypted, so the feed may leave the host. Takes precedence
+    /// over `credentials`. Default: none.
+    pub curve: Option<Arc<CurveKeys>>,
+}
+
+impl KvEventsConfig {
+    /// Whether peers log in (PLAIN or CURVE), so that each may see less
+    /// than everything.
+    fn logs_in(&self) -> bool {
+        self.credentials.is_some() || self.curve.is_some()
+    }
+}
+
+/// The feed's CURVE keys: the server's, and each token's client key with
+/// what it opens.
+pub type CurveKeys = curve::ServerKeys<kvtier_server::Scope>;
+
+impl CurveKeys {
+    /// The keys derived from `auth`'s tokens (docs/integrations.md, "KV
+    /// events"); none without a server token.
+    pub fn from_auth(auth: &kvtier_server::Auth) -> Option<CurveKeys> {
+        let server = auth.derived_from_server_token(curve::SERVER_KEY_LABEL)?;
+        Some(curve::ServerKeys::new(
+            server,
+            auth.derived_from_each_token(curve::CLIENT_KEY_LABEL),
+        ))
+    }
 }
 
 impl KvEventsConfig {
@@ -112,6 +143,7 @@ impl KvEventsConfig {
             tracked_blocks: 1 << 22,
             peer_timeout: Duration::from_secs(5),
             credentials: None,
+            curve: None,
         }
     }
 }
@@ -134,6 +166,9 @@ pub struct KvEventStats {
     /// Removals not announced: the block was never announced (or no
     /// longer tracked).
     pub unannounced_removals: u64,
+    /// With CURVE logins: the server's public key (Z85), which
+    /// subscribers set as their `curve_serverkey`.
+    pub curve_server_key: Option<String>,
 }
 
 #[derive(Debug)]
@@ -164,40 +199,49 @@ fn as_seen<'p>(scope: &Option<kvtier_server::Scope>, p: &'p Arc<Published>) -> &
 
 /// The ZMTP handshake of either socket, with the feed's mechanism;
 /// returns what the peer's credential opens (`None`: everything, no
-/// credentials asked). A refused password pauses a second before the
-/// connection closes (a guesser's pace).
+/// credentials asked) and how frames go out and come in from then on. A
+/// refused credential pauses a second before the connection closes (a
+/// guesser's pace).
 fn greet(
     stream: &TcpStream,
     config: &KvEventsConfig,
     ours: &str,
     accepted: &[&str],
-) -> io::Result<Option<kvtier_server::Scope>> {
+) -> io::Result<(
+    Option<kvtier_server::Scope>,
+    zmtp::FrameWriter,
+    zmtp::FrameReader,
+)> {
     let deadline = std::time::Instant::now() + config.peer_timeout;
     let mut within = Deadlined { stream, deadline };
-    match &config.credentials {
-        None => {
-            zmtp::handshake(&mut within, ours, accepted)?;
-            Ok(None)
-        }
-        Some(auth) => {
-            let result = zmtp::handshake_with(
-                &mut within,
-                ours,
-                accepted,
-                zmtp::Mechanism::PlainServer,
-                |password| auth.scope_of_token(password),
-            );
-            match result {
-                Ok((_, scope)) => Ok(Some(scope)),
-                Err(e) => {
-                    if e.kind() == io::ErrorKind::PermissionDenied {
-                        std::thread::sleep(Duration::from_secs(1));
-                    }
-                    Err(e)
-                }
-            }
+    let result = if let Some(keys) = &config.curve {
+        zmtp::handshake_curve(&mut within, ours, accepted, &**keys)
+            .map(|(_, scope, w, r)| (Some(scope), w, r))
+    } else if let Some(auth) = &config.credentials {
+        zmtp::handshake_with(
+            &mut within,
+            ours,
+            accepted,
+            zmtp::Mechanism::PlainServer,
+            |password| auth.scope_of_token(password),
+        )
+        .map(|(_, scope)| {
+            (
+                Some(scope),
+                zmtp::FrameWriter::Clear,
+                zmtp::FrameReader::Clear,
+            )
+        })
+    } else {
+        zmtp::handshake(&mut within, ours, accepted)
+            .map(|_| (None, zmtp::FrameWriter::Clear, zmtp::FrameReader::Clear))
+    };
+    if let Err(e) = &result {
+        if e.kind() == io::ErrorKind::PermissionDenied {
+            std::thread::sleep(Duration::from_secs(1));
         }
     }
+    result
 }
 
 impl Published {
@@ -326,6 +370,7 @@ struct Shared {
 #[derive(Debug)]
 pub struct KvEventPublisher {
     publish_addr: SocketAddr,
+    curve_server_key: Option<String>,
     replay_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     sink: Arc<EventSink>,
@@ -345,6 +390,7 @@ impl KvEventPublisher {
         let replay = config.replay.map(TcpListener::bind).transpose()?;
         let replay_addr = replay.as_ref().map(|l| l.local_addr()).transpose()?;
         let shared = Arc::new(Shared::default());
+        let curve_server_key = config.curve.as_ref().map(|k| k.public_z85());
         let config = Arc::new(config);
         let mut threads = Vec::new();
         {
@@ -368,6 +414,7 @@ impl KvEventPublisher {
         }
         Ok(KvEventPublisher {
             publish_addr,
+            curve_server_key,
             replay_addr,
             shared,
             sink,
@@ -383,6 +430,11 @@ impl KvEventPublisher {
         self.replay_addr
     }
 
+    /// The CURVE server key subscribers set (Z85), with CURVE logins.
+    pub fn curve_server_key(&self) -> Option<&str> {
+        self.curve_server_key.as_deref()
+    }
+
     pub fn stats(&self) -> KvEventStats {
         let s = &self.shared;
         KvEventStats {
@@ -394,6 +446,7 @@ impl KvEventPublisher {
             subscribers: s.subscribers.lock().unwrap().len(),
             replay_requests: s.replay_requests.load(Ordering::Relaxed),
             unannounced_removals: s.unannounced_removals.load(Ordering::Relaxed),
+            curve_server_key: self.curve_server_key.clone(),
         }
     }
 }
@@ -634,8 +687,8 @@ impl<'a> Batcher<'a> {
                 WireEvent::AllBlocksCleared => 1,
             })
             .sum();
-        // Only peers with credentials can be shown a stand-in.
-        let scoped = self.config.credentials.is_some();
+        // Only peers that logged in can be shown a stand-in.
+        let scoped = self.config.logs_in();
         let redacted = namespace.as_ref().filter(|_| scoped).map(|_| {
             Arc::new(Published {
                 seq: self.next_seq,
@@ -815,7 +868,7 @@ fn serve_subscriber(
     stream.set_nodelay(true)?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     // One deadline for the whole handshake, not one per read.
-    let scope = greet(&stream, config, "PUB", &["SUB", "XSUB"])?;
+    let (scope, mut frames_out, frames_in) = greet(&stream, config, "PUB", &["SUB", "XSUB"])?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     let (tx, rx) = sync_channel::<Arc<Published>>(config.subscriber_queue.max(1));
     let subscriber = Arc::new(Subscriber {
@@ -840,7 +893,7 @@ fn serve_subscriber(
     let listener = Arc::clone(&subscriber);
     let idle_limit = config.peer_timeout;
     let reading = spawn("kvtier-events-sub", move || {
-        let _ = read_subscriptions(&mut reader, &listener, &pongs_tx, idle_limit);
+        let _ = read_subscriptions(&mut reader, frames_in, &listener, &pongs_tx, idle_limit);
         listener.alive.store(false, Ordering::Release);
         let _ = reader.shutdown(Shutdown::Both);
     })?;
@@ -850,22 +903,26 @@ fn serve_subscriber(
             break Ok(());
         }
         out.clear();
+        let mut framed = Ok(());
         for pong in pongs_rx.try_iter() {
-            out.extend_from_slice(&pong);
+            framed = framed.and(frames_out.put_frame(&mut out, &pong, false, true));
         }
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(p) => {
                 let mut taken = p.size();
-                put_batch(&mut out, &p, false);
+                framed = framed.and(put_batch(&mut frames_out, &mut out, &p, false));
                 for p in rx.try_iter().take(64) {
                     taken += p.size();
-                    put_batch(&mut out, &p, false);
+                    framed = framed.and(put_batch(&mut frames_out, &mut out, &p, false));
                 }
                 subscriber.queued_bytes.fetch_sub(taken, Ordering::AcqRel);
                 shared.queued_total.fetch_sub(taken, Ordering::AcqRel);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break Ok(()),
+        }
+        if let Err(e) = framed {
+            break Err(e);
         }
         if !out.is_empty() {
             if let Err(e) = stream.write_all(&out) {
@@ -882,12 +939,17 @@ fn serve_subscriber(
     result
 }
 
-fn put_batch(out: &mut Vec<u8>, p: &Published, delimited: bool) {
+fn put_batch(
+    frames: &mut zmtp::FrameWriter,
+    out: &mut Vec<u8>,
+    p: &Published,
+    delimited: bool,
+) -> io::Result<()> {
     let seq = p.seq.to_be_bytes();
     if delimited {
-        zmtp::put_message(out, &[b"", &p.topic, &seq, &p.payload]);
+        frames.put_message(out, &[b"", &p.topic, &seq, &p.payload])
     } else {
-        zmtp::put_message(out, &[&p.topic, &seq, &p.payload]);
+        frames.put_message(out, &[&p.topic, &seq, &p.payload])
     }
 }
 
@@ -897,6 +959,7 @@ fn put_batch(out: &mut Vec<u8>, p: &Published, delimited: bool) {
 /// once begun, must be whole within `idle_limit`.
 fn read_subscriptions(
     r: &mut TcpStream,
+    mut frames: zmtp::FrameReader,
     subscriber: &Subscriber,
     pongs: &SyncSender<Vec<u8>>,
     idle_limit: Duration,
@@ -935,7 +998,7 @@ fn read_subscriptions(
             stream: r,
             deadline: std::time::Instant::now() + idle_limit,
         };
-        let frame = zmtp::read_frame(&mut within, MAX_FILTER_LEN + 16)?;
+        let frame = frames.read_frame(&mut within, MAX_FILTER_LEN + 16)?;
         let (subscribe, topic) = match frame {
             zmtp::Frame::Message { body, .. } => match body.split_first() {
                 Some((1, topic)) => (true, topic.to_vec()),
@@ -973,7 +1036,8 @@ fn read_subscriptions(
 fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
-    let scope = greet(&stream, config, "ROUTER", &["DEALER", "REQ", "ROUTER"])?;
+    let (scope, mut frames_out, mut frames_in) =
+        greet(&stream, config, "ROUTER", &["DEALER", "REQ", "ROUTER"])?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     // Between requests a client may idle; the handshake deadline is over.
     stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
@@ -984,7 +1048,7 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
         // One request: at most 4 frames of at most 64 bytes.
         let mut frames: Vec<Vec<u8>> = Vec::new();
         loop {
-            match zmtp::read_frame(&mut stream, 64)? {
+            match frames_in.read_frame(&mut stream, 64)? {
                 zmtp::Frame::Message { more, body } => {
                     frames.push(body);
                     if !more {
@@ -999,7 +1063,9 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
                 }
                 zmtp::Frame::Command(body) => {
                     if let Some(pong) = zmtp::pong_for(&body)? {
-                        stream.write_all(&pong)?;
+                        let mut out = Vec::new();
+                        frames_out.put_frame(&mut out, &pong, false, true)?;
+                        stream.write_all(&out)?;
                     }
                 }
             }
@@ -1028,16 +1094,16 @@ fn serve_replay(mut stream: TcpStream, shared: &Shared, config: &KvEventsConfig)
             .collect();
         let mut out = Vec::new();
         for p in &kept {
-            put_batch(&mut out, p, delimited);
+            put_batch(&mut frames_out, &mut out, p, delimited)?;
             if out.len() >= 1 << 20 {
                 stream.write_all(&out)?;
                 out.clear();
             }
         }
         if delimited {
-            zmtp::put_message(&mut out, &[b"", b"", &END_SEQ, b""]);
+            frames_out.put_message(&mut out, &[b"", b"", &END_SEQ, b""])?;
         } else {
-            zmtp::put_message(&mut out, &[b"", &END_SEQ, b""]);
+            frames_out.put_message(&mut out, &[b"", &END_SEQ, b""])?;
         }
         stream.write_all(&out)?;
     }
@@ -1300,7 +1366,12 @@ mod tests {
         s.write_all(&greeting)?;
         let mut theirs = [0u8; zmtp::GREETING_LEN];
         s.read_exact(&mut theirs)?;
-        assert_eq!(&theirs[12..17], b"PLAIN");
+        if &theirs[12..17] != b"PLAIN" {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the publisher greets with another mechanism",
+            ));
+        }
         assert_eq!(theirs[32], 1, "the publisher greets as the PLAIN server");
         let mut hello = vec![5];
         hello.extend_from_slice(b"HELLO");
@@ -1486,5 +1557,267 @@ mod tests {
             stand_in.len()
         );
         let _ = null.read(&mut [0u8; 1]);
+    }
+
+    fn tenants_auth(dir: &std::path::Path) -> kvtier_server::Auth {
+        let tenants = dir.join("tenants.toml");
+        std::fs::write(
+            &tenants,
+            "[[tenant]]\nname = \"a\"\ntoken = \"tenant-a-token-0123456789\"\nnamespaces = [\"team-a\"]\n\
+             [[tenant]]\nname = \"b\"\ntoken = \"tenant-b-token-0123456789\"\nnamespaces = [\"team-b\"]\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            &tenants,
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+        kvtier_server::Auth::new(Some("server-token-0123456789"))
+            .unwrap()
+            .with_tenants(kvtier_server::read_tenants(&tenants).unwrap())
+            .unwrap()
+    }
+
+    /// Batches' namespaces as a CURVE subscriber opens them, until `n`.
+    fn namespaces_opened(
+        s: &mut TcpStream,
+        opener: &mut curve::Opener,
+        n: usize,
+        wire: &mut Vec<u8>,
+    ) -> Vec<String> {
+        struct Recording<'a>(&'a mut TcpStream, &'a mut Vec<u8>);
+        impl io::Read for Recording<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let got = self.0.read(buf)?;
+                self.1.extend_from_slice(&buf[..got]);
+                Ok(got)
+            }
+        }
+        let mut got = Vec::new();
+        while got.len() < n {
+            match opener.read_frame(&mut Recording(s, wire), 1 << 20) {
+                Ok(zmtp::Frame::Message { body, more: true }) if body.starts_with(b"kv@n1@") => {
+                    got.push(String::from_utf8_lossy(&body[b"kv@n1@".len()..]).into_owned())
+                }
+                Ok(_) => {}
+                Err(e) => panic!("the subscriber got {got:?}, then: {e}"),
+            }
+        }
+        got
+    }
+
+    fn start_curve_feed(dir: &std::path::Path) -> (KvEventPublisher, Arc<EventSink>, [u8; 32]) {
+        let auth = tenants_auth(dir);
+        let keys = CurveKeys::from_auth(&auth).unwrap();
+        let server_key: [u8; 32] = curve::z85_decode(&keys.public_z85())
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let (sink, rx) = EventSink::channel(1024);
+        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        config.replay = Some("127.0.0.1:0".parse().unwrap());
+        config.batch_interval = Duration::from_millis(5);
+        config.curve = Some(Arc::new(keys));
+        let publisher = KvEventPublisher::start(config, Arc::clone(&sink), rx).unwrap();
+        (publisher, sink, server_key)
+    }
+
+    /// Emits events of both tenants until dropped.
+    struct Emitter(Arc<AtomicBool>, Option<std::thread::JoinHandle<()>>);
+
+    impl Emitter {
+        fn start(sink: &Arc<EventSink>) -> Emitter {
+            let done = Arc::new(AtomicBool::new(false));
+            let (sink, stop) = (Arc::clone(sink), Arc::clone(&done));
+            let thread = std::thread::spawn(move || {
+                let mut i = 0u128;
+                while !stop.load(Ordering::Acquire) {
+                    i += 2;
+                    sink.emit(stored("team-a/llama", b"block", i, Medium::Memory));
+                    sink.emit(stored("team-b/llama", b"block", i + 1, Medium::Memory));
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            });
+            Emitter(done, Some(thread))
+        }
+    }
+
+    impl Drop for Emitter {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+            let _ = self.1.take().map(std::thread::JoinHandle::join);
+        }
+    }
+
+    /// Issue 39, item 3: with CURVE every subscriber proves a key derived
+    /// from a token of the server and sees what that token opens, live
+    /// and replayed; nothing on the wire is readable (the namespaces and
+    /// topics never appear in the clear).
+    #[test]
+    fn curve_subscribers_see_their_tokens_namespaces_and_the_wire_shows_nothing() {
+        use curve::test_client::{client_secret, connect, Tamper};
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let (publisher, sink, server_key) = start_curve_feed(dir.path());
+        let addr = publisher.publish_addr();
+        let secret_a = client_secret(b"tenant-a-token-0123456789");
+        let (mut a, mut seal_a, mut open_a) =
+            connect(addr, secret_a, server_key, "SUB", Tamper::None).unwrap();
+        let (mut all, mut seal_all, mut open_all) = connect(
+            addr,
+            client_secret(b"server-token-0123456789"),
+            server_key,
+            "SUB",
+            Tamper::None,
+        )
+        .unwrap();
+        for (s, sealer) in [(&mut a, &mut seal_a), (&mut all, &mut seal_all)] {
+            let mut subscribe = Vec::new();
+            sealer
+                .put_frame(&mut subscribe, &[1], false, false)
+                .unwrap();
+            s.write_all(&subscribe).unwrap();
+        }
+        let emitter = Emitter::start(&sink);
+        let mut wire = Vec::new();
+        let seen_by_a = namespaces_opened(&mut a, &mut open_a, 6, &mut wire);
+        let seen_by_all = namespaces_opened(&mut all, &mut open_all, 12, &mut wire);
+        drop(emitter);
+        assert!(
+            seen_by_a.iter().all(|ns| ns.starts_with("team-a")),
+            "tenant a saw {seen_by_a:?}"
+        );
+        assert!(seen_by_all.iter().any(|ns| ns.starts_with("team-b")));
+        assert!(wire.len() > 1000, "{} bytes read", wire.len());
+        for clear in [&b"team-a"[..], b"team-b", b"kv@n1", b"BlockStored"] {
+            assert_eq!(contains(&wire, clear), 0, "{clear:?} crossed in the clear");
+        }
+        // The replay, through CURVE too: tenant b's batches only.
+        let (mut replay, seal_r, mut open_r) = connect(
+            publisher.replay_addr().unwrap(),
+            client_secret(b"tenant-b-token-0123456789"),
+            server_key,
+            "DEALER",
+            Tamper::None,
+        )
+        .unwrap();
+        let mut request = Vec::new();
+        zmtp::FrameWriter::Curve(seal_r)
+            .put_message(&mut request, &[b"", &0u64.to_be_bytes()])
+            .unwrap();
+        replay.write_all(&request).unwrap();
+        let mut topics = Vec::new();
+        loop {
+            let mut frames = Vec::new();
+            loop {
+                match open_r.read_frame(&mut replay, 1 << 20).unwrap() {
+                    zmtp::Frame::Message { body, more } => {
+                        frames.push(body);
+                        if !more {
+                            break;
+                        }
+                    }
+                    zmtp::Frame::Command(_) => {}
+                }
+            }
+            if frames[2] == END_SEQ {
+                break;
+            }
+            topics.push(String::from_utf8_lossy(&frames[1]).into_owned());
+        }
+        assert!(topics.iter().any(|t| t.starts_with("kv@n1@team-b")));
+        assert!(
+            topics
+                .iter()
+                .all(|t| t.starts_with("kv@n1@team-b") || t == "kv@n1"),
+            "tenant b was replayed {topics:?}"
+        );
+    }
+
+    /// Whether the peer ends the stream within `limit`, and what it sent.
+    fn ends_within(s: &mut TcpStream, limit: Duration) -> (bool, Vec<u8>) {
+        use std::io::Read;
+        let deadline = std::time::Instant::now() + limit;
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
+        while std::time::Instant::now() < deadline {
+            match s.read(&mut buf) {
+                Ok(0) => return (true, got),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return (true, got),
+                Err(_) => {}
+            }
+        }
+        (false, got)
+    }
+
+    /// Issue 39, item 3, attacked: a key derived from no token, a HELLO
+    /// to another server key, a vouch for another server (a relay) and a
+    /// forged cookie get nothing; a frame replayed or changed on the
+    /// wire ends the connection; a NULL or PLAIN peer never gets past the
+    /// greeting.
+    #[test]
+    fn curve_refuses_strangers_relays_forgeries_and_replays() {
+        use curve::test_client::{client_secret, connect, Tamper};
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let (publisher, sink, server_key) = start_curve_feed(dir.path());
+        let addr = publisher.publish_addr();
+        let stranger = connect(
+            addr,
+            client_secret(b"tenant-c-token-0123456789"),
+            server_key,
+            "SUB",
+            Tamper::None,
+        )
+        .map(|_| ())
+        .unwrap_err();
+        assert_eq!(
+            stranger.kind(),
+            io::ErrorKind::PermissionDenied,
+            "{stranger}"
+        );
+        let secret_a = client_secret(b"tenant-a-token-0123456789");
+        for tamper in [
+            Tamper::WrongServerKey,
+            Tamper::VouchForAnotherServer,
+            Tamper::ForgedCookie,
+        ] {
+            let refused = connect(addr, secret_a, server_key, "SUB", tamper).map(|_| ());
+            assert!(refused.is_err(), "{tamper:?} was let in");
+        }
+        let mut null = TcpStream::connect(addr).unwrap();
+        null.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        assert!(zmtp::handshake(&mut null, "SUB", &["PUB"]).is_err());
+        let plain = plain_client(addr, b"tenant-a-token-0123456789", "SUB").unwrap_err();
+        assert_eq!(plain.kind(), io::ErrorKind::InvalidData, "{plain}");
+
+        // A subscription frame sent twice (a replay on the wire), and one
+        // with a bit flipped: each connection is dropped, never served.
+        let emitter = Emitter::start(&sink);
+        for change in ["replay", "flip"] {
+            let (mut s, mut sealer, _) =
+                connect(addr, secret_a, server_key, "SUB", Tamper::None).unwrap();
+            let mut frame = Vec::new();
+            sealer.put_frame(&mut frame, &[1], false, false).unwrap();
+            let mut wire = frame.clone();
+            if change == "replay" {
+                wire.extend_from_slice(&frame);
+            } else {
+                *wire.last_mut().unwrap() ^= 1;
+            }
+            s.write_all(&wire).unwrap();
+            // Dropped: the stream ends (after any batches the first,
+            // genuine subscription brought), within a bound.
+            let (ended, served) = ends_within(&mut s, Duration::from_secs(20));
+            assert!(ended, "{change}: the connection was kept");
+            if change == "flip" {
+                assert!(served.is_empty(), "a changed subscription was served");
+            }
+        }
+        drop(emitter);
     }
 }

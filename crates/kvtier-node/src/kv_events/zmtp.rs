@@ -6,6 +6,7 @@
 //! two sockets are small, and every length a peer sends is checked
 //! against a limit before anything is allocated for it.
 
+use super::curve;
 use std::io::{self, Read, Write};
 
 pub const GREETING_LEN: usize = 64;
@@ -19,6 +20,8 @@ pub enum Mechanism {
     Null,
     /// PLAIN, this side the server (it checks the credentials).
     PlainServer,
+    /// CURVE, this side the server (`curve`).
+    CurveServer,
 }
 
 impl Mechanism {
@@ -26,6 +29,7 @@ impl Mechanism {
         match self {
             Mechanism::Null => b"NULL",
             Mechanism::PlainServer => b"PLAIN",
+            Mechanism::CurveServer => b"CURVE",
         }
     }
 }
@@ -37,7 +41,8 @@ pub fn greeting() -> [u8; GREETING_LEN] {
     greeting_for(Mechanism::Null)
 }
 
-/// Our greeting for `mechanism` (as-server for PLAIN's server side).
+/// Our greeting for `mechanism` (as-server for PLAIN's and CURVE's
+/// server sides).
 pub fn greeting_for(mechanism: Mechanism) -> [u8; GREETING_LEN] {
     let mut g = [0u8; GREETING_LEN];
     g[0] = 0xff;
@@ -46,7 +51,7 @@ pub fn greeting_for(mechanism: Mechanism) -> [u8; GREETING_LEN] {
     g[11] = 0;
     let name = mechanism.name();
     g[12..12 + name.len()].copy_from_slice(name);
-    g[32] = u8::from(mechanism == Mechanism::PlainServer);
+    g[32] = u8::from(mechanism != Mechanism::Null);
     g
 }
 
@@ -60,8 +65,8 @@ pub fn check_greeting(g: &[u8; GREETING_LEN]) -> io::Result<()> {
     check_greeting_for(g, Mechanism::Null)
 }
 
-/// Checks a peer's greeting: ZMTP 3.x with `ours`' mechanism (a PLAIN
-/// peer must not claim to be the server too).
+/// Checks a peer's greeting: ZMTP 3.x with `ours`' mechanism (a PLAIN or
+/// CURVE peer must not claim to be the server too).
 pub fn check_greeting_for(g: &[u8; GREETING_LEN], ours: Mechanism) -> io::Result<()> {
     if g[0] != 0xff || g[9] & 1 != 1 {
         return Err(invalid("not a ZMTP 3 greeting"));
@@ -81,10 +86,14 @@ pub fn check_greeting_for(g: &[u8; GREETING_LEN], ours: Mechanism) -> io::Result
                 "only the PLAIN security mechanism is offered (user name any, password a \
                  kvtier token)"
             }
+            Mechanism::CurveServer => {
+                "only the CURVE security mechanism is offered (keys derived from a kvtier \
+                 token, docs/integrations.md)"
+            }
         }));
     }
-    if ours == Mechanism::PlainServer && g[32] != 0 {
-        return Err(invalid("the peer greeted as a PLAIN server too"));
+    if ours != Mechanism::Null && g[32] != 0 {
+        return Err(invalid("the peer greeted as a server too"));
     }
     Ok(())
 }
@@ -153,7 +162,8 @@ pub fn put_frame(out: &mut Vec<u8>, body: &[u8], more: bool, command: bool) {
     out.extend_from_slice(body);
 }
 
-/// Appends a multipart message.
+/// Appends a multipart message in the clear (what tests send as a peer).
+#[cfg(test)]
 pub fn put_message(out: &mut Vec<u8>, parts: &[&[u8]]) {
     for (i, part) in parts.iter().enumerate() {
         put_frame(out, part, i + 1 < parts.len(), false);
@@ -171,14 +181,21 @@ pub fn split_command(body: &[u8]) -> io::Result<(&[u8], &[u8])> {
     Ok(rest.split_at(usize::from(n)))
 }
 
+/// The properties this side announces: its socket type.
+pub(crate) fn properties(socket_type: &str) -> Vec<u8> {
+    let mut props = Vec::new();
+    props.push(11);
+    props.extend_from_slice(b"Socket-Type");
+    props.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
+    props.extend_from_slice(socket_type.as_bytes());
+    props
+}
+
 fn ready(socket_type: &str) -> Vec<u8> {
     let mut body = Vec::new();
     body.push(5);
     body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
+    body.extend_from_slice(&properties(socket_type));
     let mut out = Vec::new();
     put_frame(&mut out, &body, false, true);
     out
@@ -192,7 +209,7 @@ pub fn ready_socket_type(body: &[u8]) -> io::Result<String> {
 /// The socket type the properties of command `expected` (READY, or
 /// PLAIN's INITIATE) name.
 fn command_socket_type(body: &[u8], expected: &[u8]) -> io::Result<String> {
-    let (name, mut props) = split_command(body)?;
+    let (name, props) = split_command(body)?;
     if name != expected {
         return Err(invalid(format!(
             "expected {}, got {}",
@@ -200,6 +217,11 @@ fn command_socket_type(body: &[u8], expected: &[u8]) -> io::Result<String> {
             String::from_utf8_lossy(name)
         )));
     }
+    properties_socket_type(props)
+}
+
+/// The socket type named in a property list (READY's, INITIATE's).
+fn properties_socket_type(mut props: &[u8]) -> io::Result<String> {
     let mut socket_type = None;
     while !props.is_empty() {
         let (&n, rest) = props.split_first().expect("not empty");
@@ -252,6 +274,9 @@ pub fn handshake_with<S: Read + Write, T>(
             s.write_all(&ready(ours))?;
             admit(b"")
         }
+        Mechanism::CurveServer => {
+            return Err(invalid("CURVE handshakes go through handshake_curve"));
+        }
         Mechanism::PlainServer => {
             let Frame::Command(hello) = read_frame(s, MAX_COMMAND)? else {
                 return Err(invalid("the peer sent a message before HELLO"));
@@ -285,6 +310,80 @@ pub fn handshake_with<S: Read + Write, T>(
     let peer = ready_socket_type(&body)?;
     check_peer_type(s, ours, accepted, &peer)?;
     Ok((peer, admitted))
+}
+
+/// `handshake` with CURVE, this side the server holding `keys`: returns
+/// the peer's socket type, what its key opens, and the channel every
+/// later frame goes through (boxed both ways).
+pub fn handshake_curve<S: Read + Write, T: Clone>(
+    s: &mut S,
+    ours: &str,
+    accepted: &[&str],
+    keys: &curve::ServerKeys<T>,
+) -> io::Result<(String, T, FrameWriter, FrameReader)> {
+    s.write_all(&greeting_for(Mechanism::CurveServer))?;
+    let mut theirs = [0u8; GREETING_LEN];
+    s.read_exact(&mut theirs)?;
+    check_greeting_for(&theirs, Mechanism::CurveServer)?;
+    let (props, admitted, sealer, opener) = curve::server_handshake(s, keys, &properties(ours))?;
+    let peer = properties_socket_type(&props)?;
+    check_peer_type(s, ours, accepted, &peer)?;
+    Ok((
+        peer,
+        admitted,
+        FrameWriter::Curve(sealer),
+        FrameReader::Curve(opener),
+    ))
+}
+
+/// How frames go out after the handshake: as they are (NULL, PLAIN), or
+/// each boxed in a CURVE MESSAGE.
+pub enum FrameWriter {
+    Clear,
+    Curve(curve::Sealer),
+}
+
+impl FrameWriter {
+    /// Appends one frame.
+    pub fn put_frame(
+        &mut self,
+        out: &mut Vec<u8>,
+        body: &[u8],
+        more: bool,
+        command: bool,
+    ) -> io::Result<()> {
+        match self {
+            FrameWriter::Clear => {
+                put_frame(out, body, more, command);
+                Ok(())
+            }
+            FrameWriter::Curve(sealer) => sealer.put_frame(out, body, more, command),
+        }
+    }
+
+    /// Appends a multipart message.
+    pub fn put_message(&mut self, out: &mut Vec<u8>, parts: &[&[u8]]) -> io::Result<()> {
+        for (i, part) in parts.iter().enumerate() {
+            self.put_frame(out, part, i + 1 < parts.len(), false)?;
+        }
+        Ok(())
+    }
+}
+
+/// How frames come in after the handshake (see `FrameWriter`).
+pub enum FrameReader {
+    Clear,
+    Curve(curve::Opener),
+}
+
+impl FrameReader {
+    /// Reads one frame whose body is at most `max_len` bytes.
+    pub fn read_frame(&mut self, r: &mut impl Read, max_len: usize) -> io::Result<Frame> {
+        match self {
+            FrameReader::Clear => read_frame(r, max_len),
+            FrameReader::Curve(opener) => opener.read_frame(r, max_len),
+        }
+    }
 }
 
 fn error_command(reason: &str) -> Vec<u8> {
@@ -337,7 +436,8 @@ pub fn plain_hello_password(body: &[u8]) -> io::Result<&[u8]> {
     Ok(rest)
 }
 
-/// The reply to a PING command, if `body` is one (ZMTP 3.1 heartbeats).
+/// The reply to a PING command, if `body` is one (ZMTP 3.1 heartbeats):
+/// the PONG command's body, for the connection's `FrameWriter` to frame.
 pub fn pong_for(body: &[u8]) -> io::Result<Option<Vec<u8>>> {
     let (name, data) = split_command(body)?;
     if name != b"PING" {
@@ -349,9 +449,7 @@ pub fn pong_for(body: &[u8]) -> io::Result<Option<Vec<u8>>> {
     let mut pong = vec![4];
     pong.extend_from_slice(b"PONG");
     pong.extend_from_slice(context);
-    let mut out = Vec::new();
-    put_frame(&mut out, &pong, false, true);
-    Ok(Some(out))
+    Ok(Some(pong))
 }
 
 #[cfg(test)]
@@ -433,7 +531,7 @@ mod tests {
         ping.extend_from_slice(&[0, 10]);
         ping.extend_from_slice(b"ctx");
         let pong = pong_for(&ping).unwrap().unwrap();
-        assert_eq!(&pong[2..], b"\x04PONGctx");
+        assert_eq!(pong, b"\x04PONGctx");
         assert!(pong_for(b"\x05READY").unwrap().is_none());
     }
 
@@ -512,6 +610,31 @@ mod tests {
                 }
                 proptest::prop_assert_eq!(read_frame(&mut &again[..], max_len).unwrap(), frame);
             }
+        }
+
+        /// CURVE: no bytes made without the keys get through, whatever
+        /// their shape (a HELLO of the right size included), and nothing
+        /// panics or answers more than a WELCOME.
+        #[test]
+        fn a_curve_handshake_with_bytes_made_without_keys_never_succeeds(
+            hello_body in proptest::collection::vec(proptest::prelude::any::<u8>(), 194),
+            tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400),
+            shaped in proptest::prelude::any::<bool>(),
+        ) {
+            let mut client_greeting = greeting_for(Mechanism::CurveServer);
+            client_greeting[32] = 0;
+            let mut bytes = client_greeting.to_vec();
+            if shaped {
+                let mut hello = b"\x05HELLO".to_vec();
+                hello.extend_from_slice(&hello_body);
+                put_frame(&mut bytes, &hello, false, true);
+            }
+            bytes.extend_from_slice(&tail);
+            let keys = curve::ServerKeys::new([7; 32], vec![([9; 32], ())]);
+            let mut peer = Peer { sends: io::Cursor::new(bytes), received: Vec::new() };
+            let result = handshake_curve(&mut peer, "PUB", &["SUB"], &keys);
+            proptest::prop_assert!(result.is_err());
+            proptest::prop_assert!(peer.received.len() <= GREETING_LEN + 2 + 168);
         }
 
         /// A handshake with any peer: never a panic; it succeeds exactly
