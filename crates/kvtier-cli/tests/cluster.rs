@@ -1523,3 +1523,89 @@ fn routed_gets_stage_what_the_members_hold_not_what_the_request_asks() {
         );
     }
 }
+
+/// Issue 39, item 6 (cluster puts streamed to their owners): a member
+/// read a routed put's whole frame into its buffer budget before sending
+/// any of it on, so one slow 96 MiB put held 96 MiB of a 128 MiB budget
+/// for as long as its client took, and another client's 96 MiB put was
+/// refused LIMIT. Now a member reads a routed put in groups of 8 MiB and
+/// sends each to its keys' owners before reading the next: the slow put
+/// holds a group, the other put is stored, and so is the slow one once
+/// its last byte comes; every byte on its owners.
+#[test]
+fn a_routed_put_holds_a_group_of_the_buffer_budget_not_its_whole_frame() {
+    use kvtier_wire::protocol::Op;
+    use std::io::Write;
+    const MIB: usize = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(dir.path(), 1);
+    let config = dir.path().join("kvtier.toml");
+    std::fs::write(
+        &config,
+        "max_frame = \"128MiB\"\nmax_buffer_bytes = \"128MiB\"\n",
+    )
+    .unwrap();
+    let args = ["--config", config.to_str().unwrap(), "--memory", "512MiB"];
+    let a = node(&dir.path().join("a"), &etcd, &args);
+    let b = node(&dir.path().join("b"), &etcd, &args);
+    wait_for_members(&[&a, &b], 2, Duration::from_secs(20));
+    // The slow put: 24 values of 4 MiB, every byte sent but the last.
+    let slow_keys: Vec<Vec<u8>> = (0..24).map(|i| format!("slow-{i}").into_bytes()).collect();
+    let slow_values: Vec<Vec<u8>> = (0..24).map(|i| value(100 + i, 4 * MIB)).collect();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&24u32.to_le_bytes());
+    for (key, value) in slow_keys.iter().zip(&slow_values) {
+        body.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        body.extend_from_slice(key);
+        body.extend_from_slice(&(value.len() as u64).to_le_bytes());
+        body.extend_from_slice(value);
+    }
+    let request = common::frame(Op::BatchPut, 2, &body);
+    let mut slow = std::net::TcpStream::connect(&a.tcp).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    slow.write_all(&common::frame(
+        Op::Hello,
+        1,
+        &common::hello_body(common::TEST_TOKEN, ""),
+    ))
+    .unwrap();
+    assert_eq!(common::read_reply(&mut slow).0, 0, "hello refused");
+    slow.write_all(&request[..request.len() - 1]).unwrap();
+    // `write_all` returned: the member has read all of it but what the
+    // two sockets' buffers hold (a few MiB).
+    let held = a.stats()["budgets"]["buffer_bytes"].as_u64().unwrap();
+    eprintln!("member a's buffers while a 96 MiB put waits for its last byte: {held} bytes");
+    assert!(
+        held <= 20 * MIB as u64,
+        "member a holds {held} bytes for the slow put"
+    );
+    // Meanwhile another client's 96 MiB put.
+    let keys = keys(24);
+    let values: Vec<Vec<u8>> = (0..24).map(|i| value(i, 4 * MIB)).collect();
+    let mut client = Client::connect_with(&a.tcp_url(), options()).unwrap();
+    let results = client.batch_put(&keys, &values).unwrap();
+    let stored = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(stored, 24, "while a slow put waited: {results:?}");
+    assert!(forwarded_requests(&a) > 0, "no key went to member b");
+    // The slow put's last byte: it is stored too.
+    slow.write_all(&request[request.len() - 1..]).unwrap();
+    let (status, reply) = common::read_reply(&mut slow);
+    assert_eq!(status, 0, "{}", String::from_utf8_lossy(&reply));
+    assert_eq!(&reply[..4], &24u32.to_le_bytes());
+    assert!(reply[4..].chunks(4).all(|c| c == [0, 0, 0, 0]), "{reply:?}");
+    // Every value, whole, read through the other member.
+    let mut reader = Client::connect_with(&b.tcp_url(), options()).unwrap();
+    for (key, value) in keys
+        .iter()
+        .zip(&values)
+        .chain(slow_keys.iter().zip(&slow_values))
+    {
+        let got = reader.get(key).unwrap();
+        assert!(
+            got.as_deref() == Some(&value[..]),
+            "{}",
+            String::from_utf8_lossy(key)
+        );
+    }
+}

@@ -21,6 +21,7 @@ mod metrics;
 mod namespaces;
 mod peer_memory;
 mod pool_map;
+mod routed_put;
 mod session;
 mod streamed_put;
 mod trust;

@@ -6,9 +6,9 @@ use crate::context::{Shared, POLL};
 use crate::handlers::{self, Reply};
 use crate::limits::Permit;
 use crate::metrics::Metrics;
-use crate::streamed_put;
+use crate::{routed_put, streamed_put};
 use kvtier::AlignedBuf;
-use kvtier::Namespace;
+use kvtier::{Namespace, NamespacedStore};
 use kvtier_client::routing::Router;
 use kvtier_client::KvBackend;
 use kvtier_wire::protocol::{
@@ -185,9 +185,9 @@ impl<'a> Session<'a> {
             let mut body = std::mem::take(&mut self.state.body);
             // A put this node runs on its own store alone (no cluster, or a
             // LOCAL_ONLY request) is read value by value straight into the
-            // pool. Frames with unknown flags take the plain path, which
-            // refuses them.
-            let local = shared.peers.is_none();
+            // pool; in cluster mode one is read in groups that go to their
+            // owners as they fill (`routed_put`). Frames with unknown flags
+            // take the plain path, which refuses them.
             // The body grows out of the server's buffer budget, as its
             // bytes arrive (never on a length the peer announced).
             let arena_len = self.state.arena.as_ref().map_or(0, |a| a.len());
@@ -199,7 +199,6 @@ impl<'a> Session<'a> {
                     authenticated
                         && h.op == Op::BatchPut as u16
                         && h.status & !request_flags::LOCAL_ONLY == 0
-                        && (local || h.status == request_flags::LOCAL_ONLY)
                 },
                 |want| {
                     let fits = held.set_within(charged(want + arena_len), limits.buffer_wait);
@@ -219,14 +218,44 @@ impl<'a> Session<'a> {
                     let started = Instant::now();
                     let namespace = self.state.namespace.clone().expect("authenticated");
                     let store = &shared.store.in_namespace(&namespace);
-                    let reply = streamed_put::batch_put_streamed(
-                        store,
-                        &mut self.transport,
-                        stream,
-                        limits.max_batch,
-                        &mut body,
-                        &self.state.receiving,
-                    );
+                    let local_only = header.status & request_flags::LOCAL_ONLY != 0;
+                    let router = routes_writes(shared, &namespace, store, local_only);
+                    let reply = match &router {
+                        Some(router) => {
+                            let arena_len = self.state.arena.as_ref().map_or(0, |a| a.len());
+                            let (held, body_held) =
+                                (&mut self.state.held, &mut self.state.body_held);
+                            let mut room = |want: usize| {
+                                let fits =
+                                    held.set_within(charged(want + arena_len), limits.buffer_wait);
+                                if fits {
+                                    *body_held = want;
+                                } else {
+                                    shared
+                                        .metrics
+                                        .requests_refused_for_memory
+                                        .fetch_add(1, Ordering::Relaxed);
+                                }
+                                fits
+                            };
+                            routed_put::batch_put_routed(
+                                router,
+                                &mut self.transport,
+                                stream,
+                                limits.max_batch,
+                                &mut body,
+                                &mut room,
+                            )
+                        }
+                        None => streamed_put::batch_put_streamed(
+                            store,
+                            &mut self.transport,
+                            stream,
+                            limits.max_batch,
+                            &mut body,
+                            &self.state.receiving,
+                        ),
+                    };
                     self.state.body = body;
                     let reply = match reply {
                         Ok(reply) => reply,
@@ -418,29 +447,9 @@ impl State<'_> {
         let (namespace, request) = namespace;
         self.use_clock.touch();
         let store = &shared.store.in_namespace(&namespace);
-        // Cluster mode: keys other members own go to them (one hop at
-        // most: what peers forward carries LOCAL_ONLY). One dispatch below
-        // serves both: the backend is the store or the router over it.
-        // With a shared directory every node's index covers every node's
-        // flushed blocks and reads them from the file system, and a put
-        // belongs in the node that computed it (docs/cluster.md, "Shared
-        // storage"): nothing is forwarded. In its bounded index mode a
-        // node indexes a share of the other writers' keys, and a read it
-        // misses asks the member whose share holds the key.
-        let config = shared.store.config();
-        let shares_storage = config.configured_shared_dir().is_some();
-        let by_share = shares_storage && config.configured_shared_index_share();
-        let router = match (&shared.peers, local_only || (shares_storage && !by_share)) {
-            (Some(peers), false) => Router::new(peers, namespace.name()).map(|r| {
-                let r = r.with_local(store);
-                if by_share {
-                    r.by_index_share()
-                } else {
-                    r
-                }
-            }),
-            _ => None,
-        };
+        // Cluster mode: one dispatch below serves both: the backend is the
+        // store or the router over it (`router_for`).
+        let router = router_for(shared, &namespace, store, local_only);
         let backend: &dyn KvBackend = match &router {
             Some(router) if crosses_members(router, &request) => router,
             _ => store,
@@ -866,6 +875,48 @@ impl State<'_> {
         w.u32(id);
         Reply::ok(w.buf)
     }
+}
+
+/// The router a request in `namespace` goes through, if any: in cluster
+/// mode, keys other members own go to them (one hop at most: what peers
+/// forward carries LOCAL_ONLY). With a shared directory every node's
+/// index covers every node's flushed blocks and reads them from the file
+/// system, and a put belongs in the node that computed it
+/// (docs/cluster.md, "Shared storage"): nothing is forwarded. In its
+/// bounded index mode a node indexes a share of the other writers' keys,
+/// and a read it misses asks the member whose share holds the key.
+fn router_for<'a>(
+    shared: &'a Shared,
+    namespace: &'a Namespace,
+    store: &'a NamespacedStore,
+    local_only: bool,
+) -> Option<Router<'a>> {
+    let config = shared.store.config();
+    let shares_storage = config.configured_shared_dir().is_some();
+    let by_share = shares_storage && config.configured_shared_index_share();
+    match (&shared.peers, local_only || (shares_storage && !by_share)) {
+        (Some(peers), false) => Router::new(peers, namespace.name()).map(|r| {
+            let r = r.with_local(store);
+            if by_share {
+                r.by_index_share()
+            } else {
+                r
+            }
+        }),
+        _ => None,
+    }
+}
+
+/// The router a put in `namespace` goes through: `router_for`'s, unless
+/// writes stay on this node (the bounded index mode keeps them where
+/// they were computed).
+fn routes_writes<'a>(
+    shared: &'a Shared,
+    namespace: &'a Namespace,
+    store: &'a NamespacedStore,
+    local_only: bool,
+) -> Option<Router<'a>> {
+    router_for(shared, namespace, store, local_only).filter(|r| !r.reads_by_index_share())
 }
 
 /// Whether `request` is a data request with a key some other member owns.
