@@ -31,6 +31,12 @@ pub(crate) trait Destination {
     /// Copies `bytes` to the destination from byte `at` on (`at +
     /// bytes.len()` at most `capacity()`).
     fn fill_at(&mut self, at: usize, bytes: &[u8]);
+    /// `fill_from` for a copy bound elsewhere (the caller's other threads,
+    /// its device): large pieces with non-temporal stores
+    /// (`bulk_copy::copy_for_elsewhere`), where the destination allows.
+    fn fill_streamed(&mut self, bytes: &[u8]) {
+        self.fill_from(bytes);
+    }
 }
 
 impl Destination for &mut [u8] {
@@ -42,6 +48,9 @@ impl Destination for &mut [u8] {
     }
     fn fill_at(&mut self, at: usize, bytes: &[u8]) {
         self[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+    fn fill_streamed(&mut self, bytes: &[u8]) {
+        crate::bulk_copy::copy_for_elsewhere(&mut self[..bytes.len()], bytes);
     }
 }
 
@@ -67,6 +76,16 @@ impl Destination for &mut [&mut [u8]] {
             let n = (segment.len() - at).min(bytes.len());
             segment[at..at + n].copy_from_slice(&bytes[..n]);
             at = 0;
+            bytes = &bytes[n..];
+        }
+    }
+    fn fill_streamed(&mut self, mut bytes: &[u8]) {
+        for segment in self.iter_mut() {
+            if bytes.is_empty() {
+                break;
+            }
+            let n = segment.len().min(bytes.len());
+            crate::bulk_copy::copy_for_elsewhere(&mut segment[..n], &bytes[..n]);
             bytes = &bytes[n..];
         }
     }

@@ -92,8 +92,12 @@ impl Inner {
         let mut disk_reads: Vec<Option<ValueRead>> = Vec::with_capacity(keys.len());
         // The index entry each disk read came from.
         let mut seqs: Vec<u64> = Vec::with_capacity(keys.len());
+        // Memory hits are copied once the batch's size is known: a batch
+        // of 16 MiB or more is copied with non-temporal stores (the rule
+        // leased copies follow, `bulk_copy::worth_streaming`).
+        let mut memory_hits: Vec<(usize, Arc<PoolSlot>)> = Vec::new();
         let digests = ns.digest_many(keys);
-        for ((key, buf), &digest) in keys.iter().zip(bufs.iter_mut()).zip(&digests) {
+        for ((key, buf), &digest) in keys.iter().zip(bufs.iter()).zip(&digests) {
             let key = key.as_ref();
             let mut disk_read = None;
             let mut seq = 0;
@@ -104,9 +108,10 @@ impl Inner {
                 }
                 Found::Memory(slot) => {
                     check_buffer(slot.len(), buf.capacity())?;
-                    buf.fill_from(slot.bytes());
+                    let len = slot.len();
+                    memory_hits.push((results.len(), slot));
                     Counters::add(&self.counters.memory_hits, 1);
-                    Ok(Some(slot.len()))
+                    Ok(Some(len))
                 }
                 Found::Disk(read, entry_seq) => {
                     check_buffer(read.len, buf.capacity())?;
@@ -119,6 +124,15 @@ impl Inner {
             results.push(result);
             disk_reads.push(disk_read);
             seqs.push(seq);
+        }
+        let streamed =
+            crate::bulk_copy::worth_streaming(memory_hits.iter().map(|(_, s)| s.len()).sum());
+        for (i, slot) in memory_hits {
+            if streamed {
+                bufs[i].fill_streamed(slot.bytes());
+            } else {
+                bufs[i].fill_from(slot.bytes());
+            }
         }
         if disk_reads.iter().any(Option::is_some) {
             self.read_from_disk(bufs, &disk_reads, &seqs, &mut results);

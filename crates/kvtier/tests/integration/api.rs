@@ -663,6 +663,84 @@ mod segments {
     }
 }
 
+/// Memory hits of a batch of 16 MiB or more are copied with non-temporal
+/// stores (`bulk_copy`), smaller batches plainly: either way every byte
+/// arrives, into one slice or segments cut anywhere, and nothing past the
+/// value is written. Both kinds are covered (the batch sizes straddle
+/// `STREAM_BATCH_FROM`).
+#[test]
+fn memory_gets_of_large_and_small_batches_return_every_byte_and_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(
+        Config::new(dir.path())
+            .memory_capacity(64 * MIB)
+            .disk_capacity(64 * MIB)
+            .io_engine(engine()),
+    );
+    // 1 MiB + 3 bytes each: odd lengths, so copies end mid-line.
+    let len = MIB as usize + 3;
+    let keys: Vec<Vec<u8>> = (0..20u64).map(key).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, 11, len)).collect();
+    let memory_only = PutOptions {
+        tier: PutTier::MemoryOnly,
+        ..Default::default()
+    };
+    for r in store.batch_put_with(&keys, &values, &memory_only) {
+        r.unwrap();
+    }
+    let mut kinds = Vec::new();
+    for batch in [2usize, 20] {
+        kinds.push(kvtier::bulk_copy::worth_streaming(batch * len));
+        let keys = &keys[..batch];
+        // One slice per value, with room to spare that must stay 0xee.
+        let mut bufs: Vec<Vec<u8>> = (0..batch).map(|_| vec![0xee; len + 4099]).collect();
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+        for r in store.batch_get_into(keys, &mut slices) {
+            assert_eq!(r.unwrap(), Some(len));
+        }
+        for (buf, value) in bufs.iter().zip(&values) {
+            assert!(
+                buf[..len] == value[..],
+                "a value of a {batch}-value batch differs"
+            );
+            assert!(
+                buf[len..].iter().all(|&b| b == 0xee),
+                "written past a value"
+            );
+        }
+        // Segments cut at odd places (the last one longer than needed).
+        let mut backing: Vec<Vec<u8>> = (0..batch).map(|_| vec![0xee; len + 100]).collect();
+        let mut segmented: Vec<Vec<&mut [u8]>> = backing
+            .iter_mut()
+            .map(|b| {
+                let (a, rest) = b.split_at_mut(4097);
+                let (c, d) = rest.split_at_mut(300_001);
+                vec![a, c, d]
+            })
+            .collect();
+        let mut dests: Vec<&mut [&mut [u8]]> = segmented.iter_mut().map(|s| &mut s[..]).collect();
+        for r in store.batch_get_segments(keys, &mut dests) {
+            assert_eq!(r.unwrap(), Some(len));
+        }
+        for (b, value) in backing.iter().zip(&values) {
+            assert!(
+                b[..len] == value[..],
+                "a segmented value of a {batch}-value batch differs"
+            );
+            assert!(
+                b[len..].iter().all(|&x| x == 0xee),
+                "written past a segmented value"
+            );
+        }
+    }
+    assert_eq!(kinds, [false, true], "both copy kinds must be covered");
+    assert_eq!(
+        store.stats().disk_hits,
+        0,
+        "the gets were to be served from memory"
+    );
+}
+
 /// Values read from disk in pieces of any size come back whole and
 /// verified, at every length around the piece boundaries.
 #[test]
