@@ -207,6 +207,12 @@ pub(crate) trait Source {
     fn len(&self) -> usize;
     /// Copies the bytes at `at..at + chunk.len()` into `chunk`.
     fn copy_to(&self, at: usize, chunk: &mut [u8]);
+    /// `copy_to` into memory nothing reads soon (a value's fresh pool
+    /// extent): large pieces with non-temporal stores where the source
+    /// allows (`bulk_copy::copy_for_elsewhere`).
+    fn copy_to_elsewhere(&self, at: usize, chunk: &mut [u8]) {
+        self.copy_to(at, chunk);
+    }
 }
 
 impl Source for &[&[u8]] {
@@ -225,6 +231,22 @@ impl Source for &[&[u8]] {
             }
             let n = (segment.len() - at).min(chunk.len());
             chunk[..n].copy_from_slice(&segment[at..at + n]);
+            chunk = &mut chunk[n..];
+            at = 0;
+        }
+    }
+
+    fn copy_to_elsewhere(&self, mut at: usize, mut chunk: &mut [u8]) {
+        for segment in self.iter() {
+            if chunk.is_empty() {
+                return;
+            }
+            if at >= segment.len() {
+                at -= segment.len();
+                continue;
+            }
+            let n = (segment.len() - at).min(chunk.len());
+            crate::bulk_copy::copy_for_elsewhere(&mut chunk[..n], &segment[at..at + n]);
             chunk = &mut chunk[n..];
             at = 0;
         }

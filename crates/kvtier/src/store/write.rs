@@ -28,10 +28,18 @@ impl Inner {
             return Ok(None);
         };
         // Copied chunk by chunk into the pool extent; the checksum is
-        // taken from the copy (private memory), never from the source.
+        // taken from the copy (private memory), never from the source. A
+        // value that is not hashed (memory-only) lands in one piece, with
+        // non-temporal stores from 256 KiB: nothing reads its fresh
+        // extent soon, and a plain copy would first read every line of it.
+        let streamed = !put.hashed();
         let mut at = 0;
-        put.fill(|chunk| {
-            value.copy_to(at, chunk);
+        put.fill_in(value.len(), |chunk| {
+            if streamed {
+                value.copy_to_elsewhere(at, chunk);
+            } else {
+                value.copy_to(at, chunk);
+            }
             at += chunk.len();
             Ok(())
         })
@@ -285,13 +293,33 @@ impl ReceivingValue {
         self.slot.is_empty()
     }
 
+    /// Whether the value is hashed as it lands (write-through values).
+    pub(crate) fn hashed(&self) -> bool {
+        self.checksum.is_some()
+    }
+
     /// Fills the value front to back: `read` is given each chunk (at most
     /// 64 KiB) in order and must fill it whole.
     pub fn fill(
         &mut self,
+        read: impl FnMut(&mut [u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        self.fill_in(COPY_CHUNK, read)
+    }
+
+    /// `fill` in chunks of at most `chunk_len` bytes (a value that is not
+    /// hashed may be filled in one piece).
+    pub(crate) fn fill_in(
+        &mut self,
+        chunk_len: usize,
         mut read: impl FnMut(&mut [u8]) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
-        for chunk in self.slot.bytes_mut().chunks_mut(COPY_CHUNK) {
+        let chunk_len = if self.hashed() {
+            COPY_CHUNK
+        } else {
+            chunk_len.max(1)
+        };
+        for chunk in self.slot.bytes_mut().chunks_mut(chunk_len) {
             read(chunk)?;
             if let Some(checksum) = &mut self.checksum {
                 checksum.update(chunk);

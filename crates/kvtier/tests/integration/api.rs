@@ -667,7 +667,8 @@ mod segments {
 /// stores (`bulk_copy`), smaller batches plainly: either way every byte
 /// arrives, into one slice or segments cut anywhere, and nothing past the
 /// value is written. Both kinds are covered (the batch sizes straddle
-/// `STREAM_BATCH_FROM`).
+/// `STREAM_BATCH_FROM`). The values were put memory-only, which streams
+/// them into the pool, from slices and from segments.
 #[test]
 fn memory_gets_of_large_and_small_batches_return_every_byte_and_nothing_more() {
     let dir = tempfile::tempdir().unwrap();
@@ -685,7 +686,17 @@ fn memory_gets_of_large_and_small_batches_return_every_byte_and_nothing_more() {
         tier: PutTier::MemoryOnly,
         ..Default::default()
     };
-    for r in store.batch_put_with(&keys, &values, &memory_only) {
+    // Memory-only puts land with non-temporal stores (not hashed): half
+    // of them as one slice, half as segments cut at odd places.
+    for r in store.batch_put_with(&keys[..10], &values[..10], &memory_only) {
+        r.unwrap();
+    }
+    let cut: Vec<[&[u8]; 3]> = values[10..]
+        .iter()
+        .map(|v| [&v[..4097], &v[4097..300_001], &v[300_001..]])
+        .collect();
+    let cut: Vec<&[&[u8]]> = cut.iter().map(|c| &c[..]).collect();
+    for r in store.batch_put_segments(&keys[10..], &cut, &memory_only) {
         r.unwrap();
     }
     let mut kinds = Vec::new();
