@@ -246,6 +246,38 @@ SERVER_TOKEN = "feed-server-token-0123456789"
 TENANT_TOKENS = {"a": "feed-tenant-a-token-0123456789", "b": "feed-tenant-b-token-0123456789"}
 
 
+def check_tenant_scoping(server, routers: dict, strangers: list[str]) -> None:
+    """Both tenants put blocks until the server's router ("all") and tenant
+    a's ("a") have events; then "a" saw its own namespaces only, live and
+    replayed, "all" saw both, and each router in `strangers` saw nothing."""
+    clients = {name: kvtier.Client(server.url, namespace=f"team-{name}/llama", auth_token=token)
+               for name, token in TENANT_TOKENS.items()}
+
+    def namespaces(router):
+        return {topic.split("@")[-1] for topic, e in router.events() if not isinstance(e, AllBlocksCleared)}
+
+    for i in range(200):
+        for client in clients.values():
+            client.put(f"block-{i}".encode(), b"x" * 4096)
+            client.flush()
+        for router in routers.values():
+            router.poll(0.05)
+        if {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"]) and namespaces(routers["a"]):
+            break
+    assert {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"])
+    assert namespaces(routers["a"]) == {"team-a/llama"}, namespaces(routers["a"])
+    # The replay from the start: tenant a's batches only.
+    routers["a"].batches.clear()
+    routers["a"].next_seq = 0
+    routers["a"]._replay_from(0)
+    assert namespaces(routers["a"]) == {"team-a/llama"}
+    for name in strangers:
+        routers[name].poll(1.0)
+        assert routers[name].batches == [], f"the {name} router received events"
+    for client in clients.values():
+        client.close()
+
+
 def test_routers_log_in_with_plain_and_a_tenant_sees_only_its_namespaces(tmp_path):
     """Issue 39, finding 3: beside --tenants the feed asks for ZeroMQ's
     PLAIN login (pyzmq's plain_username/plain_password; the password is a
@@ -264,31 +296,7 @@ def test_routers_log_in_with_plain_and_a_tenant_sees_only_its_namespaces(tmp_pat
     routers = {"a": Router(server, TENANT_TOKENS["a"]), "all": Router(server, SERVER_TOKEN),
                "none": Router(server)}
     try:
-        clients = {name: kvtier.Client(server.url, namespace=f"team-{name}/llama", auth_token=token)
-                   for name, token in TENANT_TOKENS.items()}
-
-        def namespaces(router):
-            return {topic.split("@")[-1] for topic, e in router.events() if not isinstance(e, AllBlocksCleared)}
-
-        for i in range(200):
-            for client in clients.values():
-                client.put(f"block-{i}".encode(), b"x" * 4096)
-                client.flush()
-            for router in routers.values():
-                router.poll(0.05)
-            if {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"]) and namespaces(routers["a"]):
-                break
-        assert {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"])
-        assert namespaces(routers["a"]) == {"team-a/llama"}, namespaces(routers["a"])
-        # The replay from the start: tenant a's batches only.
-        routers["a"].batches.clear()
-        routers["a"].next_seq = 0
-        routers["a"]._replay_from(0)
-        assert namespaces(routers["a"]) == {"team-a/llama"}
-        routers["none"].poll(1.0)
-        assert routers["none"].batches == [], "a router without a login received events"
-        for client in clients.values():
-            client.close()
+        check_tenant_scoping(server, routers, strangers=["none"])
     finally:
         for router in routers.values():
             router.close()
@@ -335,32 +343,7 @@ def test_routers_subscribe_over_curve_off_the_host_and_see_what_their_token_open
         "none": Router(server),
     }
     try:
-        clients = {name: kvtier.Client(server.url, namespace=f"team-{name}/llama", auth_token=token)
-                   for name, token in TENANT_TOKENS.items()}
-
-        def namespaces(router):
-            return {topic.split("@")[-1] for topic, e in router.events() if not isinstance(e, AllBlocksCleared)}
-
-        for i in range(200):
-            for client in clients.values():
-                client.put(f"block-{i}".encode(), b"x" * 4096)
-                client.flush()
-            for router in routers.values():
-                router.poll(0.05)
-            if {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"]) and namespaces(routers["a"]):
-                break
-        assert {"team-a/llama", "team-b/llama"} <= namespaces(routers["all"])
-        assert namespaces(routers["a"]) == {"team-a/llama"}, namespaces(routers["a"])
-        # The replay, through CURVE too: tenant a's batches only.
-        routers["a"].batches.clear()
-        routers["a"].next_seq = 0
-        routers["a"]._replay_from(0)
-        assert namespaces(routers["a"]) == {"team-a/llama"}
-        for name in ("stranger", "wrong server", "plain", "none"):
-            routers[name].poll(1.0)
-            assert routers[name].batches == [], f"the {name} router received events"
-        for client in clients.values():
-            client.close()
+        check_tenant_scoping(server, routers, strangers=["stranger", "wrong server", "plain", "none"])
     finally:
         for router in routers.values():
             router.close()

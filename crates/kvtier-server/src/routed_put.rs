@@ -14,6 +14,7 @@
 //! that ran short of pool keeps what it received).
 
 use crate::handlers::{put_reply, result_code, Reply};
+use crate::streamed_put::read_item_head;
 use kvtier_client::backend::per_key;
 use kvtier_client::KvBackend;
 use kvtier_wire::protocol::{code, put_flags, rules, ProtocolError};
@@ -48,18 +49,10 @@ pub(crate) fn batch_put_routed<'b>(
     let mut gathered: Vec<(usize, std::ops::Range<usize>, std::ops::Range<usize>)> = Vec::new();
     let mut bytes_in = 0u64;
     group.clear();
+    let mut key = [0u8; kvtier::MAX_KEY_LEN];
     for i in 0..n as usize {
-        let mut key_len = [0u8; 2];
-        transport.read_body(&mut body, &mut key_len)?;
-        let key_len = usize::from(u16::from_le_bytes(key_len));
-        rules::key_len(key_len).map_err(ReadError::Protocol)?;
-        let mut key = [0u8; kvtier::MAX_KEY_LEN];
-        let key = &mut key[..key_len];
-        transport.read_body(&mut body, key)?;
-        let mut len = [0u8; 8];
-        transport.read_body(&mut body, &mut len)?;
-        let len = u64::from_le_bytes(len);
-        rules::value_len(len, body.remaining()).map_err(ReadError::Protocol)?;
+        let (key, len) = read_item_head(transport, &mut body, &mut key)?;
+        let key_len = key.len();
         bytes_in += len;
         // Checked against the frame's remaining bytes above: it fits in
         // memory's address space.

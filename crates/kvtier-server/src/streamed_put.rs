@@ -41,16 +41,7 @@ pub(crate) fn batch_put_streamed<'b>(
     let mut key = [0u8; kvtier::MAX_KEY_LEN];
     let mut bytes_in = 0;
     for _ in 0..n {
-        let mut key_len = [0u8; 2];
-        transport.read_body(&mut body, &mut key_len)?;
-        let key_len = usize::from(u16::from_le_bytes(key_len));
-        rules::key_len(key_len).map_err(ReadError::Protocol)?;
-        let key = &mut key[..key_len];
-        transport.read_body(&mut body, key)?;
-        let mut len = [0u8; 8];
-        transport.read_body(&mut body, &mut len)?;
-        let len = u64::from_le_bytes(len);
-        rules::value_len(len, body.remaining()).map_err(ReadError::Protocol)?;
+        let (key, len) = read_item_head(transport, &mut body, &mut key)?;
         bytes_in += len;
         let Some(permit) = take_receiving(receiving, len) else {
             puts.refuse(kvtier::Error::new(
@@ -94,6 +85,26 @@ pub(crate) fn batch_put_streamed<'b>(
     }
     let codes: Vec<i32> = puts.finish().iter().map(result_code).collect();
     Ok(put_reply(&codes, bytes_in))
+}
+
+/// Reads one BatchPut item's key (into `key`) and value length, checked
+/// as `protocol::decode_request` checks them; the value's bytes follow.
+pub(crate) fn read_item_head<'k>(
+    transport: &mut Transport,
+    body: &mut BodyStream,
+    key: &'k mut [u8; kvtier::MAX_KEY_LEN],
+) -> Result<(&'k [u8], u64), ReadError> {
+    let mut key_len = [0u8; 2];
+    transport.read_body(body, &mut key_len)?;
+    let key_len = usize::from(u16::from_le_bytes(key_len));
+    rules::key_len(key_len).map_err(ReadError::Protocol)?;
+    let key = &mut key[..key_len];
+    transport.read_body(body, key)?;
+    let mut len = [0u8; 8];
+    transport.read_body(body, &mut len)?;
+    let len = u64::from_le_bytes(len);
+    rules::value_len(len, body.remaining()).map_err(ReadError::Protocol)?;
+    Ok((key, len))
 }
 
 /// How long a value waits for room in the receiving budget.

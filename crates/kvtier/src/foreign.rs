@@ -220,36 +220,35 @@ impl Source for &[&[u8]] {
         self.iter().map(|s| s.len()).sum()
     }
 
-    fn copy_to(&self, mut at: usize, mut chunk: &mut [u8]) {
-        for segment in self.iter() {
-            if chunk.is_empty() {
-                return;
-            }
-            if at >= segment.len() {
-                at -= segment.len();
-                continue;
-            }
-            let n = (segment.len() - at).min(chunk.len());
-            chunk[..n].copy_from_slice(&segment[at..at + n]);
-            chunk = &mut chunk[n..];
-            at = 0;
-        }
+    fn copy_to(&self, at: usize, chunk: &mut [u8]) {
+        copy_segments(self, at, chunk, <[u8]>::copy_from_slice);
     }
 
-    fn copy_to_elsewhere(&self, mut at: usize, mut chunk: &mut [u8]) {
-        for segment in self.iter() {
-            if chunk.is_empty() {
-                return;
-            }
-            if at >= segment.len() {
-                at -= segment.len();
-                continue;
-            }
-            let n = (segment.len() - at).min(chunk.len());
-            crate::bulk_copy::copy_for_elsewhere(&mut chunk[..n], &segment[at..at + n]);
-            chunk = &mut chunk[n..];
-            at = 0;
+    fn copy_to_elsewhere(&self, at: usize, chunk: &mut [u8]) {
+        copy_segments(self, at, chunk, crate::bulk_copy::copy_for_elsewhere);
+    }
+}
+
+/// Copies the bytes of `segments` at `at..at + chunk.len()` into `chunk`
+/// with `copy` (a destination piece and an equally long source piece).
+fn copy_segments(
+    segments: &[&[u8]],
+    mut at: usize,
+    mut chunk: &mut [u8],
+    copy: fn(&mut [u8], &[u8]),
+) {
+    for segment in segments {
+        if chunk.is_empty() {
+            return;
         }
+        if at >= segment.len() {
+            at -= segment.len();
+            continue;
+        }
+        let n = (segment.len() - at).min(chunk.len());
+        copy(&mut chunk[..n], &segment[at..at + n]);
+        chunk = &mut chunk[n..];
+        at = 0;
     }
 }
 

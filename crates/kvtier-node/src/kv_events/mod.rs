@@ -1437,22 +1437,7 @@ mod tests {
     fn a_tenants_subscriber_sees_only_its_namespaces_and_strangers_nothing() {
         use std::io::{Read, Write};
         let dir = tempfile::tempdir().unwrap();
-        let tenants = dir.path().join("tenants.toml");
-        std::fs::write(
-            &tenants,
-            "[[tenant]]\nname = \"a\"\ntoken = \"tenant-a-token-0123456789\"\nnamespaces = [\"team-a\"]\n\
-             [[tenant]]\nname = \"b\"\ntoken = \"tenant-b-token-0123456789\"\nnamespaces = [\"team-b\"]\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(
-            &tenants,
-            std::os::unix::fs::PermissionsExt::from_mode(0o600),
-        )
-        .unwrap();
-        let auth = kvtier_server::Auth::new(Some("server-token-0123456789"))
-            .unwrap()
-            .with_tenants(kvtier_server::read_tenants(&tenants).unwrap())
-            .unwrap();
+        let auth = tenants_auth(dir.path());
         let (sink, rx) = EventSink::channel(1024);
         let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
         config.replay = Some("127.0.0.1:0".parse().unwrap());
@@ -1477,23 +1462,10 @@ mod tests {
         assert!(zmtp::handshake(&mut null, "SUB", &["PUB"]).is_err());
         // Events of both tenants keep coming until both subscribers have
         // some (their subscriptions land at some point).
-        let done = Arc::new(AtomicBool::new(false));
-        let emitter = {
-            let (sink, done) = (Arc::clone(&sink), Arc::clone(&done));
-            std::thread::spawn(move || {
-                let mut i = 0u128;
-                while !done.load(Ordering::Acquire) {
-                    i += 2;
-                    sink.emit(stored("team-a/llama", b"block", i, Medium::Memory));
-                    sink.emit(stored("team-b/llama", b"block", i + 1, Medium::Memory));
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            })
-        };
+        let emitter = Emitter::start(&sink);
         let seen_by_a = namespaces_received(&mut a, 6);
         let seen_by_all = namespaces_received(&mut all, 12);
-        done.store(true, Ordering::Release);
-        emitter.join().unwrap();
+        drop(emitter);
         assert!(
             seen_by_a.iter().all(|ns| ns.starts_with("team-a")),
             "tenant a saw {seen_by_a:?}"
