@@ -331,18 +331,17 @@ def test_routers_subscribe_over_curve_off_the_host_and_see_what_their_token_open
     server = KvtierServer(tmp_path / "kvtier-data", memory="256MiB", disk="1GiB",
                           extra=["--kv-events", "tcp://0.0.0.0:0", "--kv-events-replay", "tcp://0.0.0.0:0",
                                  "--auth-token", SERVER_TOKEN, "--tenants", str(tenants), "--config", str(config)])
-    server_key = re.search(r"CURVE server key (.{40})", server.line).group(1).encode()
-    stranger_public, stranger_secret = zmq.curve_keypair()
-    wrong_server, _ = zmq.curve_keypair()
-    routers = {
-        "a": Router(server, curve=(*curve_client_keys(TENANT_TOKENS["a"]), server_key)),
-        "all": Router(server, curve=(*curve_client_keys(SERVER_TOKEN), server_key)),
-        "stranger": Router(server, curve=(stranger_public, stranger_secret, server_key)),
-        "wrong server": Router(server, curve=(*curve_client_keys(TENANT_TOKENS["a"]), wrong_server)),
-        "plain": Router(server, TENANT_TOKENS["a"]),
-        "none": Router(server),
-    }
+    routers = {}
     try:
+        server_key = re.search(r"CURVE server key (.{40})", server.line).group(1).encode()
+        stranger_public, stranger_secret = zmq.curve_keypair()
+        wrong_server, _ = zmq.curve_keypair()
+        routers["a"] = Router(server, curve=(*curve_client_keys(TENANT_TOKENS["a"]), server_key))
+        routers["all"] = Router(server, curve=(*curve_client_keys(SERVER_TOKEN), server_key))
+        routers["stranger"] = Router(server, curve=(stranger_public, stranger_secret, server_key))
+        routers["wrong server"] = Router(server, curve=(*curve_client_keys(TENANT_TOKENS["a"]), wrong_server))
+        routers["plain"] = Router(server, TENANT_TOKENS["a"])
+        routers["none"] = Router(server)
         check_tenant_scoping(server, routers, strangers=["stranger", "wrong server", "plain", "none"])
     finally:
         for router in routers.values():
