@@ -244,7 +244,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 };
                 let (mut put, mut get, mut base) =
                     (Measurement::new(), Measurement::new(), Measurement::new());
-                // Over TCP puts have a baseline of their own direction.
+                // Puts have a baseline of their own: over TCP the put
+                // direction's stream, over Unix a put-shaped copy.
                 let mut base_put = Measurement::new();
                 // One client connection: one copying thread.
                 let mut memcpy = Memcpy::new(
@@ -294,7 +295,10 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                             tcp.run(value_size * batch, true, r.batches.clone(), &mut base_put)?;
                             tcp.run(value_size * batch, false, r.batches.clone(), &mut base)?;
                         }
-                        None => memcpy.run(r.batches.clone(), &mut base),
+                        None => {
+                            memcpy.run_put(r.batches.clone(), &mut base_put);
+                            memcpy.run(r.batches.clone(), &mut base);
+                        }
                     }
                     Ok(())
                 };
@@ -327,11 +331,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                         value_size as u64,
                         batch,
                         &put,
-                        if tcp_baseline.is_some() {
-                            &base_put
-                        } else {
-                            &base
-                        },
+                        &base_put,
                         &put_kind,
                         &engine,
                         0,

@@ -57,7 +57,7 @@ pub(super) fn run(
                     put_memory(&store, &case, r.batches.clone(), keys_in_set, &mut put)
                 },
                 &mut |r: &Round, (): &()| {
-                    memcpy.run(r.batches.clone(), &mut base);
+                    memcpy.run_put(r.batches.clone(), &mut base);
                     Ok(())
                 },
             ],

@@ -1,4 +1,5 @@
-//! The memory cases' baseline: memcpy bandwidth, measured in the same run.
+//! The memory cases' baselines: memcpy bandwidth shaped as a get and as a
+//! put, measured in the same run.
 //! (The disk cases' baselines, raw O_DIRECT io_uring transfers, live in
 //! `device`.)
 
@@ -72,6 +73,45 @@ impl Memcpy {
                 next = (next + 1) % sources.len();
             }
             std::hint::black_box(&mut *dests);
+            Ok((call.elapsed(), 0))
+        });
+        copied.expect("memcpy cannot fail");
+    }
+
+    /// The put cases' baseline, shaped as a put: each call first writes
+    /// its thread's batch buffers (untimed, as the put case's caller
+    /// writes its values just before each put), then copies them into
+    /// distinct values of the working set (cold, as a put's fresh pool
+    /// extents are), with the better copy for memory nothing reads soon:
+    /// non-temporal stores from 256 KiB (`bulk_copy::copy_for_elsewhere`).
+    /// Each thread writes its own part of the working set.
+    pub fn run_put(&mut self, range: std::ops::Range<u64>, m: &mut Measurement) {
+        let value_size = self.value_size;
+        let threads = self.dests.len();
+        let bytes = (range.end - range.start) * (self.dests[0].len() * value_size) as u64;
+        let per_thread = (self.sources.len() / threads).max(1);
+        let mut states: Vec<(&mut Vec<AlignedBuf>, &mut [Vec<u8>])> = self
+            .dests
+            .iter_mut()
+            .zip(self.sources.chunks_mut(per_thread))
+            .collect();
+        let copied = crate::on_callers(range, &mut states, m, bytes, |b, (bufs, set)| {
+            for (i, buf) in bufs.iter_mut().enumerate() {
+                crate::data::fill(
+                    format!("memcpy-put/{b}/{i}").as_bytes(),
+                    &mut buf.as_mut_slice()[..value_size],
+                );
+            }
+            let call = Instant::now();
+            let mut next = (b as usize * bufs.len()) % set.len();
+            for buf in bufs.iter() {
+                kvtier::bulk_copy::copy_for_elsewhere(
+                    &mut set[next][..value_size],
+                    &buf.as_slice()[..value_size],
+                );
+                next = (next + 1) % set.len();
+            }
+            std::hint::black_box(&mut **set);
             Ok((call.elapsed(), 0))
         });
         copied.expect("memcpy cannot fail");
