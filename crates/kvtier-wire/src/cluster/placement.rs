@@ -6,7 +6,7 @@
 //! and nothing moves between the others.
 
 use super::Member;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use twox_hash::XxHash3_64;
 
 /// The placement hash of a key in a namespace: the same on every host (no
 /// secret in it, unlike the store's key digest, which is private to each
@@ -16,7 +16,7 @@ pub fn key_hash(namespace: &str, key: &[u8]) -> u64 {
     qualified.push(namespace.len() as u8);
     qualified.extend_from_slice(namespace.as_bytes());
     qualified.extend_from_slice(key);
-    xxh3_64(&qualified)
+    XxHash3_64::oneshot(&qualified)
 }
 
 /// A member's score for a key: `weight / -ln(u)`, with `u` uniform in
@@ -24,8 +24,8 @@ pub fn key_hash(namespace: &str, key: &[u8]) -> u64 {
 /// with weights, each member's share of the keys is its share of the total
 /// weight (the logarithmic method of Schindelhauer and Schomaker).
 fn score(key: u64, member: &Member) -> f64 {
-    let seed = xxh3_64(member.id.as_bytes());
-    let h = xxh3_64_with_seed(&key.to_le_bytes(), seed);
+    let seed = XxHash3_64::oneshot(member.id.as_bytes());
+    let h = XxHash3_64::oneshot_with_seed(seed, &key.to_le_bytes());
     // 53 bits into (0, 1): never 0, never 1.
     let u = ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
     let weight = member.capacity.max(1) as f64;
@@ -88,7 +88,7 @@ mod tests {
             .map(|i| member(&format!("node-{i}"), (i + 1) << 30))
             .collect();
         for k in 0..5_000u64 {
-            let hash = xxh3_64(&k.to_le_bytes());
+            let hash = XxHash3_64::oneshot(&k.to_le_bytes());
             assert_eq!(
                 index_share_owner(hash, &members).map(|m| &m.id),
                 Some(&owners(hash, &members, 1)[0].id)

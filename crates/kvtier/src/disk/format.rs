@@ -1,9 +1,9 @@
 //! Byte-level codecs for region headers and batch records. The layout is
 //! specified in docs/design.md; every integer is little endian.
 
+use crate::key::xxh3_64;
 use crate::key::{split_qualified, KeyDigest, KeySecret};
 use crate::units::{page_round_up, PAGE_SIZE};
-use xxhash_rust::xxh3::xxh3_64;
 
 /// The region header's version (its layout has not changed since version
 /// 2: digests keyed with the directory secret over namespaced keys).

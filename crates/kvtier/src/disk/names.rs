@@ -74,16 +74,13 @@ pub fn record_origin(
 /// a checksum of that line (docs/design.md, "Log head").
 fn format_head(id: u32) -> String {
     let line = format!("kvtier log head {id:08x}");
-    format!(
-        "{line} {:016x}\n",
-        xxhash_rust::xxh3::xxh3_64(line.as_bytes())
-    )
+    format!("{line} {:016x}\n", crate::key::xxh3_64(line.as_bytes()))
 }
 
 pub(super) fn parse_head(text: &str) -> Option<u32> {
     let text = text.strip_suffix('\n')?;
     let (line, sum) = text.rsplit_once(' ')?;
-    if u64::from_str_radix(sum, 16).ok()? != xxhash_rust::xxh3::xxh3_64(line.as_bytes()) {
+    if u64::from_str_radix(sum, 16).ok()? != crate::key::xxh3_64(line.as_bytes()) {
         return None;
     }
     let id = line.strip_prefix("kvtier log head ")?;

@@ -19,12 +19,12 @@
 //! past that writer's newest number, which keeps more removals, never
 //! fewer).
 
+use crate::key::xxh3_64;
 use crate::private;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use xxhash_rust::xxh3::xxh3_64;
 
 /// The file's name in a writer's directory.
 pub const WRITE_FLOOR_FILE: &str = "write-floor";
