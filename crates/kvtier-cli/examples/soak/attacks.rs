@@ -92,6 +92,7 @@ pub fn sleep_unless(stop: &AtomicBool, d: Duration) {
 pub struct Feed {
     pub publish: String,
     pub replay: String,
+    pub login: crate::feed::Login,
 }
 
 /// What else the soak's server has that attackers go at, besides its
@@ -168,7 +169,7 @@ pub fn attacker_loop(
                 (
                     crate::feed::CLASSES[which],
                     &counts.feed_rounds[which],
-                    crate::feed::attack(which, id, round, &feed.publish, &feed.replay),
+                    crate::feed::attack(which, id, round, &feed.publish, &feed.replay, &feed.login),
                 )
             };
             rounds.fetch_add(1, Ordering::Relaxed);

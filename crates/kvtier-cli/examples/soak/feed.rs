@@ -1,12 +1,15 @@
 //! The KV-event feed's side of the soak (issue 39): with the server's feed
-//! asking for logins (`kv_events_auth = "plain"`), attackers that connect
-//! without one, with a wrong password, or to the replay socket without
-//! one must never receive a batch (a *breach*), while one subscriber
-//! logged in with the token keeps receiving batches all along. ZMTP is
-//! spoken byte by byte here (greeting, HELLO, INITIATE, SUBSCRIBE), as a
-//! hostile peer would, not through a ZeroMQ library that would refuse to
-//! misbehave.
+//! asking for logins (`kv_events_auth = "plain"`, or `"curve"` where the
+//! soak is given the server's CURVE key), attackers that connect without
+//! one, with a wrong password (under CURVE: a key derived from a wrong
+//! token), or to the replay socket without one must never receive a batch
+//! (a *breach*), while one subscriber logged in with the token keeps
+//! receiving batches all along. ZMTP is spoken byte by byte here
+//! (greeting, HELLO, INITIATE, SUBSCRIBE), as a hostile peer would, not
+//! through a ZeroMQ library that would refuse to misbehave; CURVE through
+//! kvtier-node's client (`kv_events::curve::client`).
 
+use kvtier_node::kv_events::curve::client::Subscriber;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,7 +18,7 @@ use std::time::{Duration, Instant};
 /// Feed attack classes, in the order each attacker runs them.
 pub const CLASSES: [&str; 3] = [
     "feed_subscriber_without_login",
-    "feed_wrong_password",
+    "feed_wrong_password_or_key",
     "feed_replay_without_login",
 ];
 
@@ -109,8 +112,41 @@ fn receives_a_message(s: &mut TcpStream, within: Duration) -> bool {
     false
 }
 
+/// The feed's login: PLAIN with the token, or CURVE with the key the
+/// token derives, for the server whose key this is (Z85).
+#[derive(Debug, Clone)]
+pub enum Login {
+    Plain,
+    Curve { server_key: String },
+}
+
+impl Login {
+    /// From `KVTIER_SOAK_FEED_CURVE_KEY`: CURVE when it is set.
+    pub fn from_env() -> Self {
+        match std::env::var("KVTIER_SOAK_FEED_CURVE_KEY") {
+            Ok(server_key) if !server_key.is_empty() => Login::Curve { server_key },
+            _ => Login::Plain,
+        }
+    }
+}
+
+/// A CURVE subscriber with the key `token` derives; `None` when refused.
+fn curve_login(addr: &str, token: &[u8], server_key: &str) -> Option<Subscriber> {
+    let addr = addr.trim_start_matches("tcp://").parse().ok()?;
+    let mut s = Subscriber::connect(addr, token, server_key).ok()?;
+    s.subscribe(b"").ok()?;
+    Some(s)
+}
+
 /// One round of feed attack `class`; whether it was let through.
-pub fn attack(class: usize, id: usize, round: usize, feed: &str, replay: &str) -> bool {
+pub fn attack(
+    class: usize,
+    id: usize,
+    round: usize,
+    feed: &str,
+    replay: &str,
+    login: &Login,
+) -> bool {
     match class {
         0 => {
             // NULL greeting, READY as a SUB, subscribe to everything.
@@ -124,6 +160,13 @@ pub fn attack(class: usize, id: usize, round: usize, feed: &str, replay: &str) -
         }
         1 => {
             let guess = format!("feed-guess-{id}-{round}-0123456789");
+            if let Login::Curve { server_key } = login {
+                // Refused at INITIATE; were it let in, any batch is a breach.
+                return curve_login(feed, guess.as_bytes(), server_key).is_some_and(|mut s| {
+                    let _ = s.next_message(1 << 20, Duration::from_millis(200));
+                    true
+                });
+            }
             match plain_login(feed, guess.as_bytes(), "SUB") {
                 Some(mut s) => {
                     let _ = s.write_all(&[0x00, 0x01, 0x01]);
@@ -148,7 +191,32 @@ pub fn attack(class: usize, id: usize, round: usize, feed: &str, replay: &str) -
 
 /// A router's subscriber logged in with the server's token, counting the
 /// batches it receives until `stop` (reconnecting if the feed drops it).
-pub fn logged_in_subscriber(feed: &str, token: &str, stop: &AtomicBool, batches: &AtomicU64) {
+pub fn logged_in_subscriber(
+    feed: &str,
+    token: &str,
+    login: &Login,
+    stop: &AtomicBool,
+    batches: &AtomicU64,
+) {
+    if let Login::Curve { server_key } = login {
+        while !stop.load(Ordering::Relaxed) {
+            let Some(mut s) = curve_login(feed, token.as_bytes(), server_key) else {
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            };
+            while !stop.load(Ordering::Relaxed) {
+                match s.next_message(1 << 20, Duration::from_secs(2)) {
+                    // The first frame of each three-frame batch.
+                    Ok(body) if body.starts_with(b"kv@") => {
+                        batches.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        return;
+    }
     while !stop.load(Ordering::Relaxed) {
         let Some(mut s) = plain_login(feed, token.as_bytes(), "SUB") else {
             std::thread::sleep(Duration::from_millis(200));

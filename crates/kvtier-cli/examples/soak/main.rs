@@ -190,7 +190,11 @@ fn main() {
         std::env::var("KVTIER_SOAK_FEED"),
         std::env::var("KVTIER_SOAK_REPLAY"),
     ) {
-        (Ok(publish), Ok(replay)) => Some(Arc::new(attacks::Feed { publish, replay })),
+        (Ok(publish), Ok(replay)) => Some(Arc::new(attacks::Feed {
+            publish,
+            replay,
+            login: feed::Login::from_env(),
+        })),
         _ => None,
     };
     let feed_batches = Arc::new(AtomicU64::new(0));
@@ -202,7 +206,7 @@ fn main() {
             token.clone(),
         );
         std::thread::spawn(move || {
-            feed::logged_in_subscriber(&feed.publish, &token, &stop, &batches)
+            feed::logged_in_subscriber(&feed.publish, &token, &feed.login, &stop, &batches)
         })
     });
     let shared: Option<Arc<std::path::Path>> =

@@ -438,18 +438,19 @@ pub fn z85_decode(text: &str) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-/// The client's side, as libzmq speaks it, for tests: what a subscriber
-/// with `curve_secretkey`, `curve_publickey` and `curve_serverkey` set
-/// does, and what an attacker changes in it.
-#[cfg(test)]
-pub(crate) mod test_client {
+/// The client's side, as libzmq speaks it: what a subscriber with
+/// `curve_secretkey`, `curve_publickey` and `curve_serverkey` set does
+/// (the soak's subscriber), and what an attacker changes in it (the
+/// tests').
+#[cfg(any(test, feature = "curve-client"))]
+pub mod client {
     use super::*;
     use std::net::{SocketAddr, TcpStream};
     use std::time::Duration;
 
     /// What the client does differently from libzmq.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub enum Tamper {
+    pub(crate) enum Tamper {
         None,
         /// HELLO boxed to a server key that is not the server's.
         WrongServerKey,
@@ -465,14 +466,73 @@ pub(crate) mod test_client {
         ring::hmac::sign(&key, CLIENT_KEY_LABEL)
             .as_ref()
             .try_into()
-            .unwrap()
+            .expect("HMAC-SHA256 is 32 bytes")
+    }
+
+    /// A SUB socket of the feed logged in with CURVE.
+    pub struct Subscriber {
+        stream: TcpStream,
+        sealer: Sealer,
+        opener: Opener,
+    }
+
+    impl std::fmt::Debug for Subscriber {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Subscriber")
+                .field("peer", &self.stream.peer_addr().ok())
+                .finish_non_exhaustive()
+        }
+    }
+
+    impl Subscriber {
+        /// Connects to the feed at `addr` with the client key `token`
+        /// derives, for the server whose key is `server_z85` (the start
+        /// line's "CURVE server key"). `PermissionDenied` when the feed
+        /// refuses the key.
+        pub fn connect(addr: SocketAddr, token: &[u8], server_z85: &str) -> io::Result<Self> {
+            let server: [u8; KEY] = z85_decode(server_z85)
+                .map_err(invalid)?
+                .try_into()
+                .map_err(|_| invalid("a CURVE server key is 32 bytes"))?;
+            let (stream, sealer, opener) =
+                connect(addr, client_secret(token), server, "SUB", Tamper::None)?;
+            Ok(Subscriber {
+                stream,
+                sealer,
+                opener,
+            })
+        }
+
+        /// Subscribes to topics starting with `prefix` (empty: all).
+        pub fn subscribe(&mut self, prefix: &[u8]) -> io::Result<()> {
+            let mut body = vec![1];
+            body.extend_from_slice(prefix);
+            let mut out = Vec::new();
+            self.sealer.put_frame(&mut out, &body, false, false)?;
+            self.stream.write_all(&out)
+        }
+
+        /// The next message frame (commands, such as heartbeats, are
+        /// skipped), of at most `max_len` bytes; an error when the feed
+        /// closed, went silent for `timeout`, or sent a frame that does
+        /// not open.
+        pub fn next_message(&mut self, max_len: usize, timeout: Duration) -> io::Result<Vec<u8>> {
+            self.stream.set_read_timeout(Some(timeout))?;
+            loop {
+                if let Frame::Message { body, .. } =
+                    self.opener.read_frame(&mut self.stream, max_len)?
+                {
+                    return Ok(body);
+                }
+            }
+        }
     }
 
     /// Connects and shakes hands as a `socket_type` client holding
     /// `client_secret`, for the server whose public key is `server`.
     /// Returns the stream and its boxes; `PermissionDenied` when the
     /// server answered ERROR.
-    pub fn connect(
+    pub(crate) fn connect(
         addr: SocketAddr,
         client_secret: [u8; KEY],
         server: [u8; KEY],
@@ -489,8 +549,9 @@ pub(crate) mod test_client {
         s.write_all(&greeting)?;
         let mut theirs = [0u8; zmtp::GREETING_LEN];
         s.read_exact(&mut theirs)?;
-        assert_eq!(&theirs[12..17], b"CURVE");
-        assert_eq!(theirs[32], 1, "the publisher greets as the CURVE server");
+        if &theirs[12..17] != b"CURVE" || theirs[32] != 1 {
+            return Err(invalid("the publisher does not greet as a CURVE server"));
+        }
         let server = PublicKey::from(server);
         let long = SecretKey::from(client_secret);
         let short = SecretKey::from(random::<KEY>()?);
@@ -515,7 +576,9 @@ pub(crate) mod test_client {
         s.write_all(&frame)?;
 
         let mut welcome = read_command(&mut s, 4096, "WELCOME")?;
-        assert!(welcome.starts_with(b"\x07WELCOME") && welcome.len() == 168);
+        if !(welcome.starts_with(b"\x07WELCOME") && welcome.len() == 168) {
+            return Err(invalid("no WELCOME of 168 bytes"));
+        }
         let n = nonce(b"WELCOME-", &welcome[8..24]);
         let inside = open(
             &SalsaBox::new(&server, &short),
@@ -523,7 +586,9 @@ pub(crate) mod test_client {
             &mut welcome[24..],
             "WELCOME",
         )?;
-        let server_short = PublicKey::from(<[u8; KEY]>::try_from(&inside[..KEY]).unwrap());
+        let server_short = PublicKey::from(
+            <[u8; KEY]>::try_from(&inside[..KEY]).map_err(|_| invalid("a short WELCOME box"))?,
+        );
         let mut cookie = inside[KEY..].to_vec();
         if tamper == Tamper::ForgedCookie {
             cookie[40] ^= 1;
@@ -567,8 +632,10 @@ pub(crate) mod test_client {
                 String::from_utf8_lossy(&ready[7..]).into_owned(),
             ));
         }
-        assert!(ready.starts_with(b"\x05READY"), "{ready:?}");
-        let ready_nonce = u64::from_be_bytes(ready[6..14].try_into().unwrap());
+        if !ready.starts_with(b"\x05READY") || ready.len() < 14 {
+            return Err(invalid("no READY"));
+        }
+        let ready_nonce = u64::from_be_bytes(ready[6..14].try_into().expect("8 bytes"));
         let n = nonce(b"CurveZMQREADY---", &ready[6..14]);
         open(&shared, &n, &mut ready[14..], "READY")?;
         Ok((

@@ -1627,7 +1627,7 @@ mod tests {
     /// topics never appear in the clear).
     #[test]
     fn curve_subscribers_see_their_tokens_namespaces_and_the_wire_shows_nothing() {
-        use curve::test_client::{client_secret, connect, Tamper};
+        use curve::client::{client_secret, connect, Tamper};
         use std::io::Write;
         let dir = tempfile::tempdir().unwrap();
         let (publisher, sink, server_key) = start_curve_feed(dir.path());
@@ -1732,7 +1732,7 @@ mod tests {
     /// greeting.
     #[test]
     fn curve_refuses_strangers_relays_forgeries_and_replays() {
-        use curve::test_client::{client_secret, connect, Tamper};
+        use curve::client::{client_secret, connect, Tamper};
         use std::io::Write;
         let dir = tempfile::tempdir().unwrap();
         let (publisher, sink, server_key) = start_curve_feed(dir.path());
