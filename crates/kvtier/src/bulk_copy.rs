@@ -62,7 +62,10 @@ pub fn copy_for_elsewhere(dst: &mut [u8], src: &[u8]) {
 ///
 /// # Safety
 /// `dst` valid for writes and `src` for reads of `len` bytes, not
-/// overlapping, and nothing writes `src`'s range during the call.
+/// overlapping, and nothing in this process writes `src`'s range during
+/// the call. Another process writing its own shared memory meanwhile (a
+/// client's buffer) only changes which bytes land: like a plain copy,
+/// this reads each source byte once and decides nothing by it.
 pub unsafe fn copy_raw_for_elsewhere(dst: *mut u8, src: *const u8, len: usize) {
     if len < STREAM_FROM {
         // SAFETY: the caller's contract.

@@ -138,7 +138,14 @@ impl ForeignSegments {
 
     /// Copies the bytes at `at..at + out.len()` into `out` (private
     /// memory), through raw pointers.
-    pub fn copy_out(&self, mut at: usize, mut out: &mut [u8]) {
+    pub fn copy_out(&self, at: usize, out: &mut [u8]) {
+        self.copy_out_with(at, out, false);
+    }
+
+    /// `copy_out`, with non-temporal stores for pieces from
+    /// `bulk_copy::STREAM_FROM` bytes when `elsewhere` (`out` is memory
+    /// nothing reads soon: a value's fresh pool extent).
+    fn copy_out_with(&self, mut at: usize, mut out: &mut [u8], elsewhere: bool) {
         assert!(at + out.len() <= self.len, "a copy past the segments");
         for (ptr, len) in self.ranges.each() {
             if out.is_empty() {
@@ -150,8 +157,17 @@ impl ForeignSegments {
             }
             let n = (len - at).min(out.len());
             // SAFETY: `at + n <= len` inside a segment the creator keeps
-            // mapped (`new`); `out` is ours and cannot overlap it.
-            unsafe { std::ptr::copy_nonoverlapping(ptr.add(at), out.as_mut_ptr(), n) };
+            // mapped (`new`); `out` is ours and cannot overlap it. A
+            // client writing its segment meanwhile changes which bytes
+            // are copied, never where (either copy: the put's bytes are
+            // then the client's own mixture, checksummed as copied).
+            unsafe {
+                if elsewhere {
+                    crate::bulk_copy::copy_raw_for_elsewhere(out.as_mut_ptr(), ptr.add(at), n);
+                } else {
+                    std::ptr::copy_nonoverlapping(ptr.add(at), out.as_mut_ptr(), n);
+                }
+            }
             out = &mut out[n..];
             at = 0;
         }
@@ -260,11 +276,48 @@ impl Source for &ForeignSegments {
     fn copy_to(&self, at: usize, chunk: &mut [u8]) {
         self.copy_out(at, chunk);
     }
+
+    fn copy_to_elsewhere(&self, at: usize, chunk: &mut [u8]) {
+        self.copy_out_with(at, chunk, true);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A put's copy out of a client's segments into a fresh extent, with
+    /// non-temporal stores for its large pieces: every byte where a plain
+    /// copy puts it, from any offset, and nothing past the chunk.
+    #[test]
+    fn a_copy_for_elsewhere_out_of_segments_is_a_plain_copy() {
+        let len = 3 * crate::bulk_copy::STREAM_FROM + 12_345;
+        let mut backing = crate::pattern::value(b"segments", len);
+        let want = backing.clone();
+        let (a, rest) = backing.split_at_mut(4097);
+        let (b, c) = rest.split_at_mut(crate::bulk_copy::STREAM_FROM + 7);
+        // SAFETY: `backing` outlives `foreign` and the pieces are disjoint.
+        let foreign = unsafe {
+            ForeignSegments::new(vec![
+                (a.as_mut_ptr(), a.len()),
+                (b.as_mut_ptr(), b.len()),
+                (c.as_mut_ptr(), c.len()),
+            ])
+        };
+        for (at, n) in [
+            (0, len),
+            (3, len - 3),
+            (4096, 2 * crate::bulk_copy::STREAM_FROM + 1),
+        ] {
+            let mut out = vec![0xeeu8; n + 64];
+            (&foreign).copy_to_elsewhere(at, &mut out[..n]);
+            assert!(out[..n] == want[at..at + n], "bytes from {at} differ");
+            assert!(
+                out[n..].iter().all(|&x| x == 0xee),
+                "written past the chunk"
+            );
+        }
+    }
 
     #[test]
     fn copies_cross_segment_bounds_both_ways() {
