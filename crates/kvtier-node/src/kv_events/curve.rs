@@ -514,11 +514,20 @@ pub mod client {
 
         /// The next message frame (commands, such as heartbeats, are
         /// skipped), of at most `max_len` bytes; an error when the feed
-        /// closed, went silent for `timeout`, or sent a frame that does
-        /// not open.
+        /// closed, sent no message within `timeout` (commands do not
+        /// extend it, so a peer sending only commands cannot hold the
+        /// caller), or sent a frame that does not open.
         pub fn next_message(&mut self, max_len: usize, timeout: Duration) -> io::Result<Vec<u8>> {
-            self.stream.set_read_timeout(Some(timeout))?;
+            let deadline = std::time::Instant::now() + timeout;
             loop {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no CURVE message within the timeout",
+                    ));
+                }
+                self.stream.set_read_timeout(Some(left))?;
                 if let Frame::Message { body, .. } =
                     self.opener.read_frame(&mut self.stream, max_len)?
                 {

@@ -274,7 +274,7 @@ pub fn value_checksum(digest: KeyDigest, value: &[u8]) -> u64 {
 /// xxh3-64 of `bytes`: the checksum of every record, region header and
 /// file kvtier writes. The formats fix the algorithm (XXH3_64bits, seed 0);
 /// this implementation picks its AVX2 kernel at run time, where a build
-/// for baseline x86-64 would hash with SSE2 at about half the speed.
+/// for baseline x86-64 would hash with SSE2 only.
 pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
     XxHash3_64::oneshot(bytes)
 }
