@@ -23,13 +23,17 @@ class SharedBuffer:
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
 class PendingCall:
-    """A batch call running in the background (``*_async`` methods)."""
+    """A batch call running in the background (``*_async`` methods): each
+    call on a thread of its own, never queued behind another call; threads
+    are kept idle between calls (at most 4, named ``kvtier-async``)."""
 
     def done(self) -> bool:
         """Whether the call has finished."""
     def wait(self) -> list[int]:
         """Waits (GIL released) and returns what the synchronous form
-        returns, or raises what it raises; later calls return the same."""
+        returns, or raises what it raises; later calls return the same.
+        Returns after the call's ``notify_fd`` write, so the descriptor may
+        be closed then."""
 
 class _Engine:
     def __enter__(self) -> Self: ...

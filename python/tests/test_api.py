@@ -1,4 +1,5 @@
 import os
+import pathlib
 import threading
 import uuid
 
@@ -386,6 +387,80 @@ def test_async_calls_notify_an_eventfd_when_done(engine):
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
     finally:
         os.close(efd)
+
+
+def _async_threads() -> int:
+    """This process's threads that run async calls (named kvtier-async)."""
+    count = 0
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == "kvtier-async"
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return count
+
+
+def test_async_calls_never_wait_behind_a_stuck_call_and_threads_are_kept(store):
+    """Async calls run on kept threads (one starts without creating a
+    thread), but never queue behind each other: a call stuck in its
+    completion (its notify_fd, a pipe here, is full) holds its own thread
+    only, and its wait() returns only after that write (the caller may
+    close the descriptor then). Idle threads are kept up to 4."""
+    import fcntl
+    import select
+    import time
+
+    size = 64 << 10
+    keys = [unique("kept") for _ in range(4)]
+    values = [pattern(k, size) for k in keys]
+    assert store.batch_put_from(keys, values) == [0] * 4
+    read_end, write_end = os.pipe()
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        # Fill the pipe: the stuck call's 8-byte completion write blocks.
+        fcntl.fcntl(write_end, fcntl.F_SETFL, os.O_NONBLOCK)
+        filler = 0
+        while True:
+            try:
+                filler += os.write(write_end, b"\0" * 4096)
+            except BlockingIOError:
+                break
+        fcntl.fcntl(write_end, fcntl.F_SETFL, 0)
+        outs = [np.zeros(size, dtype=np.uint8) for _ in range(6)]
+        stuck = store.batch_get_into_async(keys[:1], outs[:1], notify_fd=write_end)
+        waited = []
+        waiter = threading.Thread(target=lambda: waited.append(stuck.wait()))
+        waiter.start()
+        later = [store.batch_get_into_async([k], [o], notify_fd=efd) for k, o in zip(keys, outs[1:5])]
+        counted = 0
+        while counted < len(later):
+            assert select.select([efd], [], [], 60)[0], "a call waited behind the stuck one"
+            counted += os.eventfd_read(efd)
+        assert [c.wait() for c in later] == [[size]] * 4
+        assert all(np.array_equal(o, v) for o, v in zip(outs[:5], values[:1] + values))
+        deadline = time.monotonic() + 60
+        while not stuck.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stuck.done() and not waited, "wait() returned before the notification was written"
+        # Unstick it: its notification follows the filler.
+        got = b""
+        while len(got) < filler + 8:
+            assert select.select([read_end], [], [], 60)[0], "the stuck call never notified"
+            got += os.read(read_end, 1 << 16)
+        assert got[filler:] == (1).to_bytes(8, "little")
+        waiter.join(60)
+        assert waited == [[size]]
+    finally:
+        os.close(efd)
+    # Calls one after another reuse kept threads: at most 4 stay.
+    for _ in range(20):
+        assert store.batch_get_into_async(keys[:1], outs[5:6]).wait() == [size]
+    deadline = time.monotonic() + 60
+    while _async_threads() > 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 1 <= _async_threads() <= 4
+    os.close(read_end)
+    os.close(write_end)
 
 
 def test_unix_clients_move_values_by_cross_memory_transfers(server):

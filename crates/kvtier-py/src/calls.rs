@@ -7,10 +7,12 @@ use crate::convert::{check_lengths, get_codes, put_codes, to_py_err, CallOutcome
 use crate::registry::{
     as_mut_slices, as_slices, overlapping, raw_slices, Buffers, Registered, Registration,
 };
+use kvtier::ErrorKind;
 use kvtier::PutOptions;
 use kvtier_wire::protocol::code;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Where a batch's values come from or go to: raw pointers checked
@@ -237,82 +239,131 @@ impl SegmentTargets {
     }
 }
 
+/// A finished background call: its result, and the buffer views and pins
+/// it held, to be released by the thread that waits for it (see
+/// `PendingCall::spawn`).
+pub(crate) type Finished = (kvtier::Result<Vec<i64>>, Box<dyn Send>);
+
 /// A batch call running in the background (`batch_get_into_async`,
 /// `batch_put_from_async`).
 #[pyclass(module = "kvtier._native")]
 pub(crate) struct PendingCall {
-    pub(crate) call: Mutex<Option<std::thread::JoinHandle<kvtier::Result<Vec<i64>>>>>,
+    pub(crate) ending: Arc<Ending>,
+    /// Someone is waiting for the call (`wait()` by two threads at once:
+    /// the second is refused, as it cannot take the result too).
+    pub(crate) waited: AtomicBool,
     /// The outcome once waited for: the codes, or the error's kind and text.
     pub(crate) outcome: Mutex<Option<CallOutcome>>,
-    pub(crate) finished: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Where a background call leaves its end.
+pub(crate) struct Ending {
+    pub(crate) finished: AtomicBool,
+    pub(crate) result: Mutex<Option<Finished>>,
+    pub(crate) ready: std::sync::Condvar,
+}
+
+impl Ending {
+    fn put(&self, finished: Finished) {
+        *self
+            .result
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(finished);
+        self.ready.notify_all();
+    }
+
+    fn take(&self) -> Finished {
+        let mut result = self
+            .result
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        loop {
+            if let Some(finished) = result.take() {
+                return finished;
+            }
+            result = self
+                .ready
+                .wait(result)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
 }
 
 impl PendingCall {
-    /// Runs `call` on a thread of its own. With `notify`, an eventfd (or
+    /// Runs `call` on a background thread of its own (`background::run`:
+    /// an idle kept one, or a new one). With `notify`, an eventfd (or
     /// any descriptor that takes an 8-byte count) that stays open until the
     /// call is done: 1 is written to it then, with no GIL taken, so a
     /// caller's event loop learns of the completion without a Python thread
     /// waiting for it.
     ///
-    /// `held` (the buffer views and pins) is dropped only after the call is
-    /// marked done and notified: releasing a view takes the GIL, which a
-    /// busy Python thread holds for up to its switch interval, and the
-    /// completion must not wait for it.
+    /// `held` (the buffer views and pins) is not released on the call's
+    /// thread: releasing a view takes the GIL, which a busy Python thread
+    /// holds for up to its switch interval, and neither the completion nor
+    /// the thread's next call may wait for that. It goes back with the
+    /// result and `wait()` releases it, holding the GIL already. (A call
+    /// dropped unwaited releases it with the last reference to its end.)
     pub(crate) fn spawn<C: Send + 'static>(
         held: C,
         call: impl FnOnce(&C) -> kvtier::Result<Vec<i64>> + Send + 'static,
         notify: Option<std::os::fd::RawFd>,
     ) -> PyResult<PendingCall> {
-        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = Arc::clone(&finished);
-        let handle = std::thread::Builder::new()
-            .name("kvtier-async".into())
-            .spawn(move || {
-                let result = call(&held);
-                flag.store(true, std::sync::atomic::Ordering::Release);
-                if let Some(fd) = notify {
-                    use std::io::Write;
-                    use std::os::fd::FromRawFd;
-                    // SAFETY: the caller keeps `fd` open until the call is
-                    // done (`notify_fd`'s contract); not closed here.
-                    let file =
-                        std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
-                    // A full eventfd counter (2^64 - 2 completions unread)
-                    // is the only refusal, and the reader drains it anyway.
-                    let _ = (&*file).write(&1u64.to_ne_bytes());
-                }
-                drop(held);
-                result
-            })
-            .map_err(|e| PyRuntimeError::new_err(format!("starting a background call: {e}")))?;
+        let ending = Arc::new(Ending {
+            finished: AtomicBool::new(false),
+            result: Mutex::new(None),
+            ready: std::sync::Condvar::new(),
+        });
+        let end = Arc::clone(&ending);
+        crate::background::run(Box::new(move || {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(&held)))
+                .unwrap_or_else(|_| Err(kvtier::Error::new(ErrorKind::Io, "the call panicked")));
+            // Done, then notified, then the result: `done()` is true by the
+            // time the notification is read (the reader looks at `done()`),
+            // and `wait()` returns only after the write, so the caller may
+            // close the descriptor then.
+            end.finished.store(true, Ordering::Release);
+            if let Some(fd) = notify {
+                notify_done(fd);
+            }
+            end.put((result, Box::new(held)));
+        }))
+        .map_err(|e| PyRuntimeError::new_err(format!("starting a background call: {e}")))?;
         Ok(PendingCall {
-            call: Mutex::new(Some(handle)),
+            ending,
+            waited: AtomicBool::new(false),
             outcome: Mutex::new(None),
-            finished,
         })
     }
 }
 
+/// Writes 1 to `fd` (a completion to an eventfd).
+fn notify_done(fd: std::os::fd::RawFd) {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    // SAFETY: the caller keeps `fd` open until the call is done
+    // (`notify_fd`'s contract); not closed here.
+    let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
+    // A full eventfd counter (2^64 - 2 completions unread) is the only
+    // refusal, and the reader drains it anyway.
+    let _ = (&*file).write(&1u64.to_ne_bytes());
+}
+
 #[pymethods]
 impl PendingCall {
-    /// Whether the call has finished (`wait()` then returns at once).
+    /// Whether the call has finished (`wait()` then returns as soon as the
+    /// call's `notify_fd` write is made).
     pub(crate) fn done(&self) -> bool {
-        self.finished.load(std::sync::atomic::Ordering::Acquire)
+        self.ending.finished.load(Ordering::Acquire)
     }
 
     /// Waits for the call (without holding the GIL) and returns what the
     /// synchronous form returns, or raises what it raises. Later calls
     /// return the same.
     pub(crate) fn wait(&self, py: Python<'_>) -> PyResult<Vec<i64>> {
-        let handle = self.call.lock().unwrap().take();
-        if let Some(handle) = handle {
-            let result = py.detach(|| handle.join());
-            let outcome = match result {
-                Ok(Ok(codes)) => Ok(codes),
-                Ok(Err(e)) => Err((e.kind(), e.to_string())),
-                Err(_) => Err((kvtier::ErrorKind::Io, "the background call panicked".into())),
-            };
-            *self.outcome.lock().unwrap() = Some(outcome);
+        if !self.waited.swap(true, Ordering::AcqRel) {
+            let (result, held) = py.detach(|| self.ending.take());
+            drop(held);
+            *self.outcome.lock().unwrap() = Some(result.map_err(|e| (e.kind(), e.to_string())));
         }
         match self.outcome.lock().unwrap().clone() {
             Some(Ok(codes)) => Ok(codes),
