@@ -1774,22 +1774,14 @@ fn copy_leased(
                 return Ok(());
             };
             // SAFETY: `i` is in bounds (checked above) and taken by this
-            // thread alone; `bufs` outlives the scope below.
+            // thread alone; `bufs` outlives every run (`run_scoped`).
             let buf = unsafe { &mut **shared.0.add(i) };
             pool.copy_out(offset, len, buf, streamed)?;
         }
     };
-    std::thread::scope(|scope| {
-        let helpers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
-        let mut result = work();
-        for helper in helpers {
-            let joined = helper
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p));
-            result = result.and(joined);
-        }
-        result
-    })
+    // Kept threads help: creating one and joining its exit cost 60-100 µs
+    // of a 1.6 ms batch of 32 MiB.
+    crate::kept_threads::run_scoped(threads - 1, &work)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod client;
 pub mod conn;
+pub mod kept_threads;
 pub mod pool;
 mod pool_views;
 pub mod routing;

@@ -290,7 +290,7 @@ impl Ending {
 }
 
 impl PendingCall {
-    /// Runs `call` on a background thread of its own (`background::run`:
+    /// Runs `call` on a background thread of its own (`kvtier_client::kept_threads::run`:
     /// an idle kept one, or a new one). With `notify`, an eventfd (or
     /// any descriptor that takes an 8-byte count) that stays open until the
     /// call is done: 1 is written to it then, with no GIL taken, so a
@@ -314,7 +314,7 @@ impl PendingCall {
             ready: std::sync::Condvar::new(),
         });
         let end = Arc::clone(&ending);
-        crate::background::run(Box::new(move || {
+        kvtier_client::kept_threads::run(Box::new(move || {
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call(&held)))
                 .unwrap_or_else(|_| Err(kvtier::Error::new(ErrorKind::Io, "the call panicked")));
             // Done, then notified, then the result: `done()` is true by the

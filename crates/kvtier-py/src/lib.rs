@@ -9,7 +9,6 @@ use crate::embedded::Store_;
 use crate::engine::Engine;
 use crate::remote::{Client_, SharedBuffer};
 mod backend;
-mod background;
 mod calls;
 mod convert;
 mod embedded;
