@@ -17,12 +17,14 @@
 //! A batch of values in buffered files (network and FUSE file systems in
 //! the default read mode) is **streamed** instead: its thread reads the
 //! values one after another, in order, in pieces of `STREAM_PIECE` into a
-//! ring of `STREAM_PIECES` buffers of its own, checksumming each piece as
-//! it lands, and hands the pieces over; the caller copies each into its
-//! destination while the next is read, and takes each value's verdict
-//! when its last piece is in. So a value's bytes cross memory about as
-//! often as in a plain program's `read` (the ring stays in cache), and
-//! the file is read as one sequential stream, as readahead likes it. The
+//! ring of `STREAM_PIECES` buffers of its own, and hands the pieces over;
+//! the caller checksums and copies each into its destination while the
+//! next is read (with non-temporal stores for a batch too large to stay
+//! in the caches, `bulk_copy::worth_streaming`), and takes each value's
+//! verdict when its last piece is in. So a value's bytes cross memory
+//! about as often as in a plain program's `read` (the ring stays in
+//! cache), and the file is read as one sequential stream, as readahead
+//! likes it. The
 //! bound is the same: only the thread writes the ring, only the caller
 //! writes its destinations, and a caller past its deadline zeroes what it
 //! copied of values without a verdict, answers them as misses, and leaves
@@ -47,6 +49,10 @@ const STREAM_PIECES: usize = 3;
 /// Bytes of a streamed piece checksummed and then copied out together:
 /// small enough to stay in the core's cache between the two.
 const COPY_CHUNK: usize = 64 << 10;
+/// The same for a batch whose copies are made with non-temporal stores
+/// (`bulk_copy::worth_streaming`): as large as such stores start at, and
+/// still well within a core's cache.
+const STREAMED_COPY_CHUNK: usize = crate::bulk_copy::STREAM_FROM;
 
 /// Bounded batches that may be held past their deadline at once before
 /// new ones answer misses without reading: each holds a thread (parked in
@@ -447,6 +453,17 @@ impl Stream {
         // Bytes copied into each destination so far (zeroed if its value
         // does not verify or does not finish).
         let mut copied = vec![0usize; reads.len()];
+        // A batch too large to stay in the caches for its reader is copied
+        // with non-temporal stores: the destination's lines are not read
+        // first, which leaves the memory bus to the reading thread's
+        // `pread`s on the other core.
+        let total: usize = reads.iter().flatten().map(|r| r.len).sum();
+        let streamed = crate::bulk_copy::worth_streaming(total);
+        let chunk_len = if streamed {
+            STREAMED_COPY_CHUNK
+        } else {
+            COPY_CHUNK
+        };
         loop {
             let now = Instant::now();
             // Past the deadline, what is already sent is still taken (a
@@ -470,11 +487,15 @@ impl Stream {
                     // piece is read from memory once (the copy finds each
                     // chunk in the core's cache), not twice.
                     let bytes = &buf.as_slice()[..len];
-                    for (i, chunk) in bytes.chunks(COPY_CHUNK).enumerate() {
+                    for (i, chunk) in bytes.chunks(chunk_len).enumerate() {
                         if let Some(checksum) = &mut checksums[value] {
                             checksum.update(chunk);
                         }
-                        dests[value].fill_at(at + i * COPY_CHUNK, chunk);
+                        if streamed {
+                            dests[value].fill_at_streamed(at + i * chunk_len, chunk);
+                        } else {
+                            dests[value].fill_at(at + i * chunk_len, chunk);
+                        }
                     }
                     copied[value] = copied[value].max(at + len);
                     if let Err(mpsc::SendError(buf)) = self.free.send(buf) {
@@ -886,7 +907,21 @@ mod tests {
     /// copied is zeroed.
     #[test]
     fn a_streamed_value_lands_in_segments_and_a_stale_copy_is_read_again() {
-        let len = 2 * STREAM_PIECE + 12_345;
+        // Copied plain, and (a batch of 16 MiB or more) with non-temporal
+        // stores.
+        for len in [
+            2 * STREAM_PIECE + 12_345,
+            crate::bulk_copy::STREAM_BATCH_FROM + 12_345,
+        ] {
+            streamed_value_into_segments(len);
+        }
+    }
+
+    fn streamed_value_into_segments(len: usize) {
+        assert_eq!(
+            crate::bulk_copy::worth_streaming(len),
+            len >= crate::bulk_copy::STREAM_BATCH_FROM
+        );
         let engine = faulty();
         let (_log, tier, read) = tier_with(&engine, false, len);
         let bounded = BoundedReads::new(
@@ -899,7 +934,10 @@ mod tests {
         );
         let reads = [Some(read)];
         let mut whole = vec![0u8; len + 10];
-        for (stale, verified) in [(0, true), (2, true), (6, false)] {
+        // Stale pieces: none; some of the first attempt's; every piece of
+        // both attempts.
+        let pieces = len.div_ceil(STREAM_PIECE) as u64;
+        for (stale, verified) in [(0, true), (2, true), (2 * pieces, false)] {
             engine.stale_reads(stale);
             whole.fill(1);
             let (a, rest) = whole.split_at_mut(1000);

@@ -31,11 +31,15 @@ pub(crate) trait Destination {
     /// Copies `bytes` to the destination from byte `at` on (`at +
     /// bytes.len()` at most `capacity()`).
     fn fill_at(&mut self, at: usize, bytes: &[u8]);
-    /// `fill_from` for a copy bound elsewhere (the caller's other threads,
+    /// `fill_at` for a copy bound elsewhere (the caller's other threads,
     /// its device): large pieces with non-temporal stores
     /// (`bulk_copy::copy_for_elsewhere`), where the destination allows.
+    fn fill_at_streamed(&mut self, at: usize, bytes: &[u8]) {
+        self.fill_at(at, bytes);
+    }
+    /// `fill_at_streamed` to the front of the destination.
     fn fill_streamed(&mut self, bytes: &[u8]) {
-        self.fill_from(bytes);
+        self.fill_at_streamed(0, bytes);
     }
 }
 
@@ -49,8 +53,8 @@ impl Destination for &mut [u8] {
     fn fill_at(&mut self, at: usize, bytes: &[u8]) {
         self[at..at + bytes.len()].copy_from_slice(bytes);
     }
-    fn fill_streamed(&mut self, bytes: &[u8]) {
-        crate::bulk_copy::copy_for_elsewhere(&mut self[..bytes.len()], bytes);
+    fn fill_at_streamed(&mut self, at: usize, bytes: &[u8]) {
+        crate::bulk_copy::copy_for_elsewhere(&mut self[at..at + bytes.len()], bytes);
     }
 }
 
@@ -64,30 +68,34 @@ impl Destination for &mut [&mut [u8]] {
             _ => None,
         }
     }
-    fn fill_at(&mut self, mut at: usize, mut bytes: &[u8]) {
-        for segment in self.iter_mut() {
-            if bytes.is_empty() {
-                break;
-            }
-            if at >= segment.len() {
-                at -= segment.len();
-                continue;
-            }
-            let n = (segment.len() - at).min(bytes.len());
-            segment[at..at + n].copy_from_slice(&bytes[..n]);
-            at = 0;
-            bytes = &bytes[n..];
-        }
+    fn fill_at(&mut self, at: usize, bytes: &[u8]) {
+        fill_segments(self, at, bytes, |to, from| to.copy_from_slice(from));
     }
-    fn fill_streamed(&mut self, mut bytes: &[u8]) {
-        for segment in self.iter_mut() {
-            if bytes.is_empty() {
-                break;
-            }
-            let n = segment.len().min(bytes.len());
-            crate::bulk_copy::copy_for_elsewhere(&mut segment[..n], &bytes[..n]);
-            bytes = &bytes[n..];
+    fn fill_at_streamed(&mut self, at: usize, bytes: &[u8]) {
+        fill_segments(self, at, bytes, crate::bulk_copy::copy_for_elsewhere);
+    }
+}
+
+/// Copies `bytes` into `segments` laid end to end, from byte `at` on, with
+/// `copy` (equal lengths) for each segment's part.
+fn fill_segments(
+    segments: &mut [&mut [u8]],
+    mut at: usize,
+    mut bytes: &[u8],
+    copy: impl Fn(&mut [u8], &[u8]),
+) {
+    for segment in segments.iter_mut() {
+        if bytes.is_empty() {
+            break;
         }
+        if at >= segment.len() {
+            at -= segment.len();
+            continue;
+        }
+        let n = (segment.len() - at).min(bytes.len());
+        copy(&mut segment[at..at + n], &bytes[..n]);
+        at = 0;
+        bytes = &bytes[n..];
     }
 }
 
@@ -515,6 +523,59 @@ impl ValueReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pieces copied in at any offset land byte for byte, into one slice
+    /// or odd segments, plain or with non-temporal stores (pieces of 256
+    /// KiB and up, split across segments anyhow), and nothing else is
+    /// written.
+    #[test]
+    fn pieces_land_at_their_offsets_plain_or_streamed() {
+        // Miri copies plainly whatever the size (it checks the pointers
+        // only): small pieces keep it quick there.
+        let unit = if cfg!(miri) {
+            4096
+        } else {
+            crate::bulk_copy::STREAM_FROM
+        };
+        let len = 3 * unit + 4321;
+        let value: Vec<u8> = (0..len)
+            .map(|i| (i % 251) as u8 ^ (i >> 12) as u8)
+            .collect();
+        let piece = unit + 100;
+        for streamed in [false, true] {
+            let mut whole = vec![0xeeu8; len + 10];
+            {
+                let mut one: &mut [u8] = &mut whole[..len];
+                for (i, chunk) in value.chunks(piece).enumerate() {
+                    if streamed {
+                        one.fill_at_streamed(i * piece, chunk);
+                    } else {
+                        one.fill_at(i * piece, chunk);
+                    }
+                }
+            }
+            assert_eq!(&whole[..len], &value[..], "one slice, streamed {streamed}");
+            assert!(whole[len..].iter().all(|&x| x == 0xee));
+            whole.fill(0xee);
+            {
+                let (a, rest) = whole.split_at_mut(1000);
+                let (b, rest) = rest.split_at_mut(unit + 7);
+                let (c, _) = rest.split_at_mut(len - 1000 - unit - 7);
+                let mut segments: [&mut [u8]; 3] = [a, b, c];
+                let mut dest = &mut segments[..];
+                // Backwards, so no piece relies on the one before.
+                for (i, chunk) in value.chunks(piece).enumerate().rev() {
+                    if streamed {
+                        dest.fill_at_streamed(i * piece, chunk);
+                    } else {
+                        dest.fill_at(i * piece, chunk);
+                    }
+                }
+            }
+            assert_eq!(&whole[..len], &value[..], "segments, streamed {streamed}");
+            assert!(whole[len..].iter().all(|&x| x == 0xee));
+        }
+    }
 
     fn check_of(value: &[u8], piece: usize, digest: KeyDigest) -> PieceCheck {
         let pieces = value.len().div_ceil(piece).max(1);
