@@ -242,25 +242,25 @@ impl SegmentTargets {
 /// A finished background call: its result, and the buffer views and pins
 /// it held, to be released by the thread that waits for it (see
 /// `PendingCall::spawn`).
-pub(crate) type Finished = (kvtier::Result<Vec<i64>>, Box<dyn Send>);
+type Finished = (kvtier::Result<Vec<i64>>, Box<dyn Send>);
 
 /// A batch call running in the background (`batch_get_into_async`,
 /// `batch_put_from_async`).
 #[pyclass(module = "kvtier._native")]
 pub(crate) struct PendingCall {
-    pub(crate) ending: Arc<Ending>,
+    ending: Arc<Ending>,
     /// Someone is waiting for the call (`wait()` by two threads at once:
     /// the second is refused, as it cannot take the result too).
-    pub(crate) waited: AtomicBool,
+    waited: AtomicBool,
     /// The outcome once waited for: the codes, or the error's kind and text.
-    pub(crate) outcome: Mutex<Option<CallOutcome>>,
+    outcome: Mutex<Option<CallOutcome>>,
 }
 
 /// Where a background call leaves its end.
-pub(crate) struct Ending {
-    pub(crate) finished: AtomicBool,
-    pub(crate) result: Mutex<Option<Finished>>,
-    pub(crate) ready: std::sync::Condvar,
+struct Ending {
+    finished: AtomicBool,
+    result: Mutex<Option<Finished>>,
+    ready: std::sync::Condvar,
 }
 
 impl Ending {
@@ -290,8 +290,9 @@ impl Ending {
 }
 
 impl PendingCall {
-    /// Runs `call` on a background thread of its own (`kvtier_client::kept_threads::run`:
-    /// an idle kept one, or a new one). With `notify`, an eventfd (or
+    /// Runs `call` on a background thread of its own (an idle kept one or a
+    /// new one: `kvtier_client::kept_threads::run`). With `notify`, an
+    /// eventfd (or
     /// any descriptor that takes an 8-byte count) that stays open until the
     /// call is done: 1 is written to it then, with no GIL taken, so a
     /// caller's event loop learns of the completion without a Python thread

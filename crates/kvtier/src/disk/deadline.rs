@@ -24,11 +24,10 @@
 //! verdict when its last piece is in. So a value's bytes cross memory
 //! about as often as in a plain program's `read` (the ring stays in
 //! cache), and the file is read as one sequential stream, as readahead
-//! likes it. The
-//! bound is the same: only the thread writes the ring, only the caller
-//! writes its destinations, and a caller past its deadline zeroes what it
-//! copied of values without a verdict, answers them as misses, and leaves
-//! the ring to the thread.
+//! likes it. The bound is the same: only the thread writes the ring, only
+//! the caller writes its destinations, and a caller past its deadline
+//! zeroes what it copied of values without a verdict, answers them as
+//! misses, and leaves the ring to the thread.
 
 use super::read::{Destination, ReadOutcome, ValueRead, ValueReader};
 use crate::error::Error;
@@ -457,7 +456,10 @@ impl Stream {
         // with non-temporal stores: the destination's lines are not read
         // first, which leaves the memory bus to the reading thread's
         // `pread`s on the other core.
-        let total: usize = reads.iter().flatten().map(|r| r.len).sum();
+        let total = reads
+            .iter()
+            .flatten()
+            .fold(0usize, |total, r| total.saturating_add(r.len));
         let streamed = crate::bulk_copy::worth_streaming(total);
         let chunk_len = if streamed {
             STREAMED_COPY_CHUNK

@@ -524,6 +524,28 @@ impl ValueReader {
 mod tests {
     use super::*;
 
+    /// `value` copied into `dest` in pieces of `piece` bytes, each at its
+    /// offset, plain or streamed, first to last or last to first.
+    fn fill_pieces<D: Destination>(
+        dest: &mut D,
+        value: &[u8],
+        piece: usize,
+        streamed: bool,
+        backwards: bool,
+    ) {
+        let mut pieces: Vec<(usize, &[u8])> = value.chunks(piece).enumerate().collect();
+        if backwards {
+            pieces.reverse();
+        }
+        for (i, chunk) in pieces {
+            if streamed {
+                dest.fill_at_streamed(i * piece, chunk);
+            } else {
+                dest.fill_at(i * piece, chunk);
+            }
+        }
+    }
+
     /// Pieces copied in at any offset land byte for byte, into one slice
     /// or odd segments, plain or with non-temporal stores (pieces of 256
     /// KiB and up, split across segments anyhow), and nothing else is
@@ -546,13 +568,7 @@ mod tests {
             let mut whole = vec![0xeeu8; len + 10];
             {
                 let mut one: &mut [u8] = &mut whole[..len];
-                for (i, chunk) in value.chunks(piece).enumerate() {
-                    if streamed {
-                        one.fill_at_streamed(i * piece, chunk);
-                    } else {
-                        one.fill_at(i * piece, chunk);
-                    }
-                }
+                fill_pieces(&mut one, &value, piece, streamed, false);
             }
             assert_eq!(&whole[..len], &value[..], "one slice, streamed {streamed}");
             assert!(whole[len..].iter().all(|&x| x == 0xee));
@@ -562,15 +578,8 @@ mod tests {
                 let (b, rest) = rest.split_at_mut(unit + 7);
                 let (c, _) = rest.split_at_mut(len - 1000 - unit - 7);
                 let mut segments: [&mut [u8]; 3] = [a, b, c];
-                let mut dest = &mut segments[..];
                 // Backwards, so no piece relies on the one before.
-                for (i, chunk) in value.chunks(piece).enumerate().rev() {
-                    if streamed {
-                        dest.fill_at_streamed(i * piece, chunk);
-                    } else {
-                        dest.fill_at(i * piece, chunk);
-                    }
-                }
+                fill_pieces(&mut &mut segments[..], &value, piece, streamed, true);
             }
             assert_eq!(&whole[..len], &value[..], "segments, streamed {streamed}");
             assert!(whole[len..].iter().all(|&x| x == 0xee));
