@@ -3,14 +3,17 @@ of batches of objects through an L2 adapter) with kvtier's native plugin
 (and, as `kvtier_cross_memory`, against a server with `map_pool = false`)
 beside LMCache's `fs`, `fs_native`, `raw_block` and `mooncake_store`
 adapters, on this machine, in one run, with the memcpy ceiling measured
-before each repeat. Run by `scripts/lmcache-l2-bench`.
+before each repeat; then kvtier's plugin and fs_native's client paired in
+one process, round by round (`lmcache_paired.py`, `--paired-rounds`). Run
+by `scripts/lmcache-l2-bench`.
 
 Every adapter gets the same objects (``--num-keys`` per submit of
 ``--data-size-kb`` each, ``--rounds`` rounds, every loaded byte verified by
 LMCache's bench), its own fresh directory, file or service, and runs once
-per repeat; the repeats interleave the adapters and the table shows
-medians. kvtier runs as `kvtier serve` over its Unix socket; `fs` and
-`fs_native` write files under a scratch directory on the same disk,
+per repeat; the repeats interleave the adapters (every other repeat in
+reverse order) and the table shows medians. kvtier runs as `kvtier serve`
+over its Unix socket; `fs` and `fs_native` write files under a scratch
+directory on the same disk,
 `raw_block` a preallocated file with O_DIRECT, `mooncake_store` a local
 `mooncake_master` over TCP. An adapter that cannot run is reported with
 its error.
@@ -144,6 +147,25 @@ def run_one(name: str, scratch: pathlib.Path, peers: str, args, repeat: int) -> 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def run_paired(scratch: pathlib.Path, args) -> dict:
+    """kvtier's plugin and fs_native's client in one process, round by
+    round (lmcache_paired.py says why)."""
+    work = scratch / "paired"
+    work.mkdir()
+    out = work / "paired.json"
+    env = {**os.environ, "PYTHONPATH": args.peers + os.pathsep + str(REPO / "python"),
+           "LMCACHE_DISABLE_BANNER": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    binary = os.environ.get("KVTIER_BIN") or str(REPO / "target" / "release" / "kvtier")
+    try:
+        subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("lmcache_paired.py")), binary,
+                        str(work), str(args.num_keys), str(args.data_size_kb), str(args.paired_store_rounds),
+                        str(args.paired_rounds), str(out)], env=env, check=True, timeout=900,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def memcpy_ceiling(args) -> float:
     """What a load can reach on this machine now: MB/s of one round's bytes
     copied from memory it has not just touched into zeroed buffers, on as
@@ -194,6 +216,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--in-flight", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--paired-rounds", type=int, default=200,
+                        help="load rounds of each of kvtier and fs_native paired in one process (0: none)")
+    parser.add_argument("--paired-store-rounds", type=int, default=24,
+                        help="store rounds of each, paired (fs_native's files stay within the dirty-page limits)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.rounds_total_bytes = (args.rounds + 1) * args.in_flight * args.num_keys * args.data_size_kb * 1024
@@ -201,11 +227,15 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     errors: dict[str, str] = {}
     ceilings: list[float] = []
+    paired = None
     try:
         for repeat in range(args.repeat):
             ceilings.append(memcpy_ceiling(args))
             print(f"run {repeat} memcpy ceiling: {ceilings[-1]:.0f} MB/s", flush=True)
-            for name in args.adapters.split(","):
+            # Every other repeat in reverse, so no adapter always runs first
+            # after the ceiling's copies (or last, after the others' files).
+            order = args.adapters.split(",")
+            for name in order if repeat % 2 == 0 else reversed(order):
                 if name in errors:
                     continue
                 try:
@@ -217,6 +247,9 @@ def main() -> None:
                 runs.setdefault(name, []).append(f)
                 print(f"run {repeat} {name}: store {f['store_mb_s']:.0f} MB/s, load {f['load_mb_s']:.0f} MB/s, "
                       f"lookup p50 {f['lookup_p50_ms']:.2f} ms, loaded {f['loaded']}/{f['keys']}", flush=True)
+        named = args.adapters.split(",")
+        if args.paired_rounds > 0 and "kvtier" in named and "fs_native" in named:
+            paired = run_paired(scratch, args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     table = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} | {"runs": rs}
@@ -224,7 +257,7 @@ def main() -> None:
     report = {"num_keys": args.num_keys, "data_size_kb": args.data_size_kb, "rounds": args.rounds,
               "in_flight": args.in_flight, "repeat": args.repeat, "adapters": table, "not_run": errors,
               "memcpy_ceiling_mb_s": statistics.median(ceilings) if ceilings else None,
-              "memcpy_ceiling_runs": ceilings}
+              "memcpy_ceiling_runs": ceilings, "paired": paired}
     print("| adapter | store MB/s | load MB/s | store round p50 (ms) | lookup round p50 (ms) | load round p50 (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, t in table.items():
@@ -232,6 +265,13 @@ def main() -> None:
               f"{t['lookup_p50_ms']:.2f} | {t['load_p50_ms']:.1f} |")
     if ceilings:
         print(f"| memcpy ceiling (a round's bytes, every core) | | {statistics.median(ceilings):.0f} | | | |")
+    if paired:
+        print(f"\nPaired in one process, round by round ({args.num_keys} x {args.data_size_kb} KiB per round, p50):")
+        print("| operation | kvtier MB/s | fs_native MB/s | kvtier / fs_native |")
+        print("|---|---:|---:|---:|")
+        for op in ("store", "load"):
+            print(f"| {op} | {paired[op]['kvtier']['mb_s']:.0f} | {paired[op]['fs_native']['mb_s']:.0f} | "
+                  f"{paired[op]['kvtier_to_fs_native']:.2f} |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     incomplete = [n for n, t in table.items() if any(r["loaded"] != r["keys"] for r in t["runs"])]
