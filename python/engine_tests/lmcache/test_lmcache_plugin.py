@@ -7,7 +7,11 @@ from scripts/peer-stores (its wheel beside the engines' environment);
 scripts/engine-tests runs this file with it on PYTHONPATH."""
 
 import hashlib
+import json
+import pathlib
 import select
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,6 +22,8 @@ from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_re
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
 from kvtier.integrations.lmcache import KvtierL2Connector
+
+from conftest import REPO, kvtier_binary
 
 SIZE = 64 << 10
 
@@ -234,3 +240,21 @@ def test_lmcaches_server_starts_with_kvtier_as_its_l2(kvtier_server, tmp_path):
         finally:
             server.terminate()
             server.wait(timeout=60)
+
+
+def test_the_paired_bench_compares_loads_that_return_the_stored_bytes(tmp_path):
+    """scripts/lmcache-l2-bench's paired part, small: kvtier's plugin and
+    LMCache's fs_native client in turn, every loaded byte compared with
+    the source (the script fails on a difference, a failed completion or a
+    missing one), and a report of both."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "paired.json"
+    subprocess.run([sys.executable, str(REPO / "python" / "benchmarks" / "lmcache_paired.py"), kvtier_binary(),
+                    str(work), "4", "256", "2", "6", str(out)], check=True, timeout=300)
+    report = json.loads(out.read_text())
+    for op, rounds in (("store", 2), ("load", 6)):
+        for kind in ("kvtier", "fs_native"):
+            assert report[op][kind]["rounds"] == rounds, report
+            assert report[op][kind]["mb_s"] > 0, report
+        assert report[op]["kvtier_to_fs_native"] > 0, report
