@@ -13,10 +13,9 @@ LMCache's bench), its own fresh directory, file or service, and runs once
 per repeat; the repeats interleave the adapters (every other repeat in
 reverse order) and the table shows medians. kvtier runs as `kvtier serve`
 over its Unix socket; `fs` and `fs_native` write files under a scratch
-directory on the same disk,
-`raw_block` a preallocated file with O_DIRECT, `mooncake_store` a local
-`mooncake_master` over TCP. An adapter that cannot run is reported with
-its error.
+directory on the same disk, `raw_block` a preallocated file with
+O_DIRECT, `mooncake_store` a local `mooncake_master` over TCP. An adapter
+that cannot run is reported with its error.
 """
 
 from __future__ import annotations
@@ -57,10 +56,25 @@ def wait_port(port: int, process: subprocess.Popen, what: str) -> None:
     raise RuntimeError(f"{what} never listened on {port}")
 
 
+def kvtier_binary() -> str:
+    return os.environ.get("KVTIER_BIN") or str(REPO / "target" / "release" / "kvtier")
+
+
+def bench_env(peers: str) -> dict:
+    """The environment LMCache's processes run in: its wheel and this
+    repository's package importable, and OMP_WAIT_POLICY=PASSIVE (the bench
+    zeroes its load buffers with torch before each load round, and torch's
+    OpenMP threads then spin for a while on the cores the load's copies
+    need, whichever process makes them; measured: fs_native loads 9.8 ->
+    12.5 GB/s with it, kvtier 5.6 -> 8.3)."""
+    return {**os.environ, "PYTHONPATH": peers + os.pathsep + str(REPO / "python"), "LMCACHE_DISABLE_BANNER": "1",
+            "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def adapter_spec(name: str, work: pathlib.Path, peers: str, args, services: list) -> dict:
     """The adapter's JSON, starting what it needs."""
     if name in ("kvtier", "kvtier_cross_memory"):
-        binary = os.environ.get("KVTIER_BIN") or str(REPO / "target" / "release" / "kvtier")
+        binary = kvtier_binary()
         data = work / "kvtier"
         # kvtier_cross_memory: the same server without pool mapping, so
         # loads go by cross-memory transfers (the server copies).
@@ -117,13 +131,7 @@ def run_one(name: str, scratch: pathlib.Path, peers: str, args, repeat: int) -> 
     try:
         spec = adapter_spec(name, work, peers, args, services)
         out = work / "result.json"
-        # OMP_WAIT_POLICY=PASSIVE for every adapter: the bench zeroes its
-        # load buffers with torch before each load round, and torch's
-        # OpenMP threads then spin for a while on the cores the load's
-        # copies need, whichever process makes them (measured: fs_native
-        # loads 9.8 -> 12.5 GB/s with it, kvtier 5.6 -> 8.3).
-        env = {**os.environ, "PYTHONPATH": peers + os.pathsep + str(REPO / "python"), "LMCACHE_DISABLE_BANNER": "1",
-               "OMP_WAIT_POLICY": "PASSIVE"}
+        env = bench_env(peers)
         libs = [str(pathlib.Path(peers) / "mooncake_transfer_engine_non_cuda.libs")]
         env["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
         command = [sys.executable, "-m", "lmcache.cli.main", "bench", "l2", "--l2-adapter", json.dumps(spec),
@@ -153,13 +161,10 @@ def run_paired(scratch: pathlib.Path, args) -> dict:
     work = scratch / "paired"
     work.mkdir()
     out = work / "paired.json"
-    env = {**os.environ, "PYTHONPATH": args.peers + os.pathsep + str(REPO / "python"),
-           "LMCACHE_DISABLE_BANNER": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    binary = os.environ.get("KVTIER_BIN") or str(REPO / "target" / "release" / "kvtier")
     try:
-        subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("lmcache_paired.py")), binary,
+        subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("lmcache_paired.py")), kvtier_binary(),
                         str(work), str(args.num_keys), str(args.data_size_kb), str(args.paired_store_rounds),
-                        str(args.paired_rounds), str(out)], env=env, check=True, timeout=900,
+                        str(args.paired_rounds), str(out)], env=bench_env(args.peers), check=True, timeout=900,
                        stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
     finally:
@@ -228,14 +233,14 @@ def main() -> None:
     errors: dict[str, str] = {}
     ceilings: list[float] = []
     paired = None
+    named = args.adapters.split(",")
     try:
         for repeat in range(args.repeat):
             ceilings.append(memcpy_ceiling(args))
             print(f"run {repeat} memcpy ceiling: {ceilings[-1]:.0f} MB/s", flush=True)
             # Every other repeat in reverse, so no adapter always runs first
             # after the ceiling's copies (or last, after the others' files).
-            order = args.adapters.split(",")
-            for name in order if repeat % 2 == 0 else reversed(order):
+            for name in named if repeat % 2 == 0 else reversed(named):
                 if name in errors:
                     continue
                 try:
@@ -247,7 +252,6 @@ def main() -> None:
                 runs.setdefault(name, []).append(f)
                 print(f"run {repeat} {name}: store {f['store_mb_s']:.0f} MB/s, load {f['load_mb_s']:.0f} MB/s, "
                       f"lookup p50 {f['lookup_p50_ms']:.2f} ms, loaded {f['loaded']}/{f['keys']}", flush=True)
-        named = args.adapters.split(",")
         if args.paired_rounds > 0 and "kvtier" in named and "fs_native" in named:
             paired = run_paired(scratch, args)
     finally:
