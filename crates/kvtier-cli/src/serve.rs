@@ -13,7 +13,8 @@ use std::path::PathBuf;
 #[derive(Debug, clap::Args, Serialize)]
 pub struct ServeArgs {
     /// TOML file with any of: data_dir, listen, socket, admin, memory, disk,
-    /// region_size, io_engine, io_depth, read_piece, eviction, flush, shared_dir, shared_read,
+    /// region_size, io_engine, io_depth, read_piece, eviction, flush, flush_yield, shared_dir,
+    /// shared_read,
     /// shared_poll,
     /// io_deadline, io_deadline_local,
     /// shared_index, kv_events, kv_events_replay, kv_events_topic, kv_events_unauthenticated,
@@ -158,6 +159,14 @@ pub struct ServeArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flush: Option<String>,
+    /// Seconds write-through writes wait at most for gets to pause (none
+    /// started for 10 ms) before they are written, so loads do not share
+    /// the memory bus and the disk with background writes; a flush, a
+    /// durable put, pool pressure and stopping never wait (docs/design.md,
+    /// "Write-back yields to reads"). 0: never wait. Default: 1.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flush_yield: Option<f64>,
     #[command(flatten)]
     #[serde(flatten)]
     pub cluster: crate::cluster::ClusterArgs,

@@ -65,6 +65,9 @@ pub struct NodeConfig {
     pub eviction: Option<String>,
     /// `write-through` or `on-demand`. Default: write-through.
     pub flush: Option<String>,
+    /// Seconds write-through writes wait at most for gets to pause; 0:
+    /// never. Default: 1.
+    pub flush_yield: Option<f64>,
     /// The shared directory every node mounts. Default: none.
     pub shared_dir: Option<PathBuf>,
     /// Seconds between looks for other writers' blocks. Default: 0.2.
@@ -305,6 +308,14 @@ impl NodeConfig {
                 ))
             }
         }
+        match self.flush_yield {
+            Some(0.0) => config = config.flush_yield(Duration::ZERO),
+            other => {
+                if let Some(most) = seconds(other, "flush_yield")? {
+                    config = config.flush_yield(most);
+                }
+            }
+        }
         match self.flush.as_deref() {
             None | Some("write-through") => {}
             Some("on-demand") => config = config.flush_policy(FlushPolicy::OnDemand),
@@ -522,6 +533,9 @@ mod tests {
         let config: NodeConfig = toml::from_str("shared_poll = 0\n").unwrap();
         let err = config.store_config().unwrap_err();
         assert!(err.contains("shared_poll"), "{err}");
+        let config: NodeConfig = toml::from_str("flush_yield = -0.5\n").unwrap();
+        let err = config.store_config().unwrap_err();
+        assert!(err.contains("flush_yield"), "{err}");
         let config: NodeConfig = toml::from_str("shared_read = \"cached\"\n").unwrap();
         assert!(config
             .store_config()
@@ -559,6 +573,13 @@ mod tests {
         assert_eq!(server.limits.max_frame, limits.max_frame);
         assert_eq!(server.limits.max_connections, limits.max_connections);
         assert_eq!(config.adopt_after().unwrap(), Duration::from_secs(300));
+        let store = config.store_config().unwrap();
+        assert_eq!(store.configured_flush_yield(), Duration::from_secs(1));
+        let never: NodeConfig = toml::from_str("flush_yield = 0\n").unwrap();
+        assert_eq!(
+            never.store_config().unwrap().configured_flush_yield(),
+            Duration::ZERO
+        );
         let off: NodeConfig =
             toml::from_str("listen = \"off\"\nadmin = \"off\"\nsocket = \"off\"\n").unwrap();
         let server = off.server_config().unwrap();

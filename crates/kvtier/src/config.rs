@@ -112,6 +112,8 @@ pub struct Config {
     pub(crate) eviction: EvictionPolicy,
     pub(crate) flush: FlushPolicy,
     pub(crate) flush_batch_bytes: u64,
+    pub(crate) flush_yield: Duration,
+    pub(crate) flush_yield_quiet: Duration,
     pub(crate) put_wait: Duration,
     /// `Duration::ZERO`: no deadline.
     pub(crate) io_deadline: Duration,
@@ -146,6 +148,11 @@ pub struct Config {
     #[cfg(feature = "test-util")]
     pub(crate) clock_offset_secs: i64,
 }
+
+/// `Config::flush_yield`'s default.
+pub const DEFAULT_FLUSH_YIELD: Duration = Duration::from_secs(1);
+/// `Config::flush_yield_quiet`'s default.
+pub const DEFAULT_FLUSH_YIELD_QUIET: Duration = Duration::from_millis(10);
 
 /// `Config::io_deadline`'s default.
 pub const DEFAULT_IO_DEADLINE: Duration = Duration::from_secs(5);
@@ -188,6 +195,8 @@ impl Config {
             eviction: EvictionPolicy::default(),
             flush: FlushPolicy::WriteThrough,
             flush_batch_bytes: 64 * MIB,
+            flush_yield: DEFAULT_FLUSH_YIELD,
+            flush_yield_quiet: DEFAULT_FLUSH_YIELD_QUIET,
             put_wait: Duration::from_secs(5),
             io_deadline: DEFAULT_IO_DEADLINE,
             io_deadline_local: false,
@@ -329,6 +338,28 @@ impl Config {
     /// A single larger value is written alone. Default: 64 MiB.
     pub fn flush_batch_bytes(mut self, bytes: u64) -> Self {
         self.flush_batch_bytes = bytes;
+        self
+    }
+
+    /// The longest write-through writes wait for gets to pause before the
+    /// flusher writes them (docs/design.md, "Write-back yields to reads").
+    /// While gets keep starting (one within `flush_yield_quiet`), queued
+    /// writes are held back, so loads, which an engine waits for, do not
+    /// share the memory bus and the disk with background writes; once the
+    /// oldest queued write has waited this long, the flusher writes until
+    /// its queue is empty, whatever gets do. A `flush`, a durable put, a
+    /// removal, a put waiting for pool space and close never wait for
+    /// gets. Under `FlushPolicy::OnDemand` there is nothing to hold back.
+    /// `Duration::ZERO`: writes never wait. Default: 1 s.
+    pub fn flush_yield(mut self, most: Duration) -> Self {
+        self.flush_yield = most;
+        self
+    }
+
+    /// How long no get may have started for gets to count as paused (see
+    /// `flush_yield`). Default: 10 ms.
+    pub fn flush_yield_quiet(mut self, quiet: Duration) -> Self {
+        self.flush_yield_quiet = quiet;
         self
     }
 
@@ -513,6 +544,11 @@ impl Config {
     /// `read_piece` as configured (default 2 MiB).
     pub fn configured_read_piece(&self) -> u64 {
         self.read_piece
+    }
+
+    /// `flush_yield` as configured (default 1 s).
+    pub fn configured_flush_yield(&self) -> Duration {
+        self.flush_yield
     }
 
     /// `flush_batch_bytes` as configured (default 64 MiB).

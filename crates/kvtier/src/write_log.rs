@@ -17,7 +17,12 @@
 //!   to `high` is retrying (writes become durable in order), whoever else
 //!   is waiting (nothing is "consumed" by the first caller);
 //! - if the flusher dies, every waiter and every later write gets an error
-//!   naming why, instead of waiting forever.
+//!   naming why, instead of waiting forever;
+//! - write-through writes yield to reads (`ReadsFirst`): while gets keep
+//!   coming, the flusher holds its next batch back for a bounded time, so
+//!   loads on an engine's critical path do not share the memory bus and
+//!   the disk's DMA with background writes. A flush, a durable put, a
+//!   removal, pool pressure and close never wait for it.
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::KeyDigest;
@@ -124,6 +129,39 @@ struct LogState {
     retry_at: Option<Instant>,
     /// Set when the flusher thread died.
     dead: Option<String>,
+    /// Since when (on `WriteLog::epoch`'s clock) the queue has held writes
+    /// without emptying: the start of the wait `ReadsFirst::most` bounds.
+    yielding_since: Option<Duration>,
+}
+
+/// How write-through writes yield to reads (`Config::flush_yield`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ReadsFirst {
+    /// Reads count as paused once none has started for this long.
+    pub quiet: Duration,
+    /// The longest queued writes wait for reads to pause. Once they have
+    /// waited this long the flusher writes until the queue is empty,
+    /// whatever reads do, so write-back that fell behind catches up.
+    pub most: Duration,
+}
+
+impl ReadsFirst {
+    /// How much longer the flusher holds its next batch back, or `None` to
+    /// write it now: `now`, the last read's start and when the queue began
+    /// to hold writes are readings of the same clock.
+    pub(crate) fn hold(
+        self,
+        now: Duration,
+        last_read: Option<Duration>,
+        since: Duration,
+    ) -> Option<Duration> {
+        let waited = now.saturating_sub(since);
+        let quiet_for = now.saturating_sub(last_read?);
+        if waited >= self.most || quiet_for >= self.quiet {
+            return None;
+        }
+        Some((self.quiet - quiet_for).min(self.most - waited))
+    }
 }
 
 /// How far ahead of this node's wall clock another writer's sequence
@@ -164,6 +202,13 @@ pub(crate) struct WriteLog {
     /// limit), and the waits that ended there.
     deadline: Duration,
     deadline_errors: std::sync::atomic::AtomicU64,
+    /// Write-through writes yield to reads this way; `None`: never.
+    reads_first: Option<ReadsFirst>,
+    /// The clock `last_read` and `LogState::yielding_since` are read on.
+    epoch: Instant,
+    /// When the latest read started, in nanoseconds since `epoch` plus one
+    /// (0: none yet).
+    last_read: std::sync::atomic::AtomicU64,
 }
 
 /// What the flusher should do next.
@@ -190,6 +235,7 @@ impl WriteLog {
                 attempts: 0,
                 retry_at: None,
                 dead: None,
+                yielding_since: None,
             }),
             work: Condvar::new(),
             progress: Condvar::new(),
@@ -201,7 +247,41 @@ impl WriteLog {
             quiet: Mutex::new(()),
             deadline: Duration::ZERO,
             deadline_errors: std::sync::atomic::AtomicU64::new(0),
+            reads_first: None,
+            epoch: Instant::now(),
+            last_read: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Has write-through writes yield to reads by `rule` (`None`, or a
+    /// zero `most` or `quiet`: never).
+    pub fn set_reads_first(&mut self, rule: Option<ReadsFirst>) {
+        self.reads_first = rule.filter(|r| !r.most.is_zero() && !r.quiet.is_zero());
+    }
+
+    /// A read starts (a get of any kind): write-back yields to it.
+    pub fn note_read(&self) {
+        if self.reads_first.is_some() {
+            let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
+            self.last_read
+                .store(nanos + 1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// How much longer the flusher holds a write-through batch back for
+    /// reads; `None` to write it now.
+    fn read_hold(&self, state: &mut LogState) -> Option<Duration> {
+        let rule = self.reads_first?;
+        if !self.write_through || state.requested || state.shutdown {
+            return None;
+        }
+        let now = self.epoch.elapsed();
+        let since = *state.yielding_since.get_or_insert(now);
+        let last_read = match self.last_read.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            nanos => Some(Duration::from_nanos(nanos - 1)),
+        };
+        rule.hold(now, last_read, since)
     }
 
     /// Bounds every wait for durability by `deadline` (zero: none).
@@ -485,6 +565,7 @@ impl WriteLog {
             if state.items.is_empty() {
                 state.processed_seq = state.next_seq - 1;
                 state.requested = false;
+                state.yielding_since = None;
                 self.progress.notify_all();
                 if state.shutdown {
                     return Work::Stop;
@@ -494,7 +575,8 @@ impl WriteLog {
                     .retry_at
                     .filter(|_| !state.shutdown)
                     .map(|at| at.saturating_duration_since(Instant::now()))
-                    .filter(|d| !d.is_zero());
+                    .filter(|d| !d.is_zero())
+                    .or_else(|| self.read_hold(&mut state));
                 match wait {
                     Some(wait) => {
                         state = self.work.wait_timeout(state, wait).unwrap().0;
@@ -674,7 +756,92 @@ mod tests {
         );
     }
 
+    /// A write-through log that holds writes for reads for an hour: the
+    /// flusher's side blocks behind a read until something that waits for
+    /// the disk asks, or the log shuts down.
+    #[test]
+    fn a_held_batch_goes_at_once_when_asked_for_or_at_shutdown() {
+        let hour = Duration::from_secs(3600);
+        for release in ["request", "shutdown"] {
+            let mut log = WriteLog::with_clock(1, true, false);
+            log.set_reads_first(Some(ReadsFirst {
+                quiet: hour,
+                most: hour,
+            }));
+            let log = Arc::new(log);
+            log.note_read();
+            log.append(tombstone).unwrap();
+            let flusher = {
+                let log = Arc::clone(&log);
+                std::thread::spawn(move || match log.next_batch(|_, _| true) {
+                    Work::Batch(batch) => batch.len(),
+                    Work::Stop => 0,
+                })
+            };
+            // Held: a later write joins the same batch.
+            std::thread::sleep(Duration::from_millis(20));
+            log.append(tombstone).unwrap();
+            assert!(!flusher.is_finished(), "{release}: written behind a read");
+            match release {
+                "request" => log.wake(true),
+                _ => log.shut_down(),
+            }
+            assert_eq!(flusher.join().unwrap(), 2, "{release}");
+        }
+    }
+
+    /// Without a read, or with the rule off, a write-through batch is taken
+    /// at once.
+    #[test]
+    fn writes_are_not_held_without_a_read_or_a_rule() {
+        let hour = Duration::from_secs(3600);
+        for (rule, read) in [
+            (Some(hour), false),
+            (Some(Duration::ZERO), true),
+            (None, true),
+        ] {
+            let mut log = WriteLog::with_clock(1, true, false);
+            log.set_reads_first(rule.map(|most| ReadsFirst { quiet: hour, most }));
+            if read {
+                log.note_read();
+            }
+            log.append(tombstone).unwrap();
+            let Work::Batch(batch) = log.next_batch(|_, _| true) else {
+                panic!("no batch")
+            };
+            assert_eq!(batch.len(), 1);
+        }
+    }
+
     proptest! {
+        /// `ReadsFirst::hold` holds a batch only while a read started within
+        /// `quiet` and the queue has waited less than `most`, never past
+        /// either, and waiting out what it says releases the batch unless
+        /// a read started meanwhile.
+        #[test]
+        fn the_read_hold_is_bounded_by_quiet_and_most(
+            quiet in 1u64..1_000, most in 1u64..5_000, since in 0u64..10_000,
+            read in proptest::option::of(0u64..10_000), later in 0u64..10_000,
+        ) {
+            let ms = Duration::from_millis;
+            let rule = ReadsFirst { quiet: ms(quiet), most: ms(most) };
+            let now = ms(since + later);
+            let last_read = read.map(ms);
+            let held = rule.hold(now, last_read, ms(since));
+            let expect_held = later < most
+                && read.is_some_and(|r| (since + later).saturating_sub(r) < quiet);
+            prop_assert_eq!(held.is_some(), expect_held);
+            if let Some(wait) = held {
+                prop_assert!(!wait.is_zero());
+                prop_assert!(wait <= ms(most - later));
+                prop_assert!(wait <= ms(quiet));
+                // (A read "after" `now` is one that started meanwhile.)
+                if read.is_some_and(|r| r <= since + later) {
+                    prop_assert_eq!(rule.hold(now + wait, last_read, ms(since)), None);
+                }
+            }
+        }
+
         /// `Ranges` agrees with a plain set of numbers under any adds and
         /// removes.
         #[test]

@@ -302,6 +302,8 @@ impl NamespacedStore {
         if keys.len() != capacities.len() || self.inner.check_open().is_err() {
             return keys.iter().map(|_| None).collect();
         }
+        // The caller copies out of the pool now: write-back yields to it.
+        self.inner.log.note_read();
         let digests = self.namespace.digest_many(keys);
         keys.iter()
             .zip(capacities)

@@ -18,7 +18,9 @@ use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
 use crate::shared::{Follower, SharedDir};
 use crate::units::{page_round_up, PAGE_SIZE};
-use crate::write_log::{WriteLog, EARLIEST_PLAUSIBLE_CLOCK_NANOS, LATEST_PLAUSIBLE_CLOCK_NANOS};
+use crate::write_log::{
+    ReadsFirst, WriteLog, EARLIEST_PLAUSIBLE_CLOCK_NANOS, LATEST_PLAUSIBLE_CLOCK_NANOS,
+};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -379,6 +381,10 @@ fn open_write_log(
     if disk.is_some_and(|d| d.writes_bounded()) {
         log.set_deadline(config.io_deadline);
     }
+    log.set_reads_first(Some(ReadsFirst {
+        quiet: config.flush_yield_quiet,
+        most: config.flush_yield,
+    }));
     if shared {
         let now = log.raw_wall_nanos();
         if !(EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {

@@ -88,6 +88,8 @@ impl Inner {
         if let Err(e) = self.check_open() {
             return keys.iter().map(|_| Err(e.duplicate())).collect();
         }
+        // Write-back yields to reads (`Config::flush_yield`).
+        self.log.note_read();
         let mut results: Vec<Result<Option<usize>>> = Vec::with_capacity(keys.len());
         let mut disk_reads: Vec<Option<ValueRead>> = Vec::with_capacity(keys.len());
         // The index entry each disk read came from.

@@ -303,6 +303,67 @@ fn durable_put_waits_for_disk() {
     });
 }
 
+/// Write-back yields to reads (`Config::flush_yield`), but never holds up
+/// what waits for the disk. With reads "never" pausing (a quiet interval
+/// and a bound of an hour), a write-through put stays queued behind a
+/// read; a flush, a removal, puts that need the pool's space and close
+/// each still get their writes made durable at once.
+#[test]
+fn write_back_yields_to_reads_but_never_holds_up_what_waits_for_the_disk() {
+    for_each_engine(|_engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let hour = std::time::Duration::from_secs(3600);
+        let config = || {
+            small_config(dir.path())
+                .flush_yield(hour)
+                .flush_yield_quiet(hour)
+        };
+        let store = open(config());
+        store.put(b"read", b"r").unwrap();
+        store.flush().unwrap();
+        // A read first, so the flusher finds one recent when the put wakes it.
+        assert_eq!(store.get(b"read").unwrap().unwrap(), b"r");
+        let flushed = store.stats().flushed_batches;
+        store.put(b"held", b"x").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(
+            store.disk_location(b"held").unwrap(),
+            None,
+            "written while reads had not paused"
+        );
+        assert_eq!(store.stats().flushed_batches, flushed);
+        store.flush().unwrap();
+        assert!(
+            store.disk_location(b"held").unwrap().is_some(),
+            "flush wrote it"
+        );
+
+        // Removals wait for their tombstone: not held.
+        store.put(b"gone", b"y").unwrap();
+        assert!(store.remove(b"gone").unwrap());
+
+        // Twice the pool's 4 MiB in write-through puts, a read before each:
+        // every put finds room (the flusher writes for puts that wait).
+        let value = |i: u64| value_for(&key(i), 0, 256 * 1024);
+        for i in 0..32 {
+            assert_eq!(store.get(b"read").unwrap().unwrap(), b"r");
+            store.put(key(i), value(i)).unwrap();
+        }
+        assert_eq!(store.get(b"read").unwrap().unwrap(), b"r");
+        store.put(b"at-close", b"z").unwrap();
+        drop(store);
+
+        // Close wrote everything queued.
+        let store = open(small_config(dir.path()));
+        assert_eq!(store.get(b"held").unwrap().unwrap(), b"x");
+        assert_eq!(store.get(b"gone").unwrap(), None);
+        assert_eq!(store.get(b"at-close").unwrap().unwrap(), b"z");
+        for i in 0..32 {
+            assert_eq!(store.get(key(i)).unwrap().unwrap(), value(i), "key {i}");
+        }
+    });
+}
+
 /// Fixed vectors pin the chained-key algorithm: changing it would orphan
 /// every deployed cache. They were computed independently of this crate,
 /// in Python with the `blake3` package, following the algorithm documented
