@@ -18,7 +18,7 @@ use crate::lock::{
 use crate::private::FILE_MODE;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -81,6 +81,10 @@ pub enum Holder {
 /// (collecting a log reads its records and deletes its files: seconds,
 /// not minutes); past it, the start is refused with a clear error.
 const COLLECTOR_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+/// How long a starting writer waits for the holder of its lock to name
+/// itself (a lock file with no holder line: a holder between taking the
+/// lock and writing its line) before refusing it as a second writer.
+const UNNAMED_HOLDER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[derive(Debug)]
 struct LockState {
@@ -420,7 +424,7 @@ fn lock_writer(writer_dir: &Path, holder: Holder) -> Result<Option<WriterLock>> 
             .truncate(false)
             .mode(FILE_MODE)
             .open(&path);
-        let mut file = match opened {
+        let file = match opened {
             Ok(file) => file,
             // The directory went between its creation and the open.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
@@ -431,10 +435,15 @@ fn lock_writer(writer_dir: &Path, holder: Holder) -> Result<Option<WriterLock>> 
             holder_on_this_host_let_go(&read_holder(&path), id)
         });
         if let Err(e) = locked {
-            let collecting = read_holder(&path).starts_with(COLLECTOR_PREFIX);
+            let line = read_holder(&path);
+            let collecting = line.starts_with(COLLECTOR_PREFIX);
+            // A holder that has the lock but has not written its line yet
+            // (or a file system that shows the write late) is waited for
+            // briefly: it may be a collector, which is waited for.
+            let unnamed = line.trim().is_empty() && started.elapsed() < UNNAMED_HOLDER_WAIT;
             if holder == Holder::Writer
                 && e.raw_os_error() == Some(libc::EWOULDBLOCK)
-                && collecting
+                && (collecting || unnamed)
                 && started.elapsed() < COLLECTOR_WAIT
             {
                 if !said_waiting {
@@ -483,8 +492,14 @@ fn lock_writer(writer_dir: &Path, holder: Holder) -> Result<Option<WriterLock>> 
         if !still_linked {
             continue;
         }
-        let _ = file.set_len(0);
-        let _ = file.write_all(holder_line(holder).as_bytes());
+        // The line is written over the old one, then the file cut to it:
+        // never empty in between, so a writer looking at it meanwhile sees
+        // the last holder's line or this one's, never none (an empty line
+        // once made a writer starting beside a collector refuse to start).
+        let line = holder_line(holder);
+        let _ = file
+            .write_all_at(line.as_bytes(), 0)
+            .and_then(|()| file.set_len(line.len() as u64));
         return Ok(Some(WriterLock {
             path,
             holder,
@@ -625,6 +640,47 @@ mod tests {
         // A writer holding it is still refused at once.
         let e = SharedDir::open(dir.path(), &id).unwrap_err();
         assert!(e.to_string().contains("held by another process"), "{e}");
+    }
+
+    /// A writer starting while its lock is held by a process that has not
+    /// written its holder line yet (a collector between `flock` and its
+    /// line) waits instead of being refused as a second writer: the CLI
+    /// suite's collection race once failed a restart this way ("held by
+    /// another process (collector pid N ...)": the line was empty when
+    /// read, the collector's when the message was made).
+    #[test]
+    fn a_writer_waits_for_a_holder_that_has_not_named_itself_yet() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = format!("{:032x}", 9);
+        let (first, _) = SharedDir::open(dir.path(), &id).unwrap();
+        let path = first.writer_dir.join(WRITER_LOCK_FILE);
+        drop(first);
+        let holder = OpenOptions::new().write(true).open(&path).unwrap();
+        flock_exclusive(&holder).unwrap();
+        holder.set_len(0).unwrap();
+        let root = dir.path().to_path_buf();
+        let starting = {
+            let id = id.clone();
+            std::thread::spawn(move || SharedDir::open(&root, &id).map(|(s, _)| s))
+        };
+        // (A writer that refuses closes the file at once.)
+        while open_count(&path) < 2 && !starting.is_finished() {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!starting.is_finished(), "refused instead of waiting");
+        // It names itself a collector, then lets go.
+        holder
+            .write_all_at(holder_line(Holder::Collector).as_bytes(), 0)
+            .unwrap();
+        drop(holder);
+        let writer = starting.join().unwrap().expect("the writer starts");
+        writer
+            .writer_lock()
+            .unwrap()
+            .check()
+            .expect("holds the lock");
+        assert!(read_holder(&path).starts_with("pid "), "a writer's line");
     }
 
     /// A collector removes a writer directory while holding its lock, the
