@@ -160,10 +160,11 @@ pub struct ServeArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flush: Option<String>,
     /// Seconds write-through writes wait at most for gets to pause (none
-    /// started for 10 ms) before they are written, so loads do not share
-    /// the memory bus and the disk with background writes; a flush, a
-    /// durable put, pool pressure and stopping never wait (docs/design.md,
-    /// "Write-back yields to reads"). 0: never wait. Default: 1.
+    /// started for 10 ms) before they are written, while their values take
+    /// under a quarter of --memory, so loads do not share the memory bus
+    /// and the disk with background writes; a flush, a durable put, pool
+    /// pressure and stopping never wait (docs/design.md, "Write-back
+    /// yields to reads"). 0: never wait. Default: 1.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flush_yield: Option<f64>,

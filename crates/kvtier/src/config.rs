@@ -347,9 +347,10 @@ impl Config {
     /// writes are held back, so loads, which an engine waits for, do not
     /// share the memory bus and the disk with background writes; once the
     /// oldest queued write has waited this long, the flusher writes until
-    /// its queue is empty, whatever gets do. A `flush`, a durable put, a
-    /// removal, a put waiting for pool space and close never wait for
-    /// gets. Under `FlushPolicy::OnDemand` there is nothing to hold back.
+    /// its queue is empty, whatever gets do. Writes are not held while the
+    /// queued values take a quarter of `memory_capacity` or more (they pin
+    /// the pool until written). A `flush`, a durable put, a removal, a put
+    /// waiting for pool space and close never wait for gets. Under `FlushPolicy::OnDemand` there is nothing to hold back.
     /// `Duration::ZERO`: writes never wait. Default: 1 s.
     pub fn flush_yield(mut self, most: Duration) -> Self {
         self.flush_yield = most;

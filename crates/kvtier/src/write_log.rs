@@ -52,6 +52,14 @@ pub(crate) enum QueuedWrite {
 }
 
 impl QueuedWrite {
+    /// Pool bytes the write holds until it is written (0 for a tombstone).
+    fn value_bytes(&self) -> u64 {
+        match self {
+            QueuedWrite::Put { slot, .. } => slot.len() as u64,
+            QueuedWrite::Tombstone { .. } => 0,
+        }
+    }
+
     pub(crate) fn seq(&self) -> u64 {
         match self {
             QueuedWrite::Put { seq, .. } | QueuedWrite::Tombstone { seq, .. } => *seq,
@@ -132,6 +140,8 @@ struct LogState {
     /// Since when (on `WriteLog::epoch`'s clock) the queue has held writes
     /// without emptying: the start of the wait `ReadsFirst::most` bounds.
     yielding_since: Option<Duration>,
+    /// Value bytes of the puts in `items` (pool bytes not yet evictable).
+    queued_bytes: u64,
 }
 
 /// How write-through writes yield to reads (`Config::flush_yield`).
@@ -143,6 +153,11 @@ pub(crate) struct ReadsFirst {
     /// waited this long the flusher writes until the queue is empty,
     /// whatever reads do, so write-back that fell behind catches up.
     pub most: Duration,
+    /// Writes are held only while the queued puts' values take fewer bytes
+    /// than this (of the memory pool, which they pin until written): past
+    /// it the flusher writes, so held writes do not make puts wait for
+    /// pool space.
+    pub most_bytes: u64,
 }
 
 impl ReadsFirst {
@@ -236,6 +251,7 @@ impl WriteLog {
                 retry_at: None,
                 dead: None,
                 yielding_since: None,
+                queued_bytes: 0,
             }),
             work: Condvar::new(),
             progress: Condvar::new(),
@@ -272,7 +288,11 @@ impl WriteLog {
     /// reads; `None` to write it now.
     fn read_hold(&self, state: &mut LogState) -> Option<Duration> {
         let rule = self.reads_first?;
-        if !self.write_through || state.requested || state.shutdown {
+        if !self.write_through
+            || state.requested
+            || state.shutdown
+            || state.queued_bytes >= rule.most_bytes
+        {
             return None;
         }
         let now = self.epoch.elapsed();
@@ -402,6 +422,7 @@ impl WriteLog {
         }
         state.next_seq += 1;
         if let Some(item) = f(seq) {
+            state.queued_bytes += item.value_bytes();
             state.items.push_back(item);
         }
         Ok(seq)
@@ -588,7 +609,9 @@ impl WriteLog {
                             if !taken.is_empty() && !fits(item, &taken) {
                                 break;
                             }
-                            taken.push(state.items.pop_front().expect("front exists"));
+                            let item = state.items.pop_front().expect("front exists");
+                            state.queued_bytes -= item.value_bytes();
+                            taken.push(item);
                         }
                         let retrying = &state.retrying;
                         state.retrying_in_flight = taken
@@ -634,6 +657,7 @@ impl WriteLog {
                     state.retrying.add(low, high);
                     state.retry_at = Some(Instant::now() + backoff(state.attempts));
                     for item in batch.into_iter().rev() {
+                        state.queued_bytes += item.value_bytes();
                         state.items.push_front(item);
                     }
                     Vec::new()
@@ -650,6 +674,13 @@ impl WriteLog {
             .items
             .front()
             .map_or(state.next_seq - 1, |item| item.seq() - 1);
+        if state.items.is_empty() {
+            // A request to write what was queued is met: cleared here, with
+            // the progress its waiter sees, so a write queued after that
+            // waiter returns is not written as if it were asked for.
+            state.requested = false;
+            state.yielding_since = None;
+        }
         self.progress.notify_all();
         given_up
     }
@@ -767,6 +798,7 @@ mod tests {
             log.set_reads_first(Some(ReadsFirst {
                 quiet: hour,
                 most: hour,
+                most_bytes: u64::MAX,
             }));
             let log = Arc::new(log);
             log.note_read();
@@ -801,7 +833,11 @@ mod tests {
             (None, true),
         ] {
             let mut log = WriteLog::with_clock(1, true, false);
-            log.set_reads_first(rule.map(|most| ReadsFirst { quiet: hour, most }));
+            log.set_reads_first(rule.map(|most| ReadsFirst {
+                quiet: hour,
+                most,
+                most_bytes: u64::MAX,
+            }));
             if read {
                 log.note_read();
             }
@@ -824,7 +860,7 @@ mod tests {
             read in proptest::option::of(0u64..10_000), later in 0u64..10_000,
         ) {
             let ms = Duration::from_millis;
-            let rule = ReadsFirst { quiet: ms(quiet), most: ms(most) };
+            let rule = ReadsFirst { quiet: ms(quiet), most: ms(most), most_bytes: u64::MAX };
             let now = ms(since + later);
             let last_read = read.map(ms);
             let held = rule.hold(now, last_read, ms(since));

@@ -384,6 +384,8 @@ fn open_write_log(
     log.set_reads_first(Some(ReadsFirst {
         quiet: config.flush_yield_quiet,
         most: config.flush_yield,
+        // A quarter of the pool: held writes never crowd out new puts.
+        most_bytes: config.memory_capacity / 4,
     }));
     if shared {
         let now = log.raw_wall_nanos();
