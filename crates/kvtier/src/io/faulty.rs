@@ -96,6 +96,10 @@ struct Gate {
     waiting: u64,
     /// Operations that have waited at the gate since the engine was made.
     held: u64,
+    /// Reads still let through while `reads` holds (`stall_reads_after`).
+    reads_let_through: u64,
+    /// Read batches that passed the gate since the engine was made.
+    reads_passed: u64,
 }
 
 fn file_id(file: &File) -> io::Result<(u64, u64)> {
@@ -159,6 +163,16 @@ impl FaultyEngine {
         let mut gate = self.gate.lock().unwrap();
         gate.reads = reads;
         gate.writes = writes;
+        gate.reads_let_through = 0;
+    }
+
+    /// Lets the next `reads` read batches through, then holds every later
+    /// one until `resume`: a file system that stops answering partway
+    /// through a stream of reads.
+    pub fn stall_reads_after(&self, reads: u64) {
+        let mut gate = self.gate.lock().unwrap();
+        gate.reads = true;
+        gate.reads_let_through = reads;
     }
 
     /// Lets every held operation go on, and stops holding new ones.
@@ -166,7 +180,14 @@ impl FaultyEngine {
         let mut gate = self.gate.lock().unwrap();
         gate.reads = false;
         gate.writes = false;
+        gate.reads_let_through = 0;
         self.gate_opened.notify_all();
+    }
+
+    /// Read batches that have gone past the gate (held ones once let go)
+    /// since the engine was made.
+    pub fn reads_passed(&self) -> u64 {
+        self.gate.lock().unwrap().reads_passed
     }
 
     /// Operations held at the gate now, and since the engine was made.
@@ -181,15 +202,20 @@ impl FaultyEngine {
             FaultOp::Read => gate.reads,
             FaultOp::Write | FaultOp::Sync => gate.writes,
         };
-        if !holds(&gate) {
-            return;
+        let is_read = op == FaultOp::Read;
+        if holds(&gate) && !(is_read && gate.reads_let_through > 0) {
+            gate.waiting += 1;
+            gate.held += 1;
+            while holds(&gate) {
+                gate = self.gate_opened.wait(gate).unwrap();
+            }
+            gate.waiting -= 1;
+        } else if holds(&gate) {
+            gate.reads_let_through -= 1;
         }
-        gate.waiting += 1;
-        gate.held += 1;
-        while holds(&gate) {
-            gate = self.gate_opened.wait(gate).unwrap();
+        if is_read {
+            gate.reads_passed += 1;
         }
-        gate.waiting -= 1;
     }
 
     /// Fails `count` operations of kind `op` with `errno`, after letting
