@@ -1121,7 +1121,8 @@ impl LocalShared {
         self.shared.join("nodes").join(id.trim())
     }
 
-    /// Every file under the shared directory's `nodes/`, with its length.
+    /// Every file under the shared directory's `nodes/`, with its length
+    /// (a `LOCK`'s as 0).
     fn files_under_nodes(&self) -> Vec<(PathBuf, u64)> {
         fn walk(dir: &Path, out: &mut Vec<(PathBuf, u64)>) {
             for entry in std::fs::read_dir(dir).unwrap() {
@@ -1129,6 +1130,11 @@ impl LocalShared {
                 let meta = entry.metadata().unwrap();
                 if meta.is_dir() {
                     walk(&entry.path(), out);
+                } else if entry.file_name() == "LOCK" {
+                    // Every start that takes the lock writes its holder
+                    // line there, "pid N on HOST": its length follows the
+                    // pid's digits, which wrap at `pid_max`.
+                    out.push((entry.path(), 0));
                 } else {
                     out.push((entry.path(), meta.len()));
                 }
