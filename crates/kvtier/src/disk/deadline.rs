@@ -45,10 +45,11 @@ use std::time::{Duration, Instant};
 /// Bytes per piece of a streamed value read: read into the thread's own
 /// buffer, then copied out and checksummed while it is still in the
 /// core's cache (a core's L2 is 512 KiB to 2 MiB). Measured on this
-/// project's VM (2 cores, 2 MiB L2 each; warm page cache, one 16 MiB
-/// value, ratio to one plain `pread`): 64 KiB 0.89, 128 KiB 0.93, 256 KiB
-/// 0.95, 512 KiB 0.96, 1 MiB 0.95; cold 256 KiB 0.95, 512 KiB 0.98, 1 MiB
-/// 0.89, 2 MiB 0.90.
+/// project's VM (2 cores, 2 MiB L2 each) with a probe program that does
+/// what this thread does (one JuiceFS mount, one 16 MiB value, ratio to
+/// one plain `pread`), warm: 64 KiB 0.89, 128 KiB 0.93, 256 KiB 0.95,
+/// 512 KiB 0.96, 1 MiB 0.95; cold: 256 KiB 0.95, 512 KiB 0.98, 1 MiB 0.89,
+/// 2 MiB 0.90.
 const STREAM_PIECE: usize = 512 << 10;
 
 /// Bounded batches that may be held past their deadline at once before
