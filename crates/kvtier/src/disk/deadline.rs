@@ -17,40 +17,41 @@
 //! A batch of values in buffered files (network and FUSE file systems in
 //! the default read mode) is **streamed** instead: its thread reads the
 //! values one after another, in order, in pieces of `STREAM_PIECE` into a
-//! buffer of its own, copies each piece into the caller's destination
-//! (with non-temporal stores for a batch too large to stay in the caches,
-//! `bulk_copy::worth_streaming`) and checksums it there while it is in
-//! the core's cache, and gives each value its verdict when its last piece
-//! is in. So a value's bytes cross memory as often as in a plain
-//! program's `read` (the piece buffer stays in cache), on one core, and
-//! the file is read as one sequential stream, as readahead likes it. The
-//! bound is the same: a `pread` only ever writes the thread's buffer; the
-//! thread copies into the caller's memory only while the caller waits
-//! (the destinations are lent to it, and every copy holds the batch's
-//! lock); a caller past its deadline takes the lock, gives the batch up,
-//! zeroes what was copied of values without a verdict and answers them
-//! as misses, and the thread, when its read returns, finds the batch
-//! given up and leaves.
+//! ring of `STREAM_PIECES` buffers of its own, and hands the pieces over;
+//! the caller checksums and copies each into its destination while the
+//! next is read (with non-temporal stores for a batch too large to stay
+//! in the caches, `bulk_copy::worth_streaming`), and takes each value's
+//! verdict when its last piece is in. So a value's bytes cross memory
+//! about as often as in a plain program's `read` (the ring stays in
+//! cache), and the file is read as one sequential stream, as readahead
+//! likes it. The bound is the same: only the thread writes the ring, only
+//! the caller writes its destinations, and a caller past its deadline
+//! zeroes what it copied of values without a verdict, answers them as
+//! misses, and leaves the ring to the thread.
 
 use super::read::{Destination, ReadOutcome, ValueRead, ValueReader};
 use crate::error::Error;
 use crate::io::{AlignedBuf, ReadOp};
 use crate::key::ValueChecksum;
 use crate::units::{page_round_up, PAGE_SIZE};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// Bytes per piece of a streamed value read: read into the thread's own
-/// buffer, then copied out and checksummed while it is still in the
-/// core's cache (a core's L2 is 512 KiB to 2 MiB). Measured on this
-/// project's VM (2 cores, 2 MiB L2 each) with a probe program that does
-/// what this thread does (one JuiceFS mount, one 16 MiB value, ratio to
-/// one plain `pread`), warm: 64 KiB 0.89, 128 KiB 0.93, 256 KiB 0.95,
-/// 512 KiB 0.96, 1 MiB 0.95; cold: 256 KiB 0.95, 512 KiB 0.98, 1 MiB 0.89,
-/// 2 MiB 0.90.
-const STREAM_PIECE: usize = 512 << 10;
+/// Bytes per piece of a streamed value read.
+const STREAM_PIECE: usize = 2 << 20;
+/// Pieces of a streamed batch in flight: one being read, one being copied
+/// out, one spare.
+const STREAM_PIECES: usize = 3;
+
+/// Bytes of a streamed piece checksummed and then copied out together:
+/// small enough to stay in the core's cache between the two.
+const COPY_CHUNK: usize = 64 << 10;
+/// The same for a batch whose copies are made with non-temporal stores
+/// (`bulk_copy::worth_streaming`): as large as such stores start at, and
+/// still well within a core's cache.
+const STREAMED_COPY_CHUNK: usize = crate::bulk_copy::STREAM_FROM;
 
 /// Bounded batches that may be held past their deadline at once before
 /// new ones answer misses without reading: each holds a thread (parked in
@@ -255,26 +256,23 @@ impl BoundedReads {
     }
 }
 
-/// Starts the thread of a streamed batch.
+/// Starts the thread of a streamed batch, with its ring of buffers.
 fn spawn_stream(
     reader: &Arc<ValueReader>,
     stuck: &Arc<Mutex<Stuck>>,
     counters: &Arc<StallCounters>,
     reads: &[Option<ValueRead>],
 ) -> Result<Stream, String> {
-    let shared = Arc::new(StreamShared {
-        state: Mutex::new(StreamState {
-            phase: StreamPhase::Running,
-            sink: None,
-            outcomes: reads.iter().map(|_| None).collect(),
-            copied: vec![0; reads.len()],
-        }),
-        changed: Condvar::new(),
-    });
-    let bytes = STREAM_PIECE as u64;
+    let (free_tx, free_rx) = mpsc::channel();
+    for _ in 0..STREAM_PIECES {
+        let _ = free_tx.send(reader.bounce.take(STREAM_PIECE));
+    }
+    let (filled_tx, filled_rx) = mpsc::channel();
+    let job = Arc::new(Mutex::new(StreamPhase::Running));
+    let bytes = (STREAM_PIECES * STREAM_PIECE) as u64;
     let reads_owned = reads.to_vec();
-    let (thread_shared, thread_reader, thread_stuck, thread_counters) = (
-        Arc::clone(&shared),
+    let (thread_job, thread_reader, thread_stuck, thread_counters) = (
+        Arc::clone(&job),
         Arc::clone(reader),
         Arc::clone(stuck),
         Arc::clone(counters),
@@ -283,24 +281,29 @@ fn spawn_stream(
         .name("kvtier-bounded-read".into())
         .spawn(move || {
             let reader = thread_reader;
-            let mut buf = reader.bounce.take(STREAM_PIECE);
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                stream_values(&reader, &reads_owned, &mut buf, &thread_shared)
+                stream_values(&reader, &reads_owned, &free_rx, &filled_tx)
             }));
-            reader.bounce.give_back(buf);
-            let mut state = thread_shared.lock();
-            if matches!(state.phase, StreamPhase::Abandoned) {
-                drop(state);
+            // Every buffer this side still holds goes back to the pool.
+            drop(filled_tx);
+            while let Ok(buf) = free_rx.try_recv() {
+                reader.bounce.give_back(buf);
+            }
+            let mut phase = thread_job.lock().unwrap();
+            if matches!(*phase, StreamPhase::Abandoned) {
+                drop(phase);
                 release(&thread_stuck, &thread_counters, bytes);
             } else {
-                state.phase = StreamPhase::Done;
-                thread_shared.changed.notify_all();
+                *phase = StreamPhase::Done;
             }
         })
         .map_err(|e| format!("could not start a read thread: {e}"))?;
     Ok(Stream {
-        shared,
+        job,
+        free: free_tx,
+        filled: filled_rx,
         bytes,
+        reader: Arc::clone(reader),
         stuck: Arc::clone(stuck),
         counters: Arc::clone(counters),
     })
@@ -308,42 +311,15 @@ fn spawn_stream(
 
 /// The caller's end of a streamed batch.
 struct Stream {
-    shared: Arc<StreamShared>,
-    /// Buffer bytes the thread holds.
+    job: Arc<Mutex<StreamPhase>>,
+    /// Buffers handed back to the thread once copied out.
+    free: Sender<AlignedBuf>,
+    filled: Receiver<StreamMsg>,
+    /// Buffer bytes the ring holds.
     bytes: u64,
+    reader: Arc<ValueReader>,
     stuck: Arc<Mutex<Stuck>>,
     counters: Arc<StallCounters>,
-}
-
-/// What a streamed batch's caller and thread share.
-struct StreamShared {
-    state: Mutex<StreamState>,
-    /// Signalled when the caller hands its destinations over, and when the
-    /// thread gives a value its verdict or leaves.
-    changed: Condvar,
-}
-
-impl StreamShared {
-    /// The state, whatever panicked while holding it: every field is
-    /// written whole, and `copied` before the bytes it counts.
-    fn lock(&self) -> std::sync::MutexGuard<'_, StreamState> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-struct StreamState {
-    phase: StreamPhase,
-    /// The caller's destinations, from when it waits for the batch
-    /// (`Stream::finish`) until it stops waiting: the thread copies into
-    /// them only with this state locked and the phase `Running`.
-    sink: Option<SinkPtr>,
-    /// Each value's verdict, given by the thread.
-    outcomes: Vec<Option<ReadOutcome>>,
-    /// Bytes of each value's destination the thread may have written since
-    /// they were last all zeroes or the value's verified bytes.
-    copied: Vec<usize>,
 }
 
 enum StreamPhase {
@@ -354,151 +330,57 @@ enum StreamPhase {
     Abandoned,
 }
 
-/// Where the thread of a streamed batch copies values to.
-trait Sink {
-    /// Copies `bytes` into value `value`'s destination from byte `at` on.
-    fn fill(&mut self, value: usize, at: usize, bytes: &[u8]);
-    /// Zeroes the first `len` bytes of value `value`'s destination.
-    fn zero(&mut self, value: usize, len: usize);
-}
-
-/// A batch's destinations as the thread sees them.
-struct Dests<'a, D> {
-    dests: &'a mut [D],
-    /// Copy with non-temporal stores (`bulk_copy::worth_streaming`).
-    streamed: bool,
-}
-
-impl<D: Destination> Sink for Dests<'_, D> {
-    fn fill(&mut self, value: usize, at: usize, bytes: &[u8]) {
-        if self.streamed {
-            self.dests[value].fill_at_streamed(at, bytes);
-        } else {
-            self.dests[value].fill_at(at, bytes);
-        }
-    }
-
-    fn zero(&mut self, value: usize, len: usize) {
-        if len > 0 {
-            self.dests[value].fill_at(0, &vec![0; len]);
-        }
-    }
-}
-
-/// A caller's `&mut dyn Sink` with its lifetime erased, so that the
-/// thread can hold it in the shared state. The caller puts it there when
-/// it starts waiting and takes it out (`SinkLent`'s drop) before it
-/// returns, each with the state locked, and the thread uses it only with
-/// the state locked in between: so every use falls within the borrow.
-struct SinkPtr(NonNull<dyn Sink + Send + 'static>);
-
-// SAFETY: the sink is `Send` (every `Destination` is), and it is used by
-// one thread at a time: by the stream's thread only with the state locked
-// while the caller waits, by the caller only once it has taken it back.
-unsafe impl Send for SinkPtr {}
-
-/// The caller's destinations lent to the thread; taken back when dropped
-/// (on every way out of `Stream::finish`, a panic included).
-struct SinkLent<'s> {
-    shared: &'s StreamShared,
-}
-
-impl<'s> SinkLent<'s> {
-    fn lend(shared: &'s StreamShared, sink: &mut (dyn Sink + Send + '_)) -> Self {
-        let ptr = NonNull::from(sink);
-        // SAFETY: only the lifetime changes; `Drop` takes the pointer back
-        // out of the state before the borrow it was made from ends (see
-        // `SinkPtr`).
-        let ptr: NonNull<dyn Sink + Send + 'static> = unsafe { std::mem::transmute(ptr) };
-        shared.lock().sink = Some(SinkPtr(ptr));
-        shared.changed.notify_all();
-        SinkLent { shared }
-    }
-}
-
-impl Drop for SinkLent<'_> {
-    fn drop(&mut self) {
-        self.shared.lock().sink = None;
-    }
+/// What the thread of a streamed batch hands over, in order.
+enum StreamMsg {
+    /// The value's bytes at `at..at + len`, in `buf`.
+    Piece {
+        value: usize,
+        at: usize,
+        len: usize,
+        buf: AlignedBuf,
+    },
+    /// Every piece of the value was handed over.
+    Read { value: usize },
+    /// The value could not be read (an error, or it lies past the end of
+    /// its file).
+    Failed { value: usize, outcome: ReadOutcome },
 }
 
 /// The caller went away: stop reading.
 struct CallerGone;
 
-/// How a value's stream ended.
-enum Streamed {
-    /// Every byte copied out and the checksum matched.
-    Verified,
-    /// Every byte copied out, and the checksum did not match (what was
-    /// copied has been zeroed).
-    Mismatch,
-    /// Could not be read (what was copied has been zeroed).
-    Failed(ReadOutcome),
-}
-
-/// The thread of a streamed batch: each value in order, piece by piece;
-/// a value that does not verify is dropped from the page cache (it may
-/// hold a copy read before another writer's bytes landed) and streamed
-/// once more before it is called damaged.
+/// The thread of a streamed batch: each value in order, piece by piece.
+/// It only reads; the caller checksums and copies (so the thread's reads
+/// go as fast as a plain program's).
 fn stream_values(
     reader: &ValueReader,
     reads: &[Option<ValueRead>],
-    buf: &mut AlignedBuf,
-    shared: &StreamShared,
+    free: &Receiver<AlignedBuf>,
+    filled: &Sender<StreamMsg>,
 ) -> Result<(), CallerGone> {
     for (value, read) in reads.iter().enumerate() {
         let Some(read) = read else { continue };
-        let outcome = match stream_value(reader, value, read, buf, shared)? {
-            Streamed::Verified => ReadOutcome::Verified,
-            Streamed::Failed(outcome) => outcome,
-            Streamed::Mismatch => {
-                let offset = u64::from(read.loc.page()) * PAGE_SIZE;
-                super::mount::drop_cached(
-                    &read.region.file,
-                    offset,
-                    page_round_up(read.len as u64),
-                );
-                match stream_value(reader, value, read, buf, shared)? {
-                    Streamed::Verified => {
-                        tracing::debug!(
-                            value,
-                            "a buffered read did not verify from the page cache but did from \
-                             the file system: a stale cached copy was dropped"
-                        );
-                        ReadOutcome::Verified
-                    }
-                    Streamed::Failed(outcome) => outcome,
-                    Streamed::Mismatch => {
-                        ReadOutcome::Rejected("checksum or key digest mismatch".into())
-                    }
-                }
-            }
+        let message = match stream_value(reader, value, read, free, filled)? {
+            None => StreamMsg::Read { value },
+            Some(outcome) => StreamMsg::Failed { value, outcome },
         };
-        let mut state = shared.lock();
-        if matches!(state.phase, StreamPhase::Abandoned) {
-            return Err(CallerGone);
-        }
-        state.outcomes[value] = Some(outcome);
-        shared.changed.notify_all();
+        filled.send(message).map_err(|_| CallerGone)?;
     }
     Ok(())
 }
 
-/// Streams one value: each piece read into `buf` (the only memory a read
-/// that outlives the deadline can write), then copied into the caller's
-/// destination if the caller still waits, then checksummed while it is
-/// still in this core's cache.
+/// Streams one value's pieces; what went wrong, if anything.
 fn stream_value(
     reader: &ValueReader,
     value: usize,
     read: &ValueRead,
-    buf: &mut AlignedBuf,
-    shared: &StreamShared,
-) -> Result<Streamed, CallerGone> {
+    free: &Receiver<AlignedBuf>,
+    filled: &Sender<StreamMsg>,
+) -> Result<Option<ReadOutcome>, CallerGone> {
     let offset = u64::from(read.loc.page()) * PAGE_SIZE;
-    let mut checksum = ValueChecksum::new(read.digest);
     let mut at = 0;
     while at < read.len {
+        let mut buf = free.recv().map_err(|_| CallerGone)?;
         let len = (read.len - at).min(STREAM_PIECE);
         let mut ops = [ReadOp::new(
             &read.region.file,
@@ -508,159 +390,186 @@ fn stream_value(
         reader.engine.read_batch_then(&mut ops, &|_, _| {});
         let [op] = ops;
         if let Err(e) = op.result {
-            zero_copied(shared, value)?;
-            return Ok(Streamed::Failed(
-                if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                    ReadOutcome::Rejected(format!(
-                        "value lies past the end of its region file: {e}"
-                    ))
-                } else {
-                    ReadOutcome::Failed(Error::io(
-                        format!(
-                            "reading region {} page {}",
-                            read.loc.region(),
-                            read.loc.page()
-                        ),
-                        e,
-                    ))
-                },
-            ));
+            reader.bounce.give_back(buf);
+            return Ok(Some(if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                ReadOutcome::Rejected(format!("value lies past the end of its region file: {e}"))
+            } else {
+                ReadOutcome::Failed(Error::io(
+                    format!(
+                        "reading region {} page {}",
+                        read.loc.region(),
+                        read.loc.page()
+                    ),
+                    e,
+                ))
+            }));
         }
-        let bytes = &buf.as_slice()[..len];
-        {
-            let mut state = lent_sink(shared)?;
-            state.copied[value] = at + len;
-            let sink = state.sink.as_mut().expect("lent_sink returns a lent sink");
-            // SAFETY: the sink is lent and the state locked (`SinkPtr`).
-            unsafe { sink.0.as_mut() }.fill(value, at, bytes);
-        }
-        // The thread never writes `buf` between the copy and this: the
-        // bytes verified are the bytes copied.
-        checksum.update(bytes);
+        filled
+            .send(StreamMsg::Piece {
+                value,
+                at,
+                len,
+                buf,
+            })
+            .map_err(|_| CallerGone)?;
         at += len;
     }
-    if checksum.finish() == read.checksum {
-        Ok(Streamed::Verified)
-    } else {
-        zero_copied(shared, value)?;
-        Ok(Streamed::Mismatch)
-    }
+    Ok(None)
 }
 
-/// The state, locked, once the caller's destinations are lent to the
-/// thread; `CallerGone` if it gave the batch up.
-fn lent_sink(shared: &StreamShared) -> Result<std::sync::MutexGuard<'_, StreamState>, CallerGone> {
-    let mut state = shared.lock();
-    loop {
-        match state.phase {
-            StreamPhase::Abandoned => return Err(CallerGone),
-            _ if state.sink.is_some() => return Ok(state),
-            _ => {
-                state = shared
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-            }
-        }
-    }
-}
-
-/// Zeroes what the thread copied of `value`, so a value without a verdict
-/// of `Verified` leaves nothing of its bytes in the caller's memory.
-fn zero_copied(shared: &StreamShared, value: usize) -> Result<(), CallerGone> {
-    let mut state = lent_sink(shared)?;
-    let copied = std::mem::take(&mut state.copied[value]);
-    let sink = state.sink.as_mut().expect("lent_sink returns a lent sink");
-    // SAFETY: the sink is lent and the state locked (`SinkPtr`).
-    unsafe { sink.0.as_mut() }.zero(value, copied);
-    Ok(())
+/// How a streamed batch ended for its caller.
+struct StreamEnd {
+    outcomes: Vec<Option<ReadOutcome>>,
+    /// Values whose bytes did not verify (zeroed), for a second look.
+    mismatched: Vec<usize>,
+    /// The deadline passed; the values without an outcome are late.
+    timed_out: bool,
+    /// This batch was the first held past its deadline since all answered.
+    first_stall: bool,
 }
 
 impl Stream {
-    /// Lends the destinations to the thread and waits for every value's
-    /// verdict until `deadline`: then the values without one have what was
-    /// copied of them zeroed, and the batch is given up (counted as stuck
-    /// until its thread leaves). The outcomes, and whether this batch was
-    /// the first held past its deadline since all answered.
+    /// Checksums and copies pieces out, and takes each value's verdict,
+    /// until every value has one or until `deadline`: then the values
+    /// without a verdict have what was copied of them zeroed, and the batch
+    /// is given up (counted as stuck until its thread leaves).
     fn finish<D: Destination>(
         self,
         reads: &[Option<ValueRead>],
         dests: &mut [D],
         deadline: Instant,
-    ) -> (Vec<Option<ReadOutcome>>, bool) {
+    ) -> StreamEnd {
+        let mut end = StreamEnd {
+            outcomes: reads.iter().map(|_| None).collect(),
+            mismatched: Vec::new(),
+            timed_out: false,
+            first_stall: false,
+        };
+        let mut checksums: Vec<Option<ValueChecksum>> = reads
+            .iter()
+            .map(|r| r.as_ref().map(|r| ValueChecksum::new(r.digest)))
+            .collect();
+        // Bytes copied into each destination so far (zeroed if its value
+        // does not verify or does not finish).
+        let mut copied = vec![0usize; reads.len()];
         // A batch too large to stay in the caches for its reader is copied
         // with non-temporal stores: the destination's lines are not read
-        // first, which leaves the memory bus to the thread's next `pread`.
+        // first, which leaves the memory bus to the reading thread's
+        // `pread`s on the other core.
         let total = reads
             .iter()
             .flatten()
             .fold(0usize, |total, r| total.saturating_add(r.len));
-        let mut sink = Dests {
-            dests,
-            streamed: crate::bulk_copy::worth_streaming(total),
+        let streamed = crate::bulk_copy::worth_streaming(total);
+        let chunk_len = if streamed {
+            STREAMED_COPY_CHUNK
+        } else {
+            COPY_CHUNK
         };
-        let mut first_stall = false;
-        let mut abandoned = false;
-        let (mut outcomes, copied) = {
-            let lent = SinkLent::lend(&self.shared, &mut sink);
-            let mut state = self.shared.lock();
-            loop {
-                if matches!(state.phase, StreamPhase::Done) {
-                    break;
+        loop {
+            let now = Instant::now();
+            // Past the deadline, what is already sent is still taken (a
+            // thread that has left sent everything, then hung up).
+            let message = if now >= deadline {
+                self.filled.try_recv().map_err(|e| match e {
+                    mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                })
+            } else {
+                self.filled.recv_timeout(deadline - now)
+            };
+            match message {
+                Ok(StreamMsg::Piece {
+                    value,
+                    at,
+                    len,
+                    buf,
+                }) => {
+                    // Checksummed and copied a chunk at a time, so the
+                    // piece is read from memory once (the copy finds each
+                    // chunk in the core's cache), not twice.
+                    let bytes = &buf.as_slice()[..len];
+                    for (i, chunk) in bytes.chunks(chunk_len).enumerate() {
+                        if let Some(checksum) = &mut checksums[value] {
+                            checksum.update(chunk);
+                        }
+                        if streamed {
+                            dests[value].fill_at_streamed(at + i * chunk_len, chunk);
+                        } else {
+                            dests[value].fill_at(at + i * chunk_len, chunk);
+                        }
+                    }
+                    copied[value] = copied[value].max(at + len);
+                    if let Err(mpsc::SendError(buf)) = self.free.send(buf) {
+                        self.reader.bounce.give_back(buf);
+                    }
                 }
-                let now = Instant::now();
-                if now >= deadline {
-                    // Counted while the state is locked: the thread, which
+                Ok(StreamMsg::Read { value }) => {
+                    let verified = match (&checksums[value], &reads[value]) {
+                        (Some(checksum), Some(read)) => checksum.finish() == read.checksum,
+                        _ => false,
+                    };
+                    if verified {
+                        end.outcomes[value] = Some(ReadOutcome::Verified);
+                    } else {
+                        dests[value].fill_at(0, &vec![0; copied[value]]);
+                        end.mismatched.push(value);
+                    }
+                }
+                Ok(StreamMsg::Failed { value, outcome }) => {
+                    dests[value].fill_at(0, &vec![0; copied[value]]);
+                    end.outcomes[value] = Some(outcome);
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    let mut phase = self.job.lock().unwrap();
+                    if !matches!(*phase, StreamPhase::Running) {
+                        // The thread is leaving (it hangs up before it
+                        // says so): what it sent is all there is; take it
+                        // without waiting.
+                        drop(phase);
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    // Counted while the phase is locked: the thread, which
                     // uncounts it, sees `Abandoned` only after this.
                     let mut held = self.stuck.lock().unwrap();
                     held.batches += 1;
                     held.bytes += self.bytes;
                     held.since.get_or_insert(now);
-                    first_stall = held.batches == 1;
+                    end.first_stall = held.batches == 1;
                     drop(held);
-                    state.phase = StreamPhase::Abandoned;
-                    abandoned = true;
-                    break;
+                    *phase = StreamPhase::Abandoned;
+                    drop(phase);
+                    for (value, read) in reads.iter().enumerate() {
+                        if read.is_some() && end.outcomes[value].is_none() {
+                            dests[value].fill_at(0, &vec![0; copied[value]]);
+                        }
+                    }
+                    end.mismatched.clear();
+                    end.timed_out = true;
+                    return end;
                 }
-                state = self
-                    .shared
-                    .changed
-                    .wait_timeout(state, deadline - now)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .0;
             }
-            let taken = (
-                std::mem::take(&mut state.outcomes),
-                std::mem::take(&mut state.copied),
-            );
-            drop(state);
-            drop(lent);
-            taken
-        };
-        // The destinations are the caller's again. A value without a
-        // verdict (late, or its thread panicked) leaves nothing behind.
+        }
+        // The thread left without a verdict for these (it panicked).
         for (value, read) in reads.iter().enumerate() {
-            if read.is_some() && outcomes[value].is_none() {
-                sink.zero(value, copied[value]);
+            if read.is_some() && end.outcomes[value].is_none() && !end.mismatched.contains(&value) {
+                dests[value].fill_at(0, &vec![0; copied[value]]);
+                end.outcomes[value] = Some(ReadOutcome::Failed(Error::io(
+                    "a bounded read",
+                    std::io::Error::other("the read thread ended early"),
+                )));
             }
         }
-        if !abandoned {
-            for (outcome, read) in outcomes.iter_mut().zip(reads) {
-                if read.is_some() && outcome.is_none() {
-                    // Done without a verdict for it: the thread panicked.
-                    *outcome = Some(ReadOutcome::Failed(Error::io(
-                        "a bounded read",
-                        std::io::Error::other("the read thread ended early"),
-                    )));
-                }
-            }
-        }
-        (outcomes, first_stall)
+        end
     }
 }
 
-/// Finishes a streamed batch: the outcomes, `TimedOut` for each value
-/// without a verdict at the deadline.
+/// Finishes a streamed batch; values that did not verify are dropped from
+/// the page cache (it may hold a copy read before another writer's bytes
+/// landed) and streamed once more, within the same deadline, before they
+/// are called damaged.
 fn finish_streamed<D: Destination>(
     stream: Stream,
     reads: &[Option<ValueRead>],
@@ -668,10 +577,59 @@ fn finish_streamed<D: Destination>(
     deadline: Instant,
     limit: Duration,
 ) -> Vec<Option<ReadOutcome>> {
-    let counters = Arc::clone(&stream.counters);
-    let (mut outcomes, first_stall) = stream.finish(reads, dests, deadline);
+    let (reader, stuck, counters) = (
+        Arc::clone(&stream.reader),
+        Arc::clone(&stream.stuck),
+        Arc::clone(&stream.counters),
+    );
+    let mut end = stream.finish(reads, dests, deadline);
+    if !end.mismatched.is_empty() {
+        let mut again: Vec<Option<ValueRead>> = reads.iter().map(|_| None).collect();
+        for &value in &end.mismatched {
+            if let Some(read) = &reads[value] {
+                let offset = u64::from(read.loc.page()) * PAGE_SIZE;
+                super::mount::drop_cached(
+                    &read.region.file,
+                    offset,
+                    page_round_up(read.len as u64),
+                );
+                again[value] = Some(read.clone());
+            }
+        }
+        match spawn_stream(&reader, &stuck, &counters, &again) {
+            Ok(stream) => {
+                let mut second = stream.finish(&again, dests, deadline);
+                for &value in &end.mismatched {
+                    end.outcomes[value] = if second.mismatched.contains(&value) {
+                        Some(ReadOutcome::Rejected(
+                            "checksum or key digest mismatch".into(),
+                        ))
+                    } else {
+                        second.outcomes[value].take()
+                    };
+                    if matches!(end.outcomes[value], Some(ReadOutcome::Verified)) {
+                        tracing::debug!(
+                            value,
+                            "a buffered read did not verify from the page cache but did from \
+                             the file system: a stale cached copy was dropped"
+                        );
+                    }
+                }
+                end.timed_out |= second.timed_out;
+                end.first_stall |= second.first_stall;
+            }
+            Err(why) => {
+                for &value in &end.mismatched {
+                    end.outcomes[value] = Some(ReadOutcome::Failed(Error::io(
+                        "a bounded read",
+                        std::io::Error::other(why.clone()),
+                    )));
+                }
+            }
+        }
+    }
     let mut late = 0;
-    for (outcome, read) in outcomes.iter_mut().zip(reads) {
+    for (outcome, read) in end.outcomes.iter_mut().zip(reads) {
         if read.is_some() && outcome.is_none() {
             *outcome = Some(ReadOutcome::TimedOut);
             late += 1;
@@ -680,10 +638,10 @@ fn finish_streamed<D: Destination>(
     if late > 0 {
         counters.deadline_misses.fetch_add(late, Ordering::Relaxed);
     }
-    if first_stall {
+    if end.first_stall {
         note_stall(&counters, limit);
     }
-    outcomes
+    end.outcomes
 }
 
 /// The first batch held past its deadline since every read answered.
@@ -1013,11 +971,10 @@ mod tests {
     }
 
     /// A stream stalled after its first piece: the caller answers a miss at
-    /// its deadline with what the thread had copied zeroed; the thread,
-    /// when the file system answers, finds the batch given up and writes
-    /// nothing more into the caller's memory, and gives its buffer back.
-    /// The same with the caller late to wait (the thread holds its first
-    /// piece until the destinations are lent).
+    /// its deadline with what it had copied zeroed; the thread, when the
+    /// file system answers, finds the caller gone, nothing more lands in
+    /// the caller's memory, and the ring is given back. The same with the
+    /// caller late to wait (the thread has read its first piece).
     #[test]
     fn a_stream_stalled_midway_zeroes_what_it_copied_and_writes_nothing_after() {
         for caller_late in [false, true] {
@@ -1058,7 +1015,7 @@ mod tests {
             assert_eq!(engine.held().1, 1, "the second piece was held");
             assert!(
                 dest.iter().all(|&x| x == 0 || x == 1),
-                "the thread wrote nothing after the caller gave up"
+                "nothing landed after the caller gave up"
             );
         }
     }

@@ -18,9 +18,8 @@ use crate::units::{page_round_up, PAGE_SIZE};
 use std::sync::{Arc, Mutex};
 
 /// Where a read writes one value: a single buffer, or segments filled in
-/// order (the multi-buffer form). `Send`: a streamed bounded read copies
-/// into it from its own thread while the caller waits (`super::deadline`).
-pub(crate) trait Destination: Send {
+/// order (the multi-buffer form).
+pub(crate) trait Destination {
     /// Bytes the destination holds in all.
     fn capacity(&self) -> usize;
     /// The destination as one slice, when it is one (direct reads need it).
