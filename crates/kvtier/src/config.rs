@@ -350,7 +350,8 @@ impl Config {
     /// its queue is empty, whatever gets do. Writes are not held while the
     /// queued values take a quarter of `memory_capacity` or more (they pin
     /// the pool until written). A `flush`, a durable put, a removal, a put
-    /// waiting for pool space and close never wait for gets. Under `FlushPolicy::OnDemand` there is nothing to hold back.
+    /// waiting for pool space and close never wait for gets. Under
+    /// `FlushPolicy::OnDemand` there is nothing to hold back.
     /// `Duration::ZERO`: writes never wait. Default: 1 s.
     pub fn flush_yield(mut self, most: Duration) -> Self {
         self.flush_yield = most;

@@ -203,15 +203,17 @@ impl FaultyEngine {
             FaultOp::Write | FaultOp::Sync => gate.writes,
         };
         let is_read = op == FaultOp::Read;
-        if holds(&gate) && !(is_read && gate.reads_let_through > 0) {
-            gate.waiting += 1;
-            gate.held += 1;
-            while holds(&gate) {
-                gate = self.gate_opened.wait(gate).unwrap();
+        if holds(&gate) {
+            if is_read && gate.reads_let_through > 0 {
+                gate.reads_let_through -= 1;
+            } else {
+                gate.waiting += 1;
+                gate.held += 1;
+                while holds(&gate) {
+                    gate = self.gate_opened.wait(gate).unwrap();
+                }
+                gate.waiting -= 1;
             }
-            gate.waiting -= 1;
-        } else if holds(&gate) {
-            gate.reads_let_through -= 1;
         }
         if is_read {
             gate.reads_passed += 1;
