@@ -11,7 +11,9 @@ use super::schedule::{self, Round};
 use super::sides::device;
 use super::sides::memcpy::Memcpy;
 use super::sides::tcp::TcpStreamBaseline;
-use super::{data, rounds, BenchArgs, BenchResult, Measurement};
+use crate::args::BenchArgs;
+use crate::data;
+use crate::measure::{rounds, BenchResult, Measurement};
 use kvtier::format_size;
 use kvtier::{PutOptions, PutTier};
 use kvtier_client::{Client, ClientOptions};
@@ -230,8 +232,8 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                 .collect()
         };
         for &batch in &args.batches {
-            let batches = super::cases::batches_for(args.bytes_per_case, value_size as u64, batch);
-            let wants = |op: &str, tier: &str| super::wants(args, op, tier);
+            let batches = crate::case::batches_for(args.bytes_per_case, value_size as u64, batch);
+            let wants = |op: &str, tier: &str| crate::args::wants(args, op, tier);
             if (wants("put", "memory") || wants("get", "memory"))
                 && (value_size * batch) as u64 <= memory / 2
             {
@@ -489,7 +491,7 @@ pub fn run(args: &BenchArgs, url: &str) -> BenchResult<Vec<Row>> {
                             return Ok(());
                         };
                         let bytes = (r.batches.end - r.batches.start) * (batch * value_size) as u64;
-                        shape_verified += super::on_callers(
+                        shape_verified += crate::measure::on_callers(
                             r.batches.clone(),
                             &mut callers,
                             &mut shape,
@@ -588,7 +590,7 @@ fn round_places(args: &BenchArgs, value_size: u64) -> usize {
     args.batches
         .iter()
         .map(|&batch| {
-            let batches = super::cases::batches_for(args.bytes_per_case, value_size, batch);
+            let batches = crate::case::batches_for(args.bytes_per_case, value_size, batch);
             let most = rounds(batches, PUT_ROUNDS)
                 .iter()
                 .map(|r| r.end - r.start)

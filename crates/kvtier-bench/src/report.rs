@@ -1,6 +1,6 @@
 //! Result rows: the printed table, the JSON objects and the SVG chart.
 
-use super::Measurement;
+use crate::measure::Measurement;
 use kvtier::format_size;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;

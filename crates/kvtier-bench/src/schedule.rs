@@ -7,7 +7,7 @@
 //! A side is a closure that runs one round and adds its timing to its own
 //! measurement; the scheduler owns only the order.
 
-use super::BenchResult;
+use crate::measure::BenchResult;
 use std::ops::Range;
 
 /// One round: its position and the batches it covers.

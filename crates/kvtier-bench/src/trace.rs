@@ -17,7 +17,9 @@
 
 use super::schedule::{self, Round};
 use super::sides::device::{CeilingReader, FileSet, Shape};
-use super::{data, BenchArgs, BenchResult, Measurement};
+use crate::args::BenchArgs;
+use crate::data;
+use crate::measure::{BenchResult, Measurement};
 use hdrhistogram::Histogram;
 use kvtier::{format_size, parse_size};
 use kvtier::{Config, EvictionPolicy, IoEngineKind, Store};
@@ -441,7 +443,7 @@ fn replay(
         ceiling_time.set(ceiling_time.get() + began.elapsed());
         Ok(())
     };
-    let round_list = super::rounds(requests.len() as u64, TRACE_ROUNDS);
+    let round_list = crate::measure::rounds(requests.len() as u64, TRACE_ROUNDS);
     let mut sides: Vec<schedule::Side<'_, ()>> = vec![&mut replay_side];
     if disk > 0 {
         sides.push(&mut ceiling_side);

@@ -11,7 +11,7 @@
 //! deterministic for a seed.
 
 use super::trace::{Request, BLOCK_TOKENS};
-use super::BenchResult;
+use crate::measure::BenchResult;
 
 /// The generated workloads, by name.
 pub const WORKLOADS: [&str; 3] = ["conversation", "agent", "rag"];

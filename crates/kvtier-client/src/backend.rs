@@ -11,6 +11,7 @@
 //! batch calls also answer per key inside it.
 
 use crate::client::Client;
+use crate::conn::KnownLen;
 use crate::pool::ClientPool;
 use crate::routing::Router;
 use kvtier::{Error, NamespacedStore, PutOptions, Result, Store, ValueLease};
@@ -175,17 +176,6 @@ pub trait KvBackend {
     fn as_store(&self) -> Option<&NamespacedStore> {
         None
     }
-}
-
-/// What a backend knows of a value's length before reading it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KnownLen {
-    /// The value is this long (its index entry says so).
-    Len(usize),
-    /// No such key (here, now).
-    Absent,
-    /// Not known without reading it (another member may hold it).
-    Unknown,
 }
 
 impl KvBackend for NamespacedStore {

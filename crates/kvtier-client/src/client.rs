@@ -3,7 +3,7 @@
 //! straight to the members that own it). Without routing, or while the
 //! server is not in cluster mode, every call is the connection's.
 
-use crate::backend::KnownLen;
+use crate::conn::KnownLen;
 use crate::conn::{check_key, checked_keys, protocol_error, ClientOptions, Connection};
 use crate::routing::{DirectRouting, Router, ServerView};
 use kvtier::{Error, PutOptions, Result};

@@ -4,7 +4,6 @@
 //! instead of the socket). It knows no routing: `Client` puts cluster
 //! routing above it, and the router's peers hold connections.
 
-use crate::backend::KnownLen;
 use kvtier::{Error, ErrorKind, PutOptions, Result};
 use kvtier_wire::proof;
 use kvtier_wire::protocol::{
@@ -16,6 +15,22 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// A batch call moving at least this many bytes in all is cut into parts
+/// that move at once, each on a connection of its own (and so on a server
+/// thread of its own): one connection copies on one core, on both sides.
+pub const PARALLEL_FROM: u64 = 8 << 20;
+
+/// What a backend knows of a value's length before reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KnownLen {
+    /// The value is this long (its index entry says so).
+    Len(usize),
+    /// No such key (here, now).
+    Absent,
+    /// Not known without reading it (another member may hold it).
+    Unknown,
+}
 
 /// Connection options. Defaults: the token from `KVTIER_AUTH_TOKEN` (TCP
 /// needs one; a Unix-socket client running as the server's user does
@@ -1748,7 +1763,7 @@ fn copy_leased(
         return Err(std::io::Error::other("a buffer leased twice"));
     }
     let total: u64 = copies.iter().map(|c| c.2).sum();
-    let threads = if total >= crate::pool::PARALLEL_FROM {
+    let threads = if total >= PARALLEL_FROM {
         copiers.min(copies.len()).max(1)
     } else {
         1

@@ -13,7 +13,7 @@ pub mod pool;
 mod pool_views;
 pub mod routing;
 
-pub use backend::{KnownLen, KvBackend};
+pub use backend::KvBackend;
 pub use client::Client;
-pub use conn::{ClientOptions, Connection};
+pub use conn::{ClientOptions, Connection, KnownLen};
 pub use pool::{ClientPool, Pending};

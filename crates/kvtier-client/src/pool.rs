@@ -3,6 +3,7 @@
 //! open on demand, up to a limit, and share one registered shared buffer.
 
 use crate::client::Client;
+use crate::conn::PARALLEL_FROM;
 use kvtier::{Error, ErrorKind, Result};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
@@ -12,10 +13,6 @@ use std::thread::JoinHandle;
 /// plus a few loading and saving threads.
 pub const DEFAULT_CONNECTIONS: usize = 4;
 
-/// A batch call moving at least this many bytes in all is cut into parts
-/// that move at once, each on a connection of its own (and so on a server
-/// thread of its own): one connection copies on one core, on both sides.
-pub const PARALLEL_FROM: u64 = 8 << 20;
 /// The least a part of such a batch carries.
 const PART_BYTES: u64 = 4 << 20;
 

@@ -15,7 +15,6 @@ use crate::disk::{DiskTier, OTHERS_BASE};
 use crate::error::{Error, Result};
 use crate::index::Index;
 use crate::key::{KeyDigest, KeySecret};
-use crate::shared::Follower;
 use crate::write_log::WriteLog;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Read, Seek, Write};
@@ -369,6 +368,11 @@ fn u128_at(b: &[u8], at: usize) -> u128 {
 /// Writes this node's checkpoints: on the flusher's thread after a batch,
 /// at most every `every` (and only when batches were written since), and
 /// once more at a clean close. Built from the handles it reads.
+/// Where a checkpoint writer learns this log's own removals: the shared
+/// directory's follower keeps them (a callback, so the checkpoint sits
+/// below the follower that reads checkpoints).
+pub(crate) type OwnRemovals = Arc<dyn Fn() -> Vec<(KeyDigest, u64)> + Send + Sync>;
+
 pub(crate) struct CheckpointWriter {
     dir: PathBuf,
     node: String,
@@ -376,11 +380,11 @@ pub(crate) struct CheckpointWriter {
     disk: Arc<DiskTier>,
     index: Arc<Index>,
     log: Arc<WriteLog>,
-    /// The shared directory's follower, which knows this log's removals;
-    /// none for a local directory, whose checkpoints are read only when
-    /// they match the log exactly (no record is read, so no removal is
-    /// needed to hide an older put).
-    follower: Option<Arc<Follower>>,
+    /// This log's removals, as the shared directory's follower knows
+    /// them; none for a local directory, whose checkpoints are read only
+    /// when they match the log exactly (no record is read, so no removal
+    /// is needed to hide an older put).
+    own_removals: Option<OwnRemovals>,
     every: Duration,
     /// When the last checkpoint was written, and the batch count then.
     last: Mutex<(Instant, u64)>,
@@ -404,7 +408,7 @@ impl CheckpointWriter {
         disk: Arc<DiskTier>,
         index: Arc<Index>,
         log: Arc<WriteLog>,
-        follower: Option<Arc<Follower>>,
+        own_removals: Option<OwnRemovals>,
         every: Duration,
     ) -> CheckpointWriter {
         CheckpointWriter {
@@ -414,7 +418,7 @@ impl CheckpointWriter {
             disk,
             index,
             log,
-            follower,
+            own_removals,
             every,
             last: Mutex::new((Instant::now(), 0)),
             batches: AtomicU64::new(0),
@@ -450,9 +454,9 @@ impl CheckpointWriter {
             })
             .collect();
         let tombstones = self
-            .follower
+            .own_removals
             .as_ref()
-            .map_or_else(Vec::new, |follower| follower.own_tombstones());
+            .map_or_else(Vec::new, |own_removals| own_removals());
         let seq = self.log.next_seq().saturating_sub(1);
         let started = Instant::now();
         let mut count = 0u64;

@@ -126,7 +126,7 @@ pub struct Config {
     /// "Shared directory"); `None`: the log stays under `data_dir`.
     pub(crate) shared_dir: Option<PathBuf>,
     pub(crate) shared_poll: Duration,
-    pub(crate) shared_read_mode: crate::disk::SharedReadMode,
+    pub(crate) shared_read_mode: SharedReadMode,
     pub(crate) shared_checkpoint_interval: Duration,
     pub(crate) local_checkpoints: bool,
     pub(crate) shared_index_share: bool,
@@ -205,7 +205,7 @@ impl Config {
             namespace: String::new(),
             shared_dir: None,
             shared_poll: Duration::from_millis(200),
-            shared_read_mode: crate::disk::SharedReadMode::Auto,
+            shared_read_mode: SharedReadMode::Auto,
             shared_checkpoint_interval: Duration::from_secs(60),
             local_checkpoints: true,
             shared_index_share: false,
@@ -446,7 +446,7 @@ impl Config {
     /// CephFS, Lustre, NFS, 3FS's FUSE client; O_DIRECT on local disks),
     /// or `Direct` or `Buffered` for every file (docs/design.md, "Read
     /// modes per mount"). Default: Auto.
-    pub fn shared_read_mode(mut self, mode: crate::disk::SharedReadMode) -> Self {
+    pub fn shared_read_mode(mut self, mode: SharedReadMode) -> Self {
         self.shared_read_mode = mode;
         self
     }
@@ -652,5 +652,28 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+/// The read mode of other writers' files (`Config::shared_read_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SharedReadMode {
+    /// By the file system each file lives on (`read_mode`). The default.
+    #[default]
+    Auto,
+    Direct,
+    Buffered,
+}
+
+impl SharedReadMode {
+    pub fn parse(text: &str) -> Result<SharedReadMode> {
+        match text {
+            "auto" => Ok(SharedReadMode::Auto),
+            "direct" => Ok(SharedReadMode::Direct),
+            "buffered" => Ok(SharedReadMode::Buffered),
+            other => Err(Error::invalid(format!(
+                "shared read mode {other:?}: expected auto, direct or buffered"
+            ))),
+        }
     }
 }

@@ -54,9 +54,9 @@ mod store;
 mod units;
 mod write_log;
 
+pub use config::SharedReadMode;
 pub use config::{Config, EvictionPolicy, FlushPolicy, IoEngineKind};
 pub use data_dir::DATA_DIR_FORMAT;
-pub use disk::SharedReadMode;
 pub use disk::{DiskLocation, RecoveryReport};
 pub use error::{Error, ErrorKind, Result};
 pub use events::{BlockEvent, EventSink, Medium, QualifiedKey};

@@ -4,11 +4,14 @@
 //! the ceiling in the batch's memory and the shape-matched stream.
 
 use super::{SizeCases, GET_ROUNDS, PUT_ROUNDS};
+use crate::args::wants;
+use crate::data;
+use crate::measure::{on_callers, rounds, BenchResult, Measurement};
+use crate::progress::Progress;
 use crate::report::Row;
 use crate::schedule::{self, Round};
 use crate::sides::device;
 use crate::sides::store::{get_round, host_buffers, prepare_round, put_disk, PreparedBatch};
-use crate::{data, on_callers, rounds, wants, BenchResult, Measurement, Progress};
 use kvtier::{format_size, Store};
 
 /// Runs the wanted disk cases of one value size, appending their rows.

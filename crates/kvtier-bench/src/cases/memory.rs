@@ -2,11 +2,14 @@
 //! against memcpy of the same bytes.
 
 use super::{SizeCases, GET_ROUNDS, PUT_ROUNDS};
+use crate::args::wants;
+use crate::data;
+use crate::measure::{BenchResult, Measurement};
+use crate::progress::Progress;
 use crate::report::Row;
 use crate::schedule::{self, Round};
 use crate::sides::memcpy::Memcpy;
 use crate::sides::store::{get_round, host_buffers, put_memory};
-use crate::{data, wants, BenchResult, Measurement, Progress};
 use kvtier::{format_size, Store};
 
 /// Runs the wanted memory cases of one value size, appending their rows.

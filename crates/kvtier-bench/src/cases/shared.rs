@@ -12,11 +12,13 @@
 
 use super::disk::{get_cases, Copies};
 use super::{SizeCases, PUT_ROUNDS};
+use crate::data;
+use crate::measure::{on_callers, BenchResult, Measurement};
+use crate::progress::Progress;
 use crate::report::Row;
 use crate::sides::device;
 use crate::sides::plain::PlainReader;
 use crate::sides::store::{get_round, host_buffers, prepare_round, put_disk};
-use crate::{data, on_callers, BenchResult, Measurement, Progress};
 use kvtier::{format_size, Config, SharedReadMode, Store};
 use std::collections::HashMap;
 use std::path::PathBuf;

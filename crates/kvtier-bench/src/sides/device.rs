@@ -24,7 +24,7 @@
 //! Every descriptor is checked for O_DIRECT: a file system that refuses it
 //! makes the bench fail instead of reporting page-cache speed.
 
-use crate::Measurement;
+use crate::measure::Measurement;
 use io_uring::{opcode, squeue, types, IoUring};
 use kvtier::internals::BatchBudget;
 use kvtier::AlignedBuf;

@@ -3,7 +3,7 @@
 //! (The disk cases' baselines, raw O_DIRECT io_uring transfers, live in
 //! `device`.)
 
-use crate::Measurement;
+use crate::measure::{on_callers, Measurement};
 use kvtier::AlignedBuf;
 use std::time::Instant;
 
@@ -60,7 +60,7 @@ impl Memcpy {
         let bytes = (range.end - range.start) * (self.dests[0].len() * value_size) as u64;
         // Each call copies the values the store case's call for the same
         // batch number reads.
-        let copied = crate::on_callers(range, &mut self.dests, m, bytes, |b, dests| {
+        let copied = on_callers(range, &mut self.dests, m, bytes, |b, dests| {
             let call = Instant::now();
             let mut next = (b as usize * dests.len()) % sources.len();
             for dst in dests.iter_mut() {
@@ -95,7 +95,7 @@ impl Memcpy {
             .iter_mut()
             .zip(self.sources.chunks_mut(per_thread))
             .collect();
-        let copied = crate::on_callers(range, &mut states, m, bytes, |b, (bufs, set)| {
+        let copied = on_callers(range, &mut states, m, bytes, |b, (bufs, set)| {
             for (i, buf) in bufs.iter_mut().enumerate() {
                 crate::data::fill(
                     format!("memcpy-put/{b}/{i}").as_bytes(),

@@ -1,8 +1,9 @@
 //! The store's side of the local cases: its own calls, with the values
 //! and host buffers prepared before any timing.
 
-use crate::cases::Case;
-use crate::{data, on_callers, shares, BenchResult, Measurement};
+use crate::case::Case;
+use crate::data;
+use crate::measure::{on_callers, shares, BenchResult, Measurement};
 use kvtier::AlignedBuf;
 use kvtier::{PutOptions, PutTier, Store};
 use std::time::Instant;

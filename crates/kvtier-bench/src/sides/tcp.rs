@@ -1,6 +1,6 @@
 //! The remote memory cases' baseline over TCP.
 
-use crate::Measurement;
+use crate::measure::Measurement;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;

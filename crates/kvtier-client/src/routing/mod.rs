@@ -17,7 +17,7 @@ mod peers;
 pub use direct::{DirectRouting, ServerView};
 pub use peers::{PeerStats, Peers};
 
-use crate::backend::KnownLen;
+use crate::conn::KnownLen;
 use kvtier::{NamespacedStore, PutOptions};
 use kvtier_wire::cluster::{index_share_owner, key_hash, owners, Member};
 use std::collections::BTreeMap;

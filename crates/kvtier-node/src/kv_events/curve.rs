@@ -29,7 +29,7 @@ use crypto_box::{PublicKey, SalsaBox, SecretKey};
 use std::io::{self, Read, Write};
 use subtle::ConstantTimeEq;
 
-use super::zmtp::{self, Frame};
+use super::frame::{self, Frame};
 
 /// What a client's secret key is derived with from its token.
 pub const CLIENT_KEY_LABEL: &[u8] = b"kvtier kv-events CURVE client key";
@@ -159,7 +159,7 @@ fn random<const N: usize>() -> io::Result<[u8; N]> {
 }
 
 fn read_command(s: &mut impl Read, max: usize, what: &str) -> io::Result<Vec<u8>> {
-    match zmtp::read_frame(s, max)? {
+    match frame::read_frame(s, max)? {
         Frame::Command(body) => Ok(body),
         Frame::Message { .. } => Err(invalid(format!("the peer sent a message before {what}"))),
     }
@@ -218,7 +218,7 @@ pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
         &mut welcome,
     );
     let mut framed = Vec::new();
-    zmtp::put_frame(&mut framed, &welcome, false, true);
+    frame::put_frame(&mut framed, &welcome, false, true);
     s.write_all(&framed)?;
 
     // INITIATE: the cookie, a nonce past HELLO's, and the box from C' to
@@ -264,7 +264,7 @@ pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
     let properties = inside[KEY + 16 + 80..].to_vec();
     let Some(admitted) = keys.admit(&client_long) else {
         let mut refusal = Vec::new();
-        zmtp::put_frame(&mut refusal, b"\x05ERROR\x03400", false, true);
+        frame::put_frame(&mut refusal, b"\x05ERROR\x03400", false, true);
         let _ = s.write_all(&refusal);
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -289,7 +289,7 @@ pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
         &mut ready,
     );
     let mut framed = Vec::new();
-    zmtp::put_frame(&mut framed, &ready, false, true);
+    frame::put_frame(&mut framed, &ready, false, true);
     s.write_all(&framed)?;
     Ok((
         properties,
@@ -345,7 +345,7 @@ impl Sealer {
             &plain,
             &mut message,
         );
-        zmtp::put_frame(out, &message, false, false);
+        frame::put_frame(out, &message, false, false);
         Ok(())
     }
 }
@@ -361,7 +361,7 @@ pub(crate) struct Opener {
 impl Opener {
     /// Reads one frame carrying at most `max_len` bytes and opens it.
     pub(crate) fn read_frame(&mut self, r: &mut impl Read, max_len: usize) -> io::Result<Frame> {
-        let mut body = match zmtp::read_frame(r, max_len.saturating_add(MESSAGE_OVERHEAD))? {
+        let mut body = match frame::read_frame(r, max_len.saturating_add(MESSAGE_OVERHEAD))? {
             Frame::Message { body, .. } | Frame::Command(body) => body,
         };
         if !body.starts_with(MESSAGE) {
@@ -550,13 +550,13 @@ pub mod client {
     ) -> io::Result<(TcpStream, Sealer, Opener)> {
         let mut s = TcpStream::connect(addr)?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
-        let mut greeting = [0u8; zmtp::GREETING_LEN];
+        let mut greeting = [0u8; frame::GREETING_LEN];
         greeting[0] = 0xff;
         greeting[9] = 0x7f;
         greeting[10] = 3;
         greeting[12..17].copy_from_slice(b"CURVE");
         s.write_all(&greeting)?;
-        let mut theirs = [0u8; zmtp::GREETING_LEN];
+        let mut theirs = [0u8; frame::GREETING_LEN];
         s.read_exact(&mut theirs)?;
         if &theirs[12..17] != b"CURVE" || theirs[32] != 1 {
             return Err(invalid("the publisher does not greet as a CURVE server"));
@@ -581,7 +581,7 @@ pub mod client {
             &[0u8; 64],
             &mut hello,
         );
-        zmtp::put_frame(&mut frame, &hello, false, true);
+        frame::put_frame(&mut frame, &hello, false, true);
         s.write_all(&frame)?;
 
         let mut welcome = read_command(&mut s, 4096, "WELCOME")?;
@@ -619,7 +619,7 @@ pub mod client {
             &vouch_plain,
             &mut inner,
         );
-        inner.extend_from_slice(&zmtp::properties(socket_type));
+        inner.extend_from_slice(&frame::properties(socket_type));
         let mut initiate = b"\x08INITIATE".to_vec();
         initiate.extend_from_slice(&cookie);
         initiate.extend_from_slice(&2u64.to_be_bytes());
@@ -631,7 +631,7 @@ pub mod client {
             &mut initiate,
         );
         frame.clear();
-        zmtp::put_frame(&mut frame, &initiate, false, true);
+        frame::put_frame(&mut frame, &initiate, false, true);
         s.write_all(&frame)?;
 
         let mut ready = read_command(&mut s, 4096, "READY")?;

@@ -23,6 +23,7 @@
 //! announced again.
 
 pub mod curve;
+mod frame;
 mod msgpack;
 mod zmtp;
 

@@ -30,6 +30,7 @@ mod reclaim;
 mod recorded;
 mod records;
 mod recovery;
+mod recovery_report;
 mod region;
 mod scan;
 mod set_aside;
@@ -37,10 +38,10 @@ mod set_aside;
 mod test_log;
 mod write;
 
+pub use crate::config::SharedReadMode;
 pub use loc::DiskLoc;
 #[cfg(feature = "internals")]
 pub use locations::value_locations;
-pub use mount::SharedReadMode;
 #[cfg(feature = "internals")]
 pub use names::record_origin;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
@@ -48,7 +49,8 @@ pub(crate) use other_logs::{RegionListing, RegionRead, NO_HANDLE};
 pub(crate) use others::read_other_head;
 pub(crate) use read::{Destination, ReadOutcome, ValueRead};
 pub use recorded::RecordedRegion;
-pub use recovery::{RecoveredEntry, RecoveryChecks, RecoveryReport};
+pub use recovery::{RecoveredEntry, RecoveryChecks};
+pub use recovery_report::RecoveryReport;
 pub use region::Region;
 pub(crate) use scan::value_loc;
 pub use write::PendingBatch;

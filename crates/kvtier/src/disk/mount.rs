@@ -9,6 +9,7 @@
 //! of memory, an NFS server gone), as long as it is gone; hard NFS mounts
 //! and FUSE wait for ever. Those are the reads the store bounds.
 
+use crate::config::SharedReadMode;
 use std::fs::File;
 
 /// `statfs` magic numbers (`linux/magic.h` and the file systems' own
@@ -56,29 +57,6 @@ pub enum ReadMode {
     Direct,
     /// Through the page cache, with sequential readahead.
     Buffered,
-}
-
-/// The read mode of other writers' files (`Config::shared_read_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum SharedReadMode {
-    /// By the file system each file lives on (`read_mode`). The default.
-    #[default]
-    Auto,
-    Direct,
-    Buffered,
-}
-
-impl SharedReadMode {
-    pub fn parse(text: &str) -> crate::Result<SharedReadMode> {
-        match text {
-            "auto" => Ok(SharedReadMode::Auto),
-            "direct" => Ok(SharedReadMode::Direct),
-            "buffered" => Ok(SharedReadMode::Buffered),
-            other => Err(crate::Error::invalid(format!(
-                "shared read mode {other:?}: expected auto, direct or buffered"
-            ))),
-        }
-    }
 }
 
 /// The read mode for `file` under `choice`. Auto: buffered on the file

@@ -9,7 +9,7 @@
 //! there were no checkpoint.
 
 use super::names::{parse_region_name, RegionName};
-use super::recovery::RecoveryReport;
+use super::recovery_report::RecoveryReport;
 use super::{DiskTier, Region};
 use std::collections::BTreeMap;
 use std::fs;

@@ -5,7 +5,7 @@
 //! region under its name, so the log's ids stay contiguous.
 
 use super::format::{RegionHeader, REGION_HEADER_LEN};
-use super::recovery::RecoveryReport;
+use super::recovery_report::RecoveryReport;
 use super::{sync_dir, DiskTier, QUARANTINE_DIR};
 use crate::error::{Error, Result};
 use crate::io::AlignedBuf;

@@ -1,6 +1,6 @@
 //! A store seen through one namespace: what every call goes through.
 
-use super::{check_buffer, mismatched, Inner, PutOptions, StreamedPuts, ValueLease};
+use super::{check_buffer, mismatched, Inner, PutOptions, ValueLease};
 use crate::disk::DiskLocation;
 use crate::error::{ErrorKind, Result};
 use crate::foreign::{ForeignSegments, Source};
@@ -66,13 +66,6 @@ impl NamespacedStore {
         let values: Vec<[&[u8]; 1]> = values.iter().map(|v| [v.as_ref()]).collect();
         let values: Vec<&[&[u8]]> = values.iter().map(|v| &v[..]).collect();
         self.batch_put_segments(keys, &values, options)
-    }
-
-    /// A batch of `items` puts whose values (`bytes` in all, about) will
-    /// arrive piece by piece, each received straight into its pool extent
-    /// (see [`StreamedPuts`]).
-    pub fn streamed_puts(&self, options: &PutOptions, items: usize, bytes: u64) -> StreamedPuts {
-        StreamedPuts::new(self.clone(), options, items, bytes)
     }
 
     /// Stores each value given as segments laid end to end (Mooncake's
@@ -353,39 +346,5 @@ impl NamespacedStore {
     /// Returns whether the key was present.
     pub fn remove(&self, key: impl AsRef<[u8]>) -> Result<bool> {
         self.inner.remove(&self.namespace, key.as_ref())
-    }
-
-    /// Stores this namespace's manifest: what its name's digest stands
-    /// for, in words an operator reads (the engine integrations store the
-    /// fields they hashed, as JSON; the store keeps the bytes as given).
-    /// Kept under [`MANIFEST_KEY`](crate::MANIFEST_KEY) in the namespace,
-    /// durable on return, listed by [`Store::namespaces`](crate::Store::namespaces),
-    /// removed with the namespace. At most
-    /// [`MAX_MANIFEST_LEN`](crate::MAX_MANIFEST_LEN) bytes.
-    pub fn describe(&self, manifest: &[u8]) -> Result<()> {
-        crate::key::validate_manifest(manifest)?;
-        self.put_with(
-            super::namespaces::MANIFEST_KEY,
-            manifest,
-            &PutOptions {
-                durable: true,
-                ..PutOptions::default()
-            },
-        )
-    }
-
-    /// This namespace's manifest, if one is stored (see [`Self::describe`]).
-    pub fn manifest(&self) -> Result<Option<Vec<u8>>> {
-        self.get(super::namespaces::MANIFEST_KEY)
-    }
-
-    /// Removes every block of this namespace, its manifest included: one
-    /// tombstone per key, durable on return, a `Removed` event per block
-    /// (docs/design.md, "Namespaces: census, manifests, retirement").
-    /// Everything put in the namespace before the call is gone for good,
-    /// after any restart and on every node of a shared directory; puts
-    /// racing with the call may survive it.
-    pub fn retire(&self) -> Result<super::RetiredNamespace> {
-        self.inner.retire_namespace(&self.namespace)
     }
 }

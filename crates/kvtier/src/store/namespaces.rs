@@ -10,7 +10,7 @@
 //! as far as they were followed), and, for values that no record names
 //! (memory-only puts), the pool slot, which keeps its namespace.
 
-use super::Inner;
+use super::{Inner, NamespacedStore, PutOptions};
 use crate::error::Result;
 use crate::events::{BlockEvent, Medium};
 use crate::key::{KeyDigest, Namespace};
@@ -286,7 +286,43 @@ impl Inner {
         let Ok(ns) = Namespace::new(Arc::clone(&self.secret), name) else {
             return Ok(None);
         };
-        super::NamespacedStore::new(Arc::clone(self), ns).get(MANIFEST_KEY)
+        NamespacedStore::new(Arc::clone(self), ns).get(MANIFEST_KEY)
+    }
+}
+
+impl NamespacedStore {
+    /// Stores this namespace's manifest: what its name's digest stands
+    /// for, in words an operator reads (the engine integrations store the
+    /// fields they hashed, as JSON; the store keeps the bytes as given).
+    /// Kept under [`MANIFEST_KEY`](crate::MANIFEST_KEY) in the namespace,
+    /// durable on return, listed by [`Store::namespaces`](crate::Store::namespaces),
+    /// removed with the namespace. At most
+    /// [`MAX_MANIFEST_LEN`](crate::MAX_MANIFEST_LEN) bytes.
+    pub fn describe(&self, manifest: &[u8]) -> Result<()> {
+        crate::key::validate_manifest(manifest)?;
+        self.put_with(
+            MANIFEST_KEY,
+            manifest,
+            &PutOptions {
+                durable: true,
+                ..PutOptions::default()
+            },
+        )
+    }
+
+    /// This namespace's manifest, if one is stored (see [`Self::describe`]).
+    pub fn manifest(&self) -> Result<Option<Vec<u8>>> {
+        self.get(MANIFEST_KEY)
+    }
+
+    /// Removes every block of this namespace, its manifest included: one
+    /// tombstone per key, durable on return, a `Removed` event per block
+    /// (docs/design.md, "Namespaces: census, manifests, retirement").
+    /// Everything put in the namespace before the call is gone for good,
+    /// after any restart and on every node of a shared directory; puts
+    /// racing with the call may survive it.
+    pub fn retire(&self) -> Result<RetiredNamespace> {
+        self.inner().retire_namespace(self.namespace())
     }
 }
 

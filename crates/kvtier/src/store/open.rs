@@ -5,7 +5,7 @@
 //! must happen.
 
 use super::{Inner, NamespacedStore, Store};
-use crate::checkpoint::CheckpointWriter;
+use crate::checkpoint::{CheckpointWriter, OwnRemovals};
 use crate::config::{Config, FlushPolicy};
 use crate::data_dir::Identity;
 use crate::disk::format::{self, RecordKind};
@@ -108,17 +108,17 @@ impl Store {
         // removals), or a local directory's: written at a clean close only
         // (the flusher has no hook without a follower), for the next open.
         let checkpoints = match (&place.shared, &disk, &follower) {
-            (Some(shared), Some(disk), Some(follower)) => Some((
-                shared.writer_dir.as_path(),
-                disk,
-                Some(Arc::clone(follower)),
-            )),
+            (Some(shared), Some(disk), Some(follower)) => {
+                let follower = Arc::clone(follower);
+                let own_removals: OwnRemovals = Arc::new(move || follower.own_tombstones());
+                Some((shared.writer_dir.as_path(), disk, Some(own_removals)))
+            }
             (None, Some(disk), _) if config.local_checkpoints => {
                 Some((config.data_dir.as_path(), disk, None))
             }
             _ => None,
         }
-        .map(|(dir, disk, follower)| {
+        .map(|(dir, disk, own_removals)| {
             Arc::new(CheckpointWriter::new(
                 dir,
                 &place.node_id,
@@ -126,7 +126,7 @@ impl Store {
                 Arc::clone(disk),
                 Arc::clone(&index),
                 Arc::clone(&log),
-                follower,
+                own_removals,
                 config.shared_checkpoint_interval,
             ))
         });

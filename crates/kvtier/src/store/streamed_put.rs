@@ -27,6 +27,15 @@ pub struct StreamedPuts {
     seqs: (u64, u64),
 }
 
+impl NamespacedStore {
+    /// A batch of `items` puts whose values (`bytes` in all, about) will
+    /// arrive piece by piece, each received straight into its pool extent
+    /// (see [`StreamedPuts`]).
+    pub fn streamed_puts(&self, options: &PutOptions, items: usize, bytes: u64) -> StreamedPuts {
+        StreamedPuts::new(self.clone(), options, items, bytes)
+    }
+}
+
 impl StreamedPuts {
     pub(crate) fn new(
         store: NamespacedStore,
