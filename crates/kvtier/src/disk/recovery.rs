@@ -55,6 +55,26 @@ pub struct RecoveredEntry {
     pub value_lost: bool,
 }
 
+/// What recovery carries from one region to the next, newest first.
+struct RecoveryPass {
+    report: RecoveryReport,
+    /// The log head: the newest region the log had written.
+    head: Option<u32>,
+    /// The id the next older region should have (a gap below it hides
+    /// the removals the missing regions may have held).
+    expected: Option<u32>,
+    behind_gap: bool,
+    newest_seen: bool,
+    /// Regions whose records verify only under another secret: decided
+    /// once every region is scanned.
+    foreign_only: Vec<(u32, PathBuf)>,
+    verified_batches: u64,
+    foreign_batches: u64,
+    scrub_time: std::time::Duration,
+    /// Verify the newest region's values before indexing them.
+    scrub_tail: bool,
+}
+
 impl DiskTier {
     /// Rebuilds what the log holds, newest region first (see docs/design.md,
     /// "Recovery"). Nothing is deleted on recovery's own judgement except
@@ -79,6 +99,31 @@ impl DiskTier {
                 }
             }
         }
+        let candidates = self.region_candidates(&mut report)?;
+        let mut pass = RecoveryPass {
+            report,
+            head: self.read_head(),
+            expected: None,
+            behind_gap: false,
+            newest_seen: false,
+            foreign_only: Vec::new(),
+            verified_batches: 0,
+            foreign_batches: 0,
+            scrub_time: std::time::Duration::ZERO,
+            scrub_tail: checks.scrub_tail,
+        };
+        pass.expected = pass.head;
+        self.scan_regions(candidates, &mut pass, apply)?;
+        self.finish_recovery(pass, checks.identity_confirmed)
+    }
+
+    /// The region files of this directory by id (more than one file may
+    /// claim an id); what cannot be a region of this log is ignored or set
+    /// aside.
+    fn region_candidates(
+        &self,
+        report: &mut RecoveryReport,
+    ) -> Result<BTreeMap<u32, Vec<PathBuf>>> {
         let mut candidates: BTreeMap<u32, Vec<PathBuf>> = BTreeMap::new();
         let listing = fs::read_dir(&self.dir)
             .map_err(|e| Error::io(format!("listing {}", self.dir.display()), e))?;
@@ -98,7 +143,7 @@ impl DiskTier {
                     // No writer of this directory gets here (ids are handed
                     // out in order and refused past MAX_REGION_ID): a name
                     // that would stop every later write must not count.
-                    self.set_aside(&item.path(), "region id out of range", &mut report);
+                    self.set_aside(&item.path(), "region id out of range", report);
                 }
                 Some(RegionName { id, .. }) => {
                     candidates.entry(id).or_default().push(item.path());
@@ -108,23 +153,26 @@ impl DiskTier {
                 }
             }
         }
-        let head = self.read_head();
-        // Newest first: a missing region is noticed before any older entry
-        // is applied (per key, the highest sequence wins in any order).
+        Ok(candidates)
+    }
+
+    /// Opens every candidate, scans them on `parallel_scan`'s threads and
+    /// hands each to `recover_region` newest first: a missing region is
+    /// noticed before any older entry is applied (per key, the highest
+    /// sequence wins in any order).
+    fn scan_regions(
+        &self,
+        candidates: BTreeMap<u32, Vec<PathBuf>>,
+        pass: &mut RecoveryPass,
+        apply: &mut impl FnMut(RecoveredEntry),
+    ) -> Result<()> {
         let total = candidates.len();
         let started = std::time::Instant::now();
         let mut reported = started;
-        let mut expected = head;
-        let mut behind_gap = false;
-        let mut newest_seen = false;
-        let mut foreign_only: Vec<(u32, PathBuf)> = Vec::new();
-        let mut verified_batches = 0u64;
-        let mut foreign_batches = 0u64;
-        let mut scrub_time = std::time::Duration::ZERO;
         let mut opened = Vec::with_capacity(candidates.len());
         for (id, paths) in candidates.into_iter().rev() {
             if let Some((path, file, direct, file_len)) =
-                self.open_candidate(id, paths, &mut report)?
+                self.open_candidate(id, paths, &mut pass.report)?
             {
                 opened.push(parallel_scan::Candidate {
                     id,
@@ -139,164 +187,195 @@ impl DiskTier {
         let mut done = 0usize;
         let threads = parallel_scan::scan_threads();
         parallel_scan::scan_in_order(opened, &self.secret, threads, |scanned| {
-            let parallel_scan::Scanned {
-                candidate:
-                    parallel_scan::Candidate {
-                        id,
-                        path,
-                        file,
-                        direct,
-                        file_len,
-                        ..
-                    },
-                header,
-                scan,
-                entries: entries_here,
-            } = scanned;
             if reported.elapsed() >= RECOVERY_PROGRESS_EVERY {
                 reported = std::time::Instant::now();
                 tracing::info!(
                     regions_scanned = done,
                     regions = total,
-                    records = report.records,
+                    records = pass.report.records,
                     elapsed_s = started.elapsed().as_secs(),
                     "recovering the disk tier: {done} of {total} regions scanned"
                 );
             }
             done += 1;
-            // A regular file holds this id: the region is not missing, even
-            // if nothing in it verifies (its unreadable records are damage
-            // like any other). Only ids with no such file are gaps.
-            match expected {
-                Some(e) if id < e && !behind_gap => {
-                    behind_gap = true;
-                    tracing::error!(
-                        region = id,
-                        missing_from = id + 1,
-                        missing_to = e,
-                        "region files are missing from the middle of the log (deleted, renamed \
-                         or unreadable): entries of this region and older ones are not indexed, \
-                         since the missing regions may have removed them"
-                    );
-                }
-                _ => {}
-            }
-            if expected.is_none_or(|e| id <= e) {
-                expected = id.checked_sub(1);
-            }
-            if header.is_err() && file_len == 0 {
-                // Created, but its header never written: it holds nothing
-                // (headers are synced before any batch).
-                drop(file);
-                self.unlink(&path)?;
-                report.empty_regions_removed += 1;
-                return Ok(());
-            }
-            // A bad header hides nothing: every batch names its region and
-            // verifies on its own, so the batches are read either way.
-            let scrub = checks.scrub_tail && !newest_seen;
-            let mut scrub_buf = None;
-            if scan.verified_batches == 0 && scan.foreign_batches > 0 {
-                // Intact records keyed with another secret, and none of
-                // ours: decided once every region is scanned.
-                foreign_only.push((id, path));
-                foreign_batches += scan.foreign_batches;
-                return Ok(());
-            }
-            if let (0, Err(reason)) = (scan.verified_batches, &header) {
-                // Never deleted on recovery's own judgement: a read error
-                // may be transient, and the bytes may matter to whoever
-                // investigates.
-                drop(file);
-                // Only a member of the log (below its head or a region kept
-                // above it) keeps its place; anything above is not one.
-                let member = newest_seen || head.is_some_and(|h| id <= h);
-                self.set_aside_region(id, &path, reason, member, &mut report);
-                return Ok(());
-            }
-            verified_batches += scan.verified_batches;
-            foreign_batches += scan.foreign_batches;
-            if let Err(reason) = &header {
-                report.damaged_headers += 1;
-                tracing::warn!(region = id, path = %path.display(), %reason, batches = scan.verified_batches, "region header damaged; its batches verify on their own and are kept");
-            }
-            if scan.foreign_batches > 0 {
-                tracing::warn!(
+            done += 1;
+            self.recover_region(scanned, pass, apply)
+        })
+    }
+
+    /// One scanned region, newest first: the gap rule, what to set aside,
+    /// the tail scrub, and its entries handed to `apply`.
+    fn recover_region(
+        &self,
+        scanned: parallel_scan::Scanned,
+        pass: &mut RecoveryPass,
+        apply: &mut impl FnMut(RecoveredEntry),
+    ) -> Result<()> {
+        let parallel_scan::Scanned {
+            candidate:
+                parallel_scan::Candidate {
+                    id,
+                    path,
+                    file,
+                    direct,
+                    file_len,
+                    ..
+                },
+            header,
+            scan,
+            entries: entries_here,
+        } = scanned;
+        // A regular file holds this id: the region is not missing, even
+        // if nothing in it verifies (its unreadable records are damage
+        // like any other). Only ids with no such file are gaps.
+        match pass.expected {
+            Some(e) if id < e && !pass.behind_gap => {
+                pass.behind_gap = true;
+                tracing::error!(
                     region = id,
-                    batches = scan.foreign_batches,
-                    "region holds records keyed with another secret; skipped them"
+                    missing_from = id + 1,
+                    missing_to = e,
+                    "region files are missing from the middle of the log (deleted, renamed \
+                     or unreadable): entries of this region and older ones are not indexed, \
+                     since the missing regions may have removed them"
                 );
             }
-            report.regions += 1;
-            if !direct {
-                report.buffered_regions += 1;
+            _ => {}
+        }
+        if pass.expected.is_none_or(|e| id <= e) {
+            pass.expected = id.checked_sub(1);
+        }
+        if header.is_err() && file_len == 0 {
+            // Created, but its header never written: it holds nothing
+            // (headers are synced before any batch).
+            drop(file);
+            self.unlink(&path)?;
+            pass.report.empty_regions_removed += 1;
+            return Ok(());
+        }
+        // A bad header hides nothing: every batch names its region and
+        // verifies on its own, so the batches are read either way.
+        let scrub = pass.scrub_tail && !pass.newest_seen;
+        let mut scrub_buf = None;
+        if scan.verified_batches == 0 && scan.foreign_batches > 0 {
+            // Intact records keyed with another secret, and none of
+            // ours: decided once every region is scanned.
+            pass.foreign_only.push((id, path));
+            pass.foreign_batches += scan.foreign_batches;
+            return Ok(());
+        }
+        if let (0, Err(reason)) = (scan.verified_batches, &header) {
+            // Never deleted on recovery's own judgement: a read error
+            // may be transient, and the bytes may matter to whoever
+            // investigates.
+            drop(file);
+            // Only a member of the log (below its head or a region kept
+            // above it) keeps its place; anything above is not one.
+            let member = pass.newest_seen || pass.head.is_some_and(|h| id <= h);
+            self.set_aside_region(id, &path, reason, member, &mut pass.report);
+            return Ok(());
+        }
+        pass.verified_batches += scan.verified_batches;
+        pass.foreign_batches += scan.foreign_batches;
+        if let Err(reason) = &header {
+            pass.report.damaged_headers += 1;
+            tracing::warn!(region = id, path = %path.display(), %reason, batches = scan.verified_batches, "region header damaged; its batches verify on their own and are kept");
+        }
+        if scan.foreign_batches > 0 {
+            tracing::warn!(
+                region = id,
+                batches = scan.foreign_batches,
+                "region holds records keyed with another secret; skipped them"
+            );
+        }
+        pass.report.regions += 1;
+        if !direct {
+            pass.report.buffered_regions += 1;
+        }
+        if let Ok(header) = &header {
+            pass.report.max_seq = pass.report.max_seq.max(header.first_seq.saturating_sub(1));
+        }
+        if let Some((offset, reason)) = &scan.first_problem {
+            pass.report.damaged_regions += 1;
+            pass.report.skipped_pages += scan.skipped_pages;
+            tracing::warn!(region = id, offset, file_len, skipped_pages = scan.skipped_pages, %reason, "pages without a valid batch (a torn tail or damage); resynchronised past them");
+        }
+        for (batch_start, entry) in entries_here {
+            pass.report.records += 1;
+            pass.report.max_seq = pass.report.max_seq.max(entry.seq);
+            if pass.behind_gap {
+                pass.report.entries_behind_gap += 1;
+                continue;
             }
-            if let Ok(header) = &header {
-                report.max_seq = report.max_seq.max(header.first_seq.saturating_sub(1));
-            }
-            if let Some((offset, reason)) = &scan.first_problem {
-                report.damaged_regions += 1;
-                report.skipped_pages += scan.skipped_pages;
-                tracing::warn!(region = id, offset, file_len, skipped_pages = scan.skipped_pages, %reason, "pages without a valid batch (a torn tail or damage); resynchronised past them");
-            }
-            for (batch_start, entry) in entries_here {
-                report.records += 1;
-                report.max_seq = report.max_seq.max(entry.seq);
-                if behind_gap {
-                    report.entries_behind_gap += 1;
+            if scrub && entry.kind == format::RecordKind::Put {
+                // The previous run did not close: a device that
+                // acknowledged a flush it did not do may have kept
+                // this record and lost its values. Read them first.
+                let buf = scrub_buf.get_or_insert_with(|| AlignedBuf::zeroed(SCRUB_PIECE));
+                pass.report.scrubbed_entries += 1;
+                let scrub_started = std::time::Instant::now();
+                let verifies = value_verifies(&file, batch_start, &entry, buf);
+                pass.scrub_time += scrub_started.elapsed();
+                if !verifies {
+                    pass.report.scrub_dropped += 1;
+                    tracing::warn!(region = id, seq = entry.seq, "the newest region names a value that does not verify (lost by the device after an unclean shutdown); not indexed");
+                    let loc = DiskLoc::new(id, 0);
+                    let entry = RecordEntry {
+                        kind: format::RecordKind::Tombstone,
+                        value_offset: 0,
+                        value_len: 0,
+                        checksum: 0,
+                        ..entry
+                    };
+                    apply(RecoveredEntry {
+                        entry,
+                        loc,
+                        value_lost: true,
+                    });
                     continue;
                 }
-                if scrub && entry.kind == format::RecordKind::Put {
-                    // The previous run did not close: a device that
-                    // acknowledged a flush it did not do may have kept
-                    // this record and lost its values. Read them first.
-                    let buf = scrub_buf.get_or_insert_with(|| AlignedBuf::zeroed(SCRUB_PIECE));
-                    report.scrubbed_entries += 1;
-                    let scrub_started = std::time::Instant::now();
-                    let verifies = value_verifies(&file, batch_start, &entry, buf);
-                    scrub_time += scrub_started.elapsed();
-                    if !verifies {
-                        report.scrub_dropped += 1;
-                        tracing::warn!(region = id, seq = entry.seq, "the newest region names a value that does not verify (lost by the device after an unclean shutdown); not indexed");
-                        let loc = DiskLoc::new(id, 0);
-                        let entry = RecordEntry {
-                            kind: format::RecordKind::Tombstone,
-                            value_offset: 0,
-                            value_len: 0,
-                            checksum: 0,
-                            ..entry
-                        };
-                        apply(RecoveredEntry {
-                            entry,
-                            loc,
-                            value_lost: true,
-                        });
-                        continue;
-                    }
-                }
-                let Some(loc) = value_loc(id, batch_start, &entry) else {
-                    // No verified record of a file this size names such a
-                    // page; counted as damage rather than indexed wrong.
-                    report.skipped_pages += 1;
-                    continue;
-                };
-                apply(RecoveredEntry {
-                    entry,
-                    loc,
-                    value_lost: false,
-                });
             }
-            if behind_gap {
-                report.regions_behind_gap += 1;
-            }
-            newest_seen = true;
-            self.used.fetch_add(file_len, Ordering::AcqRel);
-            let bounded = self.bounds_reads_of(&file);
-            let region = Region::new(id, file, path, file_len, direct, &self.engine, bounded);
-            self.regions.write().unwrap().insert(id, Arc::new(region));
-            Ok(())
-        })?;
-        if !checks.identity_confirmed && verified_batches == 0 && foreign_batches > 0 {
+            let Some(loc) = value_loc(id, batch_start, &entry) else {
+                // No verified record of a file this size names such a
+                // page; counted as damage rather than indexed wrong.
+                pass.report.skipped_pages += 1;
+                continue;
+            };
+            apply(RecoveredEntry {
+                entry,
+                loc,
+                value_lost: false,
+            });
+        }
+        if pass.behind_gap {
+            pass.report.regions_behind_gap += 1;
+        }
+        pass.newest_seen = true;
+        self.used.fetch_add(file_len, Ordering::AcqRel);
+        let bounded = self.bounds_reads_of(&file);
+        let region = Region::new(id, file, path, file_len, direct, &self.engine, bounded);
+        self.regions.write().unwrap().insert(id, Arc::new(region));
+        Ok(())
+    }
+
+    /// After every region: refuses a directory whose records verify only
+    /// under another secret, sets aside regions keyed with one, and sets
+    /// the next region id.
+    fn finish_recovery(
+        &self,
+        pass: RecoveryPass,
+        identity_confirmed: bool,
+    ) -> Result<RecoveryReport> {
+        let RecoveryPass {
+            mut report,
+            head,
+            foreign_only,
+            verified_batches,
+            foreign_batches,
+            scrub_time,
+            ..
+        } = pass;
+        if !identity_confirmed && verified_batches == 0 && foreign_batches > 0 {
             // Nothing here verifies under this secret and something would
             // under another: the key-secret file is wrong, not the regions.
             // Refuse before anything is moved (or later reclaimed).
