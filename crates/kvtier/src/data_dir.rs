@@ -10,7 +10,7 @@
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::{KeySecret, KEY_SECRET_LEN};
 use crate::private::FILE_MODE;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
@@ -236,9 +236,7 @@ fn new_node_id() -> Result<String> {
 }
 
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(format!("syncing {}", dir.display()), e))
+    crate::io::sync_dir(dir).map_err(|e| Error::io(format!("syncing {}", dir.display()), e))
 }
 
 fn holds_regions(region_dir: &Path) -> Result<bool> {

@@ -23,7 +23,6 @@ mod locations;
 mod mount;
 mod names;
 mod other_logs;
-mod others;
 mod parallel_scan;
 mod read;
 mod reclaim;
@@ -45,8 +44,8 @@ pub use locations::value_locations;
 #[cfg(feature = "internals")]
 pub use names::record_origin;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
+pub(crate) use other_logs::read_other_head;
 pub(crate) use other_logs::{RegionListing, RegionRead, NO_HANDLE};
-pub(crate) use others::read_other_head;
 pub(crate) use read::{Destination, ReadOutcome, ValueRead};
 pub use recorded::RecordedRegion;
 pub use recovery::{RecoveredEntry, RecoveryChecks};
@@ -57,7 +56,7 @@ pub use write::PendingBatch;
 
 use crate::config::{Config, IoEngineKind};
 use crate::error::{Error, Result};
-use crate::io::{uring, BufferPool, IoEngine, PsyncEngine};
+use crate::io::{sync_dir, uring, BufferPool, IoEngine, PsyncEngine};
 use crate::key::KeySecret;
 use crate::units::PAGE_SIZE;
 use format::REGION_HEADER_LEN;
@@ -396,12 +395,6 @@ impl DiskTier {
     pub fn direct_io(&self) -> bool {
         self.direct_io.load(Ordering::Relaxed)
     }
-}
-
-/// Makes a directory's entries (a created, renamed or removed file)
-/// durable.
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

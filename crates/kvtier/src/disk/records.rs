@@ -63,7 +63,7 @@ impl DiskTier {
             if source.other_writers {
                 // What was read of another writer's buffered file may be
                 // kept by the page cache: never let it serve a later scan
-                // or value read (see `others::scan_new_batches`).
+                // or value read (see `other_logs::files::scan_new_batches`).
                 super::mount::drop_cached(
                     &source.region.file,
                     REGION_HEADER_LEN,

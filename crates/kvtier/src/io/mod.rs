@@ -195,6 +195,12 @@ impl PsyncEngine {
     }
 }
 
+/// Makes a directory's entries (a created, renamed or removed file)
+/// durable: the one place every file mechanic of the store does it.
+pub(crate) fn sync_dir(dir: &std::path::Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
 pub(crate) fn pread_full(file: &File, mut offset: u64, mut buf: &mut [u8]) -> io::Result<()> {
     while !buf.is_empty() {
         let n = match std::os::unix::fs::FileExt::read_at(file, buf, offset) {

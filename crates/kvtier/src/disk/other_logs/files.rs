@@ -1,4 +1,4 @@
-//! Other writers' regions of a shared directory, as this node reads them:
+//! Other writers' region files of a shared directory, as this node reads them:
 //! opened read-only, named in the index by handles from `OTHERS_BASE` up
 //! (so an index entry stays 32 bytes and the read path is the same for
 //! every region), and scanned for the batches their writers append.
@@ -6,10 +6,10 @@
 //! Only the writer of a file ever changes it; this side never writes,
 //! renames or removes another writer's file.
 
-use super::format::{RecordEntry, RecordOrigin};
-use super::mount::ReadMode;
-use super::scan::{scan_batches, BadPage, RegionReader};
-use super::{DiskTier, Region, OTHERS_BASE};
+use crate::disk::format::{RecordEntry, RecordOrigin};
+use crate::disk::mount::ReadMode;
+use crate::disk::scan::{scan_batches, BadPage, RegionReader};
+use crate::disk::{DiskTier, Region, OTHERS_BASE};
 use crate::key::KeySecret;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -40,7 +40,7 @@ pub(crate) struct NewBatches {
 
 impl DiskTier {
     /// Opens another writer's region file for reading, in the read mode
-    /// its mount does best (`super::mount::read_mode`): O_DIRECT on a local
+    /// its mount does best (`crate::disk::mount::read_mode`): O_DIRECT on a local
     /// disk, buffered (with sequential readahead) on a network or FUSE
     /// file system, unless `shared_read_mode` says otherwise, this node's
     /// `direct_io` is off, or the file system refuses O_DIRECT.
@@ -51,10 +51,10 @@ impl DiskTier {
         options.read(true);
         let file = crate::private::open_untrusted(path, &options, 0)?;
         let direct = self.direct_io()
-            && super::mount::read_mode(&file, self.shared_read_mode) == ReadMode::Direct
-            && super::mount::set_direct(&file);
+            && crate::disk::mount::read_mode(&file, self.shared_read_mode) == ReadMode::Direct
+            && crate::disk::mount::set_direct(&file);
         if !direct {
-            super::mount::advise_sequential(&file);
+            crate::disk::mount::advise_sequential(&file);
         }
         let meta = file.metadata()?;
         Ok(OtherFile {
@@ -163,7 +163,7 @@ pub(crate) fn scan_new_batches(
     // What the scan read of a buffered file may have been read before its
     // writer's bytes landed (a record page mid-flush): never keep it for
     // the next scan or a value read (`mount::drop_cached`).
-    super::mount::drop_cached(file, from, file_len.saturating_sub(from));
+    crate::disk::mount::drop_cached(file, from, file_len.saturating_sub(from));
     NewBatches {
         end: scan.end,
         batches,
@@ -183,7 +183,7 @@ pub(crate) fn scan_new_batches(
 /// from a quiet log, and says so).
 pub(crate) fn read_other_head(writer_dir: &Path) -> std::io::Result<Option<u32>> {
     use std::io::Read;
-    let path = writer_dir.join(super::HEAD_FILE);
+    let path = writer_dir.join(crate::disk::HEAD_FILE);
     let mut options = OpenOptions::new();
     options.read(true);
     let file = match crate::private::open_untrusted(&path, &options, 0) {
@@ -193,12 +193,14 @@ pub(crate) fn read_other_head(writer_dir: &Path) -> std::io::Result<Option<u32>>
     };
     let mut text = String::new();
     file.take(256).read_to_string(&mut text)?;
-    super::names::parse_head(&text).map(Some).ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("{} does not parse as a log head", path.display()),
-        )
-    })
+    crate::disk::names::parse_head(&text)
+        .map(Some)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{} does not parse as a log head", path.display()),
+            )
+        })
 }
 
 /// Of a writer's region ids (its files) and its head, the ids its own

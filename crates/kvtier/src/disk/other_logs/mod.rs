@@ -9,12 +9,17 @@
 //!
 //! What the entries mean (clocks, removals, shares, the reclaim floor) is
 //! the follower's (`shared::follow`); nothing here touches the index.
+//! `files` opens another writer's files read-only under the descriptor
+//! budget and scans the batches appended past a cursor.
 
-use super::format::RecordEntry;
-use super::names::parse_region_name;
-use super::others::{first_id_past_gaps, scan_new_batches};
-use super::{DiskTier, OTHERS_BASE, REGION_DIR};
+mod files;
+
+use crate::disk::format::RecordEntry;
+use crate::disk::names::parse_region_name;
+use crate::disk::{DiskTier, OTHERS_BASE, REGION_DIR};
 use crate::units::PAGE_SIZE;
+pub(crate) use files::read_other_head;
+use files::{first_id_past_gaps, scan_new_batches};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
