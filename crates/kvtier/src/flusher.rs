@@ -547,7 +547,7 @@ impl Reclaimer {
             .collect();
         let outcomes = {
             let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
-            disk.read_verified(&reads, &mut dests)
+            disk.read_values(&reads, &mut dests)
         };
         let mut batch = PendingBatch::default();
         let mut renumbered: Vec<(KeyDigest, u64, u64)> = Vec::new();

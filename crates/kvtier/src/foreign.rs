@@ -5,7 +5,7 @@
 //! there: a disk read lands in private memory, is verified there, and only
 //! then copied out.
 
-use crate::disk::Destination;
+use crate::tier::Destination;
 
 /// Byte ranges of foreign memory, laid end to end as one value.
 #[derive(Debug, Default)]

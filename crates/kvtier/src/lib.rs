@@ -51,6 +51,7 @@ mod shared;
 mod size;
 mod stats;
 mod store;
+mod tier;
 mod units;
 mod write_log;
 

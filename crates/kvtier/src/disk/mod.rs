@@ -7,19 +7,20 @@
 //! before anything in it is reported durable. Recovery reads only the
 //! records. See docs/design.md for the bytes and the crash protocol.
 //!
-//! By concern: `format` (the bytes), `loc` (a value's address in the
-//! index), `names` (file names and the log
+//! By concern: `format` (the bytes), `names` (file names and the log
 //! head), `region` (an open region file), `scan` (the one reader of batch
 //! records, for recovery, the reclaimer and other writers' logs),
-//! `recovery` with `set_aside` (quarantine), `write`, `reclaim`, `others` and `other_logs` (other writers' files of a
-//! shared directory), `read` and `deadline` (value reads, bounded where the
-//! file system can stall). This file composes them into [`DiskTier`].
+//! `recovery` with `set_aside` (quarantine), `write`, `reclaim`, `other_logs` (other writers' files of a shared
+//! directory), `read` and `deadline` (value reads, bounded where the
+//! file system can stall), `lower_tier` (the store's seam, `tier::LowerTier`,
+//! over all of it). A value's address is the tier seam's `Location`, named
+//! `DiskLoc` here. This file composes them into [`DiskTier`].
 
 mod deadline;
 pub mod format;
-mod loc;
 #[cfg(feature = "internals")]
 mod locations;
+mod lower_tier;
 mod mount;
 mod names;
 mod other_logs;
@@ -38,7 +39,8 @@ mod test_log;
 mod write;
 
 pub use crate::config::SharedReadMode;
-pub use loc::DiskLoc;
+pub use crate::tier::DiskLocation;
+pub use crate::tier::Location as DiskLoc;
 #[cfg(feature = "internals")]
 pub use locations::value_locations;
 #[cfg(feature = "internals")]
@@ -46,7 +48,7 @@ pub use names::record_origin;
 pub(crate) use names::{parse_region_name, HEAD_FILE};
 pub(crate) use other_logs::read_other_head;
 pub(crate) use other_logs::{RegionListing, RegionRead, NO_HANDLE};
-pub(crate) use read::{Destination, ReadOutcome, ValueRead};
+pub(crate) use read::{ReadOutcome, ValueRead};
 pub use recorded::RecordedRegion;
 pub use recovery::{RecoveredEntry, RecoveryChecks};
 pub use recovery_report::RecoveryReport;
@@ -79,20 +81,6 @@ pub const MAX_REGION_ID: u32 = u32::MAX - 1;
 /// Index handles of other writers' regions (a shared directory) start
 /// here; this node's own region ids then stay below it.
 pub const OTHERS_BASE: u32 = 1 << 31;
-
-/// Where a value's durable copy lies (see [`crate::NamespacedStore::disk_location`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskLocation {
-    /// The region file.
-    pub path: std::path::PathBuf,
-    /// Byte offset of the value in the file (a multiple of 4096).
-    pub offset: u64,
-    pub len: u32,
-    /// The key's digest, which seeds the value checksum.
-    pub digest: crate::key::KeyDigest,
-    /// `value_checksum(digest, value)`.
-    pub checksum: u64,
-}
 
 #[derive(Debug)]
 pub struct DiskTier {
@@ -363,7 +351,7 @@ impl DiskTier {
 
     /// Where an index entry's bytes lie in its region file, for tools that
     /// read the files themselves; `None` once the region is gone.
-    pub(crate) fn locate(
+    pub(crate) fn file_location_of(
         &self,
         loc: DiskLoc,
         len: u32,
@@ -427,12 +415,14 @@ mod tests {
             incarnation == tier.incarnation() && len == REGION_HEADER_LEN + PAGE_SIZE + (40 << 10)
         }));
         let digest = log.secret.digest_qualified(&test_log::qualified(b"a"));
-        let at = tier.locate(a, 40 << 10, digest, 9).unwrap();
+        let at = tier.file_location_of(a, 40 << 10, digest, 9).unwrap();
         assert_eq!(at.path, log.region_files()[0].1);
         assert_eq!(at.offset, 2 * PAGE_SIZE);
         // Another writer's handle is not one of this log's regions.
         assert!(tier.region(OTHERS_BASE).is_none());
-        assert!(tier.locate(DiskLoc::new(5, 0), 1, digest, 9).is_none());
+        assert!(tier
+            .file_location_of(DiskLoc::new(5, 0), 1, digest, 9)
+            .is_none());
     }
 
     #[test]

@@ -14,90 +14,9 @@ use crate::error::Error;
 use crate::io::{is_direct_io_aligned, AlignedBuf, ReadOp};
 use crate::io::{BufferPool, IoEngine};
 use crate::key::{KeyDigest, ValueChecksum};
+pub(crate) use crate::tier::{Destination, ReadOutcome};
 use crate::units::{page_round_up, PAGE_SIZE};
 use std::sync::{Arc, Mutex};
-
-/// Where a read writes one value: a single buffer, or segments filled in
-/// order (the multi-buffer form).
-pub(crate) trait Destination {
-    /// Bytes the destination holds in all.
-    fn capacity(&self) -> usize;
-    /// The destination as one slice, when it is one (direct reads need it).
-    fn contiguous(&mut self) -> Option<&mut [u8]>;
-    /// Copies `bytes` (at most `capacity()`) to the front of the destination.
-    fn fill_from(&mut self, bytes: &[u8]) {
-        self.fill_at(0, bytes);
-    }
-    /// Copies `bytes` to the destination from byte `at` on (`at +
-    /// bytes.len()` at most `capacity()`).
-    fn fill_at(&mut self, at: usize, bytes: &[u8]);
-    /// `fill_at` for a copy bound elsewhere (the caller's other threads,
-    /// its device): large pieces with non-temporal stores
-    /// (`bulk_copy::copy_for_elsewhere`), where the destination allows.
-    fn fill_at_streamed(&mut self, at: usize, bytes: &[u8]) {
-        self.fill_at(at, bytes);
-    }
-    /// `fill_at_streamed` to the front of the destination.
-    fn fill_streamed(&mut self, bytes: &[u8]) {
-        self.fill_at_streamed(0, bytes);
-    }
-}
-
-impl Destination for &mut [u8] {
-    fn capacity(&self) -> usize {
-        self.len()
-    }
-    fn contiguous(&mut self) -> Option<&mut [u8]> {
-        Some(&mut self[..])
-    }
-    fn fill_at(&mut self, at: usize, bytes: &[u8]) {
-        self[at..at + bytes.len()].copy_from_slice(bytes);
-    }
-    fn fill_at_streamed(&mut self, at: usize, bytes: &[u8]) {
-        crate::bulk_copy::copy_for_elsewhere(&mut self[at..at + bytes.len()], bytes);
-    }
-}
-
-impl Destination for &mut [&mut [u8]] {
-    fn capacity(&self) -> usize {
-        self.iter().map(|s| s.len()).sum()
-    }
-    fn contiguous(&mut self) -> Option<&mut [u8]> {
-        match self {
-            [only] => Some(&mut only[..]),
-            _ => None,
-        }
-    }
-    fn fill_at(&mut self, at: usize, bytes: &[u8]) {
-        fill_segments(self, at, bytes, |to, from| to.copy_from_slice(from));
-    }
-    fn fill_at_streamed(&mut self, at: usize, bytes: &[u8]) {
-        fill_segments(self, at, bytes, crate::bulk_copy::copy_for_elsewhere);
-    }
-}
-
-/// Copies `bytes` into `segments` laid end to end, from byte `at` on, with
-/// `copy` (equal lengths) for each segment's part.
-fn fill_segments(
-    segments: &mut [&mut [u8]],
-    mut at: usize,
-    mut bytes: &[u8],
-    copy: impl Fn(&mut [u8], &[u8]),
-) {
-    for segment in segments.iter_mut() {
-        if bytes.is_empty() {
-            break;
-        }
-        if at >= segment.len() {
-            at -= segment.len();
-            continue;
-        }
-        let n = (segment.len() - at).min(bytes.len());
-        copy(&mut segment[at..at + n], &bytes[..n]);
-        at = 0;
-        bytes = &bytes[n..];
-    }
-}
 
 /// One value to read: what the index says about it, with its region held
 /// open (a reclaim that unlinks the file meanwhile cannot take the bytes).
@@ -108,25 +27,6 @@ pub(crate) struct ValueRead {
     pub loc: DiskLoc,
     pub len: usize,
     pub checksum: u64,
-}
-
-/// What became of one [`ValueRead`].
-#[derive(Debug)]
-pub(crate) enum ReadOutcome {
-    /// The destination's first `len` bytes are the value: read in full,
-    /// checksum and key digest verified.
-    Verified,
-    /// The bytes read are not this key's value (checksum or digest
-    /// mismatch, or the value lies past the end of its file). Whatever
-    /// landed in the destination has been zeroed.
-    Rejected(String),
-    /// The read itself failed; the destination's contents are undefined.
-    Failed(Error),
-    /// The read did not complete within the storage deadline
-    /// (`Config::io_deadline`): the destination holds none of the value's
-    /// bytes (what was copied before the deadline has been zeroed), and
-    /// the read goes on into memory of the store's own.
-    TimedOut,
 }
 
 /// One value's verification while its pieces complete in any order.
@@ -221,7 +121,7 @@ impl DiskTier {
     /// own buffers, started first so they overlap the other reads, and
     /// copied into their destinations only if they completed within the
     /// deadline (`ReadOutcome::TimedOut` otherwise).
-    pub(crate) fn read_verified<D: Destination>(
+    pub(crate) fn read_values<D: Destination>(
         &self,
         reads: &[Option<ValueRead>],
         dests: &mut [D],

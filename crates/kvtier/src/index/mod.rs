@@ -11,9 +11,9 @@ mod table;
 #[cfg(feature = "internals")]
 pub use table::prefetch;
 
-use crate::disk::DiskLoc;
 use crate::key::KeyDigest;
 use crate::pool::PoolSlot;
+use crate::tier::Location;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -35,7 +35,7 @@ pub struct Entry {
     /// `value_checksum` of the value; meaningful once `disk` is set.
     checksum: u64,
     mem_or_len: MemOrLen,
-    disk: Option<DiskLoc>,
+    disk: Option<Location>,
 }
 
 impl Entry {
@@ -45,7 +45,7 @@ impl Entry {
         seq: u64,
         checksum: u64,
         mem: Option<Arc<PoolSlot>>,
-        disk: Option<DiskLoc>,
+        disk: Option<Location>,
         len: u32,
     ) -> Self {
         debug_assert!(seq < 1 << 63, "sequence numbers stay below 2^63");
@@ -77,7 +77,7 @@ impl Entry {
         self.mem_or_len.slot()
     }
 
-    pub fn disk(&self) -> Option<DiskLoc> {
+    pub fn disk(&self) -> Option<Location> {
         self.disk
     }
 
@@ -228,7 +228,7 @@ impl Shard {
 
     /// Records that the put `seq` is now durable at `loc`, unless a newer
     /// put or a remove replaced it meanwhile. Returns whether it applied.
-    pub fn set_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc, checksum: u64) -> bool {
+    pub fn set_disk(&mut self, digest: KeyDigest, seq: u64, loc: Location, checksum: u64) -> bool {
         let Some(entry) = self.table.get_mut(DigestKey::from(digest)) else {
             return false;
         };
@@ -246,7 +246,7 @@ impl Shard {
 
     /// Forgets the disk copy of put `seq` if it is still at `loc`; an entry
     /// left in no tier is removed. Returns whether it applied.
-    pub fn clear_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
+    pub fn clear_disk(&mut self, digest: KeyDigest, seq: u64, loc: Location) -> bool {
         let Some(entry) = self.table.get_mut(DigestKey::from(digest)) else {
             return false;
         };
@@ -268,7 +268,7 @@ impl Shard {
     }
 
     /// Points put `seq` at a new disk location (a carried value).
-    pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: DiskLoc) -> bool {
+    pub fn move_disk(&mut self, digest: KeyDigest, seq: u64, loc: Location) -> bool {
         match self.table.get_mut(DigestKey::from(digest)) {
             Some(entry) if entry.seq() == seq && entry.disk.is_some() => {
                 entry.disk = Some(loc);
@@ -293,7 +293,7 @@ impl Shard {
         &mut self,
         digest: KeyDigest,
         old_seq: u64,
-        loc: DiskLoc,
+        loc: Location,
         new_seq: u64,
     ) -> bool {
         match self.table.get_mut(DigestKey::from(digest)) {
@@ -462,7 +462,7 @@ impl Index {
         let mut cleared = 0;
         for shard in 0..SHARDS {
             let mut shard = self.lock_shard(shard);
-            let hits: Vec<(KeyDigest, u64, DiskLoc)> = shard
+            let hits: Vec<(KeyDigest, u64, Location)> = shard
                 .table
                 .iter()
                 .filter_map(|(key, entry)| {
@@ -538,13 +538,13 @@ mod tests {
         assert!(shard.get(digest).unwrap().accessed());
         assert_eq!(shard.get(digest).unwrap().seq(), 7);
         // Durable on disk, then the memory copy goes: the length stays.
-        assert!(shard.set_disk(digest, 7, DiskLoc::new(3, 9), 0xABCD));
+        assert!(shard.set_disk(digest, 7, Location::new(3, 9), 0xABCD));
         assert!(shard.drop_mem(digest, &slot));
         assert_eq!(Arc::strong_count(&slot), 1);
         let entry = shard.get(digest).unwrap();
         assert!(entry.mem().is_none());
         assert_eq!((entry.value_len(), entry.checksum()), (5000, 0xABCD));
-        assert_eq!(entry.disk(), Some(DiskLoc::new(3, 9)));
+        assert_eq!(entry.disk(), Some(Location::new(3, 9)));
         // An entry dropped with its memory copy releases it.
         let other = crate::key::test_namespace("").digest(b"other");
         shard.insert(other, Entry::new(8, 0, Some(Arc::clone(&slot)), None, 5000));
@@ -571,7 +571,7 @@ mod tests {
                 let digest = crate::key::test_namespace("").digest(&inserted.to_le_bytes());
                 index.lock(digest).insert(
                     digest,
-                    Entry::new(inserted, 0, None, Some(DiskLoc::new(1, 1)), 65536),
+                    Entry::new(inserted, 0, None, Some(Location::new(1, 1)), 65536),
                 );
                 inserted += 1;
             }

@@ -3,8 +3,11 @@
 //! Put: the value is copied once into a pool extent, indexed, and queued
 //! for the flusher; the call returns. Get: every key of a batch is looked up
 //! first; memory hits are copied out under a lease (an `Arc` on the slot),
-//! disk hits are read together as one batch by the disk tier
-//! (`DiskTier::read_verified`), which verifies them before they count.
+//! hits below memory are read together as one batch by the tier there,
+//! through the tier seam (`tier::LowerTier::read_verified`), which
+//! verifies them before they count. The store names no concrete tier
+//! outside its composition (`open.rs`, with the region log's local
+//! checkpoints in `local_checkpoint.rs`).
 //!
 //! By concern: `open` (opening and recovery), `write` (the put path and
 //! removes; `streamed_put` for values arriving piece by piece), `read`
@@ -13,6 +16,8 @@
 //! the shared state, the facade and closing.
 
 mod local_checkpoint;
+#[cfg(test)]
+mod model_tier;
 mod namespaced;
 mod namespaces;
 mod open;
@@ -28,7 +33,7 @@ pub use streamed_put::StreamedPuts;
 pub use write::ReceivingValue;
 
 use crate::config::Config;
-use crate::disk::{DiskLocation, DiskTier, RecoveryReport};
+use crate::disk::RecoveryReport;
 use crate::error::{Error, Result};
 use crate::flusher::FlusherHandle;
 use crate::index::Index;
@@ -36,6 +41,7 @@ use crate::key::{KeySecret, Namespace};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore, PoolSlot};
 use crate::stats::{Counters, Stats};
+use crate::tier::{DiskLocation, LowerTier};
 use crate::units::PAGE_SIZE;
 use crate::write_log::WriteLog;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,7 +59,15 @@ pub(crate) struct Inner {
     /// The adaptive policy's simulations, fed by reads without the
     /// eviction lock.
     shadow: Option<Arc<crate::pool::Shadow>>,
-    disk: Option<Arc<DiskTier>>,
+    /// The tier below the memory pool, through the tier seam (the region
+    /// log: `store/open.rs` composes it), when there is one.
+    lower: Option<Arc<dyn LowerTier>>,
+    /// Tests that hold the region log's test gates reach it here.
+    #[cfg(test)]
+    disk_for_tests: Option<Arc<crate::disk::DiskTier>>,
+    /// Whether a flusher writes what is put into that tier (the region
+    /// log's does): without one, puts and removes stay in memory.
+    writes_below: bool,
     /// Sequence numbers, the flusher's queue and the durable watermark.
     log: Arc<WriteLog>,
     /// With a shared directory: the follower of the other writers' logs,
@@ -313,9 +327,9 @@ impl Store {
             Ok(())
         };
         let lock = self.inner.lock.lock().unwrap().take();
-        if let (Some(disk), Some(lock)) = (&self.inner.disk, &lock) {
+        if let (Some(lower), Some(lock)) = (&self.inner.lower, &lock) {
             // The flusher is joined: no write of this store is in flight.
-            disk.engine().release_hold(lock.dir_file());
+            lower.closing(lock.dir_file());
         }
         if let (Ok(()), Some(checkpoints)) = (&result, &self.inner.checkpoints) {
             // The flusher is joined: the log is still. Other nodes starting
@@ -391,8 +405,8 @@ impl Store {
     /// closed. Default: half the open-file limit at open. No effect
     /// without a shared directory.
     pub fn set_shared_file_budget(&self, files: usize) {
-        if let Some(disk) = &self.inner.disk {
-            disk.set_other_files_budget(files);
+        if let Some(lower) = &self.inner.lower {
+            lower.set_open_files_budget(files);
         }
         if let Some(follower) = &self.inner.follower {
             follower.close_past_budget();
@@ -531,7 +545,7 @@ impl Inner {
     }
 
     pub(super) fn flush_all(&self) -> Result<()> {
-        if self.disk.is_none() {
+        if !self.writes_below {
             return Ok(());
         }
         self.log.flush()
@@ -546,10 +560,7 @@ impl Inner {
     pub(super) fn stats(&self) -> Stats {
         let counts = self.index.counts();
         let c = &self.counters;
-        let deadline = self
-            .disk
-            .as_ref()
-            .map_or((0, 0, 0, 0), |d| d.deadline_counts());
+        let usage = self.lower.as_ref().map(|l| l.usage()).unwrap_or_default();
         let (policy_bytes, eviction_mode) = {
             let queues = self.eviction.lock().unwrap();
             (queues.heap_bytes(), queues.mode_name())
@@ -561,9 +572,9 @@ impl Inner {
             memory_capacity: self.pool.capacity(),
             disk_entries: counts.disk_entries,
             disk_value_bytes: counts.disk_bytes,
-            disk_used_bytes: self.disk.as_ref().map_or(0, |d| d.used()),
+            disk_used_bytes: usage.used_bytes,
             disk_capacity: self.config.disk_capacity,
-            disk_regions: self.disk.as_ref().map_or(0, |d| d.region_count() as u64),
+            disk_regions: usage.units,
             quarantined_regions: self.recovery.quarantined_regions,
             damaged_regions: self.recovery.damaged_regions,
             damaged_headers: self.recovery.damaged_headers,
@@ -590,28 +601,26 @@ impl Inner {
             policy_bytes,
             eviction_mode,
             policy_ns: Counters::get(&c.policy_ns),
-            io_engine: self.disk.as_ref().map_or("none", |d| d.engine_name()),
+            io_engine: if self.lower.is_some() {
+                usage.io_engine
+            } else {
+                "none"
+            },
             io_depth: self.config.configured_io_depth(),
             read_piece: self.config.configured_read_piece(),
-            direct_io: self.disk.as_ref().is_some_and(|d| d.direct_io()),
-            io_fixed_buffers: self
-                .disk
-                .as_ref()
-                .is_some_and(|d| d.engine().uses_fixed_buffers()),
-            io_registered_files: self
-                .disk
-                .as_ref()
-                .is_some_and(|d| d.engine().uses_registered_files()),
+            direct_io: usage.direct_io,
+            io_fixed_buffers: usage.fixed_buffers,
+            io_registered_files: usage.registered_files,
             io_deadline_ms: self.config.io_deadline.as_millis() as u64,
-            io_deadline_misses: deadline.0,
+            io_deadline_misses: usage.deadline_misses,
             io_deadline_write_errors: self.log.deadline_errors(),
-            io_stalls: deadline.1,
-            io_stalled_reads: deadline.2,
-            io_stalled_read_bytes: deadline.3,
+            io_stalls: usage.stalls,
+            io_stalled_reads: usage.stalled_reads,
+            io_stalled_read_bytes: usage.stalled_read_bytes,
             shared_dir: self.shared.is_some(),
             shared_writers: self.follow_count(|f| &f.writers),
             shared_regions: self.follow_count(|f| &f.regions),
-            shared_buffered_regions: self.disk.as_ref().map_or(0, |d| d.buffered_other_files()),
+            shared_buffered_regions: usage.buffered_other_units,
             shared_bytes: self.follow_count(|f| &f.bytes),
             shared_batches: self.follow_count(|f| &f.batches),
             shared_stuck_regions: self.follow_count(|f| &f.stuck_regions),

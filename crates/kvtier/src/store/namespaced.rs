@@ -1,11 +1,11 @@
 //! A store seen through one namespace: what every call goes through.
 
 use super::{check_buffer, mismatched, Inner, PutOptions, ValueLease};
-use crate::disk::DiskLocation;
 use crate::error::{ErrorKind, Result};
 use crate::foreign::{ForeignSegments, Source};
 use crate::key::{validate_key, Namespace};
 use crate::stats::Counters;
+use crate::tier::DiskLocation;
 use crate::units::PAGE_SIZE;
 use std::sync::Arc;
 
@@ -128,7 +128,7 @@ impl NamespacedStore {
         results.reverse();
         // Without a disk tier nothing is ever made durable (and no flusher
         // would answer the wait): memory is all a put there promises.
-        if options.durable && seqs.1 > 0 && self.inner.disk.is_some() {
+        if options.durable && seqs.1 > 0 && self.inner.writes_below {
             if let Err(e) = self.inner.wait_durable(seqs.0, seqs.1) {
                 for result in results.iter_mut().filter(|r| r.is_ok()) {
                     *result = Err(e.duplicate());
@@ -208,9 +208,9 @@ impl NamespacedStore {
         };
         Ok(self
             .inner
-            .disk
+            .lower
             .as_ref()
-            .and_then(|d| d.locate(loc, len, digest, checksum)))
+            .and_then(|lower| lower.file_location(loc, len, digest, checksum)))
     }
 
     /// Reads each key's value into its buffer. Per key: `Ok(Some(n))` with

@@ -74,8 +74,8 @@ impl Inner {
         // what the flusher had not reached yet.
         self.flush_all()?;
         let mut tallies: HashMap<Vec<u8>, Tally> = HashMap::new();
-        if let Some(disk) = &self.disk {
-            disk.visit_records_within(|loc, entry| {
+        if let Some(lower) = &self.lower {
+            Arc::clone(lower).visit_records(&mut |loc, entry| {
                 let Some(loc) = loc else { return };
                 // Live: the index entry is this record's (same place, same
                 // number), not an older or newer put of the key.
@@ -144,12 +144,12 @@ impl Inner {
         let manifest = self.manifest_digest(&prefix);
         // Per key of the namespace any record names: its newest record.
         let mut newest: HashMap<u128, (u64, bool, Box<[u8]>)> = HashMap::new();
-        if let Some(disk) = &self.disk {
-            disk.visit_records_within(|_, entry| {
+        if let Some(lower) = &self.lower {
+            Arc::clone(lower).visit_records(&mut |_, entry| {
                 if !entry.key.starts_with(&prefix) {
                     return;
                 }
-                let put = entry.kind == crate::disk::format::RecordKind::Put;
+                let put = entry.put;
                 match newest.get_mut(&entry.digest.0) {
                     Some(seen) if seen.0 >= entry.seq => {}
                     Some(seen) => *seen = (entry.seq, put, entry.key.into_boxed_slice()),
@@ -192,7 +192,7 @@ impl Inner {
                         follower.note_removal(digest, seq);
                     }
                     drop(shard);
-                    self.disk.is_some().then(|| QueuedWrite::Tombstone {
+                    self.writes_below.then(|| QueuedWrite::Tombstone {
                         digest,
                         key: key.clone(),
                         seq,
@@ -201,7 +201,7 @@ impl Inner {
                 seqs = (seqs.0.min(seq), seqs.1.max(seq));
             }
             retired.tombstones += chunk.len() as u64;
-            if self.disk.is_some() && !chunk.is_empty() {
+            if self.writes_below && !chunk.is_empty() {
                 self.wait_durable(seqs.0, seqs.1)?;
             }
             // After the removals are durable: announced, they hold.
@@ -357,7 +357,7 @@ mod tests {
         let view = store.in_namespace(&store.namespace("stalled").unwrap());
         view.put(b"block", b"bytes").unwrap();
         store.flush().unwrap();
-        let disk = store.inner.disk.clone().expect("a disk tier");
+        let disk = store.inner.disk_for_tests.clone().expect("a disk tier");
         let close = |closed: bool| {
             let (gate, opened) = &*disk.scan_gate;
             *gate.lock().unwrap() = closed;

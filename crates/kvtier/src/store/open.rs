@@ -17,6 +17,7 @@ use crate::key::{KeyDigest, KeySecret, Namespace};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
 use crate::shared::{Follower, SharedDir};
+use crate::tier::LowerTier;
 use crate::units::{page_round_up, PAGE_SIZE};
 use crate::write_log::{
     ReadsFirst, WriteLog, EARLIEST_PLAUSIBLE_CLOCK_NANOS, LATEST_PLAUSIBLE_CLOCK_NANOS,
@@ -30,7 +31,20 @@ impl Store {
     /// Opens the store in `config.data_dir`, creating it if needed and
     /// recovering the index from the region log if it exists.
     pub fn open(config: Config) -> Result<Store> {
+        Store::open_with(config, None)
+    }
+
+    /// `open`, with `lower` as the tier below memory instead of the region
+    /// log (which must then be off: a disk capacity of 0): how a tier is
+    /// plugged in through the seam (`tier::LowerTier`). Such a tier gets
+    /// no flusher: puts stay in memory unless they ask for memory only.
+    pub(crate) fn open_with(config: Config, lower: Option<Arc<dyn LowerTier>>) -> Result<Store> {
         config.validate()?;
+        if lower.is_some() && config.disk_enabled() {
+            return Err(Error::invalid(
+                "a tier given to open_with replaces the region log: open with a disk capacity of 0",
+            ));
+        }
         let (lock, identity) = open_data_dir(&config)?;
         let place = LogPlace::settle(&config, identity)?;
         let default_namespace = Namespace::new(Arc::clone(&place.secret), &config.namespace)?;
@@ -137,7 +151,13 @@ impl Store {
             pool,
             shadow: eviction.shadow(),
             eviction: Mutex::new(eviction),
-            disk,
+            // The region log is the store's tier below memory, through the
+            // seam; its own workers (flusher, follower, checkpoints) are
+            // built from it here.
+            lower: lower.or_else(|| disk.clone().map(|disk| disk as Arc<dyn LowerTier>)),
+            #[cfg(test)]
+            disk_for_tests: disk.clone(),
+            writes_below: disk.is_some(),
             log,
             follower,
             checkpoints,
@@ -150,7 +170,7 @@ impl Store {
             secret: place.secret,
             node_id: place.node_id,
         });
-        let flusher = spawn_flusher(&inner, &shared_floor)?;
+        let flusher = spawn_flusher(&inner, disk.as_ref(), &shared_floor)?;
         let follow_thread = spawn_follow_thread(&inner)?;
         let store = Store {
             default_view: NamespacedStore::new(Arc::clone(&inner), default_namespace),
@@ -426,9 +446,10 @@ fn first_pass(follower: Follower, shared: &SharedDir, index: &Index) -> Arc<Foll
 /// directory's hooks when the log is one writer's of it.
 fn spawn_flusher(
     inner: &Arc<Inner>,
+    disk: Option<&Arc<DiskTier>>,
     shared_floor: &Arc<AtomicU64>,
 ) -> Result<Option<FlusherHandle>> {
-    let Some(disk) = &inner.disk else {
+    let Some(disk) = disk else {
         return Ok(None);
     };
     let hooks =

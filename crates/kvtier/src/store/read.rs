@@ -1,21 +1,23 @@
-//! The read path: lookups (pinning a memory value or naming a disk one),
-//! presence checks, and batched gets whose disk hits the disk tier reads
+//! The read path: lookups (pinning a memory value or locating one in the
+//! tier below memory, through the tier seam), presence checks, and batched
+//! gets whose hits below memory the tier reads
 //! and verifies together.
 
 use super::{check_buffer, mismatched, Inner};
-use crate::disk::{Destination, ReadOutcome, ValueRead};
 use crate::error::Result;
 use crate::key::{validate_key, KeyDigest, Namespace};
 use crate::pool::PoolSlot;
 use crate::stats::Counters;
+use crate::tier::{Destination, ReadOutcome, TierRead};
 use std::sync::Arc;
 
 /// A value located by a lookup, pinned if in memory.
 enum Found {
     Memory(Arc<PoolSlot>),
-    /// On disk, with the sequence number of the index entry (a read that
-    /// fails verification drops that entry and no newer one).
-    Disk(ValueRead, u64),
+    /// In the tier below memory, with the sequence number of the index
+    /// entry (a read that fails verification drops that entry and no
+    /// newer one).
+    Lower(TierRead, u64),
     Miss,
 }
 
@@ -54,17 +56,11 @@ impl Inner {
             slot.record_hit();
             Found::Memory(Arc::clone(slot))
         } else if let Some(loc) = entry.disk() {
-            match self.disk.as_ref().and_then(|d| d.region(loc.region())) {
-                Some(region) => Found::Disk(
-                    ValueRead {
-                        digest,
-                        region,
-                        loc,
-                        len: entry.value_len() as usize,
-                        checksum: entry.checksum(),
-                    },
-                    entry.seq(),
-                ),
+            let located = self.lower.as_ref().and_then(|lower| {
+                lower.locate(digest, loc, entry.value_len() as usize, entry.checksum())
+            });
+            match located {
+                Some(read) => Found::Lower(read, entry.seq()),
                 None => Found::Miss,
             }
         } else {
@@ -91,7 +87,7 @@ impl Inner {
         // Write-back yields to reads (`Config::flush_yield`).
         self.log.note_read();
         let mut results: Vec<Result<Option<usize>>> = Vec::with_capacity(keys.len());
-        let mut disk_reads: Vec<Option<ValueRead>> = Vec::with_capacity(keys.len());
+        let mut disk_reads: Vec<Option<TierRead>> = Vec::with_capacity(keys.len());
         // The index entry each disk read came from.
         let mut seqs: Vec<u64> = Vec::with_capacity(keys.len());
         // Memory hits are copied once the batch's size is known: a batch
@@ -115,7 +111,7 @@ impl Inner {
                     Counters::add(&self.counters.memory_hits, 1);
                     Ok(Some(len))
                 }
-                Found::Disk(read, entry_seq) => {
+                Found::Lower(read, entry_seq) => {
                     check_buffer(read.len, buf.capacity())?;
                     let len = read.len;
                     disk_read = Some(read);
@@ -137,23 +133,29 @@ impl Inner {
             }
         }
         if disk_reads.iter().any(Option::is_some) {
-            self.read_from_disk(bufs, &disk_reads, &seqs, &mut results);
+            self.read_from_lower(bufs, &disk_reads, &seqs, &mut results);
         }
         results
     }
 
-    /// Has the disk tier read and verify every disk hit of a batch at once;
-    /// a value that fails verification is a miss, counted, and its index
-    /// entry is dropped (unless a newer put replaced it meanwhile).
-    fn read_from_disk<D: Destination>(
+    /// Has the tier below memory read and verify every hit of a batch in
+    /// it at once; a value that fails verification is a miss, counted, and
+    /// its index entry is dropped (unless a newer put replaced it
+    /// meanwhile).
+    fn read_from_lower<D: Destination>(
         &self,
         bufs: &mut [D],
-        reads: &[Option<ValueRead>],
+        reads: &[Option<TierRead>],
         seqs: &[u64],
         results: &mut [Result<Option<usize>>],
     ) {
-        let disk = self.disk.as_ref().expect("disk reads imply a disk tier");
-        let outcomes = disk.read_verified(reads, bufs);
+        let lower = self
+            .lower
+            .as_ref()
+            .expect("reads below memory imply a tier there");
+        let mut dests: Vec<&mut dyn Destination> =
+            bufs.iter_mut().map(|d| d as &mut dyn Destination).collect();
+        let outcomes = lower.read_verified(reads, &mut dests);
         for (i, outcome) in outcomes.into_iter().enumerate() {
             let (Some(outcome), Some(read)) = (outcome, &reads[i]) else {
                 continue;
@@ -161,7 +163,7 @@ impl Inner {
             match outcome {
                 ReadOutcome::Verified => {
                     Counters::add(&self.counters.disk_hits, 1);
-                    if disk.is_other_writers(read.loc) {
+                    if lower.is_others(read.loc) {
                         Counters::add(&self.counters.shared_reads, 1);
                     }
                 }
@@ -180,7 +182,7 @@ impl Inner {
                     Counters::add(&self.counters.misses, 1);
                     results[i] = Ok(None);
                 }
-                ReadOutcome::Failed(e) if disk.is_other_writers(read.loc) => {
+                ReadOutcome::Failed(e) if lower.is_others(read.loc) => {
                     // Another writer's file: it may have been reclaimed (or
                     // replaced) since this node last looked, which some
                     // file systems report as EIO rather than keep the

@@ -70,7 +70,7 @@ impl Inner {
                 self.config.max_value_size
             )));
         }
-        let to_disk = options.tier == PutTier::MemoryAndDisk && self.disk.is_some();
+        let to_disk = options.tier == PutTier::MemoryAndDisk && self.writes_below;
         let limit = self.max_put_len;
         if len > limit {
             return Err(Error::no_space(format!(
@@ -166,13 +166,13 @@ impl Inner {
                 continue;
             }
             let now = Instant::now();
-            if self.disk.is_none() || now >= deadline {
+            if !self.writes_below || now >= deadline {
                 return Err(Error::no_space(format!(
                     "memory pool has no room for {len} bytes: {} of {} bytes in use, none of it \
                      evictable{}",
                     self.pool.capacity() - self.pool.free_bytes(),
                     self.pool.capacity(),
-                    if self.disk.is_some() {
+                    if self.writes_below {
                         format!(" after waiting {:?} for the flusher", self.config.put_wait)
                     } else {
                         String::new()
@@ -228,7 +228,7 @@ impl Inner {
             // durable value may still lie on disk (replaced by a
             // memory-only put that was then evicted) and must not come
             // back after a restart.
-            self.disk.is_some().then(|| QueuedWrite::Tombstone {
+            self.writes_below.then(|| QueuedWrite::Tombstone {
                 digest,
                 key: ns.qualify(key),
                 seq,
@@ -243,7 +243,7 @@ impl Inner {
         if was_present {
             Counters::add(&self.counters.removes, 1);
         }
-        if self.disk.is_some() {
+        if self.writes_below {
             self.wait_durable(seq, seq)?;
         }
         if was_present {

@@ -180,7 +180,7 @@ fn another_writers_puts_are_indexed_where_its_values_are() {
         checksum,
     };
     let mut buf = vec![0u8; 5000];
-    let outcomes = s.own_disk.read_verified(&[Some(read)], &mut [&mut buf[..]]);
+    let outcomes = s.own_disk.read_values(&[Some(read)], &mut [&mut buf[..]]);
     assert!(matches!(
         outcomes[0],
         Some(crate::disk::ReadOutcome::Verified)

@@ -94,7 +94,7 @@ impl Follower {
                 .collect();
             let mut bufs: Vec<Vec<u8>> = chunk.iter().map(|c| vec![0u8; c.3 as usize]).collect();
             let mut dests: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-            let outcomes = self.disk.read_verified(&reads, &mut dests);
+            let outcomes = self.disk.read_values(&reads, &mut dests);
             for (outcome, &(digest, seq, loc, ..)) in outcomes.iter().zip(chunk) {
                 if matches!(outcome, Some(crate::disk::ReadOutcome::Rejected(_)))
                     && self.index.lock(digest).clear_disk(digest, seq, loc)
