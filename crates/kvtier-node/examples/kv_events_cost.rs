@@ -5,7 +5,7 @@
 //!     cargo run --release -p kvtier-node --example kv_events_cost [rounds]
 
 use kvtier::{Config, EventSink, Store};
-use kvtier_node::kv_events::{KvEventPublisher, KvEventsConfig};
+use kvtier_events::{KvEventPublisher, KvEventsConfig};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -8,8 +8,8 @@
 //!   the store's and the server's configurations.
 //! - `node`: `Node::start` composing the parts in order, `Node::wait`
 //!   taking them down in reverse.
-//! - `feed_config`: the event feed's keys checked (who may reach it).
-//! - `kv_events`: the KV-event feed (vLLM's format over ZeroMQ).
+//! - `feed_config`: the event feed's keys checked (who may reach it); the
+//!   feed itself (vLLM's format over ZeroMQ) is the `kvtier-events` crate.
 //! - `membership`: this node as a cluster member on etcd (`cluster`
 //!   feature).
 //! - `share_keeper`, `adopter`: the cluster-mode workers over the store.
@@ -26,7 +26,6 @@
 mod adopter;
 mod config;
 mod feed_config;
-pub mod kv_events;
 mod membership;
 mod node;
 mod share_keeper;

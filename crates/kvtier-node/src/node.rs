@@ -4,10 +4,10 @@
 //! before; `Node::wait` takes them down in reverse.
 
 use crate::feed_config::{FeedLogin, FeedPlan};
-use crate::kv_events::{KvEventPublisher, KvEventsConfig};
 use crate::membership::ClusterMember;
 use crate::{adopter, feed_config, membership, share_keeper, NodeConfig};
 use kvtier::Store;
+use kvtier_events::{CurveKeys, KvEventPublisher, KvEventsConfig};
 use kvtier_server::{BoundAddrs, Server, StatusSection};
 use std::io;
 use std::path::PathBuf;
@@ -359,7 +359,7 @@ fn start_feed(
         }
         if feed.login == FeedLogin::Curve {
             events.curve = Some(Arc::new(
-                crate::kv_events::CurveKeys::from_auth(&auth).expect("the server has a token"),
+                CurveKeys::from_auth(&auth).expect("the server has a token"),
             ));
         } else {
             events.credentials = Some(Arc::new(auth));

@@ -7,9 +7,9 @@
 //! receiving batches all along. ZMTP is spoken byte by byte here
 //! (greeting, HELLO, INITIATE, SUBSCRIBE), as a hostile peer would, not
 //! through a ZeroMQ library that would refuse to misbehave; CURVE through
-//! kvtier-node's client (`kv_events::curve::client`).
+//! kvtier-events' client (`curve::client`).
 
-use kvtier_node::kv_events::curve::client::Subscriber;
+use kvtier_events::curve::client::Subscriber;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -347,7 +347,7 @@ fn the_event_feed_is_refused_off_loopback_and_beside_tenants_unless_opted_in() {
         said.contains("every tenant's namespaces") && said.contains("kv_events_auth"),
         "{said}"
     );
-    // With PLAIN logins beside tenants: served (kv_events' unit tests
+    // With PLAIN logins beside tenants: served (kvtier-events' unit tests
     // check what each token sees and that a peer without a login gets
     // nothing; python/engine_tests/test_kv_events.py logs in with pyzmq).
     let plain_config = dir.path().join("plain.toml");
@@ -368,7 +368,7 @@ fn the_event_feed_is_refused_off_loopback_and_beside_tenants_unless_opted_in() {
     // CURVE (issue 39, item 3): encrypted and authenticated, so served
     // off loopback and beside tenants without opting in; /stats gives the
     // server key subscribers set (python/engine_tests/test_kv_events.py
-    // subscribes with pyzmq's CURVE; kv_events' unit tests attack it).
+    // subscribes with pyzmq's CURVE; kvtier-events' unit tests attack it).
     let curve_config = dir.path().join("curve.toml");
     std::fs::write(&curve_config, "kv_events_auth = \"curve\"\n").unwrap();
     let mut with_curve = beside_tenants.to_vec();

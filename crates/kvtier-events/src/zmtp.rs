@@ -6,9 +6,9 @@
 //! two sockets are small, and every length a peer sends is checked
 //! against a limit before anything is allocated for it.
 
-use super::curve;
-pub(crate) use super::frame::properties;
-pub use super::frame::{put_frame, read_frame, Frame, GREETING_LEN};
+use crate::curve;
+pub(crate) use crate::frame::properties;
+pub use crate::frame::{put_frame, read_frame, Frame, GREETING_LEN};
 use std::io::{self, Read, Write};
 
 /// The security mechanism a socket speaks.
@@ -410,7 +410,7 @@ mod tests {
 
     #[test]
     fn a_frame_over_the_limit_is_refused_before_allocating() {
-        let mut bytes = vec![super::super::frame::FLAG_LONG];
+        let mut bytes = vec![crate::frame::FLAG_LONG];
         bytes.extend_from_slice(&u64::MAX.to_be_bytes());
         let err = read_frame(&mut &bytes[..], 1 << 20).unwrap_err();
         assert!(err.to_string().contains("at most"), "{err}");

@@ -29,7 +29,7 @@ use crypto_box::{PublicKey, SalsaBox, SecretKey};
 use std::io::{self, Read, Write};
 use subtle::ConstantTimeEq;
 
-use super::frame::{self, Frame};
+use crate::frame::{self, Frame};
 
 /// What a client's secret key is derived with from its token.
 pub const CLIENT_KEY_LABEL: &[u8] = b"kvtier kv-events CURVE client key";
