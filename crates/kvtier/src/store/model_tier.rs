@@ -64,7 +64,8 @@ impl ModelTier {
         );
     }
 
-    /// Flips a byte of the value at `loc` (damage the tier cannot see).
+    /// Changes a byte of the value at `loc` (damage the tier cannot see);
+    /// damaged again, it stays damaged.
     fn corrupt(&self, loc: Location) {
         let mut state = self.state.lock().unwrap();
         if let Some(stored) = state
@@ -72,7 +73,7 @@ impl ModelTier {
             .get_mut(&loc.region())
             .and_then(|unit| unit.get_mut(&loc.page()))
         {
-            stored.bytes[0] ^= 0x40;
+            stored.bytes[0] = stored.bytes[0].wrapping_add(1);
         }
     }
 
