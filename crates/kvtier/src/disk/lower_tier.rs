@@ -180,7 +180,7 @@ mod tests {
             outcomes[0]
         );
         assert!(
-            !b[..3000].iter().any(|&x| x == 0xb2),
+            !b[..3000].contains(&0xb2),
             "a rejected value's bytes stay out"
         );
     }
