@@ -11,7 +11,8 @@
 //! batch calls also answer per key inside it.
 
 use crate::client::Client;
-use crate::conn::KnownLen;
+/// Kept here too, where it was first published.
+pub use crate::conn::KnownLen;
 use crate::pool::ClientPool;
 use crate::routing::Router;
 use kvtier::{Error, NamespacedStore, PutOptions, Result, Store, ValueLease};

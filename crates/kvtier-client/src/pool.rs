@@ -3,7 +3,8 @@
 //! open on demand, up to a limit, and share one registered shared buffer.
 
 use crate::client::Client;
-use crate::conn::PARALLEL_FROM;
+/// Kept here too, where it was first published.
+pub use crate::conn::PARALLEL_FROM;
 use kvtier::{Error, ErrorKind, Result};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};

@@ -59,7 +59,7 @@ fn idle_unauthenticated_sockets_do_not_lock_out_trusted_clients() {
     let mut clients = Vec::new();
     for i in 0..48 {
         let started = Instant::now();
-        // A small shared buffer each (the default is 256 MiB, prefaulted).
+        // A small shared buffer each (the default is 256 MiB).
         let small = ClientOptions {
             shm_size: 4 << 20,
             ..options()

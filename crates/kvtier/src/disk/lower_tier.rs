@@ -42,8 +42,11 @@ impl LowerTier for DiskTier {
             .map(|read| {
                 let read = read.as_ref()?;
                 // Only this tier locates what it reads: the held value is
-                // the region `locate` took.
-                let region = Arc::clone(&read.held).downcast::<Region>().ok()?;
+                // the region `locate` took. Anything else is a bug that must
+                // not pass as a hit with an unfilled buffer.
+                let region = Arc::clone(&read.held)
+                    .downcast::<Region>()
+                    .expect("a read the region log located holds its region");
                 Some(ValueRead {
                     digest: read.digest,
                     region,

@@ -198,7 +198,6 @@ impl DiskTier {
                 );
             }
             done += 1;
-            done += 1;
             self.recover_region(scanned, pass, apply)
         })
     }
