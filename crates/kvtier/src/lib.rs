@@ -47,6 +47,7 @@ pub mod pattern;
 mod pool;
 mod prefix;
 mod private;
+mod region_writer;
 mod shared;
 mod size;
 mod stats;

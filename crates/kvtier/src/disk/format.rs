@@ -3,6 +3,7 @@
 
 use crate::key::xxh3_64;
 use crate::key::{split_qualified, KeyDigest, KeySecret};
+pub use crate::tier::{RecordEntry, RecordKind};
 use crate::units::{page_round_up, PAGE_SIZE};
 
 /// The region header's version (its layout has not changed since version
@@ -166,26 +167,6 @@ impl RegionHeader {
             first_seq,
         })
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecordKind {
-    Put = 1,
-    Tombstone = 2,
-}
-
-/// One entry of a batch record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordEntry {
-    pub kind: RecordKind,
-    pub seq: u64,
-    pub digest: KeyDigest,
-    /// Offset of the value from the start of the batch (page multiple).
-    pub value_offset: u64,
-    pub value_len: u32,
-    pub checksum: u64,
-    /// The qualified key: namespace length byte, namespace, key.
-    pub key: Vec<u8>,
 }
 
 /// The fixed part of a batch record, enough to learn its lengths.

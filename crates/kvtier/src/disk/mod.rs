@@ -54,7 +54,6 @@ pub use recovery::{RecoveredEntry, RecoveryChecks};
 pub use recovery_report::RecoveryReport;
 pub use region::Region;
 pub(crate) use scan::value_loc;
-pub use write::PendingBatch;
 
 use crate::config::{Config, IoEngineKind};
 use crate::error::{Error, Result};

@@ -3,12 +3,13 @@
 //! tier's own writer, with batches built the way the flusher builds them.
 
 use super::format::{RecordEntry, RecordKind};
-use super::{DiskTier, PendingBatch, RecoveredEntry, RecoveryChecks, RecoveryReport};
+use super::{DiskTier, RecoveredEntry, RecoveryChecks, RecoveryReport};
 use crate::config::{Config, IoEngineKind};
 use crate::disk::DiskLoc;
 use crate::error::Result;
 use crate::io::AlignedBuf;
 use crate::key::{value_checksum, KeySecret, KEY_SECRET_LEN};
+use crate::tier::PendingBatch;
 use crate::units::page_round_up;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -2,11 +2,12 @@
 //! synced before the record that commits them (docs/design.md, section 4),
 //! and new region files with their headers and the log head.
 
-use super::format::{self, RecordEntry, RegionHeader, REGION_HEADER_LEN};
+use super::format::{self, RegionHeader, REGION_HEADER_LEN};
 use super::{sync_dir, DiskTier, Region};
 use crate::disk::DiskLoc;
 use crate::error::{Error, Result};
 use crate::io::AlignedBuf;
+use crate::tier::PendingBatch;
 use crate::units::{page_round_up, PAGE_SIZE};
 use std::fs;
 use std::io::IoSlice;
@@ -27,14 +28,6 @@ impl std::fmt::Debug for WriteGuardSlot {
             "WriteGuard(none)"
         })
     }
-}
-
-/// A batch ready to write: its record entries (value offsets are filled in
-/// by [`DiskTier::write_batch`]) and each put's padded, aligned bytes.
-#[derive(Debug, Default)]
-pub struct PendingBatch<'a> {
-    pub entries: Vec<RecordEntry>,
-    pub values: Vec<&'a [u8]>,
 }
 
 impl PendingBatch<'_> {

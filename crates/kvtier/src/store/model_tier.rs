@@ -1,11 +1,14 @@
 //! A model tier for the store's tests: values in a map, with faults on
-//! demand. It keeps the seam's contract (`tier::LowerTier`) and nothing of
-//! the region log's, and plugs in through `Store::open_with` without a
-//! change to the store's read path: the store's read policy (what a hit, a
+//! demand. It keeps the seam's contract (`tier::LowerTier` to read,
+//! `tier::TierWriter` for the flusher to write) and nothing of the region
+//! log's, and plugs in through `Store::open_with` without a change to the
+//! store's read or write paths. The store's read policy (what a hit, a
 //! rejected value, a failed read, a stalled one and a vanished unit mean
-//! for the caller, the index and the counters) is shown to hold for any
-//! tier that keeps the contract, checked step by step against a model.
+//! for the caller, the index and the counters) and its put, flush, evict
+//! and get semantics are shown to hold for any tier that keeps the
+//! contract, checked step by step against a model.
 
+use super::open::PluggedTier;
 use super::Store;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -13,14 +16,17 @@ use crate::index::Entry;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;
 use crate::tier::{
-    Destination, DiskLocation, Location, LowerTier, ReadOutcome, RecordedEntry, TierRead, TierUsage,
+    Destination, DiskLocation, Location, LowerTier, PendingBatch, ReadOutcome, RecordKind,
+    RecordedEntry, TierRead, TierUsage, TierWriter,
 };
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Units from here up hold another writer's values (`is_others`).
-const OTHERS_FROM: u32 = 1000;
+const OTHERS_FROM: u32 = 1 << 20;
+/// The first unit the model's writer fills (seeded values use units below).
+const WRITTEN_FROM: u32 = 1000;
 
 /// What a read of one location does instead of answering from the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +48,10 @@ struct ModelState {
     /// unit -> page -> value.
     units: HashMap<u32, HashMap<u32, Stored>>,
     faults: HashMap<(u32, u32), Fault>,
+    /// Removals written, (digest, seq, key).
+    removals: Vec<(KeyDigest, u64, Vec<u8>)>,
+    /// Batches the writer took.
+    batches: u32,
 }
 
 #[derive(Debug, Default)]
@@ -171,6 +181,18 @@ impl LowerTier for ModelTier {
                 );
             }
         }
+        for (digest, seq, key) in &state.removals {
+            visit(
+                None,
+                RecordedEntry {
+                    put: false,
+                    seq: *seq,
+                    digest: *digest,
+                    value_len: 0,
+                    key: key.clone(),
+                },
+            );
+        }
         Ok(())
     }
 
@@ -198,6 +220,58 @@ impl LowerTier for ModelTier {
     fn closing(&self, _: &std::fs::File) {}
 }
 
+/// The model tier's writing half: each batch a unit of its own, each
+/// value a page of it (the values' own bytes, not the padding).
+#[derive(Debug)]
+struct ModelWriter(Arc<ModelTier>);
+
+impl TierWriter for ModelWriter {
+    fn max_batch_len(&self) -> u64 {
+        64 << 20
+    }
+
+    fn prepare(&self) {}
+
+    fn make_room(&self, _: &PendingBatch<'_>) {}
+
+    fn write_batch(&self, batch: &mut PendingBatch<'_>, _first_seq: u64) -> Result<Vec<Location>> {
+        let mut state = self.0.state.lock().unwrap();
+        let unit = WRITTEN_FROM + state.batches;
+        assert!(unit < OTHERS_FROM, "the model's units run out");
+        state.batches += 1;
+        let mut values = batch.values.iter();
+        let mut locs = Vec::new();
+        let mut written = HashMap::new();
+        for entry in &batch.entries {
+            match entry.kind {
+                RecordKind::Put => {
+                    let padded = values.next().expect("a value per put");
+                    let page = locs.len() as u32;
+                    written.insert(
+                        page,
+                        Stored {
+                            digest: entry.digest,
+                            seq: entry.seq,
+                            key: entry.key.clone(),
+                            bytes: padded[..entry.value_len as usize].to_vec(),
+                        },
+                    );
+                    locs.push(Location::new(unit, page));
+                }
+                RecordKind::Tombstone => {
+                    state
+                        .removals
+                        .push((entry.digest, entry.seq, entry.key.clone()));
+                }
+            }
+        }
+        state.units.insert(unit, written);
+        Ok(locs)
+    }
+
+    fn on_full(&self) {}
+}
+
 /// A store whose tier below memory is a model tier.
 fn open_on_model() -> (tempfile::TempDir, Store, Arc<ModelTier>) {
     let dir = tempfile::tempdir().unwrap();
@@ -206,7 +280,28 @@ fn open_on_model() -> (tempfile::TempDir, Store, Arc<ModelTier>) {
         Config::new(dir.path())
             .memory_capacity(4 << 20)
             .disk_capacity(0),
-        Some(Arc::clone(&model) as Arc<dyn LowerTier>),
+        Some(PluggedTier {
+            lower: Arc::clone(&model) as Arc<dyn LowerTier>,
+            writer: None,
+        }),
+    )
+    .unwrap();
+    (dir, store, model)
+}
+
+/// A store whose only tier below memory is a model tier, written by the
+/// store's own flusher through the seam, with a pool of `memory` bytes.
+fn open_on_written_model(memory: u64) -> (tempfile::TempDir, Store, Arc<ModelTier>) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(ModelTier::default());
+    let store = Store::open_with(
+        Config::new(dir.path())
+            .memory_capacity(memory)
+            .disk_capacity(0),
+        Some(PluggedTier {
+            lower: Arc::clone(&model) as Arc<dyn LowerTier>,
+            writer: Some(Box::new(ModelWriter(Arc::clone(&model)))),
+        }),
     )
     .unwrap();
     (dir, store, model)
@@ -289,7 +384,10 @@ fn open_with_refuses_a_tier_beside_the_region_log() {
         Config::new(dir.path())
             .memory_capacity(4 << 20)
             .disk_capacity(64 << 20),
-        Some(Arc::new(ModelTier::default()) as Arc<dyn LowerTier>),
+        Some(PluggedTier {
+            lower: Arc::new(ModelTier::default()) as Arc<dyn LowerTier>,
+            writer: None,
+        }),
     )
     .unwrap_err();
     assert!(e.to_string().contains("disk capacity of 0"), "{e}");
@@ -409,5 +507,94 @@ proptest! {
             }
         }
         prop_assert_eq!(counter(&store, |c| &c.checksum_failures), rejected);
+    }
+}
+
+#[test]
+fn the_flusher_writes_through_the_seam_and_evicted_values_come_back_from_the_tier() {
+    // 64 values of 4-10 KiB through a 128 KiB pool: most are evicted once
+    // written, and read back from the model tier.
+    let (_dir, store, model) = open_on_written_model(128 << 10);
+    for k in 0..64 {
+        store.put(format!("w-{k}"), value_of(k, 9)).unwrap();
+    }
+    store.flush().unwrap();
+    for k in 0..64 {
+        let got = store.get(format!("w-{k}")).unwrap();
+        assert_eq!(got.as_deref(), Some(&value_of(k, 9)[..]), "key {k}");
+    }
+    assert!(model.state.lock().unwrap().batches > 0);
+    assert!(
+        counter(&store, |c| &c.evictions) > 0,
+        "the pool was too small to keep them"
+    );
+    assert!(
+        counter(&store, |c| &c.disk_hits) > 0,
+        "evicted values came from the tier"
+    );
+    // A removal is written through the seam too, and the census sees both.
+    assert!(store.remove("w-0").unwrap());
+    assert_eq!(store.get("w-0").unwrap(), None);
+    assert!(!model.state.lock().unwrap().removals.is_empty());
+    let census = store.namespaces().unwrap();
+    assert_eq!(census.iter().map(|c| c.blocks).sum::<u64>(), 63);
+}
+
+/// One step of the write model.
+#[derive(Debug, Clone, Copy)]
+enum WriteStep {
+    Put(usize, u64),
+    Get(usize),
+    Remove(usize),
+    Flush,
+}
+
+fn write_step() -> impl Strategy<Value = WriteStep> {
+    let k = 0..12usize;
+    prop_oneof![
+        4 => (k.clone(), 1..1000u64).prop_map(|(k, v)| WriteStep::Put(k, v)),
+        4 => k.clone().prop_map(WriteStep::Get),
+        1 => k.prop_map(WriteStep::Remove),
+        1 => Just(WriteStep::Flush),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// With a model tier as the only tier below memory, written by the
+    /// store's flusher and read through the seam: every get answers the
+    /// last value put (or none after a remove), whether the pool still
+    /// holds it or it was evicted and comes back from the tier.
+    #[test]
+    fn puts_and_gets_hold_over_a_written_model_tier(steps in prop::collection::vec(write_step(), 1..120)) {
+        // 12 keys of 4-6 KiB (8 KiB in the pool) through 64 KiB: values
+        // are evicted once written and read back from the tier.
+        let (_dir, store, _model) = open_on_written_model(64 << 10);
+        let mut expected: HashMap<usize, u64> = HashMap::new();
+        for step in steps {
+            match step {
+                WriteStep::Put(k, v) => {
+                    store.put(format!("p-{k}"), value_of(k, v)).unwrap();
+                    expected.insert(k, v);
+                }
+                WriteStep::Remove(k) => {
+                    let was = store.remove(format!("p-{k}")).unwrap();
+                    prop_assert_eq!(was, expected.remove(&k).is_some());
+                }
+                WriteStep::Flush => store.flush().unwrap(),
+                WriteStep::Get(k) => {
+                    let got = store.get(format!("p-{k}")).unwrap();
+                    let want = expected.get(&k).map(|&v| value_of(k, v));
+                    prop_assert_eq!(got, want, "key {}", k);
+                }
+            }
+        }
+        store.flush().unwrap();
+        for k in 0..12 {
+            let got = store.get(format!("p-{k}")).unwrap();
+            let want = expected.get(&k).map(|&v| value_of(k, v));
+            prop_assert_eq!(got, want, "key {} at the end", k);
+        }
     }
 }

@@ -16,8 +16,9 @@ use crate::index::{Entry, Index};
 use crate::key::{KeyDigest, KeySecret, Namespace};
 use crate::lock::DirLock;
 use crate::pool::{EvictionQueues, PoolCore};
+use crate::region_writer::{NoteRemoval, RegionLogWriter, SharedHooks};
 use crate::shared::{Follower, SharedDir};
-use crate::tier::LowerTier;
+use crate::tier::{LowerTier, TierWriter};
 use crate::units::{page_round_up, PAGE_SIZE};
 use crate::write_log::{
     ReadsFirst, WriteLog, EARLIEST_PLAUSIBLE_CLOCK_NANOS, LATEST_PLAUSIBLE_CLOCK_NANOS,
@@ -27,6 +28,15 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
+/// A tier plugged in through the seam in place of the region log
+/// (`Store::open_with`).
+pub(crate) struct PluggedTier {
+    /// What the store reads through.
+    pub lower: Arc<dyn LowerTier>,
+    /// What the flusher writes through; none, and puts stay in memory.
+    pub writer: Option<Box<dyn TierWriter>>,
+}
+
 impl Store {
     /// Opens the store in `config.data_dir`, creating it if needed and
     /// recovering the index from the region log if it exists.
@@ -34,12 +44,17 @@ impl Store {
         Store::open_with(config, None)
     }
 
-    /// `open`, with `lower` as the tier below memory instead of the region
-    /// log (which must then be off: a disk capacity of 0): how a tier is
-    /// plugged in through the seam (`tier::LowerTier`). Such a tier gets
-    /// no flusher: puts stay in memory unless they ask for memory only.
-    pub(crate) fn open_with(config: Config, lower: Option<Arc<dyn LowerTier>>) -> Result<Store> {
+    /// `open`, with `plugged` as the tier below memory instead of the
+    /// region log (which must then be off: a disk capacity of 0): how a
+    /// tier is plugged in through the seam (`tier::LowerTier` to read,
+    /// `tier::TierWriter` for the flusher to write through). A tier
+    /// without a writing half gets no flusher: puts stay in memory.
+    pub(crate) fn open_with(config: Config, plugged: Option<PluggedTier>) -> Result<Store> {
         config.validate()?;
+        let (lower, plugged_writer) = match plugged {
+            Some(p) => (Some(p.lower), p.writer),
+            None => (None, None),
+        };
         if lower.is_some() && config.disk_enabled() {
             return Err(Error::invalid(
                 "a tier given to open_with replaces the region log: open with a disk capacity of 0",
@@ -157,7 +172,7 @@ impl Store {
             lower: lower.or_else(|| disk.clone().map(|disk| disk as Arc<dyn LowerTier>)),
             #[cfg(test)]
             disk_for_tests: disk.clone(),
-            writes_below: disk.is_some(),
+            writes_below: disk.is_some() || plugged_writer.is_some(),
             log,
             follower,
             checkpoints,
@@ -170,7 +185,7 @@ impl Store {
             secret: place.secret,
             node_id: place.node_id,
         });
-        let flusher = spawn_flusher(&inner, disk.as_ref(), &shared_floor)?;
+        let flusher = spawn_flusher(&inner, disk.as_ref(), plugged_writer, &shared_floor)?;
         let follow_thread = spawn_follow_thread(&inner)?;
         let store = Store {
             default_view: NamespacedStore::new(Arc::clone(&inner), default_namespace),
@@ -442,44 +457,55 @@ fn first_pass(follower: Follower, shared: &SharedDir, index: &Index) -> Arc<Foll
     follower
 }
 
-/// Starts the flusher (when there is a disk tier), with the shared
-/// directory's hooks when the log is one writer's of it.
+/// Starts the flusher when there is a tier to write to: the region log
+/// (with the shared directory's hooks when the log is one writer's of it),
+/// or a plugged tier's writing half.
 fn spawn_flusher(
     inner: &Arc<Inner>,
     disk: Option<&Arc<DiskTier>>,
+    plugged: Option<Box<dyn TierWriter>>,
     shared_floor: &Arc<AtomicU64>,
 ) -> Result<Option<FlusherHandle>> {
-    let Some(disk) = disk else {
-        return Ok(None);
+    let (writer, after_batch): (Box<dyn TierWriter>, _) = match (disk, plugged) {
+        (Some(disk), _) => {
+            let hooks = inner.checkpoints.as_ref().zip(inner.follower.as_ref()).map(
+                |(writer, follower)| {
+                    let writer = Arc::clone(writer);
+                    let follower = Arc::clone(follower);
+                    SharedHooks {
+                        floor: Arc::clone(shared_floor),
+                        note_removal: NoteRemoval(Box::new(move |digest, seq| {
+                            follower.note_removal(digest, seq)
+                        })),
+                        reclaim_before: inner
+                            .config
+                            .adopt_writer
+                            .as_ref()
+                            .map(|_| disk.next_region_id()),
+                        after_batch: Box::new(move || writer.after_batch()),
+                    }
+                },
+            );
+            let (writer, after_batch) = RegionLogWriter::new(
+                Arc::clone(&inner.log),
+                Arc::clone(disk),
+                Arc::clone(&inner.index),
+                Arc::clone(&inner.counters),
+                hooks,
+                inner.config.events.clone(),
+            );
+            (Box::new(writer), after_batch)
+        }
+        (None, Some(plugged)) => (plugged, None),
+        (None, None) => return Ok(None),
     };
-    let hooks =
-        inner
-            .checkpoints
-            .as_ref()
-            .zip(inner.follower.as_ref())
-            .map(|(writer, follower)| {
-                let writer = Arc::clone(writer);
-                let follower = Arc::clone(follower);
-                crate::flusher::SharedHooks {
-                    floor: Arc::clone(shared_floor),
-                    note_removal: crate::flusher::NoteRemoval(Box::new(move |digest, seq| {
-                        follower.note_removal(digest, seq)
-                    })),
-                    reclaim_before: inner
-                        .config
-                        .adopt_writer
-                        .as_ref()
-                        .map(|_| disk.next_region_id()),
-                    after_batch: Box::new(move || writer.after_batch()),
-                }
-            });
     let flusher = Flusher::new(
         Arc::clone(&inner.log),
-        Arc::clone(disk),
+        writer,
         Arc::clone(&inner.index),
         Arc::clone(&inner.counters),
         inner.config.flush_batch_bytes,
-        hooks,
+        after_batch,
         inner.config.events.clone(),
     );
     Ok(Some(flusher.spawn()?))

@@ -12,8 +12,10 @@
 //! region log (`disk::DiskTier`) implements it, and the store's tests run
 //! its read policy against a model tier (`store/model_tier.rs`).
 
+mod batch;
 mod location;
 
+pub use batch::{PendingBatch, RecordEntry, RecordKind};
 pub use location::Location;
 
 use crate::error::{Error, Result};
@@ -285,4 +287,33 @@ pub(crate) trait LowerTier: Send + Sync + std::fmt::Debug {
     /// directory `dir` is about to be unlocked. Releases what the tier's
     /// io engine held on it.
     fn closing(&self, dir: &std::fs::File);
+}
+
+/// The writing half of a tier: what the flusher (`flusher::Flusher`, the
+/// one thread that writes below memory) asks of it, batch after batch, in
+/// sequence order. Only the flusher calls it.
+pub(crate) trait TierWriter: Send + std::fmt::Debug {
+    /// The largest batch, in the bytes `batch_len` counts, the tier can
+    /// take in one write.
+    fn max_batch_len(&self) -> u64;
+
+    /// Runs once before the first batch (the region log: a dead writer's
+    /// regions reclaimed first when collecting it, a capacity smaller than
+    /// what the files hold shrunk to).
+    fn prepare(&self);
+
+    /// Makes room for `batch` before its sequence numbers' base is read
+    /// (the region log reclaims whole regions, oldest first, and may write
+    /// carried values and kept removals while it does).
+    fn make_room(&self, batch: &PendingBatch<'_>);
+
+    /// Writes `batch` durably (on return it survives a crash and a power
+    /// cut); `first_seq` is the lowest sequence number it may hold. The
+    /// location of each put, in order. On an error nothing of the batch
+    /// counts: the flusher retries it whole.
+    fn write_batch(&self, batch: &mut PendingBatch<'_>, first_seq: u64) -> Result<Vec<Location>>;
+
+    /// A write failed because the file system is full: make room the way
+    /// a cache does (drop the oldest unit) before the retry.
+    fn on_full(&self);
 }

@@ -4,9 +4,10 @@
 use super::*;
 use crate::config::{Config, IoEngineKind};
 use crate::disk::format::RecordEntry;
-use crate::disk::{PendingBatch, RecoveryChecks};
+use crate::disk::RecoveryChecks;
 use crate::io::AlignedBuf;
 use crate::key::{value_checksum, KeySecret, KEY_SECRET_LEN};
+use crate::tier::PendingBatch;
 
 const OWN_NODE: &str = "00000000000000000000000000000001";
 const OTHER: &str = "00000000000000000000000000000002";
