@@ -146,3 +146,31 @@ pub(crate) fn shares(range: std::ops::Range<u64>, threads: usize) -> Vec<std::op
         .filter(|r| !r.is_empty())
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rounds and shares cover every batch once, in order, and are as even
+    /// as the counts allow.
+    #[test]
+    fn rounds_and_shares_cover_every_batch_once() {
+        for (batches, most) in [(1, 8), (7, 3), (64, 64), (100, 7), (5, 1)] {
+            let r = rounds(batches, most);
+            assert_eq!(r.len() as u64, batches.min(most));
+            assert_eq!(r.first().unwrap().start, 0);
+            assert_eq!(r.last().unwrap().end, batches);
+            assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+            let sizes: Vec<u64> = r.iter().map(|x| x.end - x.start).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+            for threads in [1, 2, 5] {
+                for round in &r {
+                    let s = shares(round.clone(), threads);
+                    let covered: u64 = s.iter().map(|x| x.end - x.start).sum();
+                    assert_eq!(covered, round.end - round.start);
+                    assert!(s.iter().all(|x| !x.is_empty()));
+                }
+            }
+        }
+    }
+}

@@ -317,3 +317,43 @@ pub(crate) trait TierWriter: Send + std::fmt::Debug {
     /// a cache does (drop the oldest unit) before the retry.
     fn on_full(&self);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A destination of segments, seen through the seam as a trait object
+    /// (as the store hands a batch's destinations to a tier): every fill
+    /// lands at its byte, across segment boundaries, by either copy.
+    #[test]
+    fn segmented_destinations_fill_across_boundaries_through_a_trait_object() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        for streamed in [false, true] {
+            let (mut a, mut b, mut c) = (vec![0u8; 100], vec![0u8; 1], vec![0u8; 200]);
+            let mut segments: Vec<&mut [u8]> = vec![&mut a[..], &mut b[..], &mut c[..]];
+            let mut segmented: &mut [&mut [u8]] = &mut segments[..];
+            let mut seen: &mut dyn Destination = &mut segmented;
+            assert_eq!(seen.capacity(), 301);
+            assert!(
+                seen.contiguous().is_none(),
+                "three segments are not one slice"
+            );
+            if streamed {
+                seen.fill_at_streamed(40, &bytes);
+            } else {
+                seen.fill_at(40, &bytes);
+            }
+            let whole: Vec<u8> = [&a[..], &b[..], &c[..]].concat();
+            assert!(whole[..40].iter().all(|&x| x == 0));
+            assert_eq!(&whole[40..296], &bytes[..]);
+            assert!(whole[296..].iter().all(|&x| x == 0));
+        }
+        let mut one = vec![0u8; 8];
+        let mut slice: &mut [u8] = &mut one[..];
+        let mut seen: &mut dyn Destination = &mut slice;
+        assert_eq!(seen.contiguous().map(|s| s.len()), Some(8));
+        seen.fill_streamed(&[9, 9]);
+        seen.fill_from(&[7]);
+        assert_eq!(one, [7, 9, 0, 0, 0, 0, 0, 0]);
+    }
+}
