@@ -332,7 +332,7 @@ mod tests {
             let (mut a, mut b, mut c) = (vec![0u8; 100], vec![0u8; 1], vec![0u8; 200]);
             let mut segments: Vec<&mut [u8]> = vec![&mut a[..], &mut b[..], &mut c[..]];
             let mut segmented: &mut [&mut [u8]] = &mut segments[..];
-            let mut seen: &mut dyn Destination = &mut segmented;
+            let seen: &mut dyn Destination = &mut segmented;
             assert_eq!(seen.capacity(), 301);
             assert!(
                 seen.contiguous().is_none(),
@@ -350,7 +350,7 @@ mod tests {
         }
         let mut one = vec![0u8; 8];
         let mut slice: &mut [u8] = &mut one[..];
-        let mut seen: &mut dyn Destination = &mut slice;
+        let seen: &mut dyn Destination = &mut slice;
         assert_eq!(seen.contiguous().map(|s| s.len()), Some(8));
         seen.fill_streamed(&[9, 9]);
         seen.fill_from(&[7]);
