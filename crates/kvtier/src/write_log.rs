@@ -123,6 +123,10 @@ struct LogState {
     /// Every write with a sequence number up to this one is durable,
     /// failed for good, or was never a disk write.
     processed_seq: u64,
+    /// The highest number handed to a write of this log (`append`, the
+    /// reclaimer's renumbering). `next_seq` can pass it without a write:
+    /// the clock adopts other writers' numbers (`observe`).
+    handed_out: u64,
     requested: bool,
     shutdown: bool,
     retrying: Ranges,
@@ -241,6 +245,7 @@ impl WriteLog {
                 next_seq,
                 items: VecDeque::new(),
                 processed_seq: next_seq - 1,
+                handed_out: next_seq - 1,
                 requested: false,
                 shutdown: false,
                 retrying: Ranges::default(),
@@ -421,6 +426,7 @@ impl WriteLog {
             ));
         }
         state.next_seq += 1;
+        state.handed_out = seq;
         if let Some(item) = f(seq) {
             state.queued_bytes += item.value_bytes();
             state.items.push_back(item);
@@ -431,7 +437,13 @@ impl WriteLog {
     /// Runs `f` with the next sequence number to hand out, which `f` may
     /// advance (the reclaimer renumbering carried entries).
     pub fn with_next_seq<R>(&self, f: impl FnOnce(&mut u64) -> R) -> R {
-        f(&mut self.lock().next_seq)
+        let mut state = self.lock();
+        let before = state.next_seq;
+        let result = f(&mut state.next_seq);
+        if state.next_seq > before {
+            state.handed_out = state.handed_out.max(state.next_seq - 1);
+        }
+        result
     }
 
     pub fn next_seq(&self) -> u64 {
@@ -442,18 +454,25 @@ impl WriteLog {
     /// (what a shared-directory writer publishes, docs/design.md "The
     /// floor"): one past every write already durable, failed or never a
     /// disk write; every write queued, being written or being retried is
-    /// at or above it. With a clock and nothing on its way, the clock is
-    /// moved to now first (as the next `append` would), so an idle
-    /// writer's floor follows time instead of its last write.
+    /// at or above it. With nothing on its way (no write queued, every
+    /// number handed to a write processed), every number below the next
+    /// one is processed; with a clock, the clock is moved to now first (as
+    /// the next `append` would), so an idle writer's floor follows time
+    /// instead of its last write. Numbers the clock adopted from other
+    /// writers (`observe`) are no writes of this log: before, they made a
+    /// log that only follows look busy for good, and its floor froze at
+    /// its last write (issue 61, finding 3).
     pub fn write_floor(&self) -> u64 {
         let mut state = self.lock();
-        let idle = state.items.is_empty() && state.processed_seq + 1 == state.next_seq;
-        if idle && self.clock {
-            let now = self.wall_nanos();
-            if now > state.next_seq && now <= crate::disk::format::MAX_SEQ {
-                state.next_seq = now;
-                state.processed_seq = now - 1;
+        let idle = state.items.is_empty() && state.processed_seq >= state.handed_out;
+        if idle {
+            if self.clock {
+                let now = self.wall_nanos();
+                if now > state.next_seq && now <= crate::disk::format::MAX_SEQ {
+                    state.next_seq = now;
+                }
             }
+            state.processed_seq = state.next_seq - 1;
         }
         state.processed_seq + 1
     }
@@ -708,6 +727,40 @@ fn failure_error(state: &LogState, what: &str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A log that only follows other writers: the numbers its clock
+    /// adopts from them are no writes of its own, so its floor moves past
+    /// them (it froze at its last write before: issue 61, finding 3); a
+    /// write queued or in flight still holds it.
+    #[test]
+    fn a_following_logs_floor_passes_the_numbers_it_observed() {
+        let log = WriteLog::with_clock(1, true, true);
+        let now = log.wall_nanos();
+        let seen = now + 1_000_000_000; // another writer's, a second ahead
+        log.observe(seen);
+        assert!(
+            log.write_floor() > seen,
+            "an idle floor passes what it observed"
+        );
+        // A put queued after that holds the floor at its number.
+        let seq = log
+            .append(|seq| {
+                Some(QueuedWrite::Tombstone {
+                    digest: crate::key::KeyDigest(1),
+                    key: Box::from(&b"k"[..]),
+                    seq,
+                })
+            })
+            .unwrap();
+        assert!(seq > seen);
+        assert_eq!(log.write_floor(), seq, "a queued write holds the floor");
+        log.observe(seq + 1_000);
+        assert_eq!(
+            log.write_floor(),
+            seq,
+            "observing does not release a queued write"
+        );
+    }
     use proptest::prelude::*;
 
     fn tombstone(seq: u64) -> Option<QueuedWrite> {
