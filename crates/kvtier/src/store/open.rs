@@ -51,6 +51,7 @@ impl Store {
     /// without a writing half gets no flusher: puts stay in memory.
     pub(crate) fn open_with(config: Config, plugged: Option<PluggedTier>) -> Result<Store> {
         config.validate()?;
+        check_clock_for_shared(&config)?;
         let (lower, plugged_writer) = match plugged {
             Some(p) => (Some(p.lower), p.writer),
             None => (None, None),
@@ -422,22 +423,36 @@ fn open_write_log(
         // A quarter of the pool: held writes never crowd out new puts.
         most_bytes: config.memory_capacity / 4,
     }));
-    if shared {
-        let now = log.raw_wall_nanos();
-        if !(EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {
-            return Err(Error::new(
-                crate::ErrorKind::InvalidArgument,
-                format!(
-                    "this host's clock reads {} s since 1970, outside 2020-2250: in a shared \
-                     directory sequence numbers follow the clock, and a clock this wrong \
-                     would order this node's writes against every other node's wrongly. \
-                     Fix the clock (NTP) and start again",
-                    now / 1_000_000_000
-                ),
-            ));
-        }
-    }
     Ok(log)
+}
+
+/// In a shared directory sequence numbers follow the clock: a clock
+/// outside 2020-2250 is refused before anything is created or taken (the
+/// data directory, its identity, the writer's directory and lock, a
+/// recovery), so a refused start leaves nothing behind that pins the other
+/// nodes' reclaim floors (issue 61, finding 1).
+fn check_clock_for_shared(config: &Config) -> Result<()> {
+    if config.shared_dir.is_none() {
+        return Ok(());
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    #[cfg(feature = "test-util")]
+    let now = now.saturating_add_signed(config.clock_offset_secs.saturating_mul(1_000_000_000));
+    if (EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {
+        return Ok(());
+    }
+    Err(Error::new(
+        crate::ErrorKind::InvalidArgument,
+        format!(
+            "this host's clock reads {} s since 1970, outside 2020-2250: in a shared \
+             directory sequence numbers follow the clock, and a clock this wrong \
+             would order this node's writes against every other node's wrongly. \
+             Fix the clock (NTP) and start again (nothing was created or changed)",
+            now / 1_000_000_000
+        ),
+    ))
 }
 
 /// The follower after its first pass: every other writer's log is indexed

@@ -998,6 +998,28 @@ fn a_node_whose_clock_reads_far_ahead_stops_no_other_nodes_puts() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("clock"), "{e}");
+    // A node that never started, refused for its clock, creates nothing:
+    // no data directory, no writer directory, no lock (before, the check
+    // came after all of them, and the writer directory left behind pinned
+    // every other node's reclaim floor: issue 61, finding 1).
+    let writers = |shared: &Path| std::fs::read_dir(shared.join("nodes")).unwrap().count();
+    let before = writers(&shared);
+    let never = dir.path().join("never");
+    let e = Store::open(
+        Node::config(&never, &shared, 64 * MIB, FlushPolicy::WriteThrough)
+            .unsafe_clock_offset_secs(240 * year),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("nothing was created"), "{e}");
+    assert!(
+        !never.exists(),
+        "the refused node's data directory was created"
+    );
+    assert_eq!(
+        writers(&shared),
+        before,
+        "the refused node left a writer directory"
+    );
 }
 
 /// Node "w" under `root`, with 16 blocks of 9,000 bytes flushed: the
