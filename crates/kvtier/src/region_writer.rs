@@ -48,11 +48,10 @@ pub(crate) struct SharedHooks {
     pub after_batch: AfterBatch,
 }
 
-/// The region log as the flusher writes it.
+/// The region log as the flusher writes it: the reclaimer holds the log
+/// and the region log it writes to.
 #[derive(Debug)]
 pub(crate) struct RegionLogWriter {
-    log: Arc<WriteLog>,
-    disk: Arc<DiskTier>,
     reclaimer: Reclaimer,
     /// Collecting a dead writer's log: every region below this id (all it
     /// had at open) is reclaimed before anything else.
@@ -81,8 +80,8 @@ impl RegionLogWriter {
             None => (None, None, None, None),
         };
         let reclaimer = Reclaimer {
-            log: Arc::clone(&log),
-            disk: Arc::clone(&disk),
+            log,
+            disk,
             index,
             counters,
             shared_floor,
@@ -90,8 +89,6 @@ impl RegionLogWriter {
             events,
         };
         let writer = RegionLogWriter {
-            log,
-            disk,
             reclaimer,
             reclaim_before,
         };
@@ -101,13 +98,13 @@ impl RegionLogWriter {
 
 impl TierWriter for RegionLogWriter {
     fn max_batch_len(&self) -> u64 {
-        self.disk.max_batch_len()
+        self.reclaimer.disk.max_batch_len()
     }
 
     fn prepare(&self) {
-        let disk = &*self.disk;
+        let disk = &*self.reclaimer.disk;
         if let Some(before) = self.reclaim_before {
-            let _quiet = self.log.hold_flusher();
+            let _quiet = self.reclaimer.log.hold_flusher();
             while disk.oldest_region().is_some_and(|r| r.id < before)
                 && self.reclaimer.reclaim_oldest()
             {}
@@ -118,16 +115,16 @@ impl TierWriter for RegionLogWriter {
 
     fn make_room(&self, batch: &PendingBatch<'_>) {
         let batch_len = batch.disk_len();
-        while self.disk.needs_reclaim(batch_len) && self.reclaimer.reclaim_oldest() {}
+        while self.reclaimer.disk.needs_reclaim(batch_len) && self.reclaimer.reclaim_oldest() {}
     }
 
     fn write_batch(&self, batch: &mut PendingBatch<'_>, first_seq: u64) -> Result<Vec<Location>> {
-        self.disk.write_batch(batch, first_seq)
+        self.reclaimer.disk.write_batch(batch, first_seq)
     }
 
     fn on_full(&self) {
         // Never the region being written.
-        if self.disk.region_count() > 1 {
+        if self.reclaimer.disk.region_count() > 1 {
             self.reclaimer.reclaim_oldest();
         }
     }

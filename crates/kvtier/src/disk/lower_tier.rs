@@ -3,13 +3,12 @@
 //! what crosses the seam is translated here (a located value's region is
 //! what the read holds, a batch record's entry is what a scan shows).
 
-use super::format::RecordKind;
 use super::read::ValueRead;
 use super::{DiskLoc, DiskTier, Region};
 use crate::error::Result;
 use crate::key::KeyDigest;
 use crate::tier::{
-    Destination, DiskLocation, LowerTier, ReadOutcome, RecordedEntry, TierRead, TierUsage,
+    Destination, DiskLocation, LowerTier, ReadOutcome, RecordEntry, TierRead, TierUsage,
 };
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -65,20 +64,9 @@ impl LowerTier for DiskTier {
 
     fn visit_records(
         self: Arc<Self>,
-        visit: &mut dyn FnMut(Option<DiskLoc>, RecordedEntry),
+        visit: &mut dyn FnMut(Option<DiskLoc>, RecordEntry),
     ) -> Result<()> {
-        self.visit_records_within(|loc, entry| {
-            visit(
-                loc,
-                RecordedEntry {
-                    put: entry.kind == RecordKind::Put,
-                    seq: entry.seq,
-                    digest: entry.digest,
-                    value_len: entry.value_len,
-                    key: entry.key,
-                },
-            )
-        })
+        self.visit_records_within(visit)
     }
 
     fn file_location(
@@ -124,6 +112,7 @@ mod tests {
     use super::super::RecoveryChecks;
     use super::*;
     use crate::key::value_checksum;
+    use crate::tier::RecordKind;
     use std::io::{Seek, SeekFrom, Write};
 
     fn tier_of(log: &TestLog) -> Arc<dyn LowerTier> {
@@ -224,7 +213,12 @@ mod tests {
         let mut seen = Vec::new();
         Arc::clone(&tier)
             .visit_records(&mut |loc, entry| {
-                seen.push((loc.is_some(), entry.put, entry.seq, entry.key))
+                seen.push((
+                    loc.is_some(),
+                    entry.kind == RecordKind::Put,
+                    entry.seq,
+                    entry.key,
+                ))
             })
             .unwrap();
         seen.sort_by_key(|s| s.2);

@@ -16,8 +16,8 @@ use crate::index::Entry;
 use crate::key::{value_checksum, KeyDigest};
 use crate::stats::Counters;
 use crate::tier::{
-    Destination, DiskLocation, Location, LowerTier, PendingBatch, ReadOutcome, RecordKind,
-    RecordedEntry, TierRead, TierUsage, TierWriter,
+    Destination, DiskLocation, Location, LowerTier, PendingBatch, ReadOutcome, RecordEntry,
+    RecordKind, TierRead, TierUsage, TierWriter,
 };
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -164,18 +164,20 @@ impl LowerTier for ModelTier {
 
     fn visit_records(
         self: Arc<Self>,
-        visit: &mut dyn FnMut(Option<Location>, RecordedEntry),
+        visit: &mut dyn FnMut(Option<Location>, RecordEntry),
     ) -> Result<()> {
         let state = self.state.lock().unwrap();
         for (&unit, values) in &state.units {
             for (&page, stored) in values {
                 visit(
                     Some(Location::new(unit, page)),
-                    RecordedEntry {
-                        put: true,
+                    RecordEntry {
+                        kind: RecordKind::Put,
                         seq: stored.seq,
                         digest: stored.digest,
+                        value_offset: 0,
                         value_len: stored.bytes.len() as u32,
+                        checksum: value_checksum(stored.digest, &stored.bytes),
                         key: stored.key.clone(),
                     },
                 );
@@ -184,11 +186,13 @@ impl LowerTier for ModelTier {
         for (digest, seq, key) in &state.removals {
             visit(
                 None,
-                RecordedEntry {
-                    put: false,
+                RecordEntry {
+                    kind: RecordKind::Tombstone,
                     seq: *seq,
                     digest: *digest,
+                    value_offset: 0,
                     value_len: 0,
+                    checksum: 0,
                     key: key.clone(),
                 },
             );

@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::events::{BlockEvent, Medium};
 use crate::key::{KeyDigest, Namespace};
 use crate::stats::Counters;
+use crate::tier::RecordKind;
 use crate::write_log::QueuedWrite;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -149,7 +150,7 @@ impl Inner {
                 if !entry.key.starts_with(&prefix) {
                     return;
                 }
-                let put = entry.put;
+                let put = entry.kind == RecordKind::Put;
                 match newest.get_mut(&entry.digest.0) {
                     Some(seen) if seen.0 >= entry.seq => {}
                     Some(seen) => *seen = (entry.seq, put, entry.key.into_boxed_slice()),

@@ -435,11 +435,11 @@ fn check_clock_for_shared(config: &Config) -> Result<()> {
     if config.shared_dir.is_none() {
         return Ok(());
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     #[cfg(feature = "test-util")]
-    let now = now.saturating_add_signed(config.clock_offset_secs.saturating_mul(1_000_000_000));
+    let offset = config.clock_offset_secs.saturating_mul(1_000_000_000);
+    #[cfg(not(feature = "test-util"))]
+    let offset = 0;
+    let now = crate::write_log::raw_clock_nanos(offset);
     if (EARLIEST_PLAUSIBLE_CLOCK_NANOS..LATEST_PLAUSIBLE_CLOCK_NANOS).contains(&now) {
         return Ok(());
     }

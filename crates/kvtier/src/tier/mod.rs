@@ -171,19 +171,6 @@ impl std::fmt::Debug for TierRead {
     }
 }
 
-/// One entry a tier recorded, as a scan of it shows it (the namespace
-/// census and retirement).
-#[derive(Debug)]
-pub(crate) struct RecordedEntry {
-    /// A put (a tombstone otherwise).
-    pub put: bool,
-    pub seq: u64,
-    pub digest: KeyDigest,
-    pub value_len: u32,
-    /// The qualified key.
-    pub key: Vec<u8>,
-}
-
 /// What a tier reports of itself (`Store::stats`).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TierUsage {
@@ -262,7 +249,7 @@ pub(crate) trait LowerTier: Send + Sync + std::fmt::Debug {
     /// it saw.
     fn visit_records(
         self: Arc<Self>,
-        visit: &mut dyn FnMut(Option<Location>, RecordedEntry),
+        visit: &mut dyn FnMut(Option<Location>, RecordEntry),
     ) -> Result<()>;
 
     /// Where `loc`'s bytes lie in a file, for tools that read the files
