@@ -76,6 +76,14 @@ impl GuessBudget {
         self.take_turn(deadline, &never) && self.refusal_pause(&never)
     }
 
+    /// A full bucket again: for tests that check a refusal after spending
+    /// the burst, without waiting a second.
+    #[doc(hidden)]
+    pub fn refill(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        *state = (self.rate, Instant::now());
+    }
+
     /// Refused credentials so far, on every surface.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)

@@ -21,8 +21,9 @@ pub(crate) struct Shared {
     pub metrics: Arc<Metrics>,
     /// Connection slots, before and after hello.
     pub admission: trust::Admission,
-    /// Token comparisons that may fail, server-wide.
-    pub guesses: trust::GuessBudget,
+    /// Every budget a peer draws on, split between principals, and the
+    /// guess budget every login spends from.
+    pub governor: Arc<kvtier_governor::Governor>,
     /// Bytes of shared memory registered by all connections.
     pub registered: Arc<Budget>,
     /// Shared buffers registered by all connections (each is a mapping).

@@ -149,14 +149,20 @@ impl Server {
                 limits.peer_timeout,
             ))
         });
+        let governor = kvtier_governor::Governor::new(
+            config.tenants.len(),
+            limits.shares(),
+            kvtier_governor::GuessBudget::new(
+                limits.max_failed_hellos_per_second,
+                limits.failed_auth_delay,
+            ),
+        );
         Ok(Server {
             shared: Arc::new(Shared {
                 peers,
                 admission: trust::Admission::new(limits),
-                guesses: trust::GuessBudget::new(
-                    limits.max_failed_hellos_per_second,
-                    limits.failed_auth_delay,
-                ),
+                metrics: Arc::new(Metrics::governed(&governor)),
+                governor,
                 registered: Budget::new(limits.max_registered_bytes_total),
                 registered_buffers: Budget::new(limits.max_registered_buffers_total as u64),
                 receiving,
@@ -167,7 +173,6 @@ impl Server {
                 auth,
                 config,
                 stopping: Arc::new(AtomicBool::new(false)),
-                metrics: Arc::new(Metrics::default()),
                 refusal_log: RateLimitedWarning::default(),
                 namespace_use: Default::default(),
             }),
@@ -177,6 +182,12 @@ impl Server {
     /// A flag that stops the server when set.
     pub fn stop_flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.shared.stopping)
+    }
+
+    /// The governor every listener of this server draws on (the KV-event
+    /// feed's too, where a node runs one).
+    pub fn governor(&self) -> Arc<kvtier_governor::Governor> {
+        Arc::clone(&self.shared.governor)
     }
 
     pub fn metrics(&self) -> Arc<Metrics> {

@@ -98,6 +98,10 @@ pub struct Limits {
     /// each tenant may always reach an even split whatever the others hold
     /// (`TenantPool`). Default: 25.
     pub tenant_reserve_percent: u8,
+    /// The most of any governed budget that unauthenticated peers together
+    /// may hold, in percent (they have no floor: they never take room a
+    /// tenant's floor needs). Default: 25.
+    pub anonymous_share_percent: u8,
     /// Pause before a refused hello is answered, so a token cannot be
     /// guessed at the speed of the network. Default: 1 s.
     pub failed_auth_delay: Duration,
@@ -140,6 +144,7 @@ impl Default for Limits {
             buffer_wait: Duration::from_secs(2),
             tenant_share_percent: 50,
             tenant_reserve_percent: 25,
+            anonymous_share_percent: 25,
             failed_auth_delay: Duration::from_secs(1),
             max_admin_connections: 256,
             admin_timeout: Duration::from_secs(5),
@@ -178,6 +183,15 @@ pub const MIN_LOBBY: usize = 64;
 pub const MIN_CONNECTIONS: usize = 16;
 
 impl Limits {
+    /// How the governor splits every budget between principals.
+    pub fn shares(&self) -> kvtier_governor::Shares {
+        kvtier_governor::Shares {
+            reserve_percent: self.tenant_reserve_percent,
+            tenant_share_percent: self.tenant_share_percent,
+            anonymous_percent: self.anonymous_share_percent,
+        }
+    }
+
     /// Descriptors the connection caps together may hold: one socket per
     /// connection of any kind (a registered shared buffer holds none), and
     /// a second handle on each connection waiting for its hello (to close

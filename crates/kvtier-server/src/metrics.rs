@@ -44,7 +44,9 @@ pub struct Metrics {
     pub connections_open: AtomicU64,
     pub connections_total: AtomicU64,
     pub protocol_errors: AtomicU64,
-    pub auth_failures: AtomicU64,
+    /// The governor whose guess budget counts refused logins on every
+    /// surface (`auth_failures`); none in tests that make bare metrics.
+    pub governor: Option<Arc<kvtier_governor::Governor>>,
     /// Connections refused at the connection cap.
     pub connections_refused: AtomicU64,
     /// Connections dropped by a deadline: handshake, idle or a slow frame.
@@ -183,6 +185,20 @@ pub struct Sample {
 }
 
 impl Metrics {
+    /// Metrics of a server governed by `governor`.
+    pub fn governed(governor: &Arc<kvtier_governor::Governor>) -> Metrics {
+        Metrics {
+            governor: Some(Arc::clone(governor)),
+            ..Metrics::default()
+        }
+    }
+
+    /// Logins refused for a wrong or missing credential, on every surface
+    /// that spends from the governor's guess budget.
+    pub fn auth_failures(&self) -> u64 {
+        self.governor.as_ref().map_or(0, |g| g.guesses().refused())
+    }
+
     /// Counts one request of `op` (a header's code: an unknown one is a
     /// protocol error, counted there, not here).
     pub fn record(&self, op: u16, elapsed: Duration, sample: Sample) {
@@ -269,7 +285,7 @@ impl Metrics {
                 "connections": self.connections_open.load(Ordering::Relaxed),
                 "connections_total": self.connections_total.load(Ordering::Relaxed),
                 "protocol_errors": self.protocol_errors.load(Ordering::Relaxed),
-                "auth_failures": self.auth_failures.load(Ordering::Relaxed),
+                "auth_failures": self.auth_failures(),
                 "connections_refused": self.connections_refused.load(Ordering::Relaxed),
                 "connections_timed_out": self.connections_timed_out.load(Ordering::Relaxed),
                 "lobby_closed": self.lobby_closed.load(Ordering::Relaxed),
@@ -975,7 +991,7 @@ impl Collector for ServerCollector {
             "kvtier_auth_failures",
             "Hellos and admin requests refused for a wrong or missing token.",
             None,
-            load(&m.auth_failures),
+            m.auth_failures(),
         )?;
         counter(
             &mut e,

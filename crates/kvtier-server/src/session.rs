@@ -418,7 +418,7 @@ impl State<'_> {
                     token_id,
                     member,
                     shared.store.node_id(),
-                    &shared.guesses,
+                    shared.governor.guesses(),
                     self.hello_deadline,
                     &|| slot.closed_for_newcomer(),
                 ) {
@@ -429,7 +429,7 @@ impl State<'_> {
                         Reply::ok(reply)
                     }
                     Err(why) => {
-                        shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        shared.governor.guesses().count_refusal();
                         Reply::error(code::UNAUTHORIZED, why).closing()
                     }
                 };
@@ -655,18 +655,18 @@ impl State<'_> {
         let scope = match shared.auth.admit_hello(
             &self.peer,
             &credential,
-            &shared.guesses,
+            shared.governor.guesses(),
             self.hello_deadline,
             &|| slot.closed_for_newcomer(),
         ) {
             Ok(scope) => scope,
             Err(why) => {
-                shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                shared.governor.guesses().count_refusal();
                 return Reply::error(code::UNAUTHORIZED, why).closing();
             }
         };
         if let Some(why) = scope.refuses_namespace(namespace) {
-            shared.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            shared.governor.guesses().count_refusal();
             return Reply::error(code::UNAUTHORIZED, why).closing();
         }
         if let crate::trust::Scope::Tenant { name, .. } = &scope {

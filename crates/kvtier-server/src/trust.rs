@@ -339,75 +339,7 @@ impl Admission {
     }
 }
 
-/// Refused token comparisons, server-wide: a token bucket of `rate` turns
-/// a second (burst: one second's worth). A comparison that does not match
-/// is answered only once it gets a turn (and after `delay`), so no number
-/// of parallel connections learns the answers to guesses faster than
-/// `rate` a second; one that matches is answered at once and spends none,
-/// so guessers cannot hold a client with the right token back.
-#[derive(Debug)]
-pub struct GuessBudget {
-    state: Mutex<(f64, Instant)>,
-    rate: f64,
-    /// Pause before a refusal is answered.
-    pub delay: Duration,
-}
-
-impl GuessBudget {
-    pub fn new(per_second: u32, delay: Duration) -> GuessBudget {
-        let rate = f64::from(per_second.max(1));
-        GuessBudget {
-            state: Mutex::new((rate, Instant::now())),
-            rate,
-            delay,
-        }
-    }
-
-    /// Waits for a turn until `deadline`; `false` past it, or as soon as
-    /// `cancelled` says so (the connection was closed for a newcomer).
-    pub fn take_turn(&self, deadline: Instant, cancelled: &dyn Fn() -> bool) -> bool {
-        loop {
-            let now = Instant::now();
-            let wait = {
-                let mut state = self.state.lock().unwrap();
-                let (tokens, last) = *state;
-                let tokens = (tokens + now.duration_since(last).as_secs_f64() * self.rate)
-                    .min(self.rate.max(1.0));
-                if tokens >= 1.0 {
-                    *state = (tokens - 1.0, now);
-                    return true;
-                }
-                *state = (tokens, now);
-                Duration::from_secs_f64((1.0 - tokens) / self.rate)
-            };
-            if now + wait > deadline || !pause(wait, cancelled) {
-                return false;
-            }
-        }
-    }
-
-    /// The pause before a refusal is answered; `false` if `cancelled`
-    /// cut it short.
-    pub fn refusal_pause(&self, cancelled: &dyn Fn() -> bool) -> bool {
-        pause(self.delay, cancelled)
-    }
-}
-
-/// Sleeps `length` in slices of at most 10 ms, stopping early (`false`)
-/// when `cancelled` says so.
-fn pause(length: Duration, cancelled: &dyn Fn() -> bool) -> bool {
-    let end = Instant::now() + length;
-    loop {
-        if cancelled() {
-            return false;
-        }
-        let now = Instant::now();
-        if now >= end {
-            return true;
-        }
-        std::thread::sleep((end - now).min(Duration::from_millis(10)));
-    }
-}
+pub use kvtier_governor::GuessBudget;
 
 /// Shortest token accepted.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -1212,7 +1144,7 @@ mod tests {
             assert!(auth
                 .admit_hello(&peer, &credential, &guesses, deadline, &|| false)
                 .is_err());
-            guesses.state.lock().unwrap().0 = 1.0;
+            guesses.refill();
         }
         // Another token: refused, and it spends the only turn, so the next
         // guess before the deadline finds none.
@@ -1300,9 +1232,9 @@ mod tests {
         };
         assert_eq!(hello(&issued, &good), Ok(Scope::Full));
         // The member-bound hello proof is not the plain one.
-        guesses.state.lock().unwrap().0 = 1.0;
+        guesses.refill();
         assert!(hello(&issued, &key.client_proof(&cn, &sn, "ns")).is_err());
-        guesses.state.lock().unwrap().0 = 1.0;
+        guesses.refill();
         // Meant for C, relayed to D: D states and proves D (the client sees
         // it is not C), and refuses any hello after it.
         let (issued, sn, proof, stated) = answer("member-c");
@@ -1312,7 +1244,7 @@ mod tests {
             &key.server_proof_as(&cn, &sn, "member-c")
         ));
         assert!(hello(&issued, &key.client_proof_for(&cn, &sn, "ns", "member-c")).is_err());
-        guesses.state.lock().unwrap().0 = 1.0;
+        guesses.refill();
         assert!(hello(&issued, &key.client_proof_for(&cn, &sn, "ns", "member-d")).is_err());
     }
 

@@ -188,10 +188,7 @@ impl Admin {
             .auth
             .admits_admin_request(self.needs_token, authorization)
         {
-            self.shared
-                .metrics
-                .auth_failures
-                .fetch_add(1, Ordering::Relaxed);
+            self.shared.governor.guesses().count_refusal();
             return text(
                 StatusCode::UNAUTHORIZED,
                 "this admin endpoint is off loopback: send Authorization: Bearer <token>\n",
