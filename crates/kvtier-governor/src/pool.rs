@@ -262,6 +262,20 @@ pub struct Grant {
 }
 
 impl Grant {
+    /// A grant of `amount` for `who`, counted at once even past the limit:
+    /// for a newcomer that closed a waiting holder of `pool` to make room,
+    /// so nobody arriving before that holder lets go takes the room it
+    /// made. The caller bounds how many such grants exist (one per holder
+    /// closed, and a holder is closed once).
+    pub fn displacing(pool: &Arc<Pool>, who: Principal, amount: u64) -> Grant {
+        let mut grant = pool.empty(who);
+        let mut held = pool.lock();
+        let slot = held.slot(who);
+        *slot = slot.saturating_add(amount);
+        grant.amount = amount;
+        grant
+    }
+
     pub fn amount(&self) -> u64 {
         self.amount
     }

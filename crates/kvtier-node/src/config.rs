@@ -130,6 +130,7 @@ pub struct NodeConfig {
     pub max_buffer_bytes: Option<Size>,
     pub tenant_share_percent: Option<u8>,
     pub tenant_reserve_percent: Option<u8>,
+    pub anonymous_share_percent: Option<u8>,
     pub max_admin_connections: Option<usize>,
     pub admin_timeout: Option<f64>,
     pub peer_timeout: Option<f64>,
@@ -427,6 +428,12 @@ impl NodeConfig {
                 ));
             }
             limits.tenant_reserve_percent = percent;
+        }
+        if let Some(percent) = self.anonymous_share_percent {
+            if !(1..=100).contains(&percent) {
+                return Err(format!("anonymous_share_percent {percent}: give 1 to 100"));
+            }
+            limits.anonymous_share_percent = percent;
         }
         if let Some(Size(bytes)) = self.max_receiving {
             limits.max_receiving_bytes = Some(bytes);

@@ -5,7 +5,7 @@
 
 use crate::limits::{self, Budget};
 use crate::metrics::Metrics;
-use crate::{trust, Auth, ServerConfig};
+use crate::{Auth, ServerConfig};
 use kvtier::Store;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -20,7 +20,7 @@ pub(crate) struct Shared {
     pub stopping: Arc<AtomicBool>,
     pub metrics: Arc<Metrics>,
     /// Connection slots, before and after hello.
-    pub admission: trust::Admission,
+    pub admission: crate::admission::Admission,
     /// Every budget a peer draws on, split between principals, and the
     /// guess budget every login spends from.
     pub governor: Arc<kvtier_governor::Governor>,

@@ -14,6 +14,7 @@
 //! Why threads and not an async runtime: see docs/server.md.
 
 mod admin;
+mod admission;
 mod config;
 mod context;
 mod handlers;
@@ -160,7 +161,7 @@ impl Server {
         Ok(Server {
             shared: Arc::new(Shared {
                 peers,
-                admission: trust::Admission::new(limits),
+                admission: admission::Admission::new(limits, &governor),
                 metrics: Arc::new(Metrics::governed(&governor)),
                 governor,
                 registered: Budget::new(limits.max_registered_bytes_total),
@@ -421,15 +422,17 @@ fn start_connection(
     connections: &mut Vec<JoinHandle<()>>,
 ) {
     let closer = (!peer.trusted_by_credentials)
-        .then(|| trust::Closer::of(&transport))
+        .then(|| admission::Closer::of(&transport))
         .flatten();
-    // A first message that names a token this server holds: a token
-    // holder, never closed to make room for a newcomer.
-    let proven =
-        lobby::challenged_token_id(&transport).is_some_and(|id| shared.auth.names_held_token(&id));
+    // A first message that names a token this server holds waits as that
+    // token's principal, within its share; any other as unauthenticated.
+    let principal = lobby::challenged_token_id(&transport)
+        .map_or(kvtier_governor::Principal::Anonymous, |id| {
+            shared.auth.principal_of_token_id(&id)
+        });
     let admitted = shared
         .admission
-        .admit_connection(&peer, addr, closer, proven);
+        .admit_connection(&peer, addr, closer, principal);
     shared
         .metrics
         .pending_closed
@@ -460,12 +463,8 @@ fn serve_connection(
     shared: &Shared,
     transport: Transport,
     peer: trust::Peer,
-    mut slot: trust::Slot,
+    slot: admission::Slot,
 ) {
-    // A connection that closed another to make room waits for its share.
-    if !slot.settle(shared.config.limits.handshake_timeout) {
-        return;
-    }
     shared
         .metrics
         .connections_open

@@ -59,7 +59,7 @@ struct State<'a> {
     /// The peer, as `trust` sees it before the hello.
     peer: crate::trust::Peer,
     /// The connection's slot: pending until the hello succeeds.
-    slot: crate::trust::Slot,
+    slot: crate::admission::Slot,
     /// What the hello opened (before it: nothing is served anyway).
     scope: crate::trust::Scope,
     /// When the hello must be done by.
@@ -109,7 +109,7 @@ impl<'a> Session<'a> {
         shared: &'a Shared,
         transport: Transport,
         peer: crate::trust::Peer,
-        slot: crate::trust::Slot,
+        slot: crate::admission::Slot,
     ) -> Self {
         let hello_deadline = Instant::now() + shared.config.limits.handshake_timeout;
         Session {
@@ -424,8 +424,6 @@ impl State<'_> {
                 ) {
                     Ok((issued, reply)) => {
                         self.challenge = Some(issued);
-                        // It holds a token's name: never closed for a newcomer.
-                        self.slot.mark_proven();
                         Reply::ok(reply)
                     }
                     Err(why) => {
@@ -680,8 +678,9 @@ impl State<'_> {
                 self.receiving = receiving.clone();
             }
         }
+        let principal = shared.auth.principal_of(&scope);
         self.scope = scope;
-        if let Err(why) = shared.admission.admit_hello(&mut self.slot) {
+        if let Err(why) = shared.admission.admit_hello(&mut self.slot, principal) {
             shared
                 .metrics
                 .connections_refused

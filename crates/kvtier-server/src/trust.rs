@@ -23,322 +23,18 @@
 //! match ([`GuessBudget`]), and a refused hello is answered only after
 //! `Limits::failed_auth_delay`.
 
-use crate::limits::{Budget, Limits, Permit};
+use kvtier_governor::Principal;
 use kvtier_wire::proof::{self, TokenKey};
 use kvtier_wire::transport::Transport;
-use std::collections::HashMap;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use subtle::ConstantTimeEq;
 
-/// A connection's peer, as far as trust goes.
-#[derive(Debug, Clone, Copy)]
-pub struct Peer {
-    /// Connected over the Unix socket.
-    pub unix: bool,
-    /// Its kernel credentials (SO_PEERCRED) name the server's user or root.
-    pub trusted_by_credentials: bool,
-    /// The process that connected (SO_PEERCRED, in this server's pid
-    /// namespace; `None` over TCP or where the kernel gives none): the only
-    /// process whose memory cross-memory transfers of this connection touch.
-    pub pid: Option<i32>,
-}
-
-/// Where each connection's slot comes from, before and after its hello.
-///
-/// A peer trusted by its credentials (a Unix peer of the server's user)
-/// is admitted at accept, into `max_connections` or, when that is full,
-/// the slots reserved for it. Every other connection waits for its hello
-/// in the small pending budget (and, over TCP, within its address's cap),
-/// and moves into `max_connections` only when its hello succeeds: idle or
-/// slow unauthenticated sockets can fill the pending budget, never the
-/// slots of those who authenticated.
-///
-/// A full pending budget does not refuse a newcomer while some waiting
-/// connection has not yet proven anything: the oldest such one is closed
-/// (its socket shut down) and the newcomer takes its slot once its thread
-/// lets go. A connection proves itself by a challenge that names a token
-/// this server holds; those are never closed for a newcomer. So a flood
-/// of connections that send a byte and stall cannot keep a client that
-/// holds the token from its hello.
-#[derive(Debug)]
-pub struct Admission {
-    pending: Arc<Budget>,
-    admitted: Arc<Budget>,
-    local_reserve: Arc<Budget>,
-    per_address: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    per_address_limit: usize,
-    waiting: Arc<Mutex<Waiting>>,
-}
-
-/// Connections waiting for their hello, oldest first: how to close each,
-/// and whether it has proven itself.
-#[derive(Debug, Default)]
-struct Waiting {
-    next: u64,
-    entries: std::collections::BTreeMap<u64, WaitingEntry>,
-    /// Connections closed to make room, over the server's life.
-    evicted: u64,
-}
-
-#[derive(Debug)]
-struct WaitingEntry {
-    closer: Option<Closer>,
-    proven: bool,
-    addr: Option<IpAddr>,
-}
-
-/// Closes the oldest waiting connection that has proven nothing (of
-/// `addr`, when given); `false` when there is none.
-fn close_oldest_unproven(waiting: &mut Waiting, addr: Option<IpAddr>) -> bool {
-    let victim = waiting
-        .entries
-        .iter()
-        .find(|(_, e)| !e.proven && e.closer.is_some() && (addr.is_none() || e.addr == addr))
-        .map(|(id, _)| *id);
-    let Some(victim) = victim else {
-        return false;
-    };
-    let entry = waiting.entries.remove(&victim).expect("found above");
-    if let Some(closer) = &entry.closer {
-        closer.shut_down();
-    }
-    waiting.evicted += 1;
-    true
-}
-
-/// A second handle on a waiting connection's socket, to shut it down
-/// from the accept thread (its own thread then sees the end at once).
-#[derive(Debug)]
-pub enum Closer {
-    Tcp(std::net::TcpStream),
-    Unix(std::os::unix::net::UnixStream),
-}
-
-impl Closer {
-    /// A handle on `transport`'s socket, if it can be duplicated.
-    pub fn of(transport: &Transport) -> Option<Closer> {
-        match transport {
-            Transport::Tcp(s) => s.try_clone().ok().map(Closer::Tcp),
-            Transport::TlsServer(tls) => tls.sock.try_clone().ok().map(Closer::Tcp),
-            Transport::TlsClient(tls) => tls.sock.try_clone().ok().map(Closer::Tcp),
-            Transport::Unix(s) => s.try_clone().ok().map(Closer::Unix),
-        }
-    }
-
-    fn shut_down(&self) {
-        let _ = match self {
-            Closer::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
-            Closer::Unix(s) => s.shutdown(std::net::Shutdown::Both),
-        };
-    }
-}
-
-/// A connection's slot: given back, with its address's count, on drop.
-#[derive(Debug)]
-pub struct Slot {
-    permit: Permit,
-    admitted: bool,
-    /// Its entry among the waiting connections, until its hello.
-    waiting: Option<(u64, Arc<Mutex<Waiting>>)>,
-    /// It took the slot of a connection it closed: its permit is taken
-    /// once that connection's thread lets go (`Slot::settle`).
-    unsettled: bool,
-    _address: Option<AddressCount>,
-}
-
-impl Slot {
-    /// A slot that displaced another waits here (on its own thread) for
-    /// the displaced connection to give its share back; `false` if it did
-    /// not within `wait` (the connection is then closed).
-    pub fn settle(&mut self, wait: Duration) -> bool {
-        if !self.unsettled {
-            return true;
-        }
-        self.unsettled = !self.permit.set_within(1, wait);
-        !self.unsettled
-    }
-
-    /// Whether the server closed this waiting connection to make room for
-    /// a newcomer (its waits end at once then).
-    pub fn closed_for_newcomer(&self) -> bool {
-        self.waiting
-            .as_ref()
-            .is_some_and(|(id, waiting)| !waiting.lock().unwrap().entries.contains_key(id))
-    }
-
-    /// The connection named a token this server holds (its challenge was
-    /// answered): it is never closed to make room.
-    pub fn mark_proven(&self) {
-        if let Some((id, waiting)) = &self.waiting {
-            if let Some(entry) = waiting.lock().unwrap().entries.get_mut(id) {
-                entry.proven = true;
-            }
-        }
-    }
-
-    fn leave_waiting(&mut self) {
-        if let Some((id, waiting)) = self.waiting.take() {
-            waiting.lock().unwrap().entries.remove(&id);
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.leave_waiting();
-    }
-}
-
-#[derive(Debug)]
-struct AddressCount {
-    addr: IpAddr,
-    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
-}
-
-impl Drop for AddressCount {
-    fn drop(&mut self) {
-        let mut counts = self.counts.lock().unwrap();
-        if let Some(n) = counts.get_mut(&self.addr) {
-            *n -= 1;
-            if *n == 0 {
-                counts.remove(&self.addr);
-            }
-        }
-    }
-}
-
-impl Admission {
-    pub fn new(limits: &Limits) -> Admission {
-        Admission {
-            pending: Budget::new(limits.max_pending_connections as u64),
-            admitted: Budget::new(limits.max_connections as u64),
-            local_reserve: Budget::new(limits.reserved_local_connections as u64),
-            per_address: Arc::default(),
-            per_address_limit: limits.max_connections_per_address,
-            waiting: Arc::default(),
-        }
-    }
-
-    fn close_oldest_unproven(&self, addr: Option<IpAddr>) -> bool {
-        close_oldest_unproven(&mut self.waiting.lock().unwrap(), addr)
-    }
-
-    /// Connections closed so far to make room for newcomers.
-    pub fn evicted(&self) -> u64 {
-        self.waiting.lock().unwrap().evicted
-    }
-
-    /// A new connection's slot, or why it is refused (answered with LIMIT).
-    /// `closer` lets the server close it later to make room (see the type).
-    pub fn admit_connection(
-        &self,
-        peer: &Peer,
-        addr: Option<IpAddr>,
-        closer: Option<Closer>,
-        proven: bool,
-    ) -> Result<Slot, String> {
-        let address = match addr {
-            Some(addr) => {
-                let mut counts = self.per_address.lock().unwrap();
-                let n = counts.entry(addr).or_insert(0);
-                // At its cap, the address's oldest connection that proved
-                // nothing makes room (a token holder shares its address
-                // with whoever floods from it); only proven ones refuse.
-                if *n >= self.per_address_limit && !self.close_oldest_unproven(Some(addr)) {
-                    return Err(format!(
-                        "{addr} has {} connections open, the most one address may \
-                         (max_connections_per_address); retry later",
-                        self.per_address_limit
-                    ));
-                }
-                *n += 1;
-                Some(AddressCount {
-                    addr,
-                    counts: Arc::clone(&self.per_address),
-                })
-            }
-            None => None,
-        };
-        if peer.trusted_by_credentials {
-            let permit = self
-                .admitted
-                .try_take(1)
-                .or_else(|| self.local_reserve.try_take(1))
-                .ok_or_else(|| self.full_message())?;
-            return Ok(Slot {
-                permit,
-                admitted: true,
-                waiting: None,
-                unsettled: false,
-                _address: address,
-            });
-        }
-        let mut waiting = self.waiting.lock().unwrap();
-        let (permit, unsettled) = match self.pending.try_take(1) {
-            Some(permit) => (permit, false),
-            None => {
-                // Full: close the oldest connection that has proven nothing
-                // and take its share when its thread lets go.
-                if !close_oldest_unproven(&mut waiting, None) {
-                    return Err(format!(
-                        "the server has {} connections waiting for their hello, the most it \
-                         allows (max_pending_connections), all of them proven; retry later",
-                        self.pending.limit()
-                    ));
-                }
-                (self.pending.empty_permit(), true)
-            }
-        };
-        let id = waiting.next;
-        waiting.next += 1;
-        waiting.entries.insert(
-            id,
-            WaitingEntry {
-                closer,
-                proven,
-                addr,
-            },
-        );
-        drop(waiting);
-        Ok(Slot {
-            permit,
-            admitted: false,
-            waiting: Some((id, Arc::clone(&self.waiting))),
-            unsettled,
-            _address: address,
-        })
-    }
-
-    /// Moves a connection whose hello succeeded into `max_connections`.
-    pub fn admit_hello(&self, slot: &mut Slot) -> Result<(), String> {
-        if slot.admitted {
-            return Ok(());
-        }
-        slot.permit = self
-            .admitted
-            .try_take(1)
-            .ok_or_else(|| self.full_message())?;
-        slot.admitted = true;
-        slot.unsettled = false;
-        slot.leave_waiting();
-        Ok(())
-    }
-
-    fn full_message(&self) -> String {
-        format!(
-            "the server has {} connections open, the most it allows (max_connections); retry \
-             later",
-            self.admitted.limit()
-        )
-    }
-}
-
+pub use crate::admission::Peer;
 pub use kvtier_governor::GuessBudget;
 
 /// Shortest token accepted.
@@ -724,6 +420,33 @@ impl Auth {
             || self.tenants.iter().any(|t| t.key.id() == *token_id)
     }
 
+    /// The principal a challenge naming `token_id` is charged to while it
+    /// waits for its hello; unauthenticated peers when no token of this
+    /// server has that name.
+    pub fn principal_of_token_id(&self, token_id: &[u8; proof::TOKEN_ID_LEN]) -> Principal {
+        if self.token_key.as_ref().is_some_and(|k| k.id() == *token_id) {
+            return Principal::Server;
+        }
+        self.tenants
+            .iter()
+            .position(|t| t.key.id() == *token_id)
+            .map_or(Principal::Anonymous, Principal::Tenant)
+    }
+
+    /// The principal a connection of `scope` is charged to: the server's
+    /// own for the full scope, the tenant's (by its place in the tenants
+    /// file, as the governor counts them) otherwise.
+    pub fn principal_of(&self, scope: &Scope) -> Principal {
+        match scope {
+            Scope::Full => Principal::Server,
+            Scope::Tenant { name, .. } => self
+                .tenants
+                .iter()
+                .position(|t| &t.name == name)
+                .map_or(Principal::Anonymous, Principal::Tenant),
+        }
+    }
+
     pub fn has_token(&self) -> bool {
         self.token.is_some()
     }
@@ -1006,6 +729,7 @@ fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+    use std::time::Duration;
 
     #[test]
     fn tenant_prefixes_cover_whole_components_only() {

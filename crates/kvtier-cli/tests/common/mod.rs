@@ -119,6 +119,17 @@ pub fn read_reply(stream: &mut impl Read) -> (i32, Vec<u8>) {
     (status, body)
 }
 
+/// Reads one response frame, or `None` when the connection ends first.
+pub fn try_read_reply(stream: &mut impl Read) -> Option<(i32, Vec<u8>)> {
+    let mut head = [0u8; HEADER_LEN];
+    stream.read_exact(&mut head).ok()?;
+    let len = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
+    let status = i32::from_le_bytes(head[20..24].try_into().unwrap());
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).ok()?;
+    Some((status, body))
+}
+
 /// A memfd of `len` bytes with `seals` added (0: none), as a client
 /// would register one.
 pub fn memfd(len: i64, seals: i32) -> OwnedFd {

@@ -8,6 +8,7 @@ mod common;
 
 mod cross_memory;
 mod descriptors;
+mod governor;
 mod hostile_clients;
 mod lockout;
 mod namespaces;
