@@ -23,11 +23,12 @@ use crate::error::Error;
 use crate::io::{AlignedBuf, ReadOp};
 use crate::key::ValueChecksum;
 use crate::units::{page_round_up, PAGE_SIZE};
+use kvtier_governor::{Grant, Pool, Principal, Shares};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-use streamed::{finish_streamed, Stream};
+use streamed::{finish_streamed, Stream, STREAM_PIECE, STREAM_PIECES};
 
 /// Bounded batches that may be held past their deadline at once before
 /// new ones answer misses without reading: each holds a thread (parked in
@@ -36,6 +37,16 @@ pub(crate) const MAX_STUCK_BATCHES: u64 = 64;
 /// Buffer bytes that may be held by reads past their deadline before new
 /// bounded batches answer misses without reading.
 pub(crate) const MAX_STUCK_BYTES: u64 = 1 << 30;
+/// Bounded batches that may be running at once, each on its thread: a
+/// batch takes its permit before its thread starts and its thread gives it
+/// back when it leaves, so the cap counts every thread, those past their
+/// deadline too. A batch that finds none waits for one within its
+/// deadline, then answers misses.
+pub(crate) const MAX_RUNNING_BATCHES: u64 = 64;
+/// Buffer bytes the running bounded batches may hold together (a direct
+/// batch its values' bounce buffers, a streamed one its ring); a batch
+/// larger than this takes all of it.
+pub(crate) const MAX_RUNNING_BYTES: u64 = 1 << 30;
 
 /// What the disk tier's bounded reads have seen of stalls, for stats.
 #[derive(Debug, Default)]
@@ -53,6 +64,56 @@ struct Stuck {
     bytes: u64,
     /// When the oldest batch still held past its deadline was given up.
     since: Option<Instant>,
+    /// A read passed its deadline and no read has answered in time since:
+    /// new batches answer misses at once, but one at a time is let through
+    /// as a probe, and its answering in time (or every held read coming
+    /// back) ends this.
+    tripped: bool,
+    /// The probe is running.
+    probing: bool,
+}
+
+impl Stuck {
+    /// Counts a batch given up at its deadline, holding `bytes`, and trips
+    /// the breaker; `true` when it is the first held since all answered.
+    fn hold(&mut self, bytes: u64, now: Instant) -> bool {
+        self.batches += 1;
+        self.bytes += bytes;
+        self.since.get_or_insert(now);
+        self.tripped = true;
+        self.batches == 1
+    }
+}
+
+/// The one batch let through while the breaker is tripped: when it is
+/// dropped the next batch may probe, and if it answered in time the
+/// breaker closes.
+pub(super) struct Probe {
+    stuck: Arc<Mutex<Stuck>>,
+    answered: bool,
+}
+
+impl Probe {
+    fn answered(&mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let mut stuck = self.stuck.lock().unwrap();
+        stuck.probing = false;
+        if self.answered {
+            stuck.tripped = false;
+        }
+    }
+}
+
+/// What a running batch's thread holds of the running budgets; given back
+/// when the thread leaves.
+pub(super) struct RunningPermit {
+    _batch: Grant,
+    _bytes: Grant,
 }
 
 /// The bounded reader of one disk tier.
@@ -62,6 +123,47 @@ pub(crate) struct BoundedReads {
     deadline: Duration,
     stuck: Arc<Mutex<Stuck>>,
     pub counters: Arc<StallCounters>,
+    /// Batches running now, and their buffer bytes (`MAX_RUNNING_*`).
+    running: Arc<RunningBudgets>,
+}
+
+/// The budgets of running batches (`MAX_RUNNING_BATCHES`,
+/// `MAX_RUNNING_BYTES`).
+pub(super) struct RunningBudgets {
+    batches: Arc<Pool>,
+    bytes: Arc<Pool>,
+}
+
+impl std::fmt::Debug for RunningBudgets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RunningBudgets({} batches, {} bytes)",
+            self.batches.used(),
+            self.bytes.used()
+        )
+    }
+}
+
+impl RunningBudgets {
+    fn new() -> Arc<RunningBudgets> {
+        Arc::new(RunningBudgets {
+            batches: running_budget("bounded reads", MAX_RUNNING_BATCHES),
+            bytes: running_budget("bounded read bytes", MAX_RUNNING_BYTES),
+        })
+    }
+
+    /// The permit for a batch of `bytes`, waiting for it until `deadline`.
+    pub(super) fn permit(&self, bytes: u64, deadline: Instant) -> Option<RunningPermit> {
+        let wait = || deadline.saturating_duration_since(Instant::now());
+        let batch = self.batches.take_within(Principal::Server, 1, wait())?;
+        let bytes = bytes.min(self.bytes.limit());
+        let bytes = self.bytes.take_within(Principal::Server, bytes, wait())?;
+        Some(RunningPermit {
+            _batch: batch,
+            _bytes: bytes,
+        })
+    }
 }
 
 enum JobState {
@@ -91,12 +193,14 @@ enum Started {
         stuck: Arc<Mutex<Stuck>>,
         counters: Arc<StallCounters>,
         reader: Arc<ValueReader>,
+        probe: Option<Probe>,
     },
     /// Values of buffered files, streamed piece by piece.
     Streaming {
         stream: Stream,
         deadline: Instant,
         limit: Duration,
+        probe: Option<Probe>,
     },
     /// Not started: too many reads are held past their deadline.
     Refused(Arc<StallCounters>),
@@ -111,7 +215,35 @@ impl BoundedReads {
             deadline,
             stuck: Arc::default(),
             counters: Arc::default(),
+            running: RunningBudgets::new(),
         }
+    }
+
+    /// Whether a new batch may start: `Err` when the breaker is tripped and
+    /// another batch is probing (answer misses at once), `Ok(Some)` when
+    /// this batch is the probe.
+    fn admit(&self) -> Result<Option<Probe>, ()> {
+        let mut stuck = self.stuck.lock().unwrap();
+        if stuck.batches >= MAX_STUCK_BATCHES || stuck.bytes >= MAX_STUCK_BYTES {
+            return Err(());
+        }
+        if !stuck.tripped {
+            return Ok(None);
+        }
+        if stuck.probing {
+            return Err(());
+        }
+        stuck.probing = true;
+        Ok(Some(Probe {
+            stuck: Arc::clone(&self.stuck),
+            answered: false,
+        }))
+    }
+
+    /// Batches running now (their threads), and their buffer bytes.
+    #[cfg(test)]
+    pub(crate) fn running(&self) -> (u64, u64) {
+        (self.running.batches.used(), self.running.bytes.used())
     }
 
     /// Batches held past their deadline now, and their buffer bytes.
@@ -125,14 +257,26 @@ impl BoundedReads {
         if reads.iter().all(Option::is_none) {
             return Pending(Started::Empty);
         }
-        {
-            let stuck = self.stuck.lock().unwrap();
-            if stuck.batches >= MAX_STUCK_BATCHES || stuck.bytes >= MAX_STUCK_BYTES {
-                return Pending(Started::Refused(Arc::clone(&self.counters)));
-            }
-        }
-        if reads.iter().flatten().all(|r| !r.region.direct_io()) {
-            return self.start_streamed(reads);
+        let refused = || Pending(Started::Refused(Arc::clone(&self.counters)));
+        let Ok(probe) = self.admit() else {
+            return refused();
+        };
+        let deadline = Instant::now() + self.deadline;
+        let streamed = reads.iter().flatten().all(|r| !r.region.direct_io());
+        let bytes = if streamed {
+            (STREAM_PIECES * STREAM_PIECE) as u64
+        } else {
+            reads
+                .iter()
+                .flatten()
+                .map(|r| page_round_up(r.len as u64))
+                .sum()
+        };
+        let Some(permit) = self.running.permit(bytes, deadline) else {
+            return refused();
+        };
+        if streamed {
+            return self.start_streamed(reads, deadline, permit, probe);
         }
         let mut bufs: Vec<Option<AlignedBuf>> = reads
             .iter()
@@ -157,10 +301,11 @@ impl BoundedReads {
             Arc::clone(&self.stuck),
             Arc::clone(&self.counters),
         );
-        let deadline = Instant::now() + self.deadline;
         let spawned = std::thread::Builder::new()
             .name("kvtier-bounded-read".into())
             .spawn(move || {
+                // Held until this thread leaves, past the deadline too.
+                let _permit = permit;
                 let outcomes = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     let mut dests: Vec<&mut [u8]> = bufs
                         .iter_mut()
@@ -208,12 +353,25 @@ impl BoundedReads {
                 stuck: Arc::clone(&self.stuck),
                 counters: Arc::clone(&self.counters),
                 reader: Arc::clone(&self.reader),
+                probe,
             }),
             Err(e) => Pending(Started::Failed(format!(
                 "could not start a read thread: {e}"
             ))),
         }
     }
+}
+
+/// A running budget of the disk tier: all of it the server's own (the
+/// store does not know who asked; the server's governor bounds each
+/// principal's requests before they reach it).
+fn running_budget(name: &'static str, limit: u64) -> Arc<Pool> {
+    let whole = Shares {
+        reserve_percent: 0,
+        tenant_share_percent: 100,
+        anonymous_percent: 100,
+    };
+    Pool::new(name, limit, 0, whole)
 }
 
 /// The first batch held past its deadline since every read answered.
@@ -233,6 +391,7 @@ fn release(stuck: &Mutex<Stuck>, counters: &StallCounters, bytes: u64) {
     stuck.batches = stuck.batches.saturating_sub(1);
     stuck.bytes = stuck.bytes.saturating_sub(bytes);
     if stuck.batches == 0 {
+        stuck.tripped = false;
         let held = stuck.since.take().map(|t| t.elapsed()).unwrap_or_default();
         tracing::warn!(
             stalled_for = ?held,
@@ -261,7 +420,7 @@ impl Pending {
                 .map(|r| r.as_ref().map(|_| ReadOutcome::TimedOut))
                 .collect()
         };
-        let (job, deadline, limit, stuck, counters, reader) = match self.0 {
+        let (job, deadline, limit, stuck, counters, reader, mut probe) = match self.0 {
             Started::Empty => return reads.iter().map(|_| None).collect(),
             Started::Failed(why) => {
                 return reads
@@ -283,7 +442,8 @@ impl Pending {
                 stream,
                 deadline,
                 limit,
-            } => return finish_streamed(stream, reads, dests, deadline, limit),
+                probe,
+            } => return finish_streamed(stream, reads, dests, deadline, limit, probe),
             Started::Running {
                 job,
                 deadline,
@@ -291,7 +451,8 @@ impl Pending {
                 stuck,
                 counters,
                 reader,
-            } => (job, deadline, limit, stuck, counters, reader),
+                probe,
+            } => (job, deadline, limit, stuck, counters, reader, probe),
         };
         let mut state = job.state.lock().unwrap();
         loop {
@@ -302,13 +463,7 @@ impl Pending {
             if now >= deadline {
                 // Counted while the job is still locked: its thread, which
                 // uncounts it, sees `Abandoned` only after this.
-                let first = {
-                    let mut stuck = stuck.lock().unwrap();
-                    stuck.batches += 1;
-                    stuck.bytes += job.bytes;
-                    stuck.since.get_or_insert(now);
-                    stuck.batches == 1
-                };
+                let first = stuck.lock().unwrap().hold(job.bytes, now);
                 *state = JobState::Abandoned;
                 drop(state);
                 if first {
@@ -325,6 +480,9 @@ impl Pending {
             )
         };
         drop(state);
+        if let Some(probe) = &mut probe {
+            probe.answered();
+        }
         for (((outcome, buf), dest), read) in
             outcomes.iter().zip(&bufs).zip(dests.iter_mut()).zip(reads)
         {
@@ -473,6 +631,115 @@ mod tests {
         }
         assert_eq!(bounded.stuck(), (0, 0));
         assert!(dest.iter().all(|&x| x == 0));
+    }
+
+    /// Issue 60, finding "a stalled file system multiplies threads": the
+    /// cap counted only batches past their deadline, so every batch
+    /// started within the first deadline got a thread (780 with 300
+    /// readers). Now a batch takes its running permit before its thread
+    /// starts: with 64 threads parked in a stopped file system, the 65th
+    /// batch waits for a permit within its deadline and answers misses
+    /// without a thread.
+    #[test]
+    fn running_batches_are_capped_before_their_threads_start() {
+        for direct in [true, false] {
+            let engine = faulty();
+            let (_log, tier, read) = tier_with_value(&engine, direct);
+            let bounded = tier.bounded.as_ref().unwrap();
+            engine.stall(true, false);
+            let reads = [Some(read)];
+            let pending: Vec<Pending> = (0..MAX_RUNNING_BATCHES)
+                .map(|_| bounded.start(&reads))
+                .collect();
+            let until = Instant::now() + Duration::from_secs(120);
+            while engine.held().0 < MAX_RUNNING_BATCHES && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(engine.held().0, MAX_RUNNING_BATCHES);
+            assert_eq!(bounded.running().0, MAX_RUNNING_BATCHES);
+            let mut dest = vec![0u8; LEN];
+            let outcomes = bounded.start(&reads).finish(&reads, &mut [&mut dest[..]]);
+            assert!(matches!(outcomes[0], Some(ReadOutcome::TimedOut)));
+            assert_eq!(
+                engine.held().1,
+                MAX_RUNNING_BATCHES,
+                "a 65th thread started"
+            );
+            for p in pending {
+                let outcomes = p.finish(&reads, &mut [&mut dest[..]]);
+                assert!(matches!(outcomes[0], Some(ReadOutcome::TimedOut)));
+            }
+            engine.resume();
+            while bounded.running() != (0, 0) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(
+                bounded.running(),
+                (0, 0),
+                "the threads gave their permits back"
+            );
+            assert_eq!(bounded.stuck(), (0, 0));
+        }
+    }
+
+    /// Issue 60: once a read passed its deadline, every new batch started
+    /// a thread of its own into the stopped file system until 64 were
+    /// held. Now one batch at a time probes it and the others answer
+    /// misses at once; a probe that answers in time ends that, although
+    /// older reads are still held.
+    #[test]
+    fn after_a_stall_one_probe_reads_and_the_rest_answer_at_once() {
+        for direct in [true, false] {
+            let engine = faulty();
+            let (_log, tier, read) = tier_with_value(&engine, direct);
+            let bounded = tier.bounded.as_ref().unwrap();
+            let reads = [Some(read)];
+            let mut dest = vec![0u8; LEN];
+            let read_once = || {
+                let mut dest = vec![0u8; LEN];
+                let mut outcomes = bounded.start(&reads).finish(&reads, &mut [&mut dest[..]]);
+                outcomes.remove(0).unwrap()
+            };
+            engine.stall(true, false);
+            assert!(matches!(read_once(), ReadOutcome::TimedOut));
+            let until = Instant::now() + Duration::from_secs(120);
+            while engine.held().0 < 1 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // The probe starts its thread; while it runs, 50 batches are
+            // answered without one.
+            let probe = bounded.start(&reads);
+            while engine.held().1 < 2 && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(engine.held().1, 2, "the probe reached the file system");
+            for _ in 0..50 {
+                assert!(matches!(read_once(), ReadOutcome::TimedOut));
+            }
+            assert_eq!(
+                engine.held().1,
+                2,
+                "a batch beside the probe started a thread"
+            );
+            assert!(matches!(
+                probe.finish(&reads, &mut [&mut dest[..]])[0],
+                Some(ReadOutcome::TimedOut)
+            ));
+            // The file system answers new reads (the two held stay held):
+            // the next probe answers in time and reads flow again.
+            engine.stall_reads_after(u64::MAX);
+            assert!(matches!(read_once(), ReadOutcome::Verified), "the probe");
+            assert!(
+                matches!(read_once(), ReadOutcome::Verified),
+                "after the probe"
+            );
+            assert_eq!(bounded.stuck().0, 2, "the first two are still held");
+            engine.resume();
+            while bounded.stuck() != (0, 0) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(bounded.stuck(), (0, 0));
+        }
     }
 
     /// A buffered value of several pieces, streamed into a destination of

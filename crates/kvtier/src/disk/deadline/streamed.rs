@@ -19,7 +19,7 @@ use super::*;
 pub(super) const STREAM_PIECE: usize = 2 << 20;
 /// Pieces of a streamed batch in flight: one being read, one being copied
 /// out, one spare.
-const STREAM_PIECES: usize = 3;
+pub(super) const STREAM_PIECES: usize = 3;
 
 /// Bytes of a streamed piece checksummed and then copied out together:
 /// small enough to stay in the core's cache between the two.
@@ -32,13 +32,26 @@ const STREAMED_COPY_CHUNK: usize = crate::bulk_copy::STREAM_FROM;
 impl BoundedReads {
     /// Starts streaming every `Some` of `reads` (values of buffered files)
     /// on a thread of its own.
-    pub(super) fn start_streamed(&self, reads: &[Option<ValueRead>]) -> Pending {
-        let deadline = Instant::now() + self.deadline;
-        match spawn_stream(&self.reader, &self.stuck, &self.counters, reads) {
+    pub(super) fn start_streamed(
+        &self,
+        reads: &[Option<ValueRead>],
+        deadline: Instant,
+        permit: RunningPermit,
+        probe: Option<Probe>,
+    ) -> Pending {
+        match spawn_stream(
+            &self.reader,
+            &self.stuck,
+            &self.counters,
+            &self.running,
+            reads,
+            permit,
+        ) {
             Ok(stream) => Pending(Started::Streaming {
                 stream,
                 deadline,
                 limit: self.deadline,
+                probe,
             }),
             Err(why) => Pending(Started::Failed(why)),
         }
@@ -50,7 +63,9 @@ fn spawn_stream(
     reader: &Arc<ValueReader>,
     stuck: &Arc<Mutex<Stuck>>,
     counters: &Arc<StallCounters>,
+    running: &Arc<RunningBudgets>,
     reads: &[Option<ValueRead>],
+    permit: RunningPermit,
 ) -> Result<Stream, String> {
     let (free_tx, free_rx) = mpsc::channel();
     for _ in 0..STREAM_PIECES {
@@ -69,6 +84,8 @@ fn spawn_stream(
     std::thread::Builder::new()
         .name("kvtier-bounded-read".into())
         .spawn(move || {
+            // Held until this thread leaves, past the deadline too.
+            let _permit = permit;
             let reader = thread_reader;
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 stream_values(&reader, &reads_owned, &free_rx, &filled_tx)
@@ -93,6 +110,7 @@ fn spawn_stream(
         filled: filled_rx,
         bytes,
         reader: Arc::clone(reader),
+        running: Arc::clone(running),
         stuck: Arc::clone(stuck),
         counters: Arc::clone(counters),
     })
@@ -109,6 +127,7 @@ pub(super) struct Stream {
     reader: Arc<ValueReader>,
     stuck: Arc<Mutex<Stuck>>,
     counters: Arc<StallCounters>,
+    running: Arc<RunningBudgets>,
 }
 
 enum StreamPhase {
@@ -322,12 +341,7 @@ impl Stream {
                     }
                     // Counted while the phase is locked: the thread, which
                     // uncounts it, sees `Abandoned` only after this.
-                    let mut held = self.stuck.lock().unwrap();
-                    held.batches += 1;
-                    held.bytes += self.bytes;
-                    held.since.get_or_insert(now);
-                    end.first_stall = held.batches == 1;
-                    drop(held);
+                    end.first_stall = self.stuck.lock().unwrap().hold(self.bytes, now);
                     *phase = StreamPhase::Abandoned;
                     drop(phase);
                     for (value, read) in reads.iter().enumerate() {
@@ -365,11 +379,13 @@ pub(super) fn finish_streamed<D: Destination>(
     dests: &mut [D],
     deadline: Instant,
     limit: Duration,
+    mut probe: Option<Probe>,
 ) -> Vec<Option<ReadOutcome>> {
-    let (reader, stuck, counters) = (
+    let (reader, stuck, counters, running) = (
         Arc::clone(&stream.reader),
         Arc::clone(&stream.stuck),
         Arc::clone(&stream.counters),
+        Arc::clone(&stream.running),
     );
     let mut end = stream.finish(reads, dests, deadline);
     if !end.mismatched.is_empty() {
@@ -385,8 +401,20 @@ pub(super) fn finish_streamed<D: Destination>(
                 again[value] = Some(read.clone());
             }
         }
-        match spawn_stream(&reader, &stuck, &counters, &again) {
-            Ok(stream) => {
+        // A permit for the second stream within the deadline; without
+        // one the values are left without a verdict: misses, below.
+        let ring = (STREAM_PIECES * STREAM_PIECE) as u64;
+        let second = running
+            .permit(ring, deadline)
+            .map(|permit| spawn_stream(&reader, &stuck, &counters, &running, &again, permit));
+        match second {
+            None => {
+                for &value in &end.mismatched {
+                    end.outcomes[value] = None;
+                }
+                end.timed_out = true;
+            }
+            Some(Ok(stream)) => {
                 let mut second = stream.finish(&again, dests, deadline);
                 for &value in &end.mismatched {
                     end.outcomes[value] = if second.mismatched.contains(&value) {
@@ -407,7 +435,7 @@ pub(super) fn finish_streamed<D: Destination>(
                 end.timed_out |= second.timed_out;
                 end.first_stall |= second.first_stall;
             }
-            Err(why) => {
+            Some(Err(why)) => {
                 for &value in &end.mismatched {
                     end.outcomes[value] = Some(ReadOutcome::Failed(Error::io(
                         "a bounded read",
@@ -429,6 +457,9 @@ pub(super) fn finish_streamed<D: Destination>(
     }
     if end.first_stall {
         note_stall(&counters, limit);
+    }
+    if let (Some(probe), false) = (&mut probe, end.timed_out) {
+        probe.answered();
     }
     end.outcomes
 }
