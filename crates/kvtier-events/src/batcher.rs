@@ -360,11 +360,7 @@ mod tests {
             medium: Medium::Memory,
             digest: KeyDigest(3),
         });
-        let shared = run(
-            KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1"),
-            sink,
-            rx,
-        );
+        let shared = run(crate::testing::config(), sink, rx);
         let got = batches(&shared);
         let topics: Vec<(u64, &str)> = got.iter().map(|(s, t, _)| (*s, t.as_str())).collect();
         assert_eq!(topics, [(0, "kv@n1"), (1, "kv@n1@a"), (2, "kv@n1@b")]);
@@ -386,7 +382,7 @@ mod tests {
         }
         assert_eq!(sink.dropped(), 3);
         let shared = Shared::default();
-        let config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let config = crate::testing::config();
         let batcher = Batcher::new(&shared, &config, &sink);
         let events: Vec<BlockEvent> = rx.try_iter().collect();
         let mut batcher = batcher;
@@ -404,7 +400,7 @@ mod tests {
     #[test]
     fn the_replay_ring_is_bounded_by_bytes() {
         let shared = Shared::default();
-        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let mut config = crate::testing::config();
         config.replay_bytes = 4096;
         let (sink, _rx) = EventSink::channel(1);
         let mut batcher = Batcher::new(&shared, &config, &sink);
@@ -422,7 +418,7 @@ mod tests {
     #[test]
     fn queued_batches_are_bounded_across_subscribers() {
         let shared = Shared::default();
-        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let mut config = crate::testing::config();
         config.subscribers_bytes_total = 64 << 10;
         let mut receivers = Vec::new();
         for _ in 0..8 {
@@ -438,6 +434,7 @@ mod tests {
                     filters: Mutex::new(vec![Vec::new()]),
                     alive: AtomicBool::new(true),
                     queued_bytes: AtomicUsize::new(0),
+                    last_sent: Mutex::new(std::time::Instant::now()),
                 }));
         }
         let (sink, _rx) = EventSink::channel(1);

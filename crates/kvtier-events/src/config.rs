@@ -2,6 +2,7 @@
 //! keys (derived from the server's tokens).
 
 use crate::curve;
+use kvtier_governor::{Governor, Principal};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +17,11 @@ pub struct KvEventsConfig {
     /// The topic prefix; a batch's topic is `<prefix>@<namespace>`.
     /// Default: `kv@<node>` (the node's id or host name).
     pub topic: String,
-    /// Most connections on each socket. Default: 64.
+    /// Most connections on each socket once logged in (the limits of the
+    /// governor's budgets `feed subscribers` and `feed replays`, split
+    /// between principals as every budget is), and of connections in their
+    /// handshake on both sockets together (`feed handshakes`, of which
+    /// unauthenticated peers hold at most their share). Default: 64.
     pub max_connections: usize,
     /// Batches queued for one subscriber before it misses some. Default:
     /// 10 000.
@@ -45,7 +50,8 @@ pub struct KvEventsConfig {
     /// How long a peer may take for the whole ZMTP handshake, a
     /// subscriber may go without any subscription, a frame may take once
     /// begun, and a stalled subscriber's write may block before it is
-    /// dropped. Default: 5 s.
+    /// dropped; and how long a subscriber sent nothing is idle (closable
+    /// for a newcomer). Default: 5 s.
     pub peer_timeout: Duration,
     /// Who may subscribe and replay: `None` takes any peer (ZMTP's NULL
     /// mechanism, what routers speak by default); with credentials every
@@ -60,6 +66,11 @@ pub struct KvEventsConfig {
     /// is encrypted, so the feed may leave the host. Takes precedence
     /// over `credentials`. Default: none.
     pub curve: Option<Arc<CurveKeys>>,
+    /// The server's governor: every connection's slot is a grant of one of
+    /// its budgets, and every refused login spends a turn of its one guess
+    /// budget, is answered only after its pause, and is counted with every
+    /// other surface's (`auth_failures`).
+    pub governor: Arc<Governor>,
 }
 
 impl KvEventsConfig {
@@ -87,7 +98,9 @@ impl CurveKeys {
 }
 
 impl KvEventsConfig {
-    pub fn new(publish: SocketAddr, node: &str) -> Self {
+    /// A feed on `publish` for node `node`, drawing on `governor` (the
+    /// server's: `kvtier_server::Server::governor`).
+    pub fn new(publish: SocketAddr, node: &str, governor: Arc<Governor>) -> Self {
         KvEventsConfig {
             publish,
             replay: None,
@@ -104,6 +117,60 @@ impl KvEventsConfig {
             peer_timeout: Duration::from_secs(5),
             credentials: None,
             curve: None,
+            governor,
+        }
+    }
+
+    /// Who a peer that logged in with `scope` is to the governor: see
+    /// [`Principals`].
+    pub(crate) fn principals(&self) -> Principals {
+        let scopes: Vec<kvtier_server::Scope> = match (&self.curve, &self.credentials) {
+            (Some(keys), _) => keys.admitted().cloned().collect(),
+            (None, Some(auth)) => auth
+                .derived_from_each_token(b"")
+                .into_iter()
+                .map(|(_, scope)| scope)
+                .collect(),
+            (None, None) => Vec::new(),
+        };
+        Principals {
+            tenants: scopes
+                .into_iter()
+                .filter_map(|scope| match scope {
+                    kvtier_server::Scope::Tenant { name, .. } => Some(name),
+                    kvtier_server::Scope::Full => None,
+                })
+                .collect(),
+            governed: self.governor.tenants(),
+        }
+    }
+}
+
+/// The governor's principal of a peer once its handshake is done: the
+/// server's token `Server`, the `i`-th tenant of the tenants file
+/// `Tenant(i)` (the index the server's governor counts it by: `Auth` lists
+/// its tokens in the tenants file's order, after the server's own), and
+/// every peer of a feed without logins `Server` too (it is shown all that
+/// the server's token is, and there is no one else to share with).
+#[derive(Debug, Clone)]
+pub(crate) struct Principals {
+    tenants: Vec<String>,
+    /// Tenants the governor splits between (a tenant past them, which a
+    /// governor made for other tenants would not know, is charged as an
+    /// unauthenticated peer rather than panic).
+    governed: usize,
+}
+
+impl Principals {
+    pub(crate) fn of(&self, scope: &Option<kvtier_server::Scope>) -> Principal {
+        match scope {
+            None | Some(kvtier_server::Scope::Full) => Principal::Server,
+            Some(kvtier_server::Scope::Tenant { name, .. }) => self
+                .tenants
+                .iter()
+                .position(|t| t == name)
+                .filter(|&i| i < self.governed)
+                .map_or(Principal::Anonymous, Principal::Tenant),
         }
     }
 }

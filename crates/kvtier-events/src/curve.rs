@@ -98,6 +98,11 @@ impl<T: Clone> ServerKeys<T> {
         z85_encode(self.public.as_bytes())
     }
 
+    /// What each client key opens, in the order given.
+    pub(crate) fn admitted(&self) -> impl Iterator<Item = &T> {
+        self.clients.iter().map(|(_, what)| what)
+    }
+
     /// What `client` (a long-term public key) opens, if it is one of ours.
     /// Every key is compared, each in constant time.
     fn admit(&self, client: &[u8; KEY]) -> Option<T> {
@@ -165,15 +170,45 @@ fn read_command(s: &mut impl Read, max: usize, what: &str) -> io::Result<Vec<u8>
     }
 }
 
-/// The handshake after the greetings. Returns the properties of the
-/// client's INITIATE, what its key opens, and the connection's boxes.
-/// A client key that is none of ours is answered ERROR and refused with
-/// `PermissionDenied`.
+/// Whether `b` is the box of an all-zero shared secret: the client's key
+/// is of small order (zero, or a point of order 2, 4 or 8), and the box's
+/// key is known to anyone. libsodium refuses such a key; so does this
+/// side. (The boxes of two keys seal the same nothing to the same tag
+/// only when their keys are the same.)
+fn of_zero_secret(b: &SalsaBox) -> bool {
+    let zero = SalsaBox::new(&PublicKey::from([0u8; KEY]), &SecretKey::from([1u8; KEY]));
+    let n = nonce(b"kvtier zero-key?", &[0u8; 8]);
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    seal_into(b, &n, b"", &mut ours);
+    seal_into(&zero, &n, b"", &mut theirs);
+    bool::from(ours.ct_eq(&theirs))
+}
+
+fn error_frame(reason: &str) -> Vec<u8> {
+    let reason = &reason.as_bytes()[..reason.len().min(255)];
+    let mut body = b"\x05ERROR".to_vec();
+    body.push(reason.len() as u8);
+    body.extend_from_slice(reason);
+    let mut framed = Vec::new();
+    frame::put_frame(&mut framed, &body, false, true);
+    framed
+}
+
+/// The handshake after the greetings. Returns what the client's key
+/// opens and the connection's boxes.
+///
+/// A client key that is none of ours is refused with `PermissionDenied`:
+/// `refused` is called first and returns once the refusal may be
+/// answered (`true`: answered ERROR; `false`: closed without an answer).
+/// INITIATE's properties go to `check_properties` before READY is sent: a
+/// reason it gives is answered ERROR (`InvalidData`), and nothing else.
 pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
     s: &mut S,
     keys: &ServerKeys<T>,
     our_properties: &[u8],
-) -> io::Result<(Vec<u8>, T, Sealer, Opener)> {
+    refused: &mut dyn FnMut() -> bool,
+    check_properties: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+) -> io::Result<(T, Sealer, Opener)> {
     // HELLO: name, version 1.0, 72 bytes of padding, C', nonce, box.
     let mut hello = read_command(s, HELLO_LEN, "HELLO")?;
     if !hello.starts_with(b"\x05HELLO") {
@@ -194,6 +229,11 @@ pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
     let client_short = PublicKey::from(<[u8; KEY]>::try_from(&hello[80..112]).expect("32"));
     let hello_nonce = u64::from_be_bytes(hello[112..120].try_into().expect("8"));
     let to_long = SalsaBox::new(&client_short, &keys.secret);
+    if of_zero_secret(&to_long) {
+        return Err(invalid(
+            "a CURVE HELLO whose short-term key is of small order (a zero shared secret)",
+        ));
+    }
     let n = nonce(b"CurveZMQHELLO---", &hello[112..120]);
     let signature = open(&to_long, &n, &mut hello[120..], "HELLO")?;
     if signature.iter().any(|&b| b != 0) {
@@ -261,16 +301,22 @@ pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
     {
         return Err(invalid("a CURVE vouch for another connection or server"));
     }
-    let properties = inside[KEY + 16 + 80..].to_vec();
+    let properties = &inside[KEY + 16 + 80..];
     let Some(admitted) = keys.admit(&client_long) else {
-        let mut refusal = Vec::new();
-        frame::put_frame(&mut refusal, b"\x05ERROR\x03400", false, true);
-        let _ = s.write_all(&refusal);
+        if refused() {
+            let _ = s.write_all(&error_frame("400"));
+        }
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
             "a CURVE client key derived from no token of this server",
         ));
     };
+    // The properties (the socket type) before READY: a peer this side
+    // does not talk to never sees it.
+    if let Err(why) = check_properties(properties) {
+        let _ = s.write_all(&error_frame(&why));
+        return Err(invalid(why));
+    }
 
     // READY: our properties, boxed from S' to C', with nonce 1.
     let mut sealer = Sealer {
@@ -292,7 +338,6 @@ pub(crate) fn server_handshake<S: Read + Write, T: Clone>(
     frame::put_frame(&mut framed, &ready, false, true);
     s.write_all(&framed)?;
     Ok((
-        properties,
         admitted,
         sealer,
         Opener {
@@ -458,6 +503,10 @@ pub mod client {
         VouchForAnotherServer,
         /// INITIATE with the cookie changed.
         ForgedCookie,
+        /// An all-zero short-term key (of small order): every box of the
+        /// connection under the key of a zero shared secret, which anyone
+        /// can compute.
+        ZeroShortKey,
     }
 
     /// The client secret key a holder of `token` derives.
@@ -564,11 +613,25 @@ pub mod client {
         let server = PublicKey::from(server);
         let long = SecretKey::from(client_secret);
         let short = SecretKey::from(random::<KEY>()?);
+        let zero_short = tamper == Tamper::ZeroShortKey;
+        // The box between our short-term key and `peer`'s.
+        let short_box = |peer: &PublicKey| {
+            if zero_short {
+                SalsaBox::new(&PublicKey::from([0u8; KEY]), &short)
+            } else {
+                SalsaBox::new(peer, &short)
+            }
+        };
+        let short_public = if zero_short {
+            [0u8; KEY]
+        } else {
+            *short.public_key().as_bytes()
+        };
         let mut frame = Vec::new();
 
         let mut hello = b"\x05HELLO\x01\x00".to_vec();
         hello.resize(80, 0);
-        hello.extend_from_slice(short.public_key().as_bytes());
+        hello.extend_from_slice(&short_public);
         hello.extend_from_slice(&1u64.to_be_bytes());
         let hello_to = if tamper == Tamper::WrongServerKey {
             SecretKey::from(random::<KEY>()?).public_key()
@@ -576,7 +639,7 @@ pub mod client {
             server.clone()
         };
         seal_into(
-            &SalsaBox::new(&hello_to, &short),
+            &short_box(&hello_to),
             &nonce(b"CurveZMQHELLO---", &1u64.to_be_bytes()),
             &[0u8; 64],
             &mut hello,
@@ -589,12 +652,7 @@ pub mod client {
             return Err(invalid("no WELCOME of 168 bytes"));
         }
         let n = nonce(b"WELCOME-", &welcome[8..24]);
-        let inside = open(
-            &SalsaBox::new(&server, &short),
-            &n,
-            &mut welcome[24..],
-            "WELCOME",
-        )?;
+        let inside = open(&short_box(&server), &n, &mut welcome[24..], "WELCOME")?;
         let server_short = PublicKey::from(
             <[u8; KEY]>::try_from(&inside[..KEY]).map_err(|_| invalid("a short WELCOME box"))?,
         );
@@ -604,7 +662,7 @@ pub mod client {
         }
 
         let vouch_nonce = random::<16>()?;
-        let mut vouch_plain = short.public_key().as_bytes().to_vec();
+        let mut vouch_plain = short_public.to_vec();
         let vouched = if tamper == Tamper::VouchForAnotherServer {
             SecretKey::from(random::<KEY>()?).public_key()
         } else {
@@ -623,7 +681,7 @@ pub mod client {
         let mut initiate = b"\x08INITIATE".to_vec();
         initiate.extend_from_slice(&cookie);
         initiate.extend_from_slice(&2u64.to_be_bytes());
-        let shared = SalsaBox::new(&server_short, &short);
+        let shared = short_box(&server_short);
         seal_into(
             &shared,
             &nonce(b"CurveZMQINITIATE", &2u64.to_be_bytes()),
@@ -650,7 +708,7 @@ pub mod client {
         Ok((
             s,
             Sealer {
-                boxed: SalsaBox::new(&server_short, &short),
+                boxed: short_box(&server_short),
                 next: 3,
                 prefix: CLIENT_MESSAGES,
             },

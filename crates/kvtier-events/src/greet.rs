@@ -10,14 +10,22 @@ use std::time::Duration;
 
 /// The ZMTP handshake of either socket, with the feed's mechanism;
 /// returns what the peer's credential opens (`None`: everything, no
-/// credentials asked) and how frames go out and come in from then on. A
-/// refused credential pauses a second before the connection closes (a
-/// guesser's pace).
+/// credentials asked) and how frames go out and come in from then on.
+///
+/// One deadline (`peer_timeout`) bounds the whole handshake, greeting and
+/// commands, however the peer spreads its bytes. A refused credential
+/// (PLAIN's password, CURVE's client key) is a guess: it is counted on
+/// the server's guess budget (`auth_failures`) and answered only once it
+/// had a turn of that budget and the pause after it, as a refused hello of
+/// the data port is; without a turn before the deadline it is closed
+/// unanswered after the pause, and once `cancelled` says the connection
+/// was closed for a newcomer, at once.
 pub(crate) fn greet(
     stream: &TcpStream,
     config: &KvEventsConfig,
     ours: &str,
     accepted: &[&str],
+    cancelled: &dyn Fn() -> bool,
 ) -> io::Result<(
     Option<kvtier_server::Scope>,
     zmtp::FrameWriter,
@@ -25,8 +33,15 @@ pub(crate) fn greet(
 )> {
     let deadline = std::time::Instant::now() + config.peer_timeout;
     let mut within = Deadlined { stream, deadline };
-    let result = if let Some(keys) = &config.curve {
-        zmtp::handshake_curve(&mut within, ours, accepted, &**keys)
+    let guesses = config.governor.guesses();
+    let mut refused = || {
+        guesses.count_refusal();
+        let turn = guesses.take_turn(deadline, cancelled);
+        // Without a turn too: no refusal shows sooner than the pause.
+        guesses.refusal_pause(cancelled) && turn
+    };
+    if let Some(keys) = &config.curve {
+        zmtp::handshake_curve(&mut within, ours, accepted, &**keys, &mut refused)
             .map(|(_, scope, w, r)| (Some(scope), w, r))
     } else if let Some(auth) = &config.credentials {
         zmtp::handshake_with(
@@ -34,7 +49,7 @@ pub(crate) fn greet(
             ours,
             accepted,
             zmtp::Mechanism::PlainServer,
-            |password| auth.scope_of_token(password),
+            |password| auth.scope_of_token(password).ok_or_else(&mut refused),
         )
         .map(|(_, scope)| {
             (
@@ -46,13 +61,7 @@ pub(crate) fn greet(
     } else {
         zmtp::handshake(&mut within, ours, accepted)
             .map(|_| (None, zmtp::FrameWriter::Clear, zmtp::FrameReader::Clear))
-    };
-    if let Err(e) = &result {
-        if e.kind() == io::ErrorKind::PermissionDenied {
-            std::thread::sleep(Duration::from_secs(1));
-        }
     }
-    result
 }
 
 /// Reads and writes of `stream` bounded by one `deadline` for all of

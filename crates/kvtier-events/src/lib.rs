@@ -24,8 +24,12 @@
 //!
 //! What lives where:
 //!
-//! - `config`: `KvEventsConfig` (every field and its default) and the
-//!   feed's CURVE keys (`CurveKeys`, derived from the server's tokens).
+//! - `config`: `KvEventsConfig` (every field and its default), the
+//!   feed's CURVE keys (`CurveKeys`, derived from the server's tokens) and
+//!   the governor's principal of each login (`Principals`).
+//! - `admit`: every connection's slot, a grant of the server's governor
+//!   (`feed handshakes`, `feed subscribers`, `feed replays`), and which
+//!   connection is closed for a newcomer.
 //! - `publisher`: `KvEventPublisher` (its threads, `/stats`), the accept
 //!   loop with its connection limit, and each subscriber's connection.
 //! - `batcher`: the store's events into numbered, encoded batches, kept
@@ -42,6 +46,7 @@
 //! - `testing` (tests only): events as the store emits them, for the
 //!   batcher's and the publisher's tests.
 
+mod admit;
 mod batcher;
 mod config;
 pub mod curve;
@@ -56,5 +61,8 @@ mod testing;
 mod zmtp;
 
 pub use config::{CurveKeys, KvEventsConfig};
+/// The governor a feed draws on (the server's, `Server::governor`; a feed
+/// started on its own, in a test or a benchmark, makes one).
+pub use kvtier_governor::{Governor, GuessBudget, Shares};
 pub use msgpack::{encode_batch, WireEvent};
 pub use publisher::{KvEventPublisher, KvEventStats};

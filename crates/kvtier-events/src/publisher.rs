@@ -2,13 +2,15 @@
 //! its connection limit, and each subscriber's connection (subscriptions
 //! in, batches out).
 
+use crate::admit::{Budgets, Kind, PeerThread};
 use crate::batcher::Batcher;
 use crate::config::KvEventsConfig;
 use crate::greet::{greet, Deadlined};
 use crate::replay::serve_replay;
-use crate::shared::{put_batch, Peer, Published, Shared, Subscriber};
+use crate::shared::{put_batch, Peer, Published, Shared, Stage, Subscriber};
 use crate::zmtp;
 use kvtier::{BlockEvent, EventSink};
+use kvtier_governor::{Grant, Principal};
 use std::io::{self, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -30,10 +32,18 @@ pub struct KvEventStats {
     pub store_dropped: u64,
     /// Batches a slow subscriber missed (replayable).
     pub subscriber_dropped: u64,
-    /// Connections closed to make room for a newcomer at the connection
-    /// limit: the oldest that had not finished its handshake or held no
-    /// subscription (replay: the oldest).
+    /// Connections closed to make room for a newcomer: in their handshake,
+    /// idle subscribers (no subscription, or nothing sent for
+    /// `peer_timeout`) or replay peers between requests, from the
+    /// principal most over its floor.
     pub peers_closed_for_newcomers: u64,
+    /// Connections closed at once for want of a slot (the governor's
+    /// budgets `feed handshakes`, `feed subscribers`, `feed replays`).
+    pub peers_refused: u64,
+    /// Connections in their handshake, subscribers and replay peers, as
+    /// their budgets count them.
+    pub handshakes: u64,
+    pub replay_peers: u64,
     pub subscribers: usize,
     pub replay_requests: u64,
     /// Removals not announced: the block was never announced (or no
@@ -52,6 +62,7 @@ pub struct KvEventPublisher {
     curve_server_key: Option<String>,
     replay_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
+    budgets: Arc<Budgets>,
     sink: Arc<EventSink>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -70,18 +81,27 @@ impl KvEventPublisher {
         let replay_addr = replay.as_ref().map(|l| l.local_addr()).transpose()?;
         let shared = Arc::new(Shared::default());
         let curve_server_key = config.curve.as_ref().map(|k| k.public_z85());
+        let budgets = Arc::new(Budgets::new(&config));
         let config = Arc::new(config);
         let mut threads = Vec::new();
         {
-            let (shared, config) = (Arc::clone(&shared), Arc::clone(&config));
+            let (shared, config, budgets) = (
+                Arc::clone(&shared),
+                Arc::clone(&config),
+                Arc::clone(&budgets),
+            );
             threads.push(spawn("kvtier-events-pub", move || {
-                accept_loop(publish, &shared, &config, false)
+                accept_loop(publish, &shared, &config, &budgets, false)
             })?);
         }
         if let Some(replay) = replay {
-            let (shared, config) = (Arc::clone(&shared), Arc::clone(&config));
+            let (shared, config, budgets) = (
+                Arc::clone(&shared),
+                Arc::clone(&config),
+                Arc::clone(&budgets),
+            );
             threads.push(spawn("kvtier-events-replay", move || {
-                accept_loop(replay, &shared, &config, true)
+                accept_loop(replay, &shared, &config, &budgets, true)
             })?);
         }
         {
@@ -96,6 +116,7 @@ impl KvEventPublisher {
             curve_server_key,
             replay_addr,
             shared,
+            budgets,
             sink,
             threads,
         })
@@ -122,6 +143,11 @@ impl KvEventPublisher {
             store_dropped: self.sink.dropped(),
             subscriber_dropped: s.subscriber_dropped.load(Ordering::Relaxed),
             peers_closed_for_newcomers: s.peers_closed.load(Ordering::Relaxed),
+            peers_refused: s.peers_refused.load(Ordering::Relaxed),
+            handshakes: self.budgets.pool(Kind::Handshake).used(),
+            replay_peers: self
+                .replay_addr
+                .map_or(0, |_| self.budgets.pool(Kind::Replay).used()),
             subscribers: s.subscribers.lock().unwrap().len(),
             replay_requests: s.replay_requests.load(Ordering::Relaxed),
             unannounced_removals: s.unannounced_removals.load(Ordering::Relaxed),
@@ -152,19 +178,11 @@ impl Drop for PeerEntry<'_> {
     }
 }
 
-/// Decrements a connection count when a connection's thread ends.
-struct Slot<'a>(&'a AtomicUsize);
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 fn accept_loop(
     listener: TcpListener,
     shared: &Arc<Shared>,
     config: &Arc<KvEventsConfig>,
+    budgets: &Arc<Budgets>,
     replay: bool,
 ) {
     if let Err(e) = listener.set_nonblocking(true) {
@@ -184,48 +202,47 @@ fn accept_loop(
                 continue;
             }
         };
-        let count = if replay {
-            &shared.replay_connections
-        } else {
-            &shared.connections
-        };
-        if count.fetch_add(1, Ordering::AcqRel) >= config.max_connections
-            && !close_oldest_idle(shared, replay)
-        {
-            count.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!(
-                max = config.max_connections,
-                "kv events: connection refused at the limit (every connection subscribed)"
-            );
+        // Its slot before its thread: a connection that gets none is
+        // closed here, and no thread outlives its slot.
+        let Some(slot) = budgets.slot(shared, Kind::Handshake, Principal::Anonymous) else {
+            shared.peers_refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!("kv events: connection refused (every handshake slot is held)");
             continue;
-        }
-        let id = shared.next_peer.fetch_add(1, Ordering::Relaxed);
-        match stream.try_clone() {
-            Ok(closer) => {
-                shared.peers.lock().unwrap().insert(
-                    id,
-                    Peer {
-                        replay,
-                        closer,
-                        subscriber: None,
-                    },
-                );
+        };
+        let closer = match stream.try_clone() {
+            Ok(closer) => closer,
+            Err(e) => {
+                tracing::debug!(error = %e, "kv events: no second handle on a peer");
+                continue;
             }
-            Err(e) => tracing::debug!(error = %e, "kv events: no second handle on a peer"),
-        }
-        let (shared, config) = (Arc::clone(shared), Arc::clone(config));
+        };
+        let id = shared.next_peer.fetch_add(1, Ordering::Relaxed);
+        let closed = Arc::new(AtomicBool::new(false));
+        shared.peers.lock().unwrap().insert(
+            id,
+            Peer {
+                replay,
+                closer,
+                principal: Principal::Anonymous,
+                stage: Stage::Handshake,
+                closed: Arc::clone(&closed),
+            },
+        );
+        let (shared, config, budgets) =
+            (Arc::clone(shared), Arc::clone(config), Arc::clone(budgets));
         let started = spawn("kvtier-events-peer", move || {
-            let count = if replay {
-                &shared.replay_connections
-            } else {
-                &shared.connections
-            };
-            let _slot = Slot(count);
             let _entry = PeerEntry(&shared, id);
+            let peer = PeerThread {
+                shared: &shared,
+                config: &config,
+                budgets: &budgets,
+                id,
+                closed: &closed,
+            };
             let result = if replay {
-                serve_replay(stream, &shared, &config)
+                serve_replay(stream, &peer, slot)
             } else {
-                serve_subscriber(stream, &shared, &config, id)
+                serve_subscriber(stream, &peer, slot)
             };
             if let Err(e) = result {
                 tracing::debug!(error = %e, "kv events: peer dropped");
@@ -237,35 +254,16 @@ fn accept_loop(
     }
 }
 
-/// At the connection limit: closes the oldest idle connection of the
-/// socket (`Peer::idle`) for a newcomer; `false` when none is idle.
-fn close_oldest_idle(shared: &Shared, replay: bool) -> bool {
-    let mut peers = shared.peers.lock().unwrap();
-    let victim = peers
-        .iter()
-        .find(|(_, p)| p.replay == replay && p.idle())
-        .map(|(id, _)| *id);
-    let Some(victim) = victim else {
-        return false;
-    };
-    if let Some(peer) = peers.remove(&victim) {
-        let _ = peer.closer.shutdown(Shutdown::Both);
-        shared.peers_closed.fetch_add(1, Ordering::Relaxed);
-    }
-    true
-}
-
 fn serve_subscriber(
     mut stream: TcpStream,
-    shared: &Shared,
-    config: &KvEventsConfig,
-    id: u64,
+    peer: &PeerThread<'_>,
+    handshake: Grant,
 ) -> io::Result<()> {
+    let (shared, config) = (peer.shared, peer.config);
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
-    stream.set_write_timeout(Some(config.peer_timeout))?;
-    // One deadline for the whole handshake, not one per read.
-    let (scope, mut frames_out, frames_in) = greet(&stream, config, "PUB", &["SUB", "XSUB"])?;
+    let (scope, mut frames_out, frames_in) =
+        greet(&stream, config, "PUB", &["SUB", "XSUB"], &|| peer.closed())?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     let (tx, rx) = sync_channel::<Arc<Published>>(config.subscriber_queue.max(1));
     let subscriber = Arc::new(Subscriber {
@@ -274,15 +272,19 @@ fn serve_subscriber(
         filters: Mutex::new(Vec::new()),
         alive: AtomicBool::new(true),
         queued_bytes: AtomicUsize::new(0),
+        last_sent: Mutex::new(std::time::Instant::now()),
     });
+    let _slot = peer.logged_in(
+        handshake,
+        Kind::Subscriber,
+        &subscriber.scope,
+        Stage::Subscribed(Arc::downgrade(&subscriber)),
+    )?;
     shared
         .subscribers
         .lock()
         .unwrap()
         .push(Arc::clone(&subscriber));
-    if let Some(peer) = shared.peers.lock().unwrap().get_mut(&id) {
-        peer.subscriber = Some(Arc::downgrade(&subscriber));
-    }
     // Subscriptions (and pings) arrive on their own thread; this one
     // writes.
     let mut reader = stream.try_clone()?;
@@ -314,6 +316,7 @@ fn serve_subscriber(
                 }
                 subscriber.queued_bytes.fetch_sub(taken, Ordering::AcqRel);
                 shared.queued_total.fetch_sub(taken, Ordering::AcqRel);
+                *subscriber.last_sent.lock().unwrap() = std::time::Instant::now();
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break Ok(()),
@@ -433,14 +436,14 @@ mod tests {
     fn idle_and_trickling_peers_never_keep_a_subscriber_out() {
         use std::io::{Read, Write};
         let (sink, rx) = EventSink::channel(1024);
-        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let mut config = crate::testing::config();
         config.max_connections = 8;
         config.peer_timeout = Duration::from_secs(30);
         config.batch_interval = Duration::from_millis(5);
         let publisher = KvEventPublisher::start(config, Arc::clone(&sink), rx).unwrap();
         let addr = publisher.publish_addr();
         let mut idle = Vec::new();
-        for _ in 0..7 {
+        for _ in 0..8 {
             let mut s = TcpStream::connect(addr).unwrap();
             zmtp::handshake(&mut s, "SUB", &["PUB"]).unwrap();
             idle.push(s);
@@ -448,7 +451,14 @@ mod tests {
         let mut trickler = TcpStream::connect(addr).unwrap();
         trickler.write_all(&zmtp::greeting()[..1]).unwrap();
         let started = std::time::Instant::now();
-        while publisher.shared.connections.load(Ordering::Acquire) < 8 {
+        let held = || {
+            let b = &publisher.budgets;
+            (
+                b.pool(Kind::Subscriber).used(),
+                b.pool(Kind::Handshake).used(),
+            )
+        };
+        while held() != (8, 1) {
             assert!(
                 started.elapsed() < Duration::from_secs(30),
                 "the peers never took their slots"
@@ -586,7 +596,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let auth = tenants_auth(dir.path());
         let (sink, rx) = EventSink::channel(1024);
-        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let mut config = crate::testing::config_for(2);
         config.replay = Some("127.0.0.1:0".parse().unwrap());
         config.batch_interval = Duration::from_millis(5);
         config.credentials = Some(Arc::new(auth));
@@ -733,7 +743,7 @@ mod tests {
             .try_into()
             .unwrap();
         let (sink, rx) = EventSink::channel(1024);
-        let mut config = KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "n1");
+        let mut config = crate::testing::config_for(2);
         config.replay = Some("127.0.0.1:0".parse().unwrap());
         config.batch_interval = Duration::from_millis(5);
         config.curve = Some(Arc::new(keys));
@@ -851,6 +861,70 @@ mod tests {
                 .all(|t| t.starts_with("kv@n1@team-b") || t == "kv@n1"),
             "tenant b was replayed {topics:?}"
         );
+    }
+
+    /// Issue 60, finding 6: the feed sent READY before it checked
+    /// INITIATE's properties (a PUB peer of the PUB socket got READY, then
+    /// ERROR), and took an all-zero short-term key, whose boxes anyone can
+    /// open (libsodium refuses a zero shared secret). Now the socket type
+    /// is checked before READY, and a short-term key of small order gets
+    /// no WELCOME.
+    #[test]
+    fn curve_checks_the_socket_type_before_ready_and_refuses_a_zero_short_key() {
+        use curve::client::{client_secret, connect, Tamper};
+        let dir = tempfile::tempdir().unwrap();
+        let (publisher, _sink, server_key) = start_curve_feed(dir.path());
+        let addr = publisher.publish_addr();
+        let secret_a = client_secret(b"tenant-a-token-0123456789");
+        for (socket, wrong_type) in [(addr, "PUB"), (publisher.replay_addr().unwrap(), "SUB")] {
+            let refused = connect(socket, secret_a, server_key, wrong_type, Tamper::None)
+                .map(|_| ())
+                .expect_err("a peer of a socket type this side does not talk to got READY");
+            assert!(
+                refused.to_string().contains("does not talk to"),
+                "{refused}"
+            );
+        }
+        let zero = connect(addr, secret_a, server_key, "SUB", Tamper::ZeroShortKey).map(|_| ());
+        assert!(zero.is_err(), "a zero short-term key was let in");
+        // The same token with a key of its own still gets in.
+        connect(addr, secret_a, server_key, "SUB", Tamper::None).unwrap();
+    }
+
+    /// Issue 60, finding 1: a refused login spends a turn of the
+    /// governor's guess budget, is answered ERROR only after its pause,
+    /// and is counted where `auth_failures` reads it (it was answered at
+    /// once, outside the budget, and counted nowhere).
+    #[test]
+    fn a_refused_login_is_a_guess_of_the_governors_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let (sink, rx) = EventSink::channel(1024);
+        let mut config = crate::testing::config_for(2);
+        config.credentials = Some(Arc::new(tenants_auth(dir.path())));
+        let governor = Arc::clone(&config.governor);
+        let publisher = KvEventPublisher::start(config, sink, rx).unwrap();
+        let started = std::time::Instant::now();
+        let err = plain_client(
+            publisher.publish_addr(),
+            b"tenant-c-token-0123456789",
+            "SUB",
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        assert!(
+            started.elapsed() >= Duration::from_millis(900),
+            "answered after {:?}",
+            started.elapsed()
+        );
+        assert_eq!(governor.guesses().refused(), 1);
+        // A token is answered at once and spends nothing.
+        plain_client(
+            publisher.publish_addr(),
+            b"tenant-a-token-0123456789",
+            "SUB",
+        )
+        .unwrap();
+        assert_eq!(governor.guesses().refused(), 1);
     }
 
     /// Whether the peer ends the stream within `limit`, and what it sent.

@@ -2,10 +2,11 @@
 //! every batch still kept from `start` on, as each peer may see it, then
 //! the end marker.
 
-use crate::config::KvEventsConfig;
+use crate::admit::{Kind, PeerThread};
 use crate::greet::greet;
-use crate::shared::{as_seen, put_batch, Published, Shared};
+use crate::shared::{as_seen, put_batch, Published, Stage};
 use crate::zmtp;
+use kvtier_governor::Grant;
 use std::io::{self, Write};
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -15,15 +16,26 @@ use std::time::Duration;
 /// The replay end marker: sequence number -1.
 pub(crate) const END_SEQ: [u8; 8] = [0xff; 8];
 
+/// Serves one replay peer; `handshake` is its slot until its handshake is
+/// done, then a slot of the replay budget for its login's principal. It
+/// may be closed for a newcomer while it has no request being answered,
+/// never while one is.
 pub(crate) fn serve_replay(
     mut stream: TcpStream,
-    shared: &Shared,
-    config: &KvEventsConfig,
+    peer: &PeerThread<'_>,
+    handshake: Grant,
 ) -> io::Result<()> {
+    let (shared, config) = (peer.shared, peer.config);
     stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
-    let (scope, mut frames_out, mut frames_in) =
-        greet(&stream, config, "ROUTER", &["DEALER", "REQ", "ROUTER"])?;
+    let (scope, mut frames_out, mut frames_in) = greet(
+        &stream,
+        config,
+        "ROUTER",
+        &["DEALER", "REQ", "ROUTER"],
+        &|| peer.closed(),
+    )?;
+    let _slot = peer.logged_in(handshake, Kind::Replay, &scope, Stage::ReplayWaiting)?;
     stream.set_write_timeout(Some(config.peer_timeout))?;
     // Between requests a client may idle; the handshake deadline is over.
     stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
@@ -68,6 +80,9 @@ pub(crate) fn serve_replay(
             }
         };
         let start = u64::from_be_bytes(start[..].try_into().expect("8 bytes"));
+        // Being answered from here until the end marker is written: never
+        // closed for a newcomer (unless it was already).
+        peer.set_stage(None, Stage::ReplayServing)?;
         shared.replay_requests.fetch_add(1, Ordering::Relaxed);
         let kept: Vec<Arc<Published>> = shared
             .ring
@@ -92,5 +107,6 @@ pub(crate) fn serve_replay(
             frames_out.put_message(&mut out, &[b"", &END_SEQ, b""])?;
         }
         stream.write_all(&out)?;
+        peer.set_stage(None, Stage::ReplayWaiting)?;
     }
 }

@@ -3,12 +3,14 @@
 //! connection, and the counters `/stats` reads.
 
 use crate::zmtp;
+use kvtier_governor::Principal;
 use std::collections::VecDeque;
 use std::io;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::mpsc::SyncSender;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 #[derive(Debug)]
 pub(crate) struct Published {
@@ -54,29 +56,8 @@ pub(crate) struct Subscriber {
     pub(crate) alive: AtomicBool,
     /// Bytes of the batches in `tx` not yet written.
     pub(crate) queued_bytes: AtomicUsize,
-}
-
-/// A connection, as the accept loop sees it.
-#[derive(Debug)]
-pub(crate) struct Peer {
-    pub(crate) replay: bool,
-    pub(crate) closer: TcpStream,
-    /// Set once its handshake is done (subscribers).
-    pub(crate) subscriber: Option<std::sync::Weak<Subscriber>>,
-}
-
-impl Peer {
-    /// Whether it may be closed for a newcomer: a subscriber still in its
-    /// handshake or with no subscription (it receives nothing), or any
-    /// replay peer (they hold nothing between requests).
-    pub(crate) fn idle(&self) -> bool {
-        self.replay
-            || self
-                .subscriber
-                .as_ref()
-                .and_then(std::sync::Weak::upgrade)
-                .is_none_or(|s| s.filters.lock().unwrap().is_empty())
-    }
+    /// When it was last sent a batch (from its handshake on).
+    pub(crate) last_sent: Mutex<Instant>,
 }
 
 impl Subscriber {
@@ -86,6 +67,60 @@ impl Subscriber {
             .unwrap()
             .iter()
             .any(|f| topic.starts_with(f))
+    }
+
+    /// Whether it receives nothing: no subscription, or nothing sent for
+    /// `idle_limit` (a subscription that never matches holds a slot as
+    /// uselessly as none).
+    pub(crate) fn idle(&self, idle_limit: Duration) -> bool {
+        self.filters.lock().unwrap().is_empty()
+            || self.last_sent.lock().unwrap().elapsed() >= idle_limit
+    }
+}
+
+/// Where a connection is, as far as closing it for a newcomer goes.
+#[derive(Debug)]
+pub(crate) enum Stage {
+    /// In its handshake: it proved nothing yet (closable).
+    Handshake,
+    /// Its login done, waiting for a slot of its principal: a finished
+    /// login, never closed for a newcomer.
+    LoggedIn,
+    /// A subscriber (closable once idle, `Subscriber::idle`).
+    Subscribed(Weak<Subscriber>),
+    /// A replay peer that has not sent a whole request since its last
+    /// answer (closable).
+    ReplayWaiting,
+    /// A replay peer being answered: never closed for a newcomer.
+    ReplayServing,
+}
+
+/// A connection, as the accept loops see it.
+#[derive(Debug)]
+pub(crate) struct Peer {
+    pub(crate) replay: bool,
+    pub(crate) closer: TcpStream,
+    /// Who its slot is charged to: unauthenticated peers until its
+    /// handshake is done, then its login's principal.
+    pub(crate) principal: Principal,
+    pub(crate) stage: Stage,
+    /// Set when it is closed for a newcomer: its waits (a guess turn, the
+    /// refusal pause) end at once, so its slot comes back at once.
+    pub(crate) closed: Arc<AtomicBool>,
+}
+
+impl Peer {
+    /// Whether it may be closed for a newcomer: in its handshake, an idle
+    /// subscriber, or a replay peer between requests; never a replay being
+    /// answered, nor a subscriber being sent batches.
+    pub(crate) fn closable(&self, idle_limit: Duration) -> bool {
+        match &self.stage {
+            Stage::Handshake | Stage::ReplayWaiting => true,
+            Stage::LoggedIn | Stage::ReplayServing => false,
+            Stage::Subscribed(subscriber) => {
+                subscriber.upgrade().is_none_or(|s| s.idle(idle_limit))
+            }
+        }
     }
 }
 
@@ -98,12 +133,13 @@ pub(crate) struct Shared {
     pub(crate) peers: Mutex<std::collections::BTreeMap<u64, Peer>>,
     pub(crate) next_peer: AtomicU64,
     pub(crate) peers_closed: AtomicU64,
+    /// Connections closed at once at accept or after their handshake: no
+    /// room in the budget their principal draws on, and none to make.
+    pub(crate) peers_refused: AtomicU64,
     /// Bytes queued for all subscribers together.
     pub(crate) queued_total: AtomicUsize,
     /// Kept batches and their bytes.
     pub(crate) ring: Mutex<(VecDeque<Arc<Published>>, usize)>,
-    pub(crate) connections: AtomicUsize,
-    pub(crate) replay_connections: AtomicUsize,
     pub(crate) batches: AtomicU64,
     pub(crate) events: AtomicU64,
     pub(crate) subscriber_dropped: AtomicU64,

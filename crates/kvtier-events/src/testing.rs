@@ -1,5 +1,6 @@
 //! What the batcher's and the publisher's tests share: events as the
-//! store emits them, and a count of bytes in a payload.
+//! store emits them, a count of bytes in a payload, and a feed's
+//! configuration with a governor of its own.
 
 use kvtier::{BlockEvent, KeyDigest, Medium, QualifiedKey};
 
@@ -23,4 +24,23 @@ pub(crate) fn contains(payload: &[u8], needle: &[u8]) -> usize {
         .windows(needle.len())
         .filter(|w| *w == needle)
         .count()
+}
+
+/// A feed's configuration on loopback, port 0, node `n1`, drawing on a
+/// governor of its own for `tenants` tenants (guesses: 10 a second, each
+/// refusal answered after a second, as the server's defaults).
+pub(crate) fn config_for(tenants: usize) -> crate::KvEventsConfig {
+    crate::KvEventsConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        "n1",
+        kvtier_governor::Governor::new(
+            tenants,
+            kvtier_governor::Shares::default(),
+            kvtier_governor::GuessBudget::new(10, std::time::Duration::from_secs(1)),
+        ),
+    )
+}
+
+pub(crate) fn config() -> crate::KvEventsConfig {
+    config_for(0)
 }

@@ -173,20 +173,23 @@ const MAX_COMMAND: usize = 4096;
 /// Greets a peer and exchanges READY as `ours`; the peer must be one of
 /// `accepted` (ZMTP's socket-type compatibility). Returns its type.
 pub fn handshake<S: Read + Write>(s: &mut S, ours: &str, accepted: &[&str]) -> io::Result<String> {
-    let (peer, ()) = handshake_with(s, ours, accepted, Mechanism::Null, |_| Some(()))?;
+    let (peer, ()) = handshake_with(s, ours, accepted, Mechanism::Null, |_| Ok(()))?;
     Ok(peer)
 }
 
 /// `handshake` with `mechanism`. Under PLAIN, `admit` is given the
-/// password of the peer's HELLO and says what it opens (`None`: refused,
-/// answered ERROR before anything else is read). Returns the peer's
-/// socket type and what `admit` gave (NULL: `admit(b"")`'s).
+/// password of the peer's HELLO and says what it opens, or refuses it:
+/// `Err(true)` is answered ERROR, `Err(false)` closed without an answer
+/// (the caller had no turn to answer in), before anything else is read.
+/// `admit` returns only once the refusal may be answered (the guess
+/// budget's turn and pause are its to wait). Returns the peer's socket
+/// type and what `admit` gave (NULL: `admit(b"")`'s).
 pub fn handshake_with<S: Read + Write, T>(
     s: &mut S,
     ours: &str,
     accepted: &[&str],
     mechanism: Mechanism,
-    admit: impl FnOnce(&[u8]) -> Option<T>,
+    admit: impl FnOnce(&[u8]) -> Result<T, bool>,
 ) -> io::Result<(String, T)> {
     s.write_all(&greeting_for(mechanism))?;
     let mut theirs = [0u8; GREETING_LEN];
@@ -195,7 +198,7 @@ pub fn handshake_with<S: Read + Write, T>(
     let admitted = match mechanism {
         Mechanism::Null => {
             s.write_all(&ready(ours))?;
-            admit(b"")
+            admit(b"").ok()
         }
         Mechanism::CurveServer => {
             return Err(invalid("CURVE handshakes go through handshake_curve"));
@@ -205,12 +208,17 @@ pub fn handshake_with<S: Read + Write, T>(
                 return Err(invalid("the peer sent a message before HELLO"));
             };
             let password = plain_hello_password(&hello)?;
-            let Some(admitted) = admit(password) else {
-                let _ = s.write_all(&error_command("invalid credentials"));
-                return Err(io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    "a PLAIN HELLO with a password that is no token of this server",
-                ));
+            let admitted = match admit(password) {
+                Ok(admitted) => admitted,
+                Err(answer) => {
+                    if answer {
+                        let _ = s.write_all(&error_command("invalid credentials"));
+                    }
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        "a PLAIN HELLO with a password that is no token of this server",
+                    ));
+                }
             };
             let mut welcome = Vec::new();
             put_frame(&mut welcome, b"\x07WELCOME", false, true);
@@ -237,20 +245,31 @@ pub fn handshake_with<S: Read + Write, T>(
 
 /// `handshake` with CURVE, this side the server holding `keys`: returns
 /// the peer's socket type, what its key opens, and the channel every
-/// later frame goes through (boxed both ways).
+/// later frame goes through (boxed both ways). A client key that is none
+/// of `keys`' is refused after `refused` (see `curve::server_handshake`);
+/// INITIATE's properties are checked (a socket type `ours` talks to)
+/// before READY is sent.
 pub fn handshake_curve<S: Read + Write, T: Clone>(
     s: &mut S,
     ours: &str,
     accepted: &[&str],
     keys: &curve::ServerKeys<T>,
+    refused: &mut dyn FnMut() -> bool,
 ) -> io::Result<(String, T, FrameWriter, FrameReader)> {
     s.write_all(&greeting_for(Mechanism::CurveServer))?;
     let mut theirs = [0u8; GREETING_LEN];
     s.read_exact(&mut theirs)?;
     check_greeting_for(&theirs, Mechanism::CurveServer)?;
-    let (props, admitted, sealer, opener) = curve::server_handshake(s, keys, &properties(ours))?;
-    let peer = properties_socket_type(&props)?;
-    check_peer_type(s, ours, accepted, &peer)?;
+    let mut peer = String::new();
+    let (admitted, sealer, opener) =
+        curve::server_handshake(s, keys, &properties(ours), refused, &mut |props| {
+            let kind = properties_socket_type(props).map_err(|e| e.to_string())?;
+            if !accepted.iter().any(|a| a.eq_ignore_ascii_case(&kind)) {
+                return Err(format!("a {ours} socket does not talk to {kind}"));
+            }
+            peer = kind;
+            Ok(())
+        })?;
     Ok((
         peer,
         admitted,
@@ -555,7 +574,7 @@ mod tests {
             bytes.extend_from_slice(&tail);
             let keys = curve::ServerKeys::new([7; 32], vec![([9; 32], ())]);
             let mut peer = Peer { sends: io::Cursor::new(bytes), received: Vec::new() };
-            let result = handshake_curve(&mut peer, "PUB", &["SUB"], &keys);
+            let result = handshake_curve(&mut peer, "PUB", &["SUB"], &keys, &mut || true);
             proptest::prop_assert!(result.is_err());
             proptest::prop_assert!(peer.received.len() <= GREETING_LEN + 2 + 168);
         }

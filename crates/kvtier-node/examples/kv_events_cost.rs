@@ -35,7 +35,15 @@ fn main() {
         Store::open(config(&dirs[1]).events(Arc::clone(&sink))).unwrap()
     };
     let publisher = KvEventPublisher::start(
-        KvEventsConfig::new("127.0.0.1:0".parse().unwrap(), "bench"),
+        KvEventsConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            "bench",
+            kvtier_events::Governor::new(
+                0,
+                kvtier_events::Shares::default(),
+                kvtier_events::GuessBudget::new(10, std::time::Duration::from_secs(1)),
+            ),
+        ),
         Arc::clone(&sink),
         rx,
     )

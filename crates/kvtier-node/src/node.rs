@@ -79,9 +79,10 @@ pub struct Node {
     workers: Vec<JoinHandle<()>>,
 }
 
-/// The feed's state on the admin endpoint's `/stats` (`"kv_events"`).
+/// The feed's state on the admin endpoint's `/stats` (`"kv_events"`):
+/// set once the feed runs.
 #[derive(Debug)]
-struct FeedStatus(Option<Arc<KvEventPublisher>>);
+struct FeedStatus(std::sync::OnceLock<Arc<KvEventPublisher>>);
 
 impl StatusSection for FeedStatus {
     fn name(&self) -> &str {
@@ -89,7 +90,7 @@ impl StatusSection for FeedStatus {
     }
 
     fn json(&self) -> serde_json::Value {
-        match &self.0 {
+        match self.0.get() {
             Some(events) => {
                 let mut j = serde_json::to_value(events.stats()).unwrap_or_default();
                 j["enabled"] = true.into();
@@ -156,15 +157,16 @@ impl Node {
             server_config.tenants =
                 kvtier_server::read_tenants(path).map_err(|e| format!("the tenants file: {e}"))?;
         }
-        let publisher = match (feed, feed_channel) {
-            (Some(feed), Some((sink, rx))) => {
-                Some(start_feed(feed, sink, rx, store.node_id(), &server_config)?)
-            }
-            _ => None,
-        };
+        // The feed starts once the server exists (it draws on the server's
+        // governor); its status section is the server's from the start.
+        let feed_status = Arc::new(FeedStatus(std::sync::OnceLock::new()));
         server_config
             .status_sections
-            .push(Arc::new(FeedStatus(publisher.clone())));
+            .push(Arc::clone(&feed_status) as Arc<dyn StatusSection>);
+        let feed_tokens = (
+            server_config.auth_token.clone(),
+            server_config.tenants.clone(),
+        );
         let stats = store.stats();
         let mut member = membership::prepare(
             &config,
@@ -175,6 +177,21 @@ impl Node {
         server_config.cluster = member.as_ref().map(|m| Arc::clone(&m.view));
 
         let server = Server::new(Arc::clone(&store), server_config)?;
+        let publisher = match (feed, feed_channel) {
+            (Some(feed), Some((sink, rx))) => {
+                let publisher = start_feed(
+                    feed,
+                    sink,
+                    rx,
+                    store.node_id(),
+                    feed_tokens,
+                    server.governor(),
+                )?;
+                let _ = feed_status.0.set(Arc::clone(&publisher));
+                Some(publisher)
+            }
+            _ => None,
+        };
         let stop = server.stop_flag();
         let mut workers = Vec::new();
         if let (Some(member), Some(shared)) = (&member, store.config().configured_shared_dir()) {
@@ -340,15 +357,17 @@ fn start_feed(
     sink: Arc<kvtier::EventSink>,
     rx: std::sync::mpsc::Receiver<kvtier::BlockEvent>,
     node_id: &str,
-    server: &kvtier_server::ServerConfig,
+    (auth_token, tenants): (Option<String>, Vec<kvtier_server::Tenant>),
+    governor: Arc<kvtier_events::Governor>,
 ) -> Result<Arc<KvEventPublisher>, NodeError> {
-    let mut events = KvEventsConfig::new(feed.publish, node_id);
+    // Its connections' slots and its logins' guesses are the server's.
+    let mut events = KvEventsConfig::new(feed.publish, node_id, governor);
     events.replay = feed.replay;
     if feed.login != FeedLogin::None {
         // The same tokens as the data port: the server's opens every
         // namespace, a tenant's its own.
-        let auth = kvtier_server::Auth::new(server.auth_token.as_deref())
-            .and_then(|a| a.with_tenants(server.tenants.clone()))
+        let auth = kvtier_server::Auth::new(auth_token.as_deref())
+            .and_then(|a| a.with_tenants(tenants))
             .map_err(|e| format!("kv_events_auth: {e}"))?;
         if !auth.has_token() {
             return Err(
