@@ -8,6 +8,7 @@ mod common;
 
 mod cross_memory;
 mod descriptors;
+mod feed_governor;
 mod governor;
 mod hostile_clients;
 mod lockout;
