@@ -20,6 +20,23 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// listing says so).
 const MAX_TRACKED: usize = 4096;
 
+/// A census younger than this is answered again instead of reading every
+/// record once more: a client listing in a loop (any tenant may) costs the
+/// store one scan per interval, not one per request. A retirement makes
+/// the next listing run a new one.
+pub(crate) const CENSUS_REUSE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A census as listings show it: each namespace rendered once, when the
+/// census ran (its manifest parsed then, at most `MAX_MANIFEST_LEN` bytes
+/// of it), so neither a listing nor `/stats` parses what a client stored.
+#[derive(Debug)]
+struct Census {
+    taken: std::time::Instant,
+    taken_unix_s: u64,
+    /// Name and rendered entry (without its last use, added when shown).
+    entries: Vec<(String, Value)>,
+}
+
 /// When this server last served a request in each namespace (since it
 /// started), and the last census it ran.
 #[derive(Debug, Default)]
@@ -27,11 +44,14 @@ pub(crate) struct NamespaceUse {
     last_used: Mutex<HashMap<String, Arc<AtomicU64>>>,
     /// Namespaces not tracked because `MAX_TRACKED` were.
     untracked: AtomicU64,
-    /// The last census (for `/stats`): when, and what it found.
-    last_census: Mutex<Option<(u64, Vec<NamespaceCensus>)>>,
-    /// Held while a census runs: it reads every batch record, so callers
-    /// (any tenant may ask) take turns instead of reading them at once.
+    /// The last census (for listings within `CENSUS_REUSE`, and `/stats`).
+    last_census: Mutex<Option<Arc<Census>>>,
+    /// Held while a census or a retirement runs: each reads every batch
+    /// record, so callers (any tenant may ask) take turns instead of
+    /// scanning at once.
     census_turn: Mutex<()>,
+    /// Censuses run (each a scan of every record), since start.
+    censuses: AtomicU64,
 }
 
 /// The clock a session stamps its namespace's last use with.
@@ -70,14 +90,19 @@ impl NamespaceUse {
             .filter(|&t| t > 0)
     }
 
-    /// The `/stats` section: the last census (when the NAMESPACES request
+    /// The `/stats` section: the last census (when a NAMESPACES request
     /// last ran one) and the namespaces served since this server started.
+    /// Never waits for a census that is running, and parses nothing.
     pub(crate) fn stats_json(&self) -> Value {
-        let census = self.last_census.lock().unwrap();
-        let listed = census.as_ref().map(|(at, found)| {
+        let census = self.last_census.lock().unwrap().clone();
+        let listed = census.as_ref().map(|census| {
             json!({
-                "taken_unix_s": at,
-                "namespaces": found.iter().map(|c| self.entry(c)).collect::<Vec<_>>(),
+                "taken_unix_s": census.taken_unix_s,
+                "namespaces": census
+                    .entries
+                    .iter()
+                    .map(|(name, entry)| self.shown(name, entry))
+                    .collect::<Vec<_>>(),
             })
         });
         let used = self.last_used.lock().unwrap();
@@ -94,43 +119,83 @@ impl NamespaceUse {
                 .map(|(name, at)| json!({ "name": name, "last_used_unix_s": at }))
                 .collect::<Vec<_>>(),
             "untracked": self.untracked.load(Ordering::Relaxed),
+            "censuses_run": self.censuses.load(Ordering::Relaxed),
         })
     }
 
-    /// One namespace of a listing.
-    fn entry(&self, census: &NamespaceCensus) -> Value {
-        kvtier_wire::stats::namespace_json(census, self.last_used(&census.name))
+    /// One namespace of a listing: its rendered entry with its last use.
+    fn shown(&self, name: &str, entry: &Value) -> Value {
+        let mut entry = entry.clone();
+        entry["last_used_unix_s"] = json!(self.last_used(name));
+        entry
+    }
+
+    /// The census of `store`: the last one if it is younger than
+    /// `CENSUS_REUSE`, else a new one, run in turn with any other census or
+    /// retirement.
+    fn census(&self, store: &Store) -> kvtier::Result<Arc<Census>> {
+        let turn = self.census_turn.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(census) = self.last_census.lock().unwrap().as_ref() {
+            if census.taken.elapsed() < CENSUS_REUSE {
+                return Ok(Arc::clone(census));
+            }
+        }
+        self.censuses.fetch_add(1, Ordering::Relaxed);
+        let found: Vec<NamespaceCensus> = store.namespaces()?;
+        let census = Arc::new(Census {
+            taken: std::time::Instant::now(),
+            taken_unix_s: unix_seconds(),
+            entries: found
+                .iter()
+                .map(|c| (c.name.clone(), kvtier_wire::stats::namespace_json(c, None)))
+                .collect(),
+        });
+        *self.last_census.lock().unwrap() = Some(Arc::clone(&census));
+        drop(turn);
+        Ok(census)
     }
 
     /// NAMESPACES: the census of this node's store, the namespaces `scope`
     /// covers only.
     pub(crate) fn list<'b>(&self, store: &Store, scope: &Scope) -> Reply<'b> {
-        let turn = self.census_turn.lock().unwrap_or_else(|e| e.into_inner());
-        let found = store.namespaces();
-        drop(turn);
-        let found = match found {
-            Ok(found) => found,
+        let census = match self.census(store) {
+            Ok(census) => census,
             Err(e) => return Reply::error(code::of(e.kind()), e.to_string()),
         };
-        let visible: Vec<NamespaceCensus> = found
-            .into_iter()
-            .filter(|c| scope.refuses_namespace(&c.name).is_none())
+        let visible: Vec<Value> = census
+            .entries
+            .iter()
+            .filter(|(name, _)| scope.refuses_namespace(name).is_none())
+            .map(|(name, entry)| self.shown(name, entry))
             .collect();
         let body = json!({
             "node": store.node_id(),
-            "namespaces": visible.iter().map(|c| self.entry(c)).collect::<Vec<_>>(),
+            "namespaces": visible,
         });
-        if scope.sees_the_server() {
-            *self.last_census.lock().unwrap() = Some((unix_seconds(), visible));
-        }
         Reply::ok(body.to_string().into_bytes())
+    }
+
+    /// Drops the last census: the next listing runs a new one (a manifest
+    /// was described here, so listings must show it at once).
+    pub(crate) fn forget_census(&self) {
+        *self.last_census.lock().unwrap() = None;
+    }
+
+    /// RETIRE_NAMESPACE: the connection's namespace, through `backend` (the
+    /// store, or in cluster mode every member), in turn with every census
+    /// and retirement (each scans the whole store); the next listing runs
+    /// a new census.
+    pub(crate) fn retire<'b>(&self, backend: &dyn KvBackend) -> Reply<'b> {
+        let turn = self.census_turn.lock().unwrap_or_else(|e| e.into_inner());
+        let retired = backend.retire_namespace();
+        *self.last_census.lock().unwrap() = None;
+        drop(turn);
+        retired_reply(retired)
     }
 }
 
-/// RETIRE_NAMESPACE: the connection's namespace, through `backend` (the
-/// store, or in cluster mode every member).
-pub(crate) fn retire<'b>(backend: &dyn KvBackend) -> Reply<'b> {
-    match backend.retire_namespace() {
+fn retired_reply<'b>(retired: kvtier::Result<kvtier::RetiredNamespace>) -> Reply<'b> {
+    match retired {
         Ok(retired) => {
             let mut w = Writer::default();
             w.u64(retired.blocks)

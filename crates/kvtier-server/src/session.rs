@@ -494,9 +494,11 @@ impl State<'_> {
             }
             // The caller's own namespaces (a tenant's within its prefixes).
             Request::Namespaces => shared.namespace_use.list(&shared.store, &self.scope),
-            Request::RetireNamespace => crate::namespaces::retire(backend),
+            Request::RetireNamespace => shared.namespace_use.retire(backend),
             Request::DescribeNamespace { manifest } => {
-                crate::namespaces::describe(backend, manifest)
+                let reply = crate::namespaces::describe(backend, manifest);
+                shared.namespace_use.forget_census();
+                reply
             }
             Request::ClusterView => {
                 let json = match &shared.peers {

@@ -283,11 +283,25 @@ impl Inner {
 
     /// The manifest stored in namespace `name`, read and verified as any
     /// value is; `None` if there is none (or it is not a namespace name).
+    /// Read with a fixed capacity: a value under the manifest key longer
+    /// than `MAX_MANIFEST_LEN` (written before puts of it were bounded) is
+    /// not read at all, so a census costs at most that much per namespace.
     fn read_manifest(self: &Arc<Self>, name: &str) -> Result<Option<Vec<u8>>> {
         let Ok(ns) = Namespace::new(Arc::clone(&self.secret), name) else {
             return Ok(None);
         };
-        NamespacedStore::new(Arc::clone(self), ns).get(MANIFEST_KEY)
+        let namespaced = NamespacedStore::new(Arc::clone(self), ns);
+        if namespaced
+            .value_len(MANIFEST_KEY)?
+            .is_some_and(|len| len > MAX_MANIFEST_LEN)
+        {
+            tracing::warn!(
+                namespace = name,
+                "a value under the manifest key is longer than a manifest may be: not read"
+            );
+            return Ok(None);
+        }
+        namespaced.get(MANIFEST_KEY)
     }
 }
 

@@ -58,6 +58,17 @@ impl Inner {
     ) -> Result<Option<ReceivingValue>> {
         self.check_open()?;
         validate_key(key)?;
+        // The manifest key is reserved: whatever writes under it (DESCRIBE,
+        // or an ordinary put naming it) writes at most a manifest's length,
+        // so a census never reads more than that per namespace.
+        if key == crate::key::MANIFEST_KEY && len > crate::key::MAX_MANIFEST_LEN as u64 {
+            return Err(Error::invalid(format!(
+                "the key {:?} is reserved for the namespace's manifest (DESCRIBE_NAMESPACE, at \
+                 most {} bytes), not a {len}-byte value",
+                String::from_utf8_lossy(crate::key::MANIFEST_KEY),
+                crate::key::MAX_MANIFEST_LEN
+            )));
+        }
         if len == 0 {
             return Err(Error::invalid(format!(
                 "value is empty: values are 1 to {} bytes",
