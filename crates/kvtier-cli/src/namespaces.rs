@@ -127,8 +127,9 @@ fn print_table(listed: &Value) {
                 .filter(|(k, _)| !k.ends_with("_unix_s"))
                 .map(|(k, v)| {
                     format!(
-                        "{k}={}",
-                        v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+                        "{}={}",
+                        printable(k),
+                        printable(&v.as_str().map_or_else(|| v.to_string(), str::to_owned))
                     )
                 })
                 .collect::<Vec<_>>()
@@ -140,8 +141,49 @@ fn print_table(listed: &Value) {
             n["blocks"],
             n["bytes"],
             last,
-            n["name"].as_str().unwrap_or(""),
+            printable(n["name"].as_str().unwrap_or("")),
             manifest
         );
+    }
+}
+
+/// `text` as the operator's terminal should show it: control characters
+/// (ESC, BEL, CR, ...) and the characters that reorder or hide text
+/// (bidirectional overrides and isolates, zero-width marks) written as
+/// `\u{..}` escapes. A manifest's fields are whatever a tenant stored:
+/// raw, they could rewrite the table or the terminal.
+fn printable(text: &str) -> String {
+    let hides = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+    };
+    text.chars()
+        .map(|c| {
+            if hides(c) {
+                format!("\\u{{{:x}}}", u32::from(c))
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    /// Issue 60: `kvtier namespaces list` printed a tenant's ESC, BEL, CR
+    /// and right-to-left override characters raw to the operator's
+    /// terminal.
+    #[test]
+    fn a_tenants_control_and_reordering_characters_are_escaped() {
+        let stored = "vllm\x1b[2J\x07\rllama\u{202e}lmth.exe\u{2066}";
+        let shown = printable(stored);
+        assert_eq!(
+            shown,
+            "vllm\\u{1b}[2J\\u{7}\\u{d}llama\\u{202e}lmth.exe\\u{2066}"
+        );
+        assert!(!shown.chars().any(|c| c.is_control()));
+        assert_eq!(printable("team-a/llama3 ünïcödé"), "team-a/llama3 ünïcödé");
     }
 }

@@ -15,9 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// Namespaces whose last use this server tracks at most (a client can name
-/// any number of namespaces: past this, new ones are not tracked and the
-/// listing says so).
+/// Namespaces whose last use this server tracks at most for one principal
+/// (a client can name any number of namespaces: past this, that
+/// principal's new ones are not tracked, and a listing shows the last use
+/// of a namespace it has no clock for as "untracked", not as unused). Each
+/// principal has its own, so one tenant naming thousands of namespaces
+/// leaves the others' tracked.
 const MAX_TRACKED: usize = 4096;
 
 /// A census younger than this is answered again instead of reading every
@@ -42,6 +45,8 @@ struct Census {
 #[derive(Debug, Default)]
 pub(crate) struct NamespaceUse {
     last_used: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    /// Namespaces tracked per principal (`MAX_TRACKED` each).
+    tracked_by: Mutex<HashMap<kvtier_governor::Principal, usize>>,
     /// Namespaces not tracked because `MAX_TRACKED` were.
     untracked: AtomicU64,
     /// The last census (for listings within `CENSUS_REUSE`, and `/stats`).
@@ -68,26 +73,42 @@ impl UseClock {
 }
 
 impl NamespaceUse {
-    /// The clock of `namespace` (made at a connection's hello).
-    pub(crate) fn clock(&self, namespace: &str) -> UseClock {
+    /// The clock of `namespace` (made at a connection's hello by
+    /// `principal`, within its `MAX_TRACKED`).
+    pub(crate) fn clock(&self, namespace: &str, principal: kvtier_governor::Principal) -> UseClock {
         let mut used = self.last_used.lock().unwrap();
         if let Some(at) = used.get(namespace) {
             return UseClock(Some(Arc::clone(at)));
         }
-        if used.len() >= MAX_TRACKED {
+        let mut tracked_by = self.tracked_by.lock().unwrap();
+        let tracked = tracked_by.entry(principal).or_insert(0);
+        if *tracked >= MAX_TRACKED {
             self.untracked.fetch_add(1, Ordering::Relaxed);
             return UseClock(None);
         }
+        *tracked += 1;
         let at = Arc::new(AtomicU64::new(0));
         used.insert(namespace.to_owned(), Arc::clone(&at));
         UseClock(Some(at))
     }
 
-    fn last_used(&self, namespace: &str) -> Option<u64> {
+    /// When `namespace` was last served: a number, `null` (not since
+    /// start), or "untracked" (no clock for it while some principal's
+    /// tracking was full: it may have been served).
+    fn last_used(&self, namespace: &str) -> Value {
         let used = self.last_used.lock().unwrap();
-        used.get(namespace)
-            .map(|at| at.load(Ordering::Relaxed))
-            .filter(|&t| t > 0)
+        match used.get(namespace) {
+            Some(at) => {
+                let at = at.load(Ordering::Relaxed);
+                if at > 0 {
+                    json!(at)
+                } else {
+                    Value::Null
+                }
+            }
+            None if self.untracked.load(Ordering::Relaxed) > 0 => json!("untracked"),
+            None => Value::Null,
+        }
     }
 
     /// The `/stats` section: the last census (when a NAMESPACES request

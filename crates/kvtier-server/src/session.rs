@@ -693,7 +693,7 @@ impl State<'_> {
             Ok(namespace) => namespace,
             Err(e) => return Reply::error(code::INVALID_ARGUMENT, e.to_string()).closing(),
         };
-        self.use_clock = shared.namespace_use.clock(namespace.name());
+        self.use_clock = shared.namespace_use.clock(namespace.name(), principal);
         self.namespace = Some(namespace);
         let limits = &shared.config.limits;
         Reply::ok(

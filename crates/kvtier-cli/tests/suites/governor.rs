@@ -206,3 +206,51 @@ fn the_manifest_key_is_bounded_and_listings_reuse_a_recent_census() {
     let doc = a.namespaces().unwrap();
     assert_eq!(doc["namespaces"][0]["manifest"]["engine"], "test", "{doc}");
 }
+
+/// Issue 60: after one tenant said hello in 4,096 namespaces, another
+/// tenant's namespace served a second before listed as "not used since
+/// start", and nothing said tracking was full. Now each principal has its
+/// own 4,096, and a namespace without a clock while some principal's
+/// tracking is full lists its last use as "untracked", never as unused.
+#[test]
+fn one_tenants_namespaces_leave_the_others_use_tracked() {
+    use kvtier_client::Client;
+    let dir = tempfile::tempdir().unwrap();
+    let server = tenants_server(dir.path(), "");
+    for i in 0..4100 {
+        let s = hello(&server, TOKEN_A, &format!("tenant-a/n{i}"));
+        assert!(s.is_some(), "hello {i} refused");
+    }
+    let put_one = |token: &str, namespace: &str| {
+        let mut c = Client::connect_with(
+            &server.tcp_url(),
+            crate::common::as_tenant(token, namespace),
+        )
+        .unwrap();
+        c.batch_put(&[b"block".to_vec()], &[vec![1u8; 4096]])
+            .unwrap()
+            .pop()
+            .unwrap()
+            .unwrap();
+        c
+    };
+    // Both puts before the census the listings share.
+    let mut b = put_one(TOKEN_B, "tenant-b/m");
+    let mut a = put_one(TOKEN_A, "tenant-a/n4099");
+    let doc = b.namespaces().unwrap();
+    let mine = &doc["namespaces"][0];
+    eprintln!("tenant b's namespace after tenant a's 4,100 hellos: {mine}");
+    assert_eq!(mine["name"], "tenant-b/m");
+    assert!(
+        mine["last_used_unix_s"].as_u64().is_some(),
+        "tenant b's namespace, just used, lists {}",
+        mine["last_used_unix_s"]
+    );
+    // Tenant a's namespaces past its 4,096 say that they are untracked.
+    let doc = a.namespaces().unwrap();
+    assert_eq!(doc["namespaces"][0]["name"], "tenant-a/n4099", "{doc}");
+    assert_eq!(
+        doc["namespaces"][0]["last_used_unix_s"], "untracked",
+        "{doc}"
+    );
+}
