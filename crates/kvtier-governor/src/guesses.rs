@@ -55,6 +55,32 @@ impl GuessBudget {
         }
     }
 
+    /// A turn for a caller that cannot block (an async one): reserves the
+    /// next turn and says how long from now the refusal may be answered
+    /// (the turn's wait plus the pause), or `None`, reserving nothing, when
+    /// that turn would come after `deadline`. Turns are reserved in order
+    /// (the bucket goes into debt), so blocking and non-blocking callers
+    /// share one rate.
+    pub fn reserve_turn(&self, deadline: Instant) -> Option<Duration> {
+        let now = Instant::now();
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let (tokens, last) = *state;
+        let tokens =
+            (tokens + now.duration_since(last).as_secs_f64() * self.rate).min(self.rate.max(1.0));
+        let after = tokens - 1.0;
+        let wait = if after >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-after / self.rate)
+        };
+        if now + wait > deadline {
+            *state = (tokens, now);
+            return None;
+        }
+        *state = (after, now);
+        Some(wait + self.delay)
+    }
+
     /// The pause before a refusal is answered; `false` if `cancelled` cut
     /// it short.
     pub fn refusal_pause(&self, cancelled: &dyn Fn() -> bool) -> bool {
@@ -128,5 +154,30 @@ mod tests {
         assert!(!budget.take_turn(far, &|| true));
         budget.count_refusal();
         assert_eq!(budget.refused(), 1);
+    }
+
+    #[test]
+    fn reserved_turns_queue_at_the_rate_and_include_the_pause() {
+        let budget = GuessBudget::new(1, Duration::from_secs(1));
+        let far = Instant::now() + Duration::from_secs(600);
+        // Each refusal is answered after the pause, and turns are a second
+        // apart (the rate) however much time passes between the asks: one
+        // ask a second later finds a refilled bucket, never two turns.
+        let answers: Vec<Instant> = (0..4)
+            .map(|_| {
+                let asked = Instant::now();
+                let wait = budget.reserve_turn(far).unwrap();
+                assert!(wait >= Duration::from_secs(1), "the pause: {wait:?}");
+                asked + wait
+            })
+            .collect();
+        for pair in answers.windows(2) {
+            assert!(
+                pair[1].duration_since(pair[0]) >= Duration::from_millis(999),
+                "two turns closer than the rate allows"
+            );
+        }
+        // A deadline before the next turn reserves nothing.
+        assert_eq!(budget.reserve_turn(Instant::now()), None);
     }
 }

@@ -254,3 +254,64 @@ fn one_tenants_namespaces_leave_the_others_use_tracked() {
         "{doc}"
     );
 }
+
+/// Issue 60: the admin port's bearer token was a guess outside the guess
+/// budget (refused at once, at the speed of the network). Now a refused
+/// bearer is answered after a turn of the one budget and the pause, and
+/// counted in `auth_failures` with every other surface's.
+#[test]
+fn a_wrong_admin_bearer_is_a_guess_of_the_one_budget() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    // With tenants, the admin views ask for the server's token on loopback too.
+    let server = tenants_server(dir.path(), "");
+    let started = std::time::Instant::now();
+    let answered: Vec<(Duration, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..20)
+            .map(|i| {
+                let admin = server.admin.clone();
+                scope.spawn(move || {
+                    let sent = std::time::Instant::now();
+                    let mut s = TcpStream::connect(&admin).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                    s.write_all(
+                        format!(
+                            "GET /stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \
+                             wrong-guess-{i:04}-0123456789\r\n\r\n"
+                        )
+                        .as_bytes(),
+                    )
+                    .unwrap();
+                    let mut response = String::new();
+                    let _ = s.read_to_string(&mut response);
+                    (sent.elapsed(), response)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let answered_401: Vec<Duration> = answered
+        .iter()
+        .filter(|(_, r)| r.starts_with("HTTP/1.1 401"))
+        .map(|(t, _)| *t)
+        .collect();
+    let soonest = answered.iter().map(|(t, _)| *t).min().unwrap();
+    eprintln!(
+        "20 wrong bearers: {} answered 401 (the rest closed at the admin timeout) in {:?}; \
+         the soonest answer after {soonest:?}",
+        answered_401.len(),
+        started.elapsed()
+    );
+    assert!(
+        soonest >= Duration::from_millis(990),
+        "a wrong bearer answered after {soonest:?}"
+    );
+    // 10 turns a second (a burst of 10), the admin timeout 5 s: at most
+    // about 60 of them fit; every refusal was counted.
+    let response = server.http_request(&format!(
+        "GET /stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
+    ));
+    let stats: serde_json::Value =
+        serde_json::from_str(response.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(stats["server"]["auth_failures"], 20, "{}", stats["server"]);
+}

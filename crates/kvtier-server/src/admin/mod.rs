@@ -133,7 +133,24 @@ impl Admin {
             let admin = Arc::clone(&self);
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
                 let response = admin.answer(&request);
-                async move { Ok::<_, Infallible>(response) }
+                // A refused bearer token is a guess like any other login's:
+                // answered after a turn of the one guess budget and the
+                // pause (without a turn in time, not at all: the
+                // connection ends at the admin timeout).
+                let wait = (response.status() == StatusCode::UNAUTHORIZED).then(|| {
+                    admin
+                        .shared
+                        .governor
+                        .guesses()
+                        .reserve_turn(std::time::Instant::now() + timeout)
+                        .unwrap_or(timeout)
+                });
+                async move {
+                    if let Some(wait) = wait {
+                        tokio::time::sleep(wait).await;
+                    }
+                    Ok::<_, Infallible>(response)
+                }
             });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
