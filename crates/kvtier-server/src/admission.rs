@@ -216,8 +216,11 @@ impl Admission {
         closer: Option<Closer>,
         principal: Principal,
     ) -> Result<Slot, String> {
+        // The cap per address bounds unauthenticated peers (every local user
+        // has 2^24 loopback addresses, so it cannot bound a principal): a
+        // token's connections are bounded by its share, from any address.
         let address = match addr {
-            Some(addr) => {
+            Some(addr) if principal == Principal::Anonymous => {
                 let mut counts = lock(&self.per_address);
                 let n = counts.entry(addr).or_insert(0);
                 // At its cap, the address's oldest connection that proved
@@ -240,7 +243,7 @@ impl Admission {
                     counts: Arc::clone(&self.per_address),
                 })
             }
-            None => None,
+            _ => None,
         };
         if peer.trusted_by_credentials {
             let (grant, reserved) = match self.admitted.try_take(Principal::Server, 1) {
@@ -325,6 +328,8 @@ impl Admission {
         );
         slot.admitted = true;
         slot.leave_waiting();
+        // Authenticated: out of its address's count (see admit_connection).
+        slot._address = None;
         Ok(())
     }
 

@@ -424,12 +424,17 @@ fn start_connection(
     let closer = (!peer.trusted_by_credentials)
         .then(|| admission::Closer::of(&transport))
         .flatten();
-    // A first message that names a token this server holds waits as that
-    // token's principal, within its share; any other as unauthenticated.
-    let principal = lobby::challenged_token_id(&transport)
-        .map_or(kvtier_governor::Principal::Anonymous, |id| {
-            shared.auth.principal_of_token_id(&id)
-        });
+    // A first message that names a token this server holds (a challenge)
+    // or presents one (a plain hello) waits as that token's principal,
+    // within its share; any other as unauthenticated peers.
+    let principal = match lobby::challenged_token_id(&transport) {
+        Some(id) => shared.auth.principal_of_token_id(&id),
+        None => lobby::hello_token(&transport)
+            .and_then(|token| shared.auth.scope_of_token(&token))
+            .map_or(kvtier_governor::Principal::Anonymous, |scope| {
+                shared.auth.principal_of(&scope)
+            }),
+    };
     let admitted = shared
         .admission
         .admit_connection(&peer, addr, closer, principal);

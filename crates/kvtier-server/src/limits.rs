@@ -23,16 +23,23 @@ pub struct Limits {
     /// 1024.
     pub max_connections: usize,
     /// Most connections that have not completed a hello yet (TCP, and Unix
-    /// peers of another user): idle unauthenticated sockets wait here, out
-    /// of everyone else's way; past it a new one gets LIMIT at once.
-    /// Default: 64.
+    /// peers of another user), split between principals by the governor:
+    /// each waits as the principal its first message names (a challenge's
+    /// token, a plain hello's valid token), else as unauthenticated peers,
+    /// who together hold at most `anonymous_share_percent` of it (64 of
+    /// the default: as many as all waiting connections could before the
+    /// split; a TLS client is unauthenticated until its hello is read).
+    /// Past a principal's share, its oldest waiting connection makes room.
+    /// Default: 256.
     pub max_pending_connections: usize,
     /// Slots beyond `max_connections` that only Unix-socket peers of the
     /// server's own user (trusted by their credentials) may take. Default:
     /// 64.
     pub reserved_local_connections: usize,
-    /// Most TCP connections (pending and authenticated) from one remote
-    /// address. Default: 256.
+    /// Most unauthenticated TCP connections (waiting for their hello as
+    /// no token's) from one remote address; a token's connections are
+    /// bounded by its share from any address (every local user has 2^24
+    /// loopback addresses). Default: 256.
     pub max_connections_per_address: usize,
     /// Most accepted connections that have not sent a byte yet (TCP, and
     /// Unix peers of another user), in the lobby: they hold a descriptor
@@ -123,7 +130,7 @@ impl Default for Limits {
             max_hello_frame: 4 << 10,
             max_batch: kvtier_wire::protocol::DEFAULT_MAX_BATCH,
             max_connections: 1024,
-            max_pending_connections: 64,
+            max_pending_connections: 256,
             reserved_local_connections: 64,
             max_connections_per_address: 256,
             max_lobby_connections: 1024,

@@ -281,6 +281,26 @@ pub fn challenged_token_id(transport: &Transport) -> Option<[u8; TOKEN_ID_LEN]> 
     first[HEADER_LEN + NONCE_LEN..].try_into().ok()
 }
 
+/// The token of a connection whose first message (whole in the socket,
+/// looked at without taking it) is a plain hello over TCP or Unix: a client
+/// that skips the challenge. Only to charge its wait to the right
+/// principal; the hello itself is checked as any other.
+pub fn hello_token(transport: &Transport) -> Option<Vec<u8>> {
+    if !matches!(transport, Transport::Tcp(_) | Transport::Unix(_)) {
+        return None;
+    }
+    let mut first = vec![0u8; HEADER_LEN + FIRST_BODY_LIMIT];
+    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+    let (seen, _) = rustix::net::recv(fd_of(transport), &mut first, flags).ok()?;
+    let header = Header::decode(first.get(..HEADER_LEN)?.try_into().ok()?, u64::MAX).ok()?;
+    if header.op != Op::Hello as u16 {
+        return None;
+    }
+    let body = first.get(HEADER_LEN..seen.min(HEADER_LEN + header.body_len as usize))?;
+    let len = u32::from_le_bytes(body.get(..4)?.try_into().ok()?) as usize;
+    body.get(4..4usize.checked_add(len)?).map(<[u8]>::to_vec)
+}
+
 fn fd_of(transport: &Transport) -> BorrowedFd<'_> {
     match transport {
         Transport::Tcp(s) => s.as_fd(),

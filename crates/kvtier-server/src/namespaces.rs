@@ -8,6 +8,7 @@ use crate::handlers::Reply;
 use crate::trust::Scope;
 use kvtier::{NamespaceCensus, Store, MANIFEST_KEY};
 use kvtier_client::KvBackend;
+use kvtier_governor::Principal;
 use kvtier_wire::protocol::{code, Writer};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -57,6 +58,11 @@ pub(crate) struct NamespaceUse {
     census_turn: Mutex<()>,
     /// Censuses run (each a scan of every record), since start.
     censuses: AtomicU64,
+    /// Each principal's own turn, taken before `census_turn`: one
+    /// principal's censuses and retirements queue behind each other, so
+    /// at the shared turn each principal has at most one waiting, and a
+    /// tenant scanning in a loop delays another principal by one scan.
+    principal_turns: Mutex<HashMap<Principal, Arc<Mutex<()>>>>,
 }
 
 /// The clock a session stamps its namespace's last use with.
@@ -114,7 +120,28 @@ impl NamespaceUse {
     /// The `/stats` section: the last census (when a NAMESPACES request
     /// last ran one) and the namespaces served since this server started.
     /// Never waits for a census that is running, and parses nothing.
-    pub(crate) fn stats_json(&self) -> Value {
+    /// Without `named`, only counts: no namespace name.
+    pub(crate) fn stats_json(&self, named: bool) -> Value {
+        if !named {
+            let census = self.last_census.lock().unwrap().clone();
+            let served = self
+                .last_used
+                .lock()
+                .unwrap()
+                .values()
+                .filter(|at| at.load(Ordering::Relaxed) > 0)
+                .count();
+            return json!({
+                "names": "hidden: send Authorization: Bearer <the server's token> to see them",
+                "last_census": census.map(|c| json!({
+                    "taken_unix_s": c.taken_unix_s,
+                    "namespaces": c.entries.len(),
+                })),
+                "served_since_start": served,
+                "untracked": self.untracked.load(Ordering::Relaxed),
+                "censuses_run": self.censuses.load(Ordering::Relaxed),
+            });
+        }
         let census = self.last_census.lock().unwrap().clone();
         let listed = census.as_ref().map(|census| {
             json!({
@@ -151,11 +178,28 @@ impl NamespaceUse {
         entry
     }
 
+    /// Runs `scan` in `principal`'s turn, then the shared one.
+    fn in_turn<T>(&self, principal: Principal, scan: impl FnOnce() -> T) -> T {
+        let own = Arc::clone(
+            self.principal_turns
+                .lock()
+                .unwrap()
+                .entry(principal)
+                .or_default(),
+        );
+        let _own = own.lock().unwrap_or_else(|e| e.into_inner());
+        let _shared = self.census_turn.lock().unwrap_or_else(|e| e.into_inner());
+        scan()
+    }
+
     /// The census of `store`: the last one if it is younger than
-    /// `CENSUS_REUSE`, else a new one, run in turn with any other census or
-    /// retirement.
-    fn census(&self, store: &Store) -> kvtier::Result<Arc<Census>> {
-        let turn = self.census_turn.lock().unwrap_or_else(|e| e.into_inner());
+    /// `CENSUS_REUSE`, else a new one, run in turn (`in_turn`) with any
+    /// other census or retirement.
+    fn census(&self, store: &Store, principal: Principal) -> kvtier::Result<Arc<Census>> {
+        self.in_turn(principal, || self.census_now(store))
+    }
+
+    fn census_now(&self, store: &Store) -> kvtier::Result<Arc<Census>> {
         if let Some(census) = self.last_census.lock().unwrap().as_ref() {
             if census.taken.elapsed() < CENSUS_REUSE {
                 return Ok(Arc::clone(census));
@@ -172,14 +216,38 @@ impl NamespaceUse {
                 .collect(),
         });
         *self.last_census.lock().unwrap() = Some(Arc::clone(&census));
-        drop(turn);
         Ok(census)
+    }
+
+    /// Changes the last census's entry of `name` in place (`None`: it is
+    /// gone), so what this server itself did shows in the next listing
+    /// without a new census.
+    fn amend_census(&self, name: &str, entry: Option<Value>) {
+        let mut last = self.last_census.lock().unwrap();
+        let Some(census) = last.as_ref() else {
+            return;
+        };
+        let mut entries: Vec<(String, Value)> = census
+            .entries
+            .iter()
+            .filter(|(n, _)| n != name)
+            .cloned()
+            .collect();
+        if let Some(entry) = entry {
+            entries.push((name.to_owned(), entry));
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        *last = Some(Arc::new(Census {
+            taken: census.taken,
+            taken_unix_s: census.taken_unix_s,
+            entries,
+        }));
     }
 
     /// NAMESPACES: the census of this node's store, the namespaces `scope`
     /// covers only.
-    pub(crate) fn list<'b>(&self, store: &Store, scope: &Scope) -> Reply<'b> {
-        let census = match self.census(store) {
+    pub(crate) fn list<'b>(&self, store: &Store, scope: &Scope, principal: Principal) -> Reply<'b> {
+        let census = match self.census(store, principal) {
             Ok(census) => census,
             Err(e) => return Reply::error(code::of(e.kind()), e.to_string()),
         };
@@ -196,21 +264,44 @@ impl NamespaceUse {
         Reply::ok(body.to_string().into_bytes())
     }
 
-    /// Drops the last census: the next listing runs a new one (a manifest
-    /// was described here, so listings must show it at once).
-    pub(crate) fn forget_census(&self) {
-        *self.last_census.lock().unwrap() = None;
+    /// DESCRIBE_NAMESPACE for the connection's namespace `name`: stored,
+    /// and shown in the last census at once (see `describe`).
+    pub(crate) fn describe<'b>(
+        &self,
+        backend: &dyn KvBackend,
+        name: &str,
+        manifest: &[u8],
+    ) -> Reply<'b> {
+        match describe(backend, manifest) {
+            Ok(stamped) => {
+                let last = self.last_census.lock().unwrap().clone();
+                let mut entry = last
+                    .and_then(|c| c.entries.iter().find(|(n, _)| n == name).map(|e| e.1.clone()))
+                    .unwrap_or_else(|| {
+                        json!({ "name": name, "blocks": 0, "bytes": 0, "memory_only_blocks": 0 })
+                    });
+                entry["manifest"] = stamped;
+                self.amend_census(name, Some(entry));
+                Reply::ok(Vec::new())
+            }
+            Err(reply) => reply,
+        }
     }
 
-    /// RETIRE_NAMESPACE: the connection's namespace, through `backend` (the
-    /// store, or in cluster mode every member), in turn with every census
-    /// and retirement (each scans the whole store); the next listing runs
-    /// a new census.
-    pub(crate) fn retire<'b>(&self, backend: &dyn KvBackend) -> Reply<'b> {
-        let turn = self.census_turn.lock().unwrap_or_else(|e| e.into_inner());
-        let retired = backend.retire_namespace();
-        *self.last_census.lock().unwrap() = None;
-        drop(turn);
+    /// RETIRE_NAMESPACE: the connection's namespace `name`, through
+    /// `backend` (the store, or in cluster mode every member), in turn
+    /// (`in_turn`) with every census and retirement (each scans the whole
+    /// store); gone from the last census at once.
+    pub(crate) fn retire<'b>(
+        &self,
+        backend: &dyn KvBackend,
+        name: &str,
+        principal: Principal,
+    ) -> Reply<'b> {
+        let retired = self.in_turn(principal, || backend.retire_namespace());
+        if retired.is_ok() {
+            self.amend_census(name, None);
+        }
         retired_reply(retired)
     }
 }
@@ -231,20 +322,21 @@ fn retired_reply<'b>(retired: kvtier::Result<kvtier::RetiredNamespace>) -> Reply
 /// DESCRIBE_NAMESPACE: a JSON object of readable fields, stored with
 /// `first_described_unix_s` (kept from the manifest already stored, if
 /// any) and `last_described_unix_s` (now), durable on return.
-pub(crate) fn describe<'b>(backend: &dyn KvBackend, manifest: &[u8]) -> Reply<'b> {
+/// What is stored is returned, as listings show it.
+fn describe<'b>(backend: &dyn KvBackend, manifest: &[u8]) -> Result<Value, Reply<'b>> {
     let fields: Map<String, Value> = match serde_json::from_slice(manifest) {
         Ok(Value::Object(fields)) => fields,
         Ok(_) => {
-            return Reply::error(
+            return Err(Reply::error(
                 code::INVALID_ARGUMENT,
                 "a namespace manifest is a JSON object",
-            )
+            ))
         }
         Err(e) => {
-            return Reply::error(
+            return Err(Reply::error(
                 code::INVALID_ARGUMENT,
                 format!("a namespace manifest is a JSON object: {e}"),
-            )
+            ))
         }
     };
     let now = unix_seconds();
@@ -252,12 +344,13 @@ pub(crate) fn describe<'b>(backend: &dyn KvBackend, manifest: &[u8]) -> Reply<'b
     let mut stamped = fields;
     stamped.insert("first_described_unix_s".into(), json!(first));
     stamped.insert("last_described_unix_s".into(), json!(now));
-    let bytes = Value::Object(stamped).to_string().into_bytes();
+    let stamped = Value::Object(stamped);
+    let bytes = stamped.to_string().into_bytes();
     // Stored as the backend stores any manifest (the store, or the member
     // that owns the key): its length checked there, durable on return.
     match backend.describe_namespace(&bytes) {
-        Ok(()) => Reply::ok(Vec::new()),
-        Err(e) => Reply::error(code::of(e.kind()), e.to_string()),
+        Ok(()) => Ok(stamped),
+        Err(e) => Err(Reply::error(code::of(e.kind()), e.to_string())),
     }
 }
 

@@ -493,12 +493,22 @@ impl State<'_> {
                 Reply::ok(json.to_string().into_bytes())
             }
             // The caller's own namespaces (a tenant's within its prefixes).
-            Request::Namespaces => shared.namespace_use.list(&shared.store, &self.scope),
-            Request::RetireNamespace => shared.namespace_use.retire(backend),
+            Request::Namespaces => {
+                let principal = shared.auth.principal_of(&self.scope);
+                shared
+                    .namespace_use
+                    .list(&shared.store, &self.scope, principal)
+            }
+            Request::RetireNamespace => {
+                let principal = shared.auth.principal_of(&self.scope);
+                shared
+                    .namespace_use
+                    .retire(backend, namespace.name(), principal)
+            }
             Request::DescribeNamespace { manifest } => {
-                let reply = crate::namespaces::describe(backend, manifest);
-                shared.namespace_use.forget_census();
-                reply
+                shared
+                    .namespace_use
+                    .describe(backend, namespace.name(), manifest)
             }
             Request::ClusterView => {
                 let json = match &shared.peers {

@@ -188,6 +188,15 @@ fn the_manifest_key_is_bounded_and_listings_reuse_a_recent_census() {
         let doc = a.namespaces().unwrap();
         assert_eq!(doc["namespaces"][0]["name"], "tenant-a/m", "{doc}");
     }
+    // Descriptions between listings show at once and run no census
+    // (each dropped the census before, so a DESCRIBE and NAMESPACES loop
+    // scanned the store every time).
+    for v in 0..20 {
+        a.describe_namespace(format!("{{\"engine\":\"test\",\"v\":{v}}}").as_bytes())
+            .unwrap();
+        let doc = a.namespaces().unwrap();
+        assert_eq!(doc["namespaces"][0]["manifest"]["v"], v, "{doc}");
+    }
     let elapsed = started.elapsed().as_secs();
     let response = server.http_request(&format!(
         "GET /stats HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
@@ -195,16 +204,79 @@ fn the_manifest_key_is_bounded_and_listings_reuse_a_recent_census() {
     let stats: serde_json::Value =
         serde_json::from_str(response.split("\r\n\r\n").nth(1).unwrap()).unwrap();
     let run = stats["namespaces"]["censuses_run"].as_u64().unwrap();
-    eprintln!("{listings} listings in {elapsed} s ran {run} censuses");
+    eprintln!("{listings} listings and 20 descriptions in {elapsed} s ran {run} censuses");
     // One per 5 s at most (and one for the first), however busy the machine.
     assert!(
         run <= 2 + elapsed / 5,
         "{run} censuses for {listings} listings in {elapsed} s"
     );
-    // A description shows at once (the census it changed is not reused).
-    a.describe_namespace(br#"{"engine":"test"}"#).unwrap();
+    // A retirement shows at once too.
+    a.retire_namespace().unwrap();
     let doc = a.namespaces().unwrap();
-    assert_eq!(doc["namespaces"][0]["manifest"]["engine"], "test", "{doc}");
+    assert_eq!(doc["namespaces"], serde_json::json!([]), "{doc}");
+}
+
+/// The attack on the governed build (issue 60): the cap per address was
+/// one count for everyone, so tenant a's 256 authenticated connections
+/// from 127.0.0.1, well within its share, refused tenant b and the
+/// server's token from that address (0 of 10 each). The cap now bounds
+/// unauthenticated peers only; a token's connections are bounded by its
+/// share from any address.
+#[test]
+fn a_tenant_at_one_addresss_cap_keeps_no_one_else_from_that_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = tenants_server(dir.path(), "");
+    let hogs: Vec<TcpStream> = (0..256)
+        .map(|i| hello(&server, TOKEN_A, "tenant-a/x").unwrap_or_else(|| panic!("hello {i}")))
+        .collect();
+    let mut admitted = 0;
+    for (token, namespace) in [(TOKEN_B, "tenant-b/x"), (TEST_TOKEN, "any")] {
+        for _ in 0..10 {
+            admitted += usize::from(hello(&server, token, namespace).is_some());
+        }
+    }
+    eprintln!(
+        "tenant a holds {} connections from 127.0.0.1; the others admitted {admitted} of 20",
+        hogs.len()
+    );
+    assert_eq!(
+        admitted, 20,
+        "tenant a's connections filled its address for everyone"
+    );
+}
+
+/// The attack on the governed build (issue 60): a connection whose first
+/// message is a plain hello with a valid token waited for it as an
+/// unauthenticated peer, so 150 wrong-token hellos at a time closed it
+/// before its hello was read (25 of 30 admitted). It now waits as its
+/// token's principal, within that principal's share, which no guesser's
+/// newcomer may take.
+#[test]
+fn guessers_never_close_a_plain_hello_with_a_valid_token() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerProcess::start(dir.path(), &[]);
+    let stop = AtomicBool::new(false);
+    let admitted = std::thread::scope(|scope| {
+        for g in 0..64 {
+            let (server, stop) = (&server, &stop);
+            scope.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = hello(server, &format!("wrong-token-{g:04}-0123456789"), "any");
+                }
+            });
+        }
+        // Let the guessers fill the waiting slots first.
+        std::thread::sleep(Duration::from_secs(2));
+        let admitted = (0..30)
+            .filter(|_| hello(&server, TEST_TOKEN, "any").is_some())
+            .count();
+        stop.store(true, Ordering::Relaxed);
+        admitted
+    });
+    let closed = server.stats()["server"]["pending_closed"].clone();
+    eprintln!("plain hellos with the token under 64 guessers: {admitted} of 30; waiting connections closed for newcomers {closed}");
+    assert_eq!(admitted, 30);
 }
 
 /// Issue 60: after one tenant said hello in 4,096 namespaces, another

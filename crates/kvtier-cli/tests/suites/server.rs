@@ -1023,15 +1023,7 @@ fn raw_put(
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let read_reply = |stream: &mut TcpStream| -> Option<(i32, Vec<u8>)> {
-        let mut header = [0u8; 24];
-        stream.read_exact(&mut header).ok()?;
-        let len = u32::from_le_bytes(header[16..20].try_into().unwrap()) as usize;
-        let status = i32::from_le_bytes(header[20..24].try_into().unwrap());
-        let mut body = vec![0u8; len];
-        stream.read_exact(&mut body).ok()?;
-        Some((status, body))
-    };
+    let read_reply = crate::common::try_read_reply;
     let hello = hello_body(TEST_TOKEN, "");
     let frame = |op: u16, id: u64, body: &[u8], status: i32| {
         let mut f = Header {

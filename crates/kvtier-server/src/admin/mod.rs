@@ -225,7 +225,13 @@ impl Admin {
             }
             "/stats" => {
                 let mut json = shared.metrics.json(&shared.store.stats());
-                json["namespaces"] = shared.namespace_use.stats_json();
+                // Namespace names are model identities: shown to holders of
+                // the server's token only (without tenants a loopback admin
+                // port asks for no token, and every local user reaches it,
+                // while the data port admits only the owner's uid or the
+                // token); the others see counts.
+                let named = shared.auth.admits_admin_request(true, authorization);
+                json["namespaces"] = shared.namespace_use.stats_json(named);
                 json["hit_rate_last_minute"] = self
                     .history
                     .lock()
