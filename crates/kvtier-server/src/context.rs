@@ -3,7 +3,7 @@
 //! cluster peers and the metrics. Built by `Server::start`; the sessions
 //! and the admin endpoint read it.
 
-use crate::limits::{self, Budget};
+use crate::limits::Budget;
 use crate::metrics::Metrics;
 use crate::{Auth, ServerConfig};
 use kvtier::Store;
@@ -28,15 +28,14 @@ pub(crate) struct Shared {
     pub registered: Arc<Budget>,
     /// Shared buffers registered by all connections (each is a mapping).
     pub registered_buffers: Arc<Budget>,
-    /// Bytes of streamed put values still arriving (their pool extents).
-    pub receiving: Arc<Budget>,
+    /// Bytes of streamed put values still arriving (their pool extents):
+    /// a budget of the governor, a share per principal.
+    pub receiving: Arc<kvtier_governor::Pool>,
     /// Bytes of pool extents leased to clients that map the pool.
     pub leasing: Arc<Budget>,
     /// Heap buffers clients cause: request bodies and reply staging
-    /// (`Limits::max_buffer_bytes`).
-    pub buffers: Arc<Budget>,
-    /// Each tenant's shares of `buffers` and `receiving`, by name.
-    pub tenant_budgets: std::collections::HashMap<String, (limits::Budgets, limits::Budgets)>,
+    /// (`Limits::max_buffer_bytes`): a budget of the governor.
+    pub buffers: Arc<kvtier_governor::Pool>,
     /// Connections to the other cluster members, in cluster mode.
     pub peers: Option<Arc<kvtier_client::routing::Peers>>,
     /// Refused connections, warned about at most once a second.

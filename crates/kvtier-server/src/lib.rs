@@ -122,34 +122,6 @@ impl Server {
                 ),
             ));
         }
-        let buffers = Budget::new(buffer_bytes);
-        let receiving = Budget::new(
-            limits
-                .max_receiving_bytes
-                .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
-        );
-        let pools = |global: &Arc<Budget>| {
-            limits::Budgets::for_tenants(
-                global,
-                config.tenants.len(),
-                limits.tenant_share_percent,
-                limits.tenant_reserve_percent,
-            )
-        };
-        let tenant_budgets = config
-            .tenants
-            .iter()
-            .map(|t| t.name.clone())
-            .zip(pools(&buffers).into_iter().zip(pools(&receiving)))
-            .collect();
-        let peers = config.cluster.as_ref().map(|view| {
-            Arc::new(kvtier_client::routing::Peers::new(
-                Arc::clone(view),
-                config.auth_token.clone(),
-                config.peer_tls_ca.clone(),
-                limits.peer_timeout,
-            ))
-        });
         let governor = kvtier_governor::Governor::new(
             config.tenants.len(),
             limits.shares(),
@@ -158,6 +130,21 @@ impl Server {
                 limits.failed_auth_delay,
             ),
         );
+        let buffers = governor.budget("buffer bytes", buffer_bytes);
+        let receiving = governor.budget(
+            "receiving bytes",
+            limits
+                .max_receiving_bytes
+                .unwrap_or_else(|| (store.stats().memory_capacity / 2).max(kvtier::MIB)),
+        );
+        let peers = config.cluster.as_ref().map(|view| {
+            Arc::new(kvtier_client::routing::Peers::new(
+                Arc::clone(view),
+                config.auth_token.clone(),
+                config.peer_tls_ca.clone(),
+                limits.peer_timeout,
+            ))
+        });
         Ok(Server {
             shared: Arc::new(Shared {
                 peers,
@@ -168,7 +155,6 @@ impl Server {
                 registered_buffers: Budget::new(limits.max_registered_buffers_total as u64),
                 receiving,
                 leasing: pool_map::leasing_budget(store.stats().memory_capacity),
-                tenant_budgets,
                 buffers,
                 store,
                 auth,

@@ -2,6 +2,7 @@
 //! server-wide budgets (connections, registered shared memory). A limit is
 //! checked in exactly one place; docs/server.md lists them all.
 
+use kvtier_governor::{Grant, Pool, Principal};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -382,184 +383,48 @@ impl Permit {
     }
 }
 
-/// The budgets one principal draws from: the server-wide one, and for a
-/// tenant its part of the tenants' pool too (`TenantPool`). What it holds
-/// counts against both.
+/// A budget of the governor (heap buffers, receiving values) as one
+/// principal draws on it: what it holds counts against its share, the
+/// others' floors and the server's reserve (`kvtier_governor::Pool`).
 #[derive(Debug, Clone)]
 pub struct Budgets {
-    global: Arc<Budget>,
-    tenant: Option<(Arc<TenantPool>, usize)>,
+    pool: Arc<Pool>,
+    principal: Principal,
 }
 
-/// How the tenants of a server share one server-wide budget so that no
-/// principal can be starved by the others:
-/// - all tenants together hold at most `limit`, the budget less the
-///   server's own reserve (`Limits::tenant_reserve_percent`): clients of the
-///   server's own token always find that much;
-/// - each tenant holds at most `share` (`Limits::tenant_share_percent`);
-/// - each tenant may always reach its `floor` (half the pool split evenly):
-///   a tenant grows past its floor only while the room every other tenant's
-///   floor still needs stays free. So two busy tenants cannot take what a
-///   third, idle one needs for its first request.
-///
-/// The shares alone (the earlier rule) let two tenants at 50 % hold all of
-/// the budget. Decisions take one lock; the global budget is charged after
-/// the pool says yes and given back when it says no.
-#[derive(Debug)]
-pub struct TenantPool {
-    limit: u64,
-    share: u64,
-    floor: u64,
-    held: std::sync::Mutex<Vec<u64>>,
-}
-
-impl TenantPool {
-    /// Whether one holding of tenant `who` may change from `from` bytes to
-    /// `to` (its other holdings unchanged); if so, records it. Shrinking
-    /// always may.
-    fn try_change(&self, who: usize, from: u64, to: u64) -> bool {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        let now = held[who];
-        let to = now.saturating_sub(from).saturating_add(to);
-        if to <= now {
-            held[who] = to;
-            return true;
-        }
-        if to > self.share {
-            return false;
-        }
-        let (mut pool_used, mut others_floors) = (0u64, 0u64);
-        for (i, &h) in held.iter().enumerate() {
-            pool_used = pool_used.saturating_add(h);
-            if i != who {
-                others_floors = others_floors.saturating_add(self.floor.saturating_sub(h));
-            }
-        }
-        let after = pool_used - now + to;
-        let fits = after <= self.limit
-            && (to <= self.floor || after.saturating_add(others_floors) <= self.limit);
-        if fits {
-            held[who] = to;
-        }
-        fits
-    }
-
-    fn held(&self, who: usize) -> u64 {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())[who]
-    }
-}
+/// What a principal holds of its [`Budgets`]; given back on drop.
+pub type Held = Grant;
 
 impl Budgets {
-    pub fn server_wide(global: &Arc<Budget>) -> Budgets {
+    pub fn new(pool: &Arc<Pool>, principal: Principal) -> Budgets {
         Budgets {
-            global: Arc::clone(global),
-            tenant: None,
+            pool: Arc::clone(pool),
+            principal,
         }
-    }
-
-    /// One `Budgets` per tenant (in `tenants`' order) drawing on `global`:
-    /// together at most `100 - reserve_percent` % of it, each at most
-    /// `share_percent` % and always able to reach an even split of half
-    /// the tenants' part (`TenantPool`).
-    pub fn for_tenants(
-        global: &Arc<Budget>,
-        tenants: usize,
-        share_percent: u8,
-        reserve_percent: u8,
-    ) -> Vec<Budgets> {
-        let percent_of = |p: u8| (u128::from(global.limit()) * u128::from(p.min(100)) / 100) as u64;
-        let limit = percent_of(100 - reserve_percent.min(100));
-        let share = percent_of(share_percent).min(limit);
-        let pool = Arc::new(TenantPool {
-            limit,
-            share,
-            // Half the pool split evenly is guaranteed; the other half is
-            // what busy tenants borrow (floors of the whole pool would
-            // make every share a fixed split).
-            floor: (limit / 2 / tenants.max(1) as u64).min(share),
-            held: std::sync::Mutex::new(vec![0; tenants]),
-        });
-        (0..tenants)
-            .map(|i| Budgets {
-                global: Arc::clone(global),
-                tenant: Some((Arc::clone(&pool), i)),
-            })
-            .collect()
     }
 
     /// The most this principal may hold.
     pub fn limit(&self) -> u64 {
-        self.tenant
-            .as_ref()
-            .map_or(self.global.limit(), |(pool, _)| pool.share)
+        self.pool.share_of(self.principal)
     }
 
-    /// What is in use: server-wide, and by this tenant.
+    /// What is in use: server-wide, and by this principal when it is a
+    /// tenant.
     pub fn used(&self) -> (u64, Option<u64>) {
         (
-            self.global.used(),
-            self.tenant.as_ref().map(|(pool, who)| pool.held(*who)),
+            self.pool.used(),
+            matches!(self.principal, Principal::Tenant(_))
+                .then(|| self.pool.held_by(self.principal)),
         )
     }
 
     pub fn empty(&self) -> Held {
-        Held {
-            global: self.global.empty_permit(),
-            tenant: self.tenant.clone().map(|(pool, who)| (pool, who, 0)),
-        }
+        self.pool.empty(self.principal)
     }
 
     /// Takes `amount`, waiting up to `wait` for room.
     pub fn take_within(&self, amount: u64, wait: Duration) -> Option<Held> {
-        let mut held = self.empty();
-        held.set_within(amount, wait).then_some(held)
-    }
-}
-
-/// What a principal holds of its [`Budgets`]; given back on drop.
-#[derive(Debug)]
-pub struct Held {
-    global: Permit,
-    /// The tenants' pool, this tenant's place in it, and what this holding
-    /// counts there.
-    tenant: Option<(Arc<TenantPool>, usize, u64)>,
-}
-
-impl Held {
-    pub fn amount(&self) -> u64 {
-        self.global.amount()
-    }
-
-    /// Sets the holding to `to` in both budgets, or changes nothing.
-    pub fn try_set(&mut self, to: u64) -> bool {
-        let before = self.global.amount();
-        if let Some((pool, who, counted)) = &mut self.tenant {
-            if !pool.try_change(*who, *counted, to) {
-                return false;
-            }
-            if !self.global.try_set(to) {
-                // Back to what it was: a shrink, always allowed.
-                let _ = pool.try_change(*who, to, before);
-                return false;
-            }
-            *counted = to;
-            return true;
-        }
-        self.global.try_set(to)
-    }
-
-    /// [`try_set`](Self::try_set), waiting up to `wait` for room.
-    pub fn set_within(&mut self, to: u64, wait: Duration) -> bool {
-        retry_within(wait, || self.try_set(to))
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        if let Some((pool, who, counted)) = &self.tenant {
-            let mut held = pool.held.lock().unwrap_or_else(|e| e.into_inner());
-            held[*who] = held[*who].saturating_sub(*counted);
-        }
+        self.pool.take_within(self.principal, amount, wait)
     }
 }
 
@@ -632,126 +497,6 @@ mod tests {
         assert!(budget.try_take(u64::MAX).is_none());
         drop(b);
         assert_eq!(budget.used(), 0);
-    }
-
-    #[test]
-    fn a_tenant_holds_at_most_its_share_and_the_others_go_on() {
-        let global = Budget::new(100);
-        let tenant = Budgets::for_tenants(&global, 1, 50, 25).remove(0);
-        let mut a = tenant.take_within(40, Duration::ZERO).unwrap();
-        assert!(!a.try_set(60), "past the tenant's share");
-        assert_eq!(tenant.used(), (40, Some(40)));
-        // The server's own clients still find the other half.
-        let others = Budgets::server_wide(&global);
-        let b = others.take_within(60, Duration::ZERO).unwrap();
-        // Now the global budget is full: the tenant cannot grow either.
-        assert!(!a.try_set(50) && a.amount() == 40);
-        assert_eq!(
-            tenant.used(),
-            (100, Some(40)),
-            "a refused grow counts nothing"
-        );
-        drop(b);
-        assert!(a.try_set(50));
-        drop(a);
-        assert_eq!(tenant.used(), (0, Some(0)));
-    }
-
-    /// Issue 39, finding 7: two tenants at 50 % each held the whole budget,
-    /// so a third tenant and the server's own clients got LIMIT. Now the
-    /// tenants together leave the reserve, and the two leave the third its
-    /// floor.
-    #[test]
-    fn busy_tenants_leave_an_idle_tenant_its_floor_and_the_server_its_reserve() {
-        let global = Budget::new(1200);
-        let [a, b, c]: [Budgets; 3] = Budgets::for_tenants(&global, 3, 50, 25).try_into().unwrap();
-        // Pool 900, floor 150 each, share 600.
-        let mut held_a = a.take_within(600, Duration::ZERO).expect("a's share");
-        assert!(!held_a.try_set(601), "past the share");
-        // b may reach its floor, not past it while c's floor is unused.
-        let mut held_b = b.take_within(150, Duration::ZERO).expect("b's floor");
-        assert!(
-            !held_b.try_set(151),
-            "b took the room c's floor needs ({:?})",
-            b.used()
-        );
-        // c reaches its floor although a and b are busy.
-        let held_c = c.take_within(0, Duration::ZERO).unwrap();
-        drop(held_c);
-        let held_c = c.take_within(150, Duration::ZERO).expect("c's floor");
-        // The pool is full; the server's own clients still find the reserve.
-        let server = Budgets::server_wide(&global);
-        let own = server
-            .take_within(300, Duration::ZERO)
-            .expect("the reserve");
-        assert_eq!(global.used(), 1200);
-        assert!(
-            c.take_within(1, Duration::ZERO).is_none(),
-            "the budget is full"
-        );
-        drop((own, held_c));
-        // c idle again: b may not take c's floor, but a shrinking gives b room.
-        assert!(!held_b.try_set(151));
-        assert!(held_a.try_set(100));
-        assert!(held_b.try_set(600), "b up to its share once a gave back");
-        assert!(!held_b.try_set(601));
-        drop((held_a, held_b));
-        assert_eq!(
-            (global.used(), a.used().1, b.used().1),
-            (0, Some(0), Some(0))
-        );
-    }
-
-    /// Random grows, shrinks and drops by three tenants and the server's
-    /// own principal: whatever happened before, an idle tenant can always
-    /// take its floor and the server its reserve, and no tenant ever holds
-    /// past its share.
-    #[test]
-    fn floors_and_the_reserve_hold_under_any_sequence() {
-        let mut dice = 0x9e37_79b9_7f4a_7c15u64;
-        let mut roll = |n: u64| {
-            dice ^= dice << 13;
-            dice ^= dice >> 7;
-            dice ^= dice << 17;
-            dice % n
-        };
-        for _case in 0..200 {
-            let global = Budget::new(1000);
-            let tenants = Budgets::for_tenants(&global, 3, 50, 20);
-            // Pool 800, floor 133, share 500.
-            let mut holdings: Vec<Vec<Held>> = vec![Vec::new(), Vec::new(), Vec::new()];
-            for _ in 0..40 {
-                let who = roll(3) as usize;
-                match roll(3) {
-                    0 => {
-                        if let Some(held) = tenants[who].take_within(roll(400), Duration::ZERO) {
-                            holdings[who].push(held);
-                        }
-                    }
-                    1 => {
-                        if let Some(held) = holdings[who].last_mut() {
-                            held.try_set(roll(400));
-                        }
-                    }
-                    _ => {
-                        holdings[who].pop();
-                    }
-                }
-                for (t, budgets) in tenants.iter().enumerate() {
-                    let mine: u64 = holdings[t].iter().map(Held::amount).sum();
-                    assert_eq!(budgets.used().1, Some(mine), "the pool counts what is held");
-                    assert!(mine <= 500, "tenant {t} past its share: {mine}");
-                }
-                // The server's reserve is free, and an idle tenant's floor.
-                assert!(global.limit() - global.used() >= 200);
-                for (t, budgets) in tenants.iter().enumerate() {
-                    if holdings[t].is_empty() {
-                        let floor = budgets.take_within(133, Duration::ZERO);
-                        assert!(floor.is_some(), "idle tenant {t} cannot take its floor");
-                    }
-                }
-            }
-        }
     }
 
     #[test]

@@ -11,6 +11,7 @@ use kvtier::AlignedBuf;
 use kvtier::{Namespace, NamespacedStore};
 use kvtier_client::routing::Router;
 use kvtier_client::KvBackend;
+use kvtier_governor::Principal;
 use kvtier_wire::protocol::{
     self, code, decode_request, request_flags, Header, HelloReply, Op, Request, Writer,
 };
@@ -131,9 +132,11 @@ impl<'a> Session<'a> {
                 hello_deadline,
                 use_clock: crate::namespaces::UseClock::default(),
                 challenge: None,
-                heap: crate::limits::Budgets::server_wide(&shared.buffers),
-                receiving: crate::limits::Budgets::server_wide(&shared.receiving),
-                held: crate::limits::Budgets::server_wide(&shared.buffers).empty(),
+                // Before its hello a connection draws as an unauthenticated
+                // peer (a hello's body is within its free bytes).
+                heap: crate::limits::Budgets::new(&shared.buffers, Principal::Anonymous),
+                receiving: crate::limits::Budgets::new(&shared.receiving, Principal::Anonymous),
+                held: shared.buffers.empty(Principal::Anonymous),
                 body_held: 0,
             },
         }
@@ -679,18 +682,14 @@ impl State<'_> {
             shared.governor.guesses().count_refusal();
             return Reply::error(code::UNAUTHORIZED, why).closing();
         }
-        if let crate::trust::Scope::Tenant { name, .. } = &scope {
-            if let Some((heap, receiving)) = shared.tenant_budgets.get(name) {
-                // From here on this connection draws on the tenant's shares
-                // too (what it held before hello is within the free bytes).
-                let mut held = heap.empty();
-                held.try_set(self.held.amount());
-                self.held = held;
-                self.heap = heap.clone();
-                self.receiving = receiving.clone();
-            }
-        }
         let principal = shared.auth.principal_of(&scope);
+        // From here on this connection draws on its principal's shares
+        // (what it held before hello is within the free bytes).
+        self.heap = crate::limits::Budgets::new(&shared.buffers, principal);
+        self.receiving = crate::limits::Budgets::new(&shared.receiving, principal);
+        let mut held = self.heap.empty();
+        held.try_set(self.held.amount());
+        self.held = held;
         self.scope = scope;
         if let Err(why) = shared.admission.admit_hello(&mut self.slot, principal) {
             shared

@@ -350,14 +350,17 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
 /// tenant (docs/server.md, "Limits").
 fn budgets_json(shared: &Shared) -> serde_json::Value {
     let tenants: serde_json::Map<String, serde_json::Value> = shared
-        .tenant_budgets
+        .config
+        .tenants
         .iter()
-        .map(|(name, (heap, receiving))| {
+        .enumerate()
+        .map(|(i, tenant)| {
+            let who = kvtier_governor::Principal::Tenant(i);
             (
-                name.clone(),
+                tenant.name.clone(),
                 serde_json::json!({
-                    "buffer_bytes": heap.used().1.unwrap_or(0),
-                    "receiving_bytes": receiving.used().1.unwrap_or(0),
+                    "buffer_bytes": shared.buffers.held_by(who),
+                    "receiving_bytes": shared.receiving.held_by(who),
                 }),
             )
         })
