@@ -186,6 +186,10 @@ pub const ADMIN_OVERFLOW: u64 = 64;
 /// to fit the open-file limit.
 pub const MIN_LOBBY: usize = 64;
 
+/// The fewest waiting connections a server starts with when
+/// `max_pending_connections` must be lowered to fit the open-file limit.
+pub const MIN_PENDING: usize = 64;
+
 /// The fewest authenticated connections a server starts with when
 /// `max_connections` must be lowered to fit the open-file limit.
 pub const MIN_CONNECTIONS: usize = 16;
@@ -241,6 +245,28 @@ impl Limits {
         let lobby_note = (lobby < lobby_was).then(|| {
             format!("max_lobby_connections lowered from {lobby_was} to {lobby} to fit the open-file limit")
         });
+        let needed = self.connection_descriptors();
+        if needed <= available {
+            return Ok(lobby_note);
+        }
+        // Then the waiting connections (two descriptors each), down to
+        // MIN_PENDING: unauthenticated peers keep their share of those.
+        let pending_was = self.max_pending_connections;
+        let excess = (needed - available).div_ceil(2) as usize;
+        let pending = pending_was
+            .saturating_sub(excess)
+            .max(MIN_PENDING.min(pending_was));
+        self.max_pending_connections = pending;
+        let pending_note = (pending < pending_was).then(|| {
+            format!(
+                "max_pending_connections lowered from {pending_was} to {pending} to fit the \
+                 open-file limit"
+            )
+        });
+        let lobby_note = match (lobby_note, pending_note) {
+            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+            (a, b) => a.or(b),
+        };
         let needed = self.connection_descriptors();
         if needed <= available {
             return Ok(lobby_note);
@@ -468,12 +494,19 @@ mod tests {
             "{said}"
         );
         assert_eq!(limits.connection_descriptors(), needed - 500);
-        // ...down to MIN_LOBBY, then the authenticated connections.
+        // ...down to MIN_LOBBY, then the waiting connections (two
+        // descriptors each) down to MIN_PENDING, then the authenticated ones.
         let mut limits = Limits::default();
         let said = limits.fit_descriptors(needed - 1500).unwrap().unwrap();
         assert_eq!(limits.max_lobby_connections, MIN_LOBBY);
         assert_eq!(limits.max_lobby_per_address, MIN_LOBBY);
-        assert_eq!(limits.max_connections, 1024 - (1500 - (1024 - MIN_LOBBY)));
+        assert_eq!(limits.max_pending_connections, MIN_PENDING);
+        assert!(
+            said.contains("max_pending_connections lowered from 256 to 64"),
+            "{said}"
+        );
+        let freed = (1024 - MIN_LOBBY) + 2 * (256 - MIN_PENDING);
+        assert_eq!(limits.max_connections, 1024 - (1500 - freed));
         assert!(said.contains("max_connections lowered from 1024"), "{said}");
         assert_eq!(limits.connection_descriptors(), needed - 1500);
         let mut limits = Limits::default();
