@@ -46,7 +46,7 @@ pub struct Metrics {
     pub protocol_errors: AtomicU64,
     /// The governor whose guess budget counts refused logins on every
     /// surface (`auth_failures`); none in tests that make bare metrics.
-    pub governor: Option<Arc<kvtier_governor::Governor>>,
+    governor: Option<Arc<kvtier_governor::Governor>>,
     /// Connections refused at the connection cap.
     pub connections_refused: AtomicU64,
     /// Connections dropped by a deadline: handshake, idle or a slow frame.
